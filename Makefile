@@ -1,0 +1,28 @@
+# Two entry points on a fresh clone: `make quickstart` (set up, then a short training) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build that lies on this project's machines; set TORCH=torch (or a CUDA build) on a GPU machine.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup quickstart test lint
+
+setup: $(BIN)/.installed
+
+# Install torch before the package, so that pip does not resolve `torch` to a multi-GB CUDA build.
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+quickstart: setup
+	$(BIN)/python -m sb3_gpu.train ppo --env CartPole-v1 --device auto
+
+lint: setup
+	$(BIN)/ruff check sb3_gpu tests
+	$(BIN)/mypy sb3_gpu
+
+test: lint
+	$(BIN)/python -m pytest

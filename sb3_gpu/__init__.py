@@ -1,0 +1,29 @@
+"""sb3_gpu: Stable-Baselines3 presets, vec envs and tools that fit the hardware at hand.
+
+Three lines in a notebook::
+
+    from sb3_gpu import make_model
+    model = make_model("ppo", "CartPole-v1", device="auto")
+    model.learn(model.preset_timesteps)
+"""
+
+from sb3_gpu.envs import VecEnvFallbackWarning, make_vec_env
+from sb3_gpu.errors import ConfigError
+from sb3_gpu.hardware import HardwareProfile, choose_device, detect_hardware
+from sb3_gpu.plan import Plan, build_env, build_model, make_model, make_plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "HardwareProfile",
+    "Plan",
+    "VecEnvFallbackWarning",
+    "build_env",
+    "build_model",
+    "choose_device",
+    "detect_hardware",
+    "make_model",
+    "make_plan",
+    "make_vec_env",
+]

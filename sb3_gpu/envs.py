@@ -1,0 +1,306 @@
+"""Env resolution (registered id, ``module:attr`` or factory) and vec env building with a clean fallback."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.atari_wrappers import AtariWrapper
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
+
+from sb3_gpu.errors import ConfigError, closest
+
+VEC_ENV_KINDS = ("auto", "dummy", "subproc")
+
+# Cost of one SubprocVecEnv step beyond the env's own work, per env: a pipe round trip and a pickle each way.
+# Measured with 8 envs on a 2-core Xeon: 160 us (CartPole-v1), 260 us (LunarLander-v3), 320 us (Pong with SB3's
+# Atari wrapper). The high end is used, so that subproc is only chosen where it clearly wins.
+SUBPROC_OVERHEAD_S = 300e-6
+
+
+class VecEnvFallbackWarning(UserWarning):
+    """SubprocVecEnv could not start, so the envs step in this process (DummyVecEnv)."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A resolved env: a display name, a picklable factory and whether it is an Atari game."""
+
+    name: str
+    make: Callable[[], gym.Env]
+    is_atari: bool = False
+
+
+def _register_ale() -> bool:
+    try:
+        import ale_py
+    except ImportError:
+        return False
+    gym.register_envs(ale_py)
+    return True
+
+
+def _make_registered(env_id: str, kwargs: dict[str, Any]) -> gym.Env:
+    if env_id not in gym.registry:
+        _register_ale()  # worker processes start with an empty ALE registry
+    return gym.make(env_id, **kwargs)
+
+
+def _make_from_path(path: str, kwargs: dict[str, Any]) -> gym.Env:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)(**kwargs)
+
+
+def _looks_atari(env_id: str) -> bool:
+    return env_id.startswith("ALE/") or "NoFrameskip" in env_id
+
+
+def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
+    if env_id not in gym.registry and not _register_ale() and _looks_atari(env_id):
+        raise ConfigError(f"env {env_id!r} is an Atari game and needs ale-py: pip install 'sb3-gpu[atari]'")
+    if env_id not in gym.registry:
+        raise ConfigError(
+            f"unknown env id {env_id!r}{closest(env_id, gym.registry.keys())} "
+            "(accepted: a registered Gymnasium id, 'package.module:EnvClass' or a factory)"
+        )
+    entry_point = str(gym.registry[env_id].entry_point)
+    is_atari = "ale_py" in entry_point
+    if is_atari and env_id.startswith("ALE/"):
+        # v5 ids skip 4 frames themselves; SB3's AtariWrapper skips too, so let it do the skipping alone.
+        kwargs = {"frameskip": 1, **kwargs}
+    return EnvSpec(env_id, functools.partial(_make_registered, env_id, kwargs), is_atari)
+
+
+def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
+    module, _, attr = path.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise ConfigError(f"env {path!r}: cannot import module {module!r} ({e})") from None
+    except AttributeError:
+        raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}") from None
+    if not callable(target):
+        raise ConfigError(f"env {path!r}: {attr!r} is not an env class or factory")
+    return EnvSpec(path, functools.partial(_make_from_path, path, kwargs))
+
+
+def resolve_env(env: str | Callable[[], gym.Env], env_kwargs: dict[str, Any] | None = None) -> EnvSpec:
+    """Turn a registered id, ``package.module:Attr`` or a zero-argument factory into an :class:`EnvSpec`."""
+    env_kwargs = dict(env_kwargs or {})
+    if isinstance(env, EnvSpec):
+        return env
+    if callable(env):
+        if env_kwargs:
+            env = functools.partial(env, **env_kwargs)
+        name = getattr(env, "__name__", None) or type(env).__name__
+        return EnvSpec(name, env)
+    if not isinstance(env, str) or not env.strip():
+        raise ConfigError(f"env must be a Gymnasium id, 'package.module:Attr' or a factory, got {env!r}")
+    if ":" in env:
+        return _resolve_path(env, env_kwargs)
+    return _resolve_id(env, env_kwargs)
+
+
+def probe_env(spec: EnvSpec) -> gym.Env:
+    """Build one env in this process, turning missing optional dependencies into a message with the pip extra."""
+    try:
+        return spec.make()
+    except gym.error.DependencyNotInstalled as e:
+        extra = "box2d" if "box2d" in str(e).lower() else "atari" if "ale" in str(e).lower() else None
+        hint = f": pip install 'sb3-gpu[{extra}]'" if extra else ""
+        raise ConfigError(f"env {spec.name!r} needs a missing dependency ({str(e).splitlines()[0]}){hint}") from None
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"env {spec.name!r} failed to build: {type(e).__name__}: {e}") from None
+
+
+def measure_step_seconds(env: gym.Env, budget_s: float = 0.05, max_steps: int = 500) -> float:
+    """Median wall time of one ``step`` with random actions, over at most ``budget_s`` seconds."""
+    env.reset(seed=0)
+    env.action_space.seed(0)
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < max_steps and (len(times) < 5 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        times.append(time.perf_counter() - start)
+        if terminated or truncated:
+            env.reset()
+    return float(np.median(times))
+
+
+def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int) -> tuple[str, str]:
+    """Pick ``dummy`` or ``subproc`` for ``n_envs`` envs whose step takes ``step_seconds``; return (kind, reason).
+
+    The model: DummyVecEnv costs ``n_envs * step``; SubprocVecEnv spreads the steps over the cores but pays a
+    pipe round trip per env. Subproc must win by 20% to be chosen, since its start-up is slow too.
+    """
+    if requested not in VEC_ENV_KINDS:
+        raise ConfigError(
+            f"unknown vec_env {requested!r}{closest(requested, VEC_ENV_KINDS)} (valid: {', '.join(VEC_ENV_KINDS)})"
+        )
+    if requested != "auto":
+        return requested, "asked for"
+    if n_envs == 1:
+        return "dummy", "one env: nothing to parallelise"
+    if cores < 2:
+        return "dummy", "one CPU core: subprocesses would only add overhead"
+    dummy = n_envs * step_seconds
+    waves = -(-n_envs // cores)
+    subproc = waves * step_seconds + n_envs * SUBPROC_OVERHEAD_S
+    ratio = dummy / subproc
+    detail = f"env step {step_seconds * 1e6:.0f} us, {n_envs} envs on {cores} cores: subproc est. {ratio:.2f}x dummy"
+    if ratio >= 1.2:
+        return "subproc", detail
+    return "dummy", detail
+
+
+class _EnvFactory:
+    """One env of a vec env: the user's env, Monitor, then SB3's Atari wrapper. Picklable for SubprocVecEnv."""
+
+    def __init__(self, make: Callable[[], gym.Env], monitor_path: str | None, atari: bool, report: str | None = None):
+        self.make, self.monitor_path, self.atari, self.report = make, monitor_path, atari, report
+
+    def __call__(self) -> gym.Env:
+        try:
+            env: gym.Env = Monitor(self.make(), filename=self.monitor_path)
+            env = AtariWrapper(env) if self.atari else env
+        except BaseException as e:
+            _write_report(self.report, e)
+            raise
+        return _ReportResetErrors(env, self.report) if self.report else env
+
+
+def _write_report(path: str | None, error: BaseException) -> None:
+    # In a worker process the parent only sees a closed pipe; leave it the cause in a file.
+    if path is not None:
+        Path(path).write_text(f"{type(error).__name__}: {error}", encoding="utf-8")
+
+
+class _ReportResetErrors(gym.Wrapper):
+    """In subprocess workers only: record why a reset failed (a failed first reset triggers the fallback)."""
+
+    def __init__(self, env: gym.Env, report: str):
+        super().__init__(env)
+        self._report = report
+
+    def reset(self, **kwargs: Any) -> Any:
+        try:
+            return self.env.reset(**kwargs)
+        except BaseException as e:
+            _write_report(self._report, e)
+            raise
+
+
+def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int | None) -> VecEnv:
+    try:
+        cloudpickle.dumps(factories[0].make)
+    except Exception as e:
+        raise _SubprocFailed(f"the env factory cannot be pickled ({type(e).__name__}: {e})") from None
+    before = set(mp.active_children())
+    with tempfile.TemporaryDirectory(prefix="sb3_gpu_") as tmp:
+        for i, factory in enumerate(factories):
+            factory.report = os.path.join(tmp, f"env{i}.err")
+        try:
+            venv = SubprocVecEnv(factories, start_method=start_method)  # type: ignore[arg-type]
+            _seed(venv, seed)
+            venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
+            _seed(venv, seed)  # the probe reset used the seeds up; the model's own first reset gets them again
+        except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
+            reports = sorted(Path(tmp).glob("*.err"))
+            cause = f"{reports[0].stem}: {reports[0].read_text(encoding='utf-8')}" if reports else f"{type(e).__name__}: {e}"
+            if not reports and isinstance(e, (EOFError, ConnectionError)):
+                cause += " (a worker exited before it built its env: an import error or a missing __main__ guard)"
+            # Workers may be dead or waiting on a pipe; a polite close() would raise on the dead ones.
+            for proc in set(mp.active_children()) - before:
+                proc.terminate()
+                proc.join(timeout=5)
+            raise _SubprocFailed(cause) from None
+        finally:
+            for factory in factories:
+                factory.report = None
+    return venv
+
+
+class _SubprocFailed(Exception):
+    pass
+
+
+def _seed(venv: VecEnv, seed: int | None) -> None:
+    # VecEnv.seed(None) draws a random seed; leave unseeded envs alone instead.
+    if seed is not None:
+        venv.seed(seed)
+
+
+def make_vec_env(
+    env: str | Callable[[], gym.Env] | EnvSpec,
+    n_envs: int = 1,
+    *,
+    vec_env: str = "auto",
+    start_method: str | None = None,
+    seed: int | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    monitor_dir: str | None = None,
+    atari_wrapper: bool | None = None,
+    frame_stack: int | None = None,
+) -> VecEnv:
+    """Build a monitored VecEnv; ``subproc`` that fails to start falls back to DummyVecEnv with one warning.
+
+    :param env: a registered id, ``package.module:Attr`` or a zero-argument factory
+    :param n_envs: number of envs
+    :param vec_env: ``auto`` (chosen from cores and a short measurement of one env step), ``dummy`` or ``subproc``
+    :param start_method: multiprocessing start method for ``subproc`` (SB3's default when None)
+    :param seed: seed of the first env; env ``i`` gets ``seed + i``
+    :param env_kwargs: keyword arguments for the env
+    :param monitor_dir: folder for the Monitor CSV files (none written when None)
+    :param atari_wrapper: wrap with SB3's AtariWrapper (default: for Atari games)
+    :param frame_stack: stack this many frames with VecFrameStack
+    """
+    if isinstance(n_envs, bool) or not isinstance(n_envs, int) or n_envs < 1:
+        raise ConfigError(f"n_envs must be a positive int, got {n_envs!r}")
+    spec = env if isinstance(env, EnvSpec) else resolve_env(env, env_kwargs)
+    atari = spec.is_atari if atari_wrapper is None else atari_wrapper
+    if vec_env == "auto":
+        probe = probe_env(spec)
+        try:
+            step = measure_step_seconds(probe)
+        finally:
+            probe.close()
+        vec_env, _ = choose_vec_env("auto", n_envs, step, os.cpu_count() or 1)
+    else:
+        choose_vec_env(vec_env, n_envs, 0.0, 1)  # validates the name
+    if monitor_dir is not None:
+        os.makedirs(monitor_dir, exist_ok=True)
+    factories = [
+        _EnvFactory(spec.make, os.path.join(monitor_dir, str(i)) if monitor_dir else None, atari) for i in range(n_envs)
+    ]
+    venv: VecEnv
+    if vec_env == "subproc":
+        try:
+            venv = _subproc(factories, start_method, seed)
+        except _SubprocFailed as e:
+            warnings.warn(
+                f"SubprocVecEnv could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=2
+            )
+            venv = DummyVecEnv(factories)  # type: ignore[arg-type]
+    else:
+        venv = DummyVecEnv(factories)  # type: ignore[arg-type]
+    _seed(venv, seed)
+    if frame_stack:
+        venv = VecFrameStack(venv, frame_stack)
+    return venv

@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from stable_baselines3 import PPO
+
+from tests.conftest import run_cli
+
+
+def test_train_writes_a_complete_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "sb3_gpu.train",
+        "ppo",
+        "--env",
+        "CartPole-v1",
+        "--timesteps",
+        "2048",
+        "--n-envs",
+        "2",
+        "--seed",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--eval-freq",
+        "1024",
+        "--eval-episodes",
+        "2",
+        "--checkpoint-freq",
+        "1024",
+        "--no-progress",
+        "--set",
+        "n_epochs=1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "sb3_gpu plan: PPO on CartPole-v1" in result.stdout and "sb3_gpu summary" in result.stdout
+    for name in (
+        "config.yaml",
+        "model.zip",
+        "best_model.zip",
+        "summary.json",
+        "eval/evaluations.npz",
+        "checkpoints/model_1024_steps.zip",
+        "monitor/0.monitor.csv",
+    ):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tb").glob("run_1/events.out.tfevents.*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["timesteps"] >= 2048 and summary["steps_per_s"] > 0 and summary["eval_episodes"] == 2
+    assert summary["final_eval_mean"] > 0 and summary["interrupted"] is False
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["hyperparameters"]["n_epochs"] == 1 and config["resolved"]["sources"]["n_epochs"] == "--set"
+    assert PPO.load(run_dir / "model.zip").num_timesteps == summary["timesteps"]
+
+    replay = run_cli("sb3_gpu.train", "--config", str(run_dir / "config.yaml"), "--plan")
+    assert replay.returncode == 0, replay.stderr
+    assert "n_epochs" in replay.stdout and str(run_dir / "config.yaml") in replay.stdout.replace("\n", "")
+
+    evaluation = run_cli("sb3_gpu.evaluate", str(run_dir), "--episodes", "2", "--json")
+    assert evaluation.returncode == 0, evaluation.stderr
+    assert json.loads(evaluation.stdout)["episodes"] == 2
+
+    again = run_cli("sb3_gpu.train", "ppo", "--run-dir", str(run_dir), "--timesteps", "10")
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_plan_prints_and_trains_nothing(tmp_path):
+    result = run_cli("sb3_gpu.train", "dqn", "--env", "CartPole-v1", "--plan", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "device" in result.stdout and "why / source" in result.stdout and "dqn.yaml:CartPole-v1" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+# Each bad input: arguments, and a piece of the one-line message that says what was wrong.
+BAD_INPUTS = [
+    (["ppo3"], "unknown algorithm 'ppo3'; did you mean 'ppo'"),
+    (["ppo", "--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
+    (["ppo", "--env", "no_such_pkg.envs:MyEnv"], "cannot import module 'no_such_pkg.envs'"),
+    (["ppo", "--timesteps", "0"], "--timesteps: expected a positive integer"),
+    (["ppo", "--timesteps", "-5"], "--timesteps: expected a positive integer"),
+    (["ppo", "--n-envs", "0"], "--n-envs: expected a positive integer"),
+    (["ppo", "--n-envs", "2.5"], "--n-envs: expected a positive integer"),
+    (["ppo", "--device", "cuda"], "asked for a CUDA GPU, but torch sees none"),
+    (["ppo", "--device", "bogus"], "unknown device 'bogus'; accepted: auto, cpu, cuda, cuda:N, mps"),
+    (["ppo", "--set", "bach_size=64"], "unknown key 'bach_size'; did you mean 'batch_size'"),
+    (["ppo", "--set", "batch_size=lots"], "batch_size: expected an int >= 2, got 'lots'"),
+    (["ppo", "--set", "batch_size"], "--set expects key=value"),
+    (["ppo", "--vec-env", "threads"], "argument --vec-env: invalid choice: 'threads'"),
+    (["ppo", "--preset", "{bad_yaml}"], "not valid YAML"),
+    (["ppo", "--preset", "{list_yaml}"], "must be a mapping of entries"),
+    (["ppo", "--preset", "{python_tag}"], "refused YAML tag"),
+    (["ppo", "--preset", "{unknown_key}"], "unknown key 'n_step'; did you mean 'n_steps'"),
+    (["--config", "{missing}/config.yaml"], "config file not found"),
+    (["ppo", "--run-dir", "{existing}"], "already exists"),
+    ([], "give an algorithm"),
+]
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    files = {
+        "bad_yaml": "default: [1, 2\n",
+        "list_yaml": "- 1\n- 2\n",
+        "python_tag": "default: !!python/object/apply:os.system ['touch pwned']\n",
+        "unknown_key": "CartPole-v1:\n  n_step: 4\n",
+    }
+    paths = {}
+    for name, text in files.items():
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(text)
+    paths["missing"] = tmp_path / "missing"
+    paths["existing"] = tmp_path / "existing"
+    paths["existing"].mkdir()
+    return paths
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) or "no-args" for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path):
+    args = [a.format(**bad_files) for a in args]
+    result = run_cli("sb3_gpu.train", *args, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{missing}"], "no such run dir or model file"),
+        (["{existing}"], "holds no best_model.zip or model.zip"),
+        (["{existing}", "--episodes", "0"], "--episodes: expected a positive integer"),
+    ],
+)
+def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files):
+    result = run_cli("sb3_gpu.evaluate", *[a.format(**bad_files) for a in args])
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [result.stderr.strip()]
+    assert message in result.stderr
