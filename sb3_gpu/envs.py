@@ -116,9 +116,9 @@ def resolve_env(env: str | Callable[[], gym.Env], env_kwargs: dict[str, Any] | N
 
 
 def probe_env(spec: EnvSpec) -> gym.Env:
-    """Build one env in this process, turning missing optional dependencies into a message with the pip extra."""
+    """Build one env in this process as a vec env would (Atari wrapped), naming the pip extra a failure needs."""
     try:
-        return spec.make()
+        return _EnvFactory(spec.make, None, spec.is_atari)()
     except gym.error.DependencyNotInstalled as e:
         extra = "box2d" if "box2d" in str(e).lower() else "atari" if "ale" in str(e).lower() else None
         hint = f": pip install 'sb3-gpu[{extra}]'" if extra else ""

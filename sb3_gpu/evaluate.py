@@ -14,7 +14,6 @@ from stable_baselines3.common.vec_env import VecNormalize
 from sb3_gpu._cli import Parser, evaluate, positive_int, print_error
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import Plan, build_env, load_config, make_plan
-from sb3_gpu.presets import get_algo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +72,7 @@ def evaluate_run(
     if isinstance(env, VecNormalize) and stats is not None:
         env = VecNormalize.load(str(stats), env.venv)
         env.training, env.norm_reward = False, False
-    model = get_algo(config.algo).model_class.load(str(model_path), device=plan.device.device)
+    model = plan.preset.model_class.load(str(model_path), device=plan.device.device)
     mean, std = evaluate(model, env, episodes, deterministic)
     env.close()
     return {

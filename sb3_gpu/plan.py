@@ -15,7 +15,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
-from sb3_gpu.envs import EnvSpec, _EnvFactory, choose_vec_env, make_vec_env, measure_step_seconds, probe_env, resolve_env
+from sb3_gpu.envs import EnvSpec, choose_vec_env, make_vec_env, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.hardware import DeviceChoice, HardwareProfile, PolicyKind, choose_device, detect_hardware
 from sb3_gpu.presets import (
@@ -164,8 +164,8 @@ def make_plan(
     # Policy and env kwargs never differ between profiles, so a provisional resolve tells what to probe.
     provisional = resolve_preset(algo_, entry, entry_label, "cpu", layered)
     spec = resolve_env(env, provisional.env_kwargs)
-    # Probe one env as training will see it (Atari wrapped), for its spaces and its step cost.
-    one = probe_env(EnvSpec(spec.name, _EnvFactory(spec.make, None, spec.is_atari), spec.is_atari))
+    # One env as training will see it, for its spaces and its step cost.
+    one = probe_env(spec)
     try:
         obs_space, action_space = one.observation_space, one.action_space
         step_seconds = measure_step_seconds(one)
@@ -224,9 +224,11 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
 
 
 def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:
-    """A plain SB3 model for the plan; ``model.preset_timesteps`` holds the preset's training length."""
-    algo = get_algo(plan.algo)
-    model = algo.model_class(
+    """An SB3 model for the plan (sb3_gpu's subclass only where PER or gradient accumulation is on).
+
+    ``model.preset_timesteps`` holds the preset's training length.
+    """
+    model = plan.preset.model_class(
         plan.preset.policy,
         env,
         device=plan.device.device,

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,10 +20,12 @@ import yaml
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN, PPO
 from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.utils import ConstantSchedule, LinearSchedule
 from torch import nn
 
+from sb3_gpu import _checks as c
+from sb3_gpu._checks import Check, Schedule
 from sb3_gpu.errors import ConfigError, closest
+from sb3_gpu.per import PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer
 
 MAX_YAML_BYTES = 1 << 20  # a preset is a page of text; refuse anything that could be a YAML bomb
 PROFILES = ("cpu", "gpu")
@@ -41,232 +41,61 @@ ACTIVATIONS: dict[str, type[nn.Module]] = {
 POLICIES = ("auto", "MlpPolicy", "CnnPolicy", "MultiInputPolicy")
 
 
-# --------------------------------------------------------------------------- schedules
-@dataclass(frozen=True)
-class Schedule:
-    """A value that changes over training, written in YAML as ``{schedule: linear, start: 1.0e-3, end: 0.0}``.
-
-    ``end_fraction`` is the share of training after which ``end`` is held (SB3's ``LinearSchedule``).
-    """
-
-    kind: str
-    start: float
-    end: float = 0.0
-    end_fraction: float = 1.0
-
-    def to_sb3(self) -> Callable[[float], float]:
-        if self.kind == "constant":
-            return ConstantSchedule(self.start)
-        return LinearSchedule(self.start, self.end, self.end_fraction)
-
-    def to_yaml(self) -> dict[str, Any]:
-        if self.kind == "constant":
-            return {"schedule": "constant", "value": self.start}
-        out: dict[str, Any] = {"schedule": "linear", "start": self.start, "end": self.end}
-        if self.end_fraction != 1.0:
-            out["end_fraction"] = self.end_fraction
-        return out
-
-    def __str__(self) -> str:
-        if self.kind == "constant":
-            return f"{self.start:g}"
-        tail = f" by {self.end_fraction:g}" if self.end_fraction != 1.0 else ""
-        return f"linear {self.start:g} -> {self.end:g}{tail}"
-
-
-# --------------------------------------------------------------------------- value checks
-# Each check takes (value, where) and returns the normalised value or raises ConfigError.
-Check = Callable[[Any, str], Any]
-_NUMBER_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
-
-
-def _as_number(value: Any, where: str, what: str) -> float:
-    # PyYAML reads `1e5` (no dot) as a string; accept it, since users write it that way.
-    if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where}: expected {what}, got {value!r}")
-    return value
-
-
-def _int(low: int, what: str) -> Check:
-    def check(value: Any, where: str) -> int:
-        number = _as_number(value, where, what)
-        if number != int(number) or number < low:
-            raise ConfigError(f"{where}: expected {what}, got {value!r}")
-        return int(number)
-
-    return check
-
-
-def _float(low: float, high: float, what: str, low_open: bool = False) -> Check:
-    def check(value: Any, where: str) -> float:
-        number = float(_as_number(value, where, what))
-        if number < low or number > high or (low_open and number == low):
-            raise ConfigError(f"{where}: expected {what}, got {value!r}")
-        return number
-
-    return check
-
-
-def _optional(inner: Check) -> Check:
-    def check(value: Any, where: str) -> Any:
-        return None if value is None else inner(value, where)
-
-    return check
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    return value
-
-
-def _schedulable(inner: Check) -> Check:
-    def check(value: Any, where: str) -> float | Schedule:
-        if not isinstance(value, Mapping):
-            return inner(value, where)
-        kind = value.get("schedule")
-        if kind == "constant":
-            _keys(value, {"schedule", "value"}, where)
-            return Schedule("constant", inner(value.get("value"), f"{where}.value"))
-        if kind == "linear":
-            _keys(value, {"schedule", "start", "end", "end_fraction"}, where)
-            if "start" not in value:
-                raise ConfigError(f"{where}: a linear schedule needs 'start'")
-            frac = _float(0.0, 1.0, "a number in (0, 1]", low_open=True)(
-                value.get("end_fraction", 1.0), f"{where}.end_fraction"
-            )
-            # The end of a decaying schedule may be 0 even where the value itself must be positive.
-            end = _as_number(value.get("end", 0.0), f"{where}.end", "a number")
-            return Schedule("linear", inner(value["start"], f"{where}.start"), float(end), frac)
-        raise ConfigError(f"{where}: schedule must be 'linear' or 'constant', got {kind!r}")
-
-    return check
-
-
-def _keys(mapping: Mapping[str, Any], valid: set[str], where: str) -> None:
-    for key in mapping:
-        if key not in valid:
-            raise ConfigError(f"{where}: unknown key {key!r}{closest(str(key), valid)} (valid: {', '.join(sorted(valid))})")
-
-
-def _net_arch(value: Any, where: str) -> list[int] | dict[str, list[int]]:
-    layer = _int(1, "a positive layer width")
-    if isinstance(value, list):
-        return [layer(v, where) for v in value]
-    if isinstance(value, Mapping):
-        _keys(value, {"pi", "vf", "qf"}, where)
-        out = {}
-        for k, v in value.items():
-            if not isinstance(v, list):
-                raise ConfigError(f"{where}.{k}: expected a list of layer widths, got {v!r}")
-            out[k] = [layer(x, f"{where}.{k}") for x in v]
-        return out
-    raise ConfigError(f"{where}: expected a list of layer widths like [64, 64] or {{pi: [...], vf: [...]}}, got {value!r}")
-
-
-def _choice(choices: tuple[str, ...] | list[str]) -> Check:
-    def check(value: Any, where: str) -> str:
-        if value not in choices:
-            raise ConfigError(f"{where}: unknown value {value!r}{closest(str(value), choices)} (valid: {', '.join(choices)})")
-        return str(value)
-
-    return check
-
-
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-    return {str(k): v for k, v in value.items()}
-
-
-_NORMALIZE_KEYS = {
-    "norm_obs": _bool,
-    "norm_reward": _bool,
-    "clip_obs": _float(0, math.inf, "a positive number", True),
-    "clip_reward": _float(0, math.inf, "a positive number", True),
-}
-
-
-def _normalize(value: Any, where: str) -> bool | dict[str, Any]:
-    if isinstance(value, bool):
-        return value
-    mapping = _mapping(value, where)
-    _keys(mapping, set(_NORMALIZE_KEYS), where)
-    return {k: _NORMALIZE_KEYS[k](v, f"{where}.{k}") for k, v in mapping.items()}
-
-
-def _train_freq(value: Any, where: str) -> int | tuple[int, str]:
-    if isinstance(value, list):
-        if len(value) != 2 or value[1] not in ("step", "episode"):
-            raise ConfigError(f"{where}: expected a positive int or [n, step|episode], got {value!r}")
-        return (_int(1, "a positive int")(value[0], where), value[1])
-    return _int(1, "a positive int or [n, step|episode]")(value, where)
-
-
-_pos_int = _int(1, "a positive int")
-_unit = _float(0.0, 1.0, "a number in [0, 1]")
-_pos = _float(0.0, math.inf, "a positive number", low_open=True)
-_nonneg = _float(0.0, math.inf, "a number >= 0")
-
-
-def _f(default: Any, check: Check) -> Any:
-    return field(default=default, metadata={"check": check})
-
-
 # --------------------------------------------------------------------------- per-algorithm hyperparameters
 # Defaults equal SB3's own (a test pins that), so "SB3 default" in the plan is the truth.
 @dataclass(frozen=True)
 class PPOParams:
     """PPO's keyword arguments, as SB3 names them."""
 
-    learning_rate: float | Schedule = _f(3e-4, _schedulable(_pos))
-    n_steps: int = _f(2048, _pos_int)
-    batch_size: int = _f(64, _int(2, "an int >= 2"))
-    n_epochs: int = _f(10, _pos_int)
-    gamma: float = _f(0.99, _unit)
-    gae_lambda: float = _f(0.95, _unit)
-    clip_range: float | Schedule = _f(0.2, _schedulable(_pos))
-    clip_range_vf: float | None = _f(None, _optional(_pos))
-    normalize_advantage: bool = _f(True, _bool)
-    ent_coef: float = _f(0.0, _nonneg)
-    vf_coef: float = _f(0.5, _nonneg)
-    max_grad_norm: float = _f(0.5, _pos)
-    use_sde: bool = _f(False, _bool)
-    sde_sample_freq: int = _f(-1, _int(-1, "an int >= -1"))
-    target_kl: float | None = _f(None, _optional(_pos))
+    learning_rate: float | Schedule = c.param(3e-4, c.schedulable(c.POSITIVE))
+    n_steps: int = c.param(2048, c.POS_INT)
+    batch_size: int = c.param(64, c.integer(2, "an int >= 2"))
+    n_epochs: int = c.param(10, c.POS_INT)
+    gamma: float = c.param(0.99, c.UNIT)
+    gae_lambda: float = c.param(0.95, c.UNIT)
+    clip_range: float | Schedule = c.param(0.2, c.schedulable(c.POSITIVE))
+    clip_range_vf: float | None = c.param(None, c.optional(c.POSITIVE))
+    normalize_advantage: bool = c.param(True, c.boolean)
+    ent_coef: float = c.param(0.0, c.NON_NEGATIVE)
+    vf_coef: float = c.param(0.5, c.NON_NEGATIVE)
+    max_grad_norm: float = c.param(0.5, c.POSITIVE)
+    use_sde: bool = c.param(False, c.boolean)
+    sde_sample_freq: int = c.param(-1, c.integer(-1, "an int >= -1"))
+    target_kl: float | None = c.param(None, c.optional(c.POSITIVE))
 
 
 @dataclass(frozen=True)
 class DQNParams:
     """DQN's keyword arguments, as SB3 names them."""
 
-    learning_rate: float | Schedule = _f(1e-4, _schedulable(_pos))
-    buffer_size: int = _f(1_000_000, _pos_int)
-    learning_starts: int = _f(100, _int(0, "an int >= 0"))
-    batch_size: int = _f(32, _pos_int)
-    tau: float = _f(1.0, _float(0.0, 1.0, "a number in (0, 1]", low_open=True))
-    gamma: float = _f(0.99, _unit)
-    train_freq: int | tuple[int, str] = _f(4, _train_freq)
-    gradient_steps: int = _f(1, _int(-1, "a positive int, or -1 for one per env step"))
-    optimize_memory_usage: bool = _f(False, _bool)
-    n_steps: int = _f(1, _pos_int)
-    target_update_interval: int = _f(10_000, _pos_int)
-    exploration_fraction: float = _f(0.1, _unit)
-    exploration_initial_eps: float = _f(1.0, _unit)
-    exploration_final_eps: float = _f(0.05, _unit)
-    max_grad_norm: float | None = _f(10.0, _pos)
+    learning_rate: float | Schedule = c.param(1e-4, c.schedulable(c.POSITIVE))
+    buffer_size: int = c.param(1_000_000, c.POS_INT)
+    learning_starts: int = c.param(100, c.integer(0, "an int >= 0"))
+    batch_size: int = c.param(32, c.POS_INT)
+    tau: float = c.param(1.0, c.number(0.0, 1.0, "a number in (0, 1]", low_open=True))
+    gamma: float = c.param(0.99, c.UNIT)
+    train_freq: int | tuple[int, str] = c.param(4, c.train_freq)
+    gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
+    optimize_memory_usage: bool = c.param(False, c.boolean)
+    n_steps: int = c.param(1, c.POS_INT)
+    target_update_interval: int = c.param(10_000, c.POS_INT)
+    exploration_fraction: float = c.param(0.1, c.UNIT)
+    exploration_initial_eps: float = c.param(1.0, c.UNIT)
+    exploration_final_eps: float = c.param(0.05, c.UNIT)
+    max_grad_norm: float | None = c.param(10.0, c.POSITIVE)
+    # sb3_gpu extensions (per.py): prioritized replay and gradient accumulation; SB3 has neither.
+    per: dict[str, float] | bool = c.param(False, c.per_config)
+    grad_accum_steps: int = c.param(1, c.POS_INT)
 
 
 @dataclass(frozen=True)
 class QRDQNParams(DQNParams):
     """QR-DQN's keyword arguments (sb3-contrib); the same as DQN's with other defaults."""
 
-    learning_rate: float | Schedule = _f(5e-5, _schedulable(_pos))
-    exploration_fraction: float = _f(0.005, _unit)
-    exploration_final_eps: float = _f(0.01, _unit)
-    max_grad_norm: float | None = _f(None, _optional(_pos))
+    learning_rate: float | Schedule = c.param(5e-5, c.schedulable(c.POSITIVE))
+    exploration_fraction: float = c.param(0.005, c.UNIT)
+    exploration_final_eps: float = c.param(0.01, c.UNIT)
+    max_grad_norm: float | None = c.param(None, c.optional(c.POSITIVE))
 
 
 AlgoParams = PPOParams | DQNParams
@@ -278,13 +107,16 @@ class Algo:
     model_class: type[BaseAlgorithm]
     params_class: type[PPOParams] | type[DQNParams]
     on_policy: bool
+    # The subclass that runs sb3_gpu's training extensions; the plain SB3 class is used when they are off.
+    extended_class: type[BaseAlgorithm] | None = None
 
 
 ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True),
-    "dqn": Algo("dqn", DQN, DQNParams, on_policy=False),
-    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, on_policy=False),
+    "dqn": Algo("dqn", DQN, DQNParams, on_policy=False, extended_class=PrioritizedDQN),
+    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, on_policy=False, extended_class=PrioritizedQRDQN),
 }
+OFF_POLICY_ONLY = ("per", "grad_accum_steps", "buffer_size", "train_freq", "target_update_interval")
 
 
 def get_algo(name: str) -> Algo:
@@ -297,15 +129,15 @@ def get_algo(name: str) -> Algo:
 
 # Keys that every entry may hold beside the algorithm's hyperparameters.
 COMMON_KEYS: dict[str, Check] = {
-    "n_timesteps": _pos_int,
-    "n_envs": _pos_int,
-    "policy": _choice(POLICIES),
-    "net_arch": _optional(_net_arch),
-    "activation_fn": _optional(_choice(tuple(ACTIVATIONS))),
-    "policy_kwargs": _mapping,
-    "normalize": _normalize,
-    "frame_stack": _optional(_pos_int),
-    "env_kwargs": _mapping,
+    "n_timesteps": c.POS_INT,
+    "n_envs": c.POS_INT,
+    "policy": c.choice(POLICIES),
+    "net_arch": c.optional(c.net_arch),
+    "activation_fn": c.optional(c.choice(tuple(ACTIVATIONS))),
+    "policy_kwargs": c.mapping,
+    "normalize": c.normalize,
+    "frame_stack": c.optional(c.POS_INT),
+    "env_kwargs": c.mapping,
 }
 COMMON_DEFAULTS: dict[str, Any] = {
     "n_timesteps": 100_000,
@@ -331,16 +163,19 @@ def valid_keys(algo: Algo) -> dict[str, Check]:
 
 def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
     """Validate a profile-free mapping of keys; return the normalised values."""
-    mapping = _mapping(mapping, where)
+    mapping = c.mapping(mapping, where)
     checks = valid_keys(algo)
-    _keys(mapping, set(checks), where)
+    for key in mapping:
+        if algo.on_policy and key in OFF_POLICY_ONLY:
+            raise ConfigError(f"{where}: {key!r} is for off-policy algorithms (dqn, qrdqn); {algo.name} is on-policy")
+    c.check_keys(mapping, set(checks), where)
     return {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
 
 
 def validate_entry(algo: Algo, entry: Any, where: str) -> dict[str, Any]:
     """Validate an entry: shared keys plus optional ``cpu:``/``gpu:`` profiles."""
-    entry = _mapping(entry, where)
-    _keys(entry, set(valid_keys(algo)) | set(PROFILES), where)
+    entry = c.mapping(entry, where)
+    c.check_keys(entry, set(valid_keys(algo)) | set(PROFILES), where)
     shared = validate_flat(algo, {k: v for k, v in entry.items() if k not in PROFILES}, where)
     out: dict[str, Any] = dict(shared)
     for profile in PROFILES:
@@ -468,10 +303,26 @@ class Preset:
             kwargs["activation_fn"] = ACTIVATIONS[self.activation_fn]
         return kwargs
 
+    @property
+    def model_class(self) -> type[BaseAlgorithm]:
+        """The plain SB3 class, or sb3_gpu's subclass where prioritized replay or gradient accumulation is on."""
+        algo = get_algo(self.algo)
+        extended = getattr(self.params, "per", False) or getattr(self.params, "grad_accum_steps", 1) > 1
+        return algo.extended_class if extended and algo.extended_class is not None else algo.model_class
+
     def sb3_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for the SB3 class, schedules turned into SB3's own schedule objects."""
+        """Keyword arguments for :attr:`model_class`, schedules turned into SB3's own schedule objects."""
         kwargs = {k: v.to_sb3() if isinstance(v, Schedule) else v for k, v in self._params().items()}
         kwargs["policy_kwargs"] = self.policy_kwargs_for_sb3()
+        per: Any = self._params().get("per", False)
+        grad_accum_steps = kwargs.pop("grad_accum_steps", 1)
+        kwargs.pop("per", None)
+        if self.model_class is not get_algo(self.algo).model_class:
+            kwargs["grad_accum_steps"] = grad_accum_steps
+        if per:
+            kwargs["replay_buffer_class"] = PrioritizedReplayBuffer
+            kwargs["replay_buffer_kwargs"] = {"alpha": per["alpha"], "beta": per["beta0"], "eps": per["eps"]}
+            kwargs["per_beta_fraction"] = per["beta_fraction"]
         return kwargs
 
 
@@ -482,7 +333,7 @@ def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], wher
     if policy_class is None:  # pragma: no cover - POLICIES lists only aliases every algorithm has
         raise ConfigError(f"{where}: {algo.name} has no policy {policy!r}")
     accepted = set(inspect.signature(policy_class.__init__).parameters) - {"self", "observation_space", "action_space"}
-    _keys(kwargs, accepted, f"{where}: policy_kwargs of {policy}")
+    c.check_keys(kwargs, accepted, f"{where}: policy_kwargs of {policy}")
 
 
 def resolve_preset(
