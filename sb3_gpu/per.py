@@ -1,0 +1,293 @@
+"""Prioritized experience replay (Schaul et al. 2015, proportional variant) for DQN and QR-DQN.
+
+The sum and min trees are ``fanout``-ary trees kept as one flat numpy array per level, updated and searched for a
+whole batch at once: with fanout 16 a million leaves need five levels, so a batch costs a handful of numpy calls
+per level and no Python loop over samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch as th
+import torch.nn.functional as F
+from gymnasium import spaces
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN
+from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.vec_env import VecNormalize
+
+from sb3_gpu.errors import ConfigError
+
+
+class SumMinTree:
+    """Sums and minima over ``capacity`` non-negative leaves; empty leaves count 0 in sums and +inf in minima."""
+
+    def __init__(self, capacity: int, fanout: int = 16):
+        if capacity < 1 or fanout < 2:
+            raise ValueError(f"capacity must be >= 1 and fanout >= 2, got {capacity} and {fanout}")
+        self.capacity, self.fanout = capacity, fanout
+        depth = max(1, int(np.ceil(np.log(capacity) / np.log(fanout) - 1e-9)))
+        # Level 0 holds the leaves (padded to fanout**depth); the last level is the root.
+        sizes = [fanout ** (depth - i) for i in range(depth + 1)]
+        self.sums = [np.zeros(n, dtype=np.float64) for n in sizes]
+        self.mins = [np.full(n, np.inf, dtype=np.float64) for n in sizes]
+
+    @property
+    def total(self) -> float:
+        return float(self.sums[-1][0])
+
+    @property
+    def min(self) -> float:
+        return float(self.mins[-1][0])
+
+    def __getitem__(self, indices: np.ndarray) -> np.ndarray:
+        return self.sums[0][indices]
+
+    def update(self, indices: np.ndarray, values: np.ndarray) -> None:
+        """Set leaves ``indices`` to ``values`` (the last write wins for repeated indices) and refresh their ancestors."""
+        indices = np.asarray(indices, dtype=np.int64)
+        values = np.asarray(values, dtype=np.float64)
+        self.sums[0][indices] = values
+        self.mins[0][indices] = np.where(values > 0, values, np.inf)
+        nodes = indices
+        for level in range(1, len(self.sums)):
+            nodes = np.unique(nodes // self.fanout)
+            self.sums[level][nodes] = self.sums[level - 1].reshape(-1, self.fanout)[nodes].sum(axis=1)
+            self.mins[level][nodes] = self.mins[level - 1].reshape(-1, self.fanout)[nodes].min(axis=1)
+
+    def find(self, prefix: np.ndarray) -> np.ndarray:
+        """For each value ``u`` in ``[0, total)``, the leaf ``i`` with ``sum(leaves[:i]) <= u < sum(leaves[:i+1])``.
+
+        Never returns a leaf of zero priority, even where rounding puts ``u`` at or past the total.
+        """
+        prefix = np.array(prefix, dtype=np.float64)
+        nodes = np.zeros(len(prefix), dtype=np.int64)
+        rows = np.arange(len(prefix))
+        for level in range(len(self.sums) - 2, -1, -1):
+            children = self.sums[level].reshape(-1, self.fanout)[nodes]
+            cumulative = np.cumsum(children, axis=1)
+            child = (cumulative <= prefix[:, None]).sum(axis=1)
+            last_positive = self.fanout - 1 - np.argmax(children[:, ::-1] > 0, axis=1)
+            child = np.minimum(child, last_positive)
+            prefix -= np.where(child > 0, cumulative[rows, np.maximum(child - 1, 0)], 0.0)
+            nodes = nodes * self.fanout + child
+        return nodes
+
+
+class PrioritizedReplayBufferSamples(NamedTuple):
+    """SB3's ReplayBufferSamples plus the importance weights and the flat indices for priority updates."""
+
+    observations: th.Tensor
+    actions: th.Tensor
+    next_observations: th.Tensor
+    dones: th.Tensor
+    rewards: th.Tensor
+    discounts: th.Tensor | None
+    weights: th.Tensor
+    indices: np.ndarray
+
+
+class PrioritizedReplayBuffer(ReplayBuffer):
+    """SB3's ReplayBuffer with proportional prioritized sampling.
+
+    Transition ``(pos, env)`` has flat index ``pos * n_envs + env``. New transitions get the largest priority seen,
+    so each is replayed at least once soon; ``update_priorities`` sets ``(|td| + eps) ** alpha``.
+
+    :param alpha: how much prioritization is used (0: uniform)
+    :param beta: importance-sampling correction (0: none, 1: full); the algorithm anneals it to 1
+    :param eps: added to ``|td|`` so that no transition's probability reaches zero
+    """
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: th.device | str = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        eps: float = 1e-6,
+    ):
+        check_per_values(alpha, beta, eps)
+        if optimize_memory_usage:
+            raise ConfigError("prioritized replay does not support optimize_memory_usage=True; set it to false")
+        super().__init__(
+            buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage, handle_timeout_termination
+        )
+        self.alpha, self.beta, self.eps = alpha, beta, eps
+        self.tree = SumMinTree(self.buffer_size * self.n_envs)
+        self.max_priority = 1.0  # before alpha
+        self.last_max_weight = 1.0
+
+    def add(
+        self,
+        obs: np.ndarray,
+        next_obs: np.ndarray,
+        action: np.ndarray,
+        reward: np.ndarray,
+        done: np.ndarray,
+        infos: list[dict[str, Any]],
+    ) -> None:
+        first = self.pos * self.n_envs
+        super().add(obs, next_obs, action, reward, done, infos)
+        self.tree.update(np.arange(first, first + self.n_envs), np.full(self.n_envs, self.max_priority**self.alpha))
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> PrioritizedReplayBufferSamples:  # type: ignore[override]
+        """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
+        total = self.tree.total
+        prefix = (np.arange(batch_size) + np.random.random(batch_size)) * (total / batch_size)
+        indices = self.tree.find(prefix)
+        stored = self.size() * self.n_envs
+        # w_i = (N * P(i)) ** -beta, divided by the largest weight, that of the smallest priority.
+        probabilities = self.tree[indices] / total
+        weights = (stored * probabilities) ** -self.beta
+        max_weight = (stored * self.tree.min / total) ** -self.beta
+        self.last_max_weight = float(max_weight)
+        batch_inds, env_inds = np.divmod(indices, self.n_envs)
+        samples = self._get_samples_at(batch_inds, env_inds, env)
+        return PrioritizedReplayBufferSamples(
+            *samples, weights=self.to_torch((weights / max_weight).astype(np.float32)), indices=indices
+        )
+
+    def _get_samples_at(self, batch_inds: np.ndarray, env_inds: np.ndarray, env: VecNormalize | None) -> ReplayBufferSamples:
+        # SB3's _get_samples draws the env index at random; here it is the one the tree chose.
+        data = (
+            self._normalize_obs(self.observations[batch_inds, env_inds, :], env),
+            self.actions[batch_inds, env_inds, :],
+            self._normalize_obs(self.next_observations[batch_inds, env_inds, :], env),
+            (self.dones[batch_inds, env_inds] * (1 - self.timeouts[batch_inds, env_inds])).reshape(-1, 1),
+            self._normalize_reward(self.rewards[batch_inds, env_inds].reshape(-1, 1), env),
+        )
+        return ReplayBufferSamples(*map(self.to_torch, data))
+
+    def update_priorities(self, indices: np.ndarray, td_errors: np.ndarray) -> None:
+        """Set the priorities of sampled transitions from their new TD errors."""
+        priorities = np.abs(np.asarray(td_errors, dtype=np.float64)).reshape(-1) + self.eps
+        self.max_priority = max(self.max_priority, float(priorities.max()))
+        self.tree.update(indices, priorities**self.alpha)
+
+
+def check_per_values(alpha: float, beta: float, eps: float) -> None:
+    if not alpha >= 0:
+        raise ConfigError(f"per.alpha must be >= 0 (0 is uniform sampling), got {alpha}")
+    if not 0 <= beta <= 1:
+        raise ConfigError(f"per.beta0 must be in [0, 1], got {beta}")
+    if not eps > 0:
+        raise ConfigError(f"per.eps must be > 0, got {eps}")
+
+
+class _PrioritizedTraining:
+    """``train()`` for the DQN family with importance-weighted losses, priority updates and gradient accumulation.
+
+    It follows SB3's ``DQN.train`` step for step; the class only supplies ``_per_sample_loss``. With a plain
+    ReplayBuffer and ``grad_accum_steps=1`` it computes exactly what SB3 computes (a test pins this).
+    """
+
+    grad_accum_steps: int
+    per_beta_fraction: float
+    per_beta0: float
+
+    def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
+        raise NotImplementedError
+
+    def _anneal_beta(self) -> float:
+        progress = 1.0 - self._current_progress_remaining  # type: ignore[attr-defined]
+        return self.per_beta0 + (1.0 - self.per_beta0) * min(1.0, progress / self.per_beta_fraction)
+
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        self.policy.set_training_mode(True)  # type: ignore[attr-defined]
+        optimizer = self.policy.optimizer  # type: ignore[attr-defined]
+        self._update_learning_rate(optimizer)  # type: ignore[attr-defined]
+        buffer = self.replay_buffer  # type: ignore[attr-defined]
+        per = buffer if isinstance(buffer, PrioritizedReplayBuffer) else None
+        if per is not None:
+            per.beta = self._anneal_beta()
+        losses = []
+        for _ in range(gradient_steps):
+            optimizer.zero_grad()
+            for _ in range(self.grad_accum_steps):
+                data = buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[attr-defined]
+                discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
+                per_sample, td_errors = self._per_sample_loss(data, discounts)
+                loss = (per_sample * data.weights.flatten()).mean() if per is not None else per_sample.mean()
+                losses.append(loss.item())
+                (loss / self.grad_accum_steps).backward()
+                if per is not None:
+                    per.update_priorities(data.indices, td_errors.detach().cpu().numpy())
+            if self.max_grad_norm is not None:  # type: ignore[attr-defined]
+                th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)  # type: ignore[attr-defined]
+            optimizer.step()
+        self._n_updates += gradient_steps  # type: ignore[attr-defined]
+        logger = self.logger  # type: ignore[attr-defined]
+        logger.record("train/n_updates", self._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
+        logger.record("train/loss", np.mean(losses))
+        if per is not None:
+            leaves = per.tree.sums[0][: per.size() * per.n_envs]
+            logger.record("per/beta", per.beta)
+            logger.record("per/mean_priority", float(leaves.mean()))
+            logger.record("per/max_priority", float(leaves.max()))
+            logger.record("per/max_weight_unnormalized", per.last_max_weight)
+
+
+def _setup_extensions(model: Any, grad_accum_steps: int, per_beta_fraction: float) -> None:
+    if grad_accum_steps < 1:
+        raise ConfigError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    if not 0 < per_beta_fraction <= 1:
+        raise ConfigError(f"per.beta_fraction must be in (0, 1], got {per_beta_fraction}")
+    model.grad_accum_steps = grad_accum_steps
+    model.per_beta_fraction = per_beta_fraction
+    model.per_beta0 = (model.replay_buffer_kwargs or {}).get("beta", 0.4)
+
+
+class PrioritizedDQN(_PrioritizedTraining, DQN):
+    """SB3's DQN trained with prioritized replay and/or gradient accumulation (each may be off).
+
+    :param grad_accum_steps: micro-batches of ``batch_size`` whose gradients make one optimizer step
+    :param per_beta_fraction: share of training over which beta rises from its start to 1
+    """
+
+    def __init__(self, *args: Any, grad_accum_steps: int = 1, per_beta_fraction: float = 1.0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        _setup_extensions(self, grad_accum_steps, per_beta_fraction)
+
+    def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
+        with th.no_grad():
+            next_q, _ = self.q_net_target(data.next_observations).max(dim=1)
+            target = data.rewards + (1 - data.dones) * discounts * next_q.reshape(-1, 1)
+        current = th.gather(self.q_net(data.observations), dim=1, index=data.actions.long())
+        return F.smooth_l1_loss(current, target, reduction="none").flatten(), (target - current).flatten()
+
+
+class PrioritizedQRDQN(_PrioritizedTraining, QRDQN):
+    """sb3-contrib's QR-DQN trained with prioritized replay and/or gradient accumulation (each may be off)."""
+
+    def __init__(self, *args: Any, grad_accum_steps: int = 1, per_beta_fraction: float = 1.0, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        _setup_extensions(self, grad_accum_steps, per_beta_fraction)
+
+    def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
+        batch = data.observations.shape[0]
+        with th.no_grad():
+            next_quantiles = self.quantile_net_target(data.next_observations)
+            greedy = next_quantiles.mean(dim=1, keepdim=True).argmax(dim=2, keepdim=True).expand(batch, self.n_quantiles, 1)
+            next_quantiles = next_quantiles.gather(dim=2, index=greedy).squeeze(dim=2)
+            target = data.rewards + (1 - data.dones) * discounts * next_quantiles
+        actions = data.actions[..., None].long().expand(batch, self.n_quantiles, 1)
+        current = th.gather(self.quantile_net(data.observations), dim=2, index=actions).squeeze(dim=2)
+        return _quantile_huber_per_sample(current, target), (target.mean(dim=1) - current.mean(dim=1))
+
+
+def _quantile_huber_per_sample(current: th.Tensor, target: th.Tensor) -> th.Tensor:
+    """sb3-contrib's quantile Huber loss (summed over quantiles) for each sample, before the batch mean."""
+    n = current.shape[-1]
+    cum_prob = ((th.arange(n, device=current.device, dtype=th.float) + 0.5) / n).view(1, -1, 1)
+    delta = target.unsqueeze(-2) - current.unsqueeze(-1)
+    abs_delta = th.abs(delta)
+    huber = th.where(abs_delta > 1, abs_delta - 0.5, delta**2 * 0.5)
+    return (th.abs(cum_prob - (delta.detach() < 0).float()) * huber).sum(dim=-2).mean(dim=-1)
