@@ -1,8 +1,8 @@
 """Prioritized experience replay (Schaul et al. 2015, proportional variant) for DQN and QR-DQN.
 
 The sum and min trees are ``fanout``-ary trees kept as one flat numpy array per level, updated and searched for a
-whole batch at once: with fanout 16 a million leaves need five levels, so a batch costs a handful of numpy calls
-per level and no Python loop over samples.
+whole batch at once: with fanout 16 and a top level of at most 4096 nodes, a million leaves need two levels below
+the top, so a batch costs a few numpy calls per level and no Python loop over samples.
 """
 
 from __future__ import annotations
@@ -23,40 +23,49 @@ from sb3_gpu.errors import ConfigError
 
 
 class SumMinTree:
-    """Sums and minima over ``capacity`` non-negative leaves; empty leaves count 0 in sums and +inf in minima."""
+    """Sums and minima over ``capacity`` non-negative leaves; empty leaves count 0 in sums and +inf in minima.
 
-    def __init__(self, capacity: int, fanout: int = 16):
+    Levels of ``fanout``-ary nodes are built up from the leaves until one has at most ``top`` nodes; a search
+    starts there with one cumulative sum and a binary search, then descends one level per step.
+    """
+
+    def __init__(self, capacity: int, fanout: int = 16, top: int = 4096):
         if capacity < 1 or fanout < 2:
             raise ValueError(f"capacity must be >= 1 and fanout >= 2, got {capacity} and {fanout}")
         self.capacity, self.fanout = capacity, fanout
-        depth = max(1, int(np.ceil(np.log(capacity) / np.log(fanout) - 1e-9)))
-        # Level 0 holds the leaves (padded to fanout**depth); the last level is the root.
-        sizes = [fanout ** (depth - i) for i in range(depth + 1)]
+        sizes = [capacity]
+        while sizes[-1] > top:
+            sizes[-1] = -(-sizes[-1] // fanout) * fanout  # pad each level below the top to whole groups
+            sizes.append(sizes[-1] // fanout)
         self.sums = [np.zeros(n, dtype=np.float64) for n in sizes]
         self.mins = [np.full(n, np.inf, dtype=np.float64) for n in sizes]
+        # Row sums and running sums over a group of `fanout` as matrix products: numpy's axis-1 reductions over
+        # rows this short cost several times more than a small BLAS call.
+        self._ones = np.ones(fanout)
+        self._upper = np.triu(np.ones((fanout, fanout)))
 
     @property
     def total(self) -> float:
-        return float(self.sums[-1][0])
+        return float(self.sums[-1].sum())
 
     @property
     def min(self) -> float:
-        return float(self.mins[-1][0])
+        return float(self.mins[-1].min())
 
     def __getitem__(self, indices: np.ndarray) -> np.ndarray:
         return self.sums[0][indices]
 
     def update(self, indices: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``indices`` to ``values`` (the last write wins for repeated indices) and refresh their ancestors."""
-        indices = np.asarray(indices, dtype=np.int64)
+        nodes = np.asarray(indices, dtype=np.int64)
         values = np.asarray(values, dtype=np.float64)
-        self.sums[0][indices] = values
-        self.mins[0][indices] = np.where(values > 0, values, np.inf)
-        nodes = indices
+        self.sums[0][nodes] = values
+        self.mins[0][nodes] = np.where(values > 0, values, np.inf)
         for level in range(1, len(self.sums)):
-            nodes = np.unique(nodes // self.fanout)
-            self.sums[level][nodes] = self.sums[level - 1].reshape(-1, self.fanout)[nodes].sum(axis=1)
-            self.mins[level][nodes] = self.mins[level - 1].reshape(-1, self.fanout)[nodes].min(axis=1)
+            # Repeated parents are written repeatedly with the same value: cheaper than np.unique.
+            nodes = nodes // self.fanout
+            self.sums[level][nodes] = self.sums[level - 1].reshape(-1, self.fanout)[nodes] @ self._ones
+            self.mins[level][nodes] = _row_min(self.mins[level - 1].reshape(-1, self.fanout)[nodes])
 
     def find(self, prefix: np.ndarray) -> np.ndarray:
         """For each value ``u`` in ``[0, total)``, the leaf ``i`` with ``sum(leaves[:i]) <= u < sum(leaves[:i+1])``.
@@ -64,17 +73,38 @@ class SumMinTree:
         Never returns a leaf of zero priority, even where rounding puts ``u`` at or past the total.
         """
         prefix = np.array(prefix, dtype=np.float64)
-        nodes = np.zeros(len(prefix), dtype=np.int64)
+        top = self.sums[-1]
+        cumulative = np.cumsum(top)
+        nodes = _clamp_to_positive(np.searchsorted(cumulative, prefix, side="right"), top[None, :])
+        prefix -= cumulative[nodes] - top[nodes]
         rows = np.arange(len(prefix))
         for level in range(len(self.sums) - 2, -1, -1):
             children = self.sums[level].reshape(-1, self.fanout)[nodes]
-            cumulative = np.cumsum(children, axis=1)
-            child = (cumulative <= prefix[:, None]).sum(axis=1)
-            last_positive = self.fanout - 1 - np.argmax(children[:, ::-1] > 0, axis=1)
-            child = np.minimum(child, last_positive)
-            prefix -= np.where(child > 0, cumulative[rows, np.maximum(child - 1, 0)], 0.0)
+            cumulative = children @ self._upper
+            child = _clamp_to_positive(((cumulative <= prefix[:, None]) @ self._ones).astype(np.int64), children)
+            prefix -= cumulative[rows, child] - children[rows, child]
             nodes = nodes * self.fanout + child
         return nodes
+
+
+def _row_min(rows: np.ndarray) -> np.ndarray:
+    """``rows.min(axis=1)`` by halving: elementwise minima beat numpy's axis-1 reduction over short rows."""
+    while rows.shape[1] > 1:
+        half = rows.shape[1] // 2
+        folded = np.minimum(rows[:, :half], rows[:, half : 2 * half])
+        rows = np.concatenate([folded, rows[:, 2 * half :]], axis=1) if rows.shape[1] % 2 else folded
+    return rows[:, 0]
+
+
+def _clamp_to_positive(child: np.ndarray, children: np.ndarray) -> np.ndarray:
+    """Move picks that rounding pushed past the last child back onto the last child with a positive value."""
+    over = child >= children.shape[1]
+    if over.any():
+        rows = (
+            children[over] if len(children) == len(child) else np.broadcast_to(children, (int(over.sum()), children.shape[1]))
+        )
+        child[over] = children.shape[1] - 1 - np.argmax(rows[:, ::-1] > 0, axis=1)
+    return child
 
 
 class PrioritizedReplayBufferSamples(NamedTuple):
@@ -152,7 +182,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         batch_inds, env_inds = np.divmod(indices, self.n_envs)
         samples = self._get_samples_at(batch_inds, env_inds, env)
         return PrioritizedReplayBufferSamples(
-            *samples, weights=self.to_torch((weights / max_weight).astype(np.float32)), indices=indices
+            *samples, weights=self.to_torch((weights / max_weight).astype(np.float32), copy=False), indices=indices
         )
 
     def _get_samples_at(self, batch_inds: np.ndarray, env_inds: np.ndarray, env: VecNormalize | None) -> ReplayBufferSamples:
@@ -164,7 +194,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             (self.dones[batch_inds, env_inds] * (1 - self.timeouts[batch_inds, env_inds])).reshape(-1, 1),
             self._normalize_reward(self.rewards[batch_inds, env_inds].reshape(-1, 1), env),
         )
-        return ReplayBufferSamples(*map(self.to_torch, data))
+        # Fancy indexing already made fresh arrays, so the tensors may share their memory (SB3 copies once more).
+        return ReplayBufferSamples(*(self.to_torch(array, copy=False) for array in data))  # type: ignore[arg-type]
 
     def update_priorities(self, indices: np.ndarray, td_errors: np.ndarray) -> None:
         """Set the priorities of sampled transitions from their new TD errors."""

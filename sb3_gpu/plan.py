@@ -16,9 +16,10 @@ from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.envs import EnvSpec, choose_vec_env, make_vec_env, measure_step_seconds, probe_env, resolve_env
-from sb3_gpu.errors import ConfigError
+from sb3_gpu.errors import ConfigError, closest
 from sb3_gpu.hardware import DeviceChoice, HardwareProfile, PolicyKind, choose_device, detect_hardware
 from sb3_gpu.presets import (
+    PROFILES,
     Preset,
     check_policy_kwargs,
     get_algo,
@@ -45,6 +46,7 @@ class Plan:
     vec_env_reason: str
     preset: Preset
     hardware: HardwareProfile
+    profile_reason: str = ""
     seed: int | None = None
     # Training extensions (AMP, PER, ...) record what they switched on and why, keyed by name.
     extensions: dict[str, str] = field(default_factory=dict)
@@ -62,6 +64,7 @@ class Plan:
             # Informational: what was chosen on the machine that wrote this file, and why.
             "resolved": {
                 "device": f"{self.device.device} ({self.device.reason})",
+                "profile": f"{self.preset.profile} ({self.profile_reason})",
                 "vec_env": f"{self.vec_env} ({self.vec_env_reason})",
                 "hardware": self.hardware.describe(),
                 "sources": dict(self.preset.sources),
@@ -134,6 +137,7 @@ def make_plan(
     vec_env: str = "auto",
     seed: int | None = None,
     preset: str | Path | None = None,
+    profile: str = "auto",
     overrides: Mapping[str, Any] | None = None,
     override_source: str = "override",
     config: RunConfig | None = None,
@@ -142,6 +146,7 @@ def make_plan(
     """Resolve hardware, preset, device and vec env for ``algo`` on ``env``.
 
     :param preset: a preset YAML file to use instead of the bundled one for ``algo``
+    :param profile: ``auto`` (``cpu`` or ``gpu`` by the chosen device) or a profile name: ``cpu``, ``gpu``, ``large``
     :param overrides: hyperparameters that win over the preset (``{"batch_size": 128, "policy_kwargs.ortho_init": False}``)
     :param config: a run's config read by :func:`load_config`; its hyperparameters replace the preset
     """
@@ -176,7 +181,16 @@ def make_plan(
 
     policy = provisional.policy if provisional.policy != "auto" else _policy_for(obs_space)
     choice = choose_device(device, _policy_kind(policy, obs_space), algo_.on_policy, hardware)
-    resolved = resolve_preset(algo_, entry, entry_label, choice.profile, layered)
+    if profile == "auto":
+        profile, profile_reason = choice.profile, f"follows the device ({choice.device})"
+    elif profile not in PROFILES:
+        raise ConfigError(f"unknown profile {profile!r}{closest(profile, PROFILES)} (valid: auto, {', '.join(PROFILES)})")
+    elif profile not in entry and profile not in ("cpu", "gpu"):
+        have = [p for p in PROFILES if p in entry]
+        raise ConfigError(f"{entry_label} has no {profile!r} profile (it has: {', '.join(have) or 'none'})")
+    else:
+        profile_reason = "asked for"
+    resolved = resolve_preset(algo_, entry, entry_label, profile, layered)
     if resolved.policy == "auto":
         resolved = dataclasses.replace(
             resolved, policy=policy, sources={**resolved.sources, "policy": "auto (observation space)"}
@@ -195,6 +209,7 @@ def make_plan(
         vec_env_reason=reason,
         preset=resolved,
         hardware=hardware,
+        profile_reason=profile_reason,
         seed=seed,
     )
 
@@ -250,6 +265,7 @@ def make_model(
     vec_env: str = "auto",
     seed: int | None = None,
     preset: str | Path | None = None,
+    profile: str = "auto",
     tensorboard_log: str | None = None,
     verbose: int = 0,
     **overrides: Any,
@@ -259,9 +275,12 @@ def make_model(
     :param algo: ``ppo``, ``dqn`` or ``qrdqn``
     :param env: a registered id, ``package.module:Attr`` or a zero-argument env factory
     :param device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``
+    :param profile: ``auto`` (by device), ``cpu``, ``gpu`` or ``large`` (a big workstation; DQN family)
     :param overrides: preset keys that win over the preset, e.g. ``batch_size=128, net_arch=[64, 64]``
     """
-    plan = make_plan(algo, env, device, n_envs=n_envs, vec_env=vec_env, seed=seed, preset=preset, overrides=overrides)
+    plan = make_plan(
+        algo, env, device, n_envs=n_envs, vec_env=vec_env, seed=seed, preset=preset, profile=profile, overrides=overrides
+    )
     return build_model(plan, build_env(plan), tensorboard_log=tensorboard_log, verbose=verbose)
 
 
@@ -272,7 +291,8 @@ def plan_table(plan: Plan) -> Table:
     table.add_column("value")
     table.add_column("why / source", style="dim")
     table.add_row("hardware", plan.hardware.describe(), plan.hardware.cpu_model)
-    table.add_row("device", plan.device.device, f"{plan.device.reason}; preset profile '{plan.device.profile}'")
+    table.add_row("device", plan.device.device, plan.device.reason)
+    table.add_row("profile", plan.preset.profile, f"{plan.preset.entry}: {plan.profile_reason}")
     table.add_row("vec_env", plan.vec_env, plan.vec_env_reason)
     table.add_row("seed", str(plan.seed), "")
     for name, what in plan.extensions.items():

@@ -28,7 +28,8 @@ from sb3_gpu.errors import ConfigError, closest
 from sb3_gpu.per import PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer
 
 MAX_YAML_BYTES = 1 << 20  # a preset is a page of text; refuse anything that could be a YAML bomb
-PROFILES = ("cpu", "gpu")
+# `cpu`/`gpu` follow the chosen device; `large` is asked for by name (`--profile large`): a big workstation.
+PROFILES = ("cpu", "gpu", "large")
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "tanh": nn.Tanh,
@@ -116,6 +117,7 @@ ALGOS: dict[str, Algo] = {
     "dqn": Algo("dqn", DQN, DQNParams, on_policy=False, extended_class=PrioritizedDQN),
     "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, on_policy=False, extended_class=PrioritizedQRDQN),
 }
+EXTENSION_KEYS = ("per", "grad_accum_steps")  # sb3_gpu's own, not SB3 arguments
 OFF_POLICY_ONLY = ("per", "grad_accum_steps", "buffer_size", "train_freq", "target_update_interval")
 
 
@@ -173,7 +175,7 @@ def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
 
 
 def validate_entry(algo: Algo, entry: Any, where: str) -> dict[str, Any]:
-    """Validate an entry: shared keys plus optional ``cpu:``/``gpu:`` profiles."""
+    """Validate an entry: shared keys plus optional ``cpu:``, ``gpu:`` and ``large:`` profiles."""
     entry = c.mapping(entry, where)
     c.check_keys(entry, set(valid_keys(algo)) | set(PROFILES), where)
     shared = validate_flat(algo, {k: v for k, v in entry.items() if k not in PROFILES}, where)
@@ -255,9 +257,9 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_override(values: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``key`` in a flat mapping; ``policy_kwargs.x`` and ``env_kwargs.x`` reach one level down."""
+    """Set ``key`` in a flat mapping; ``policy_kwargs.x``, ``env_kwargs.x``, ``per.x`` reach one level down."""
     head, dot, rest = key.partition(".")
-    if dot and head in ("policy_kwargs", "env_kwargs", "normalize") and rest:
+    if dot and head in ("policy_kwargs", "env_kwargs", "normalize", "per") and rest:
         inner = values.get(head)
         inner = dict(inner) if isinstance(inner, Mapping) else {}
         inner[rest] = value
@@ -348,6 +350,7 @@ def resolve_preset(
     defaults = {f.name: f.default for f in dataclasses.fields(algo.params_class)}
     values: dict[str, Any] = {**COMMON_DEFAULTS, **defaults}
     sources = {k: "sb3_gpu default" for k in COMMON_DEFAULTS} | {k: "SB3 default" for k in defaults}
+    sources.update({k: "sb3_gpu default" for k in EXTENSION_KEYS if k in defaults})
     for layer, label in ((entry, entry_label), (entry.get(profile) or {}, f"{entry_label}/{profile}")):
         for key, value in layer.items():
             if key not in PROFILES:

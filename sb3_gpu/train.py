@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vec-env", choices=VEC_ENV_KINDS, default=None, help="auto (default), dummy or subproc")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: none)")
     p.add_argument("--preset", metavar="FILE", help="a preset YAML file to use instead of the bundled one")
+    p.add_argument("--profile", default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large")
+    p.add_argument(
+        "--per",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prioritized replay on/off for dqn and qrdqn (default: the preset's)",
+    )
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override a preset key (repeatable)")
     p.add_argument("--config", metavar="CONFIG", help="repeat a run: its run_dir/config.yaml (or the run dir)")
     p.add_argument("--run-dir", help="where to write the run (default: runs/ALGO-ENV-TIMESTAMP); must not exist")
@@ -52,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """Turn parsed arguments (and a --config file) into a Plan; the CLI's only decision logic is which wins."""
-    overrides = dict(parse_override(item) for item in args.set)
+    # --per first, so that --set per.alpha=... refines it rather than being replaced by it.
+    overrides: dict[str, Any] = {} if args.per is None else {"per": args.per}
+    overrides.update(parse_override(item) for item in args.set)
     config = load_config(args.config) if args.config else None
     if config is not None and args.preset:
         raise ConfigError("--config and --preset both give hyperparameters; use one (add --set to change a value)")
@@ -70,6 +79,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         vec_env=args.vec_env or (config.vec_env if config else "auto"),
         seed=args.seed if args.seed is not None else (config.seed if config else None),
         preset=args.preset,
+        profile=args.profile,
         overrides=overrides,
         override_source="--set",
         config=config,

@@ -95,6 +95,10 @@ BAD_INPUTS = [
     (["--config", "{missing}/config.yaml"], "config file not found"),
     (["ppo", "--run-dir", "{existing}"], "already exists"),
     ([], "give an algorithm"),
+    (["ppo", "--per"], "'per' is for off-policy algorithms (dqn, qrdqn); ppo is on-policy"),
+    (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
+    (["dqn", "--set", "per.alpha=-1"], "per.alpha: expected a number >= 0"),
+    (["dqn", "--set", "grad_accum_steps=0"], "grad_accum_steps: expected a positive int"),
 ]
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.presets import (
     ALGOS,
+    EXTENSION_KEYS,
     Schedule,
     get_algo,
     load_preset_file,
@@ -46,7 +47,7 @@ def test_dataclass_defaults_equal_sb3_defaults(algo):
     spec = get_algo(algo)
     signature = inspect.signature(spec.model_class.__init__).parameters
     for f in dataclasses.fields(spec.params_class):
-        if f.name in ("per", "grad_accum_steps"):  # sb3_gpu's own extensions, off by default
+        if f.name in EXTENSION_KEYS:  # sb3_gpu's own extensions, off by default
             assert f.default in (False, 1)
             continue
         assert f.name in signature, f"{f.name} is not an argument of {spec.model_class.__name__}"
