@@ -6,9 +6,6 @@ import argparse
 from typing import NoReturn
 
 from rich.console import Console
-from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.evaluation import evaluate_policy
-from stable_baselines3.common.vec_env import VecEnv
 
 
 class Parser(argparse.ArgumentParser):
@@ -31,9 +28,3 @@ def positive_int(text: str) -> int:
 
 def print_error(message: str) -> None:
     Console(stderr=True).print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
-
-
-def evaluate(model: BaseAlgorithm, env: VecEnv, episodes: int, deterministic: bool = True) -> tuple[float, float]:
-    """Mean and std of the episode return."""
-    mean, std = evaluate_policy(model, env, n_eval_episodes=episodes, deterministic=deterministic)
-    return float(mean), float(std)  # type: ignore[arg-type]

@@ -19,9 +19,10 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
 
-from sb3_gpu._cli import Parser, evaluate, positive_int
+from sb3_gpu._cli import Parser, positive_int
 from sb3_gpu.per import PrioritizedReplayBuffer
 from sb3_gpu.plan import build_env, build_model, make_plan
+from sb3_gpu.run import evaluate
 
 
 def paired_medians(

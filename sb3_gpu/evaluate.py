@@ -11,9 +11,10 @@ from typing import Any
 
 from stable_baselines3.common.vec_env import VecNormalize
 
-from sb3_gpu._cli import Parser, evaluate, positive_int, print_error
+from sb3_gpu._cli import Parser, positive_int, print_error
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import Plan, build_env, load_config, make_plan
+from sb3_gpu.run import evaluate
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-import time
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback
-from stable_baselines3.common.vec_env import sync_envs_normalization
 
 from sb3_gpu import __version__
-from sb3_gpu._cli import Parser, evaluate, positive_int, print_error
-from sb3_gpu._io import save_model, write_json, write_yaml
-from sb3_gpu.callbacks import ProgressCallback, SaveVecNormalizeCallback
+from sb3_gpu._cli import Parser, positive_int, print_error
 from sb3_gpu.envs import VEC_ENV_KINDS
 from sb3_gpu.errors import ConfigError
-from sb3_gpu.plan import Plan, build_env, build_model, load_config, make_plan, plan_table
+from sb3_gpu.plan import Plan, load_config, make_plan, plan_table
 from sb3_gpu.presets import ALGOS, parse_override
+from sb3_gpu.run import new_run_dir, train_run
 
 DEFAULT_ENV = "CartPole-v1"
 
@@ -86,92 +80,6 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     )
 
 
-def new_run_dir(requested: str | None, plan: Plan) -> Path:
-    """Create the run dir; an existing one is never reused, so no run overwrites another."""
-    if requested is not None:
-        path = Path(requested)
-        if path.exists():
-            raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
-        path.mkdir(parents=True)
-        return path
-    env = re.sub(r"[^A-Za-z0-9_.-]+", "_", plan.env.name)
-    base = Path("runs") / f"{plan.algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
-    for i in range(1, 1000):
-        path = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            continue
-    raise ConfigError(f"could not find a free run dir name beside {base}")  # pragma: no cover
-
-
-def train(plan: Plan, run_dir: Path, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    """Train per the plan into ``run_dir``; return the summary (also written as summary.json)."""
-    preset = plan.preset
-    total = preset.n_timesteps
-    write_yaml(run_dir / "config.yaml", plan.to_config())
-    env = build_env(plan, monitor_dir=str(run_dir / "monitor"))
-    eval_env = build_env(plan, evaluation=True)
-    model = build_model(plan, env, tensorboard_log=str(run_dir / "tb"))
-
-    eval_freq = args.eval_freq or max(total // 10, 1)
-    checkpoint_freq = args.checkpoint_freq or max(total // 5, 1)
-    callbacks: list[BaseCallback] = [
-        EvalCallback(
-            eval_env,
-            n_eval_episodes=args.eval_episodes,
-            eval_freq=max(eval_freq // preset.n_envs, 1),
-            best_model_save_path=str(run_dir),
-            log_path=str(run_dir / "eval"),
-            callback_on_new_best=SaveVecNormalizeCallback(run_dir / "best_vecnormalize.pkl") if preset.normalize else None,
-            verbose=0,
-        ),
-        CheckpointCallback(
-            max(checkpoint_freq // preset.n_envs, 1), str(run_dir / "checkpoints"), name_prefix="model", save_vecnormalize=True
-        ),
-    ]
-    if not args.no_progress:
-        callbacks.append(ProgressCallback(total, console=console))
-
-    start = time.perf_counter()
-    interrupted = False
-    try:
-        model.learn(total, callback=callbacks, tb_log_name="run")
-    except KeyboardInterrupt:
-        interrupted = True
-    wall = time.perf_counter() - start
-
-    model_path = save_model(model, run_dir / "model.zip")
-    vec_normalize = model.get_vec_normalize_env()
-    if vec_normalize is not None:
-        vec_normalize.save(str(run_dir / "vecnormalize.pkl"))
-    summary: dict[str, Any] = {
-        "algo": plan.algo,
-        "env": plan.env.name,
-        "device": plan.device.device,
-        "vec_env": type(env.unwrapped).__name__,
-        "timesteps": int(model.num_timesteps),
-        "wall_time_s": round(wall, 2),
-        "steps_per_s": round(model.num_timesteps / wall, 1) if wall > 0 else None,
-        "interrupted": interrupted,
-        "model": str(model_path),
-    }
-    if not interrupted:
-        sync_envs_normalization(env, eval_env)
-        mean, std = evaluate(model, eval_env, args.eval_episodes)
-        summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=args.eval_episodes)
-        best = callbacks[0]
-        assert isinstance(best, EvalCallback)
-        summary["best_eval_mean"] = float(best.best_mean_reward) if best.best_mean_reward > -float("inf") else None
-    if (run_dir / "best_model.zip").exists():
-        summary["best_model"] = str(run_dir / "best_model.zip")
-    write_json(run_dir / "summary.json", summary)
-    env.close()
-    eval_env.close()
-    return summary
-
-
 def summary_table(summary: dict[str, Any], run_dir: Path) -> Table:
     table = Table(title="sb3_gpu summary", title_justify="left")
     table.add_column("", style="bold")
@@ -212,7 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print_error(str(e))
         return 2
-    summary = train(plan, run_dir, args, console)
+    summary = train_run(
+        plan,
+        run_dir,
+        eval_freq=args.eval_freq,
+        eval_episodes=args.eval_episodes,
+        checkpoint_freq=args.checkpoint_freq,
+        progress=not args.no_progress,
+        console=console,
+    )
     console.print(summary_table(summary, run_dir))
     if summary["interrupted"]:
         print_error(f"interrupted at {summary['timesteps']:,} timesteps; model saved to {summary['model']}")

@@ -1,0 +1,127 @@
+"""Training a plan into a run directory: what ``python -m sb3_gpu.train`` does, as a library call."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback
+from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
+
+from sb3_gpu._io import save_model, write_json, write_yaml
+from sb3_gpu.callbacks import ProgressCallback, SaveVecNormalizeCallback
+from sb3_gpu.errors import ConfigError
+from sb3_gpu.plan import Plan, build_env, build_model
+
+
+def new_run_dir(requested: str | None, plan: Plan) -> Path:
+    """Create the run dir; an existing one is never reused, so no run overwrites another."""
+    if requested is not None:
+        path = Path(requested)
+        if path.exists():
+            raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
+        path.mkdir(parents=True)
+        return path
+    env = re.sub(r"[^A-Za-z0-9_.-]+", "_", plan.env.name)
+    base = Path("runs") / f"{plan.algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
+    for i in range(1, 1000):
+        path = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"could not find a free run dir name beside {base}")  # pragma: no cover
+
+
+def train_run(
+    plan: Plan,
+    run_dir: str | Path,
+    *,
+    eval_freq: int | None = None,
+    eval_episodes: int = 10,
+    checkpoint_freq: int | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Train per the plan into ``run_dir`` (config, checkpoints, best and final model, TensorBoard, summary).
+
+    :param eval_freq: evaluate every N timesteps (default: a tenth of the run)
+    :param checkpoint_freq: checkpoint every N timesteps (default: a fifth of the run)
+    :return: the summary, also written as ``summary.json``
+    """
+    run_dir = Path(run_dir)
+    preset = plan.preset
+    total = preset.n_timesteps
+    write_yaml(run_dir / "config.yaml", plan.to_config())
+    env = build_env(plan, monitor_dir=str(run_dir / "monitor"))
+    eval_env = build_env(plan, evaluation=True)
+    model = build_model(plan, env, tensorboard_log=str(run_dir / "tb"))
+
+    eval_freq = eval_freq or max(total // 10, 1)
+    checkpoint_freq = checkpoint_freq or max(total // 5, 1)
+    callbacks: list[BaseCallback] = [
+        EvalCallback(
+            eval_env,
+            n_eval_episodes=eval_episodes,
+            eval_freq=max(eval_freq // preset.n_envs, 1),
+            best_model_save_path=str(run_dir),
+            log_path=str(run_dir / "eval"),
+            callback_on_new_best=SaveVecNormalizeCallback(run_dir / "best_vecnormalize.pkl") if preset.normalize else None,
+            verbose=0,
+        ),
+        CheckpointCallback(
+            max(checkpoint_freq // preset.n_envs, 1), str(run_dir / "checkpoints"), name_prefix="model", save_vecnormalize=True
+        ),
+    ]
+    if progress:
+        callbacks.append(ProgressCallback(total, console=console))
+
+    start = time.perf_counter()
+    interrupted = False
+    try:
+        model.learn(total, callback=callbacks, tb_log_name="run")
+    except KeyboardInterrupt:
+        interrupted = True
+    wall = time.perf_counter() - start
+
+    model_path = save_model(model, run_dir / "model.zip")
+    vec_normalize = model.get_vec_normalize_env()
+    if vec_normalize is not None:
+        vec_normalize.save(str(run_dir / "vecnormalize.pkl"))
+    summary: dict[str, Any] = {
+        "algo": plan.algo,
+        "env": plan.env.name,
+        "device": plan.device.device,
+        "vec_env": type(env.unwrapped).__name__,
+        "timesteps": int(model.num_timesteps),
+        "wall_time_s": round(wall, 2),
+        "steps_per_s": round(model.num_timesteps / wall, 1) if wall > 0 else None,
+        "interrupted": interrupted,
+        "model": str(model_path),
+    }
+    if not interrupted:
+        sync_envs_normalization(env, eval_env)
+        mean, std = evaluate(model, eval_env, eval_episodes)
+        summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=eval_episodes)
+        best = callbacks[0]
+        assert isinstance(best, EvalCallback)
+        summary["best_eval_mean"] = float(best.best_mean_reward) if best.best_mean_reward > -float("inf") else None
+    if (run_dir / "best_model.zip").exists():
+        summary["best_model"] = str(run_dir / "best_model.zip")
+    write_json(run_dir / "summary.json", summary)
+    env.close()
+    eval_env.close()
+    return summary
+
+
+def evaluate(model: BaseAlgorithm, env: VecEnv, episodes: int, deterministic: bool = True) -> tuple[float, float]:
+    """Mean and std of the episode return."""
+    mean, std = evaluate_policy(model, env, n_eval_episodes=episodes, deterministic=deterministic)
+    return float(mean), float(std)  # type: ignore[arg-type]
