@@ -222,6 +222,10 @@ def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int |
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
             _seed(venv, seed)  # the probe reset used the seeds up; the model's own first reset gets them again
         except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
+            if getattr(mp.current_process(), "_inheriting", False):
+                # We are a worker re-running a script that lacks the __main__ guard: die, as multiprocessing
+                # intends, rather than fall back and run the user's whole script inside the worker.
+                raise
             reports = sorted(Path(tmp).glob("*.err"))
             cause = f"{reports[0].stem}: {reports[0].read_text(encoding='utf-8')}" if reports else f"{type(e).__name__}: {e}"
             if not reports and isinstance(e, (EOFError, ConnectionError)):
@@ -230,7 +234,8 @@ def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int |
             for proc in set(mp.active_children()) - before:
                 proc.terminate()
                 proc.join(timeout=5)
-            raise _SubprocFailed(cause) from None
+            cause = " ".join(cause.split())
+            raise _SubprocFailed(cause if len(cause) < 300 else cause[:297] + "...") from None
         finally:
             for factory in factories:
                 factory.report = None

@@ -173,3 +173,23 @@ def test_explicit_choice_is_kept_and_bad_names_rejected():
 def test_n_envs_must_be_a_positive_int(n_envs):
     with pytest.raises(ConfigError, match="n_envs must be a positive int"):
         make_vec_env("CartPole-v1", n_envs)
+
+
+def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import warnings\n"
+        "from sb3_gpu import make_vec_env\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    venv = make_vec_env('CartPole-v1', 2, vec_env='subproc')\n"
+        "print('KIND', type(venv).__name__)\n"
+        "print('WARN', *[str(w.message) for w in caught])\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("KIND") == 1, "workers must not run the script's body"
+    assert "KIND DummyVecEnv" in out.stdout and "missing __main__ guard" in out.stdout
