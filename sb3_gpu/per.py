@@ -1,6 +1,6 @@
 """Prioritized experience replay (Schaul et al. 2015, proportional variant) for DQN and QR-DQN.
 
-The sum and min trees are ``fanout``-ary trees kept as one flat numpy array per level, updated and searched for a
+The sum and min trees are ``fanout``-ary trees kept as one numpy array per level, updated and searched for a
 whole batch at once: with fanout 16 and a top level of at most 4096 nodes, a million leaves need two levels below
 the top, so a batch costs a few numpy calls per level and no Python loop over samples.
 """
@@ -26,7 +26,10 @@ class SumMinTree:
     """Sums and minima over ``capacity`` non-negative leaves; empty leaves count 0 in sums and +inf in minima.
 
     Levels of ``fanout``-ary nodes are built up from the leaves until one has at most ``top`` nodes; a search
-    starts there with one cumulative sum and a binary search, then descends one level per step.
+    starts there with one cumulative sum and a binary search, then descends one level per step. Each level is a
+    flat array whose groups of ``fanout`` siblings are contiguous (few cache misses for a batch of random nodes);
+    a batch's groups are transposed to ``(fanout, batch)`` before reducing, since numpy reduces along rows of 16
+    several times slower than across a batch.
     """
 
     def __init__(self, capacity: int, fanout: int = 16, top: int = 4096):
@@ -39,10 +42,7 @@ class SumMinTree:
             sizes.append(sizes[-1] // fanout)
         self.sums = [np.zeros(n, dtype=np.float64) for n in sizes]
         self.mins = [np.full(n, np.inf, dtype=np.float64) for n in sizes]
-        # Row sums and running sums over a group of `fanout` as matrix products: numpy's axis-1 reductions over
-        # rows this short cost several times more than a small BLAS call.
-        self._ones = np.ones(fanout)
-        self._upper = np.triu(np.ones((fanout, fanout)))
+        self._lower = np.tril(np.ones((fanout, fanout)))  # running sums down a column as one small matmul
 
     @property
     def total(self) -> float:
@@ -55,6 +55,14 @@ class SumMinTree:
     def __getitem__(self, indices: np.ndarray) -> np.ndarray:
         return self.sums[0][indices]
 
+    def leaves(self, count: int) -> np.ndarray:
+        """The first ``count`` leaves, in order."""
+        return self.sums[0][:count]
+
+    def _groups(self, level: np.ndarray, parents: np.ndarray) -> np.ndarray:
+        """The children of ``parents`` as a C-ordered ``(fanout, batch)`` array."""
+        return np.ascontiguousarray(np.take(level.reshape(-1, self.fanout), parents, axis=0).T)
+
     def update(self, indices: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``indices`` to ``values`` (the last write wins for repeated indices) and refresh their ancestors."""
         nodes = np.asarray(indices, dtype=np.int64)
@@ -64,46 +72,44 @@ class SumMinTree:
         for level in range(1, len(self.sums)):
             # Repeated parents are written repeatedly with the same value: cheaper than np.unique.
             nodes = nodes // self.fanout
-            self.sums[level][nodes] = self.sums[level - 1].reshape(-1, self.fanout)[nodes] @ self._ones
-            self.mins[level][nodes] = _row_min(self.mins[level - 1].reshape(-1, self.fanout)[nodes])
+            self.sums[level][nodes] = self._groups(self.sums[level - 1], nodes).sum(axis=0)
+            self.mins[level][nodes] = self._groups(self.mins[level - 1], nodes).min(axis=0)
 
-    def find(self, prefix: np.ndarray) -> np.ndarray:
+    def find(self, prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each value ``u`` in ``[0, total)``, the leaf ``i`` with ``sum(leaves[:i]) <= u < sum(leaves[:i+1])``.
 
-        Never returns a leaf of zero priority, even where rounding puts ``u`` at or past the total.
+        Returns the leaves' indices and values. Never a leaf of zero value, even where rounding puts ``u`` at or
+        past the total.
         """
         prefix = np.array(prefix, dtype=np.float64)
         top = self.sums[-1]
         cumulative = np.cumsum(top)
-        nodes = _clamp_to_positive(np.searchsorted(cumulative, prefix, side="right"), top[None, :])
-        prefix -= cumulative[nodes] - top[nodes]
-        rows = np.arange(len(prefix))
+        nodes = _clamp_to_positive(np.searchsorted(cumulative, prefix, side="right"), top[:, None])
+        values = top[nodes]
+        prefix -= cumulative[nodes] - values
+        columns = np.arange(len(prefix))
         for level in range(len(self.sums) - 2, -1, -1):
-            children = self.sums[level].reshape(-1, self.fanout)[nodes]
-            cumulative = children @ self._upper
-            child = _clamp_to_positive(((cumulative <= prefix[:, None]) @ self._ones).astype(np.int64), children)
-            prefix -= cumulative[rows, child] - children[rows, child]
+            children = self._groups(self.sums[level], nodes)
+            cumulative = self._lower @ children
+            child = _clamp_to_positive((cumulative <= prefix).sum(axis=0), children)
+            picked = child * len(prefix) + columns  # flat positions in the (fanout, batch) arrays
+            values = np.take(children, picked)
+            if level:
+                prefix -= np.take(cumulative, picked) - values
             nodes = nodes * self.fanout + child
-        return nodes
-
-
-def _row_min(rows: np.ndarray) -> np.ndarray:
-    """``rows.min(axis=1)`` by halving: elementwise minima beat numpy's axis-1 reduction over short rows."""
-    while rows.shape[1] > 1:
-        half = rows.shape[1] // 2
-        folded = np.minimum(rows[:, :half], rows[:, half : 2 * half])
-        rows = np.concatenate([folded, rows[:, 2 * half :]], axis=1) if rows.shape[1] % 2 else folded
-    return rows[:, 0]
+        return nodes, values
 
 
 def _clamp_to_positive(child: np.ndarray, children: np.ndarray) -> np.ndarray:
-    """Move picks that rounding pushed past the last child back onto the last child with a positive value."""
-    over = child >= children.shape[1]
+    """Move picks that rounding pushed past the last child back onto the last child with a positive value.
+
+    ``children`` is ``(n_children, batch)``, or ``(n_children, 1)`` where all picks share one set of children.
+    """
+    width = children.shape[0]
+    over = child >= width
     if over.any():
-        rows = (
-            children[over] if len(children) == len(child) else np.broadcast_to(children, (int(over.sum()), children.shape[1]))
-        )
-        child[over] = children.shape[1] - 1 - np.argmax(rows[:, ::-1] > 0, axis=1)
+        columns = children[:, over] if children.shape[1] == len(child) else np.repeat(children, int(over.sum()), axis=1)
+        child[over] = width - 1 - np.argmax(columns[::-1] > 0, axis=0)
     return child
 
 
@@ -172,20 +178,22 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
         total = self.tree.total
         prefix = (np.arange(batch_size) + np.random.random(batch_size)) * (total / batch_size)
-        indices = self.tree.find(prefix)
+        indices, priorities = self.tree.find(prefix)
         stored = self.size() * self.n_envs
         # w_i = (N * P(i)) ** -beta, divided by the largest weight, that of the smallest priority.
-        probabilities = self.tree[indices] / total
-        weights = (stored * probabilities) ** -self.beta
         max_weight = (stored * self.tree.min / total) ** -self.beta
+        weights = (priorities * (stored / total)) ** -self.beta / max_weight
         self.last_max_weight = float(max_weight)
-        batch_inds, env_inds = np.divmod(indices, self.n_envs)
+        # With one env, a scalar env index makes the gathers below cheaper than an array of zeros.
+        batch_inds, env_inds = (indices, 0) if self.n_envs == 1 else np.divmod(indices, self.n_envs)
         samples = self._get_samples_at(batch_inds, env_inds, env)
         return PrioritizedReplayBufferSamples(
-            *samples, weights=self.to_torch((weights / max_weight).astype(np.float32), copy=False), indices=indices
+            *samples, weights=self.to_torch(weights.astype(np.float32), copy=False), indices=indices
         )
 
-    def _get_samples_at(self, batch_inds: np.ndarray, env_inds: np.ndarray, env: VecNormalize | None) -> ReplayBufferSamples:
+    def _get_samples_at(
+        self, batch_inds: np.ndarray, env_inds: np.ndarray | int, env: VecNormalize | None
+    ) -> ReplayBufferSamples:
         # SB3's _get_samples draws the env index at random; here it is the one the tree chose.
         data = (
             self._normalize_obs(self.observations[batch_inds, env_inds, :], env),
@@ -259,7 +267,7 @@ class _PrioritizedTraining:
         logger.record("train/n_updates", self._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
         logger.record("train/loss", np.mean(losses))
         if per is not None:
-            leaves = per.tree.sums[0][: per.size() * per.n_envs]
+            leaves = per.tree.leaves(per.size() * per.n_envs)
             logger.record("per/beta", per.beta)
             logger.record("per/mean_priority", float(leaves.mean()))
             logger.record("per/max_priority", float(leaves.max()))

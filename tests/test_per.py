@@ -49,8 +49,9 @@ def test_prefix_search_matches_brute_force_and_skips_empty_leaves(values, shape,
     tree.update(np.arange(len(v)), v)
     fractions = data.draw(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=50))
     prefix = np.array(fractions) * tree.total
-    found = tree.find(prefix)
+    found, values = tree.find(prefix)
     assert (v[found] > 0).all()
+    np.testing.assert_array_equal(values, v[found])
     # Each answer's interval [sum before it, sum through it) holds the prefix, up to rounding of the sums.
     cumulative = np.cumsum(v)
     tolerance = 1e-9 * v.sum()
@@ -152,7 +153,8 @@ def test_saved_buffer_keeps_priorities(tmp_path):
     fresh = make_model("dqn", "CartPole-v1", device="cpu", per=True, net_arch=[8], seed=0)
     fresh.load_replay_buffer(tmp_path / "buffer.pkl")
     assert isinstance(fresh.replay_buffer, PrioritizedReplayBuffer)
-    np.testing.assert_array_equal(fresh.replay_buffer.tree.sums[0], model.replay_buffer.tree.sums[0])
+    for ours, theirs in zip(fresh.replay_buffer.tree.sums, model.replay_buffer.tree.sums, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
     assert fresh.replay_buffer.max_priority == model.replay_buffer.max_priority
 
 
