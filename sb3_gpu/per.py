@@ -75,6 +75,18 @@ class SumMinTree:
             self.sums[level][nodes] = self._groups(self.sums[level - 1], nodes).sum(axis=0)
             self.mins[level][nodes] = self._groups(self.mins[level - 1], nodes).min(axis=0)
 
+    def update_range(self, start: int, values: np.ndarray) -> None:
+        """Set the consecutive leaves from ``start`` (what each env step adds): contiguous slices, no gathers."""
+        values = np.asarray(values, dtype=np.float64)
+        low, high = start, start + len(values)
+        self.sums[0][low:high] = values
+        self.mins[0][low:high] = np.where(values > 0, values, np.inf)
+        for level in range(1, len(self.sums)):
+            low, high = low // self.fanout, (high - 1) // self.fanout + 1
+            below = slice(low * self.fanout, high * self.fanout)
+            self.sums[level][low:high] = self.sums[level - 1][below].reshape(-1, self.fanout).sum(axis=1)
+            self.mins[level][low:high] = self.mins[level - 1][below].reshape(-1, self.fanout).min(axis=1)
+
     def find(self, prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each value ``u`` in ``[0, total)``, the leaf ``i`` with ``sum(leaves[:i]) <= u < sum(leaves[:i+1])``.
 
@@ -172,7 +184,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     ) -> None:
         first = self.pos * self.n_envs
         super().add(obs, next_obs, action, reward, done, infos)
-        self.tree.update(np.arange(first, first + self.n_envs), np.full(self.n_envs, self.max_priority**self.alpha))
+        self.tree.update_range(first, np.full(self.n_envs, self.max_priority**self.alpha))
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> PrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
