@@ -1,19 +1,30 @@
-"""Presets really learn: train the bundled CartPole presets to the end and evaluate the final model."""
+"""Presets really learn: train the bundled CartPole presets as `train` does and evaluate what the run keeps.
+
+DQN's final network on CartPole can still collapse late in a run (seen here: seed 0 ended at 452 with two torch
+threads and at 500 with one), which is why a run keeps its best model by periodic evaluation and `evaluate` uses
+it by default. The test re-evaluates that best model on 20 fresh episodes, so selection noise cannot pass it.
+"""
 
 from __future__ import annotations
 
-import pytest
-from stable_baselines3.common.evaluation import evaluate_policy
+import json
 
-from sb3_gpu.plan import build_env, build_model, make_plan
+import pytest
+
+from sb3_gpu.evaluate import evaluate_run
+from sb3_gpu.plan import make_plan
+from sb3_gpu.run import train_run
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("algo", ["ppo", "dqn"])
-def test_cartpole_preset_reaches_475(algo):
+def test_cartpole_preset_reaches_475(algo, tmp_path):
     plan = make_plan(algo, "CartPole-v1", device="auto", seed=0)
-    model = build_model(plan, build_env(plan))
-    model.learn(model.preset_timesteps)
-    mean, std = evaluate_policy(model, build_env(plan, evaluation=True), n_eval_episodes=10, deterministic=True)
-    assert mean >= 475, f"{algo} on CartPole-v1: {mean:.1f} +/- {std:.1f} after {model.num_timesteps} steps"
+    summary = train_run(plan, tmp_path / "run", eval_episodes=5, progress=False)
+    assert summary["timesteps"] >= plan.preset.n_timesteps
+    best = evaluate_run(tmp_path / "run", episodes=20, seed=123)
+    assert best["model"].endswith("best_model.zip")
+    assert best["mean"] >= 475, f"{algo}: best model {best['mean']:.1f} +/- {best['std']:.1f}; {json.dumps(summary)}"
+    if algo == "ppo":  # PPO's final model is reliable too: the quick start promises it
+        assert summary["final_eval_mean"] >= 475, summary
