@@ -109,7 +109,7 @@ def schedulable(inner: Check) -> Check:
                 value.get("end_fraction", 1.0), f"{where}.end_fraction"
             )
             # The end of a decaying schedule may be 0 even where the value itself must be positive.
-            end = _as_number(value.get("end", 0.0), f"{where}.end", "a number")
+            end = NON_NEGATIVE(value.get("end", 0.0), f"{where}.end")
             return Schedule("linear", inner(value["start"], f"{where}.start"), float(end), frac)
         raise ConfigError(f"{where}: schedule must be 'linear' or 'constant', got {kind!r}")
 

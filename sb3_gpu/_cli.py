@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import NoReturn
 
 from rich.console import Console
@@ -15,15 +16,27 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def positive_int(text: str) -> int:
-    """``1000``, ``1e5`` and ``100_000`` are accepted; zero, negatives and fractions are not."""
+def _integer(text: str, low: int, what: str) -> int:
     try:
         value = float(text.replace("_", ""))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not math.isfinite(value) or value < low or value != int(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return int(value)
+
+
+def positive_int(text: str) -> int:
+    """``1000``, ``1e5`` and ``100_000`` are accepted; zero, negatives, fractions and infinities are not."""
+    return _integer(text, 1, "a positive integer")
+
+
+def seed_int(text: str) -> int:
+    """A seed: an integer in [0, 2**32)."""
+    value = _integer(text, 0, "a seed, an integer >= 0")
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"expected a seed below 2**32, got {text!r}")
+    return value
 
 
 def print_error(message: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
 
-from sb3_gpu._cli import Parser, positive_int
+from sb3_gpu._cli import Parser, positive_int, seed_int
 from sb3_gpu.evaluate import evaluate_run
 from sb3_gpu.per import PrioritizedReplayBuffer
 from sb3_gpu.plan import build_env, build_model, make_plan
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per.add_argument("--repeats", type=positive_int, default=7, help="repeats; medians are printed (default 7)")
     per.add_argument("--batch-size", type=positive_int, default=256)
     per.add_argument("--learn", action="store_true", help="also train PER-DQN on CartPole-v1 for each --seeds")
-    per.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    per.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args(argv)
 
     print(f"machine: {platform.processor() or platform.machine()}, torch {th.__version__}, {th.get_num_threads()} threads")

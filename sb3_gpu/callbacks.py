@@ -83,9 +83,14 @@ class ProgressCallback(BaseCallback):
         self._progress.update(self._task, completed=self.num_timesteps, sps=self.rate.rate(), ret=ret)
 
     def _on_training_end(self) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Draw the last state and release the terminal (also after an interrupted ``learn``)."""
         if self._progress is not None:
             self._refresh(time.perf_counter())
             self._progress.stop()
+            self._progress = None
 
 
 class SaveVecNormalizeCallback(BaseCallback):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import multiprocessing as mp
@@ -88,11 +89,14 @@ def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
 def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
     module, _, attr = path.partition(":")
     try:
-        target = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise ConfigError(f"env {path!r}: cannot import module {module!r} ({e})") from None
-    except AttributeError:
-        raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}") from None
+        imported = importlib.import_module(module)
+    except Exception as e:  # the user's module may fail in any way while importing
+        raise ConfigError(f"env {path!r}: cannot import module {module!r} ({type(e).__name__}: {e})") from None
+    if attr in gym.registry:  # Gymnasium's own "package:EnvId-v0" form: the import registered the env
+        return _resolve_id(attr, kwargs)
+    target = getattr(imported, attr, None)
+    if target is None:
+        raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}")
     if not callable(target):
         raise ConfigError(f"env {path!r}: {attr!r} is not an env class or factory")
     return EnvSpec(path, functools.partial(_make_from_path, path, kwargs))
@@ -187,9 +191,11 @@ class _EnvFactory:
 
 
 def _write_report(path: str | None, error: BaseException) -> None:
-    # In a worker process the parent only sees a closed pipe; leave it the cause in a file.
+    # In a worker process the parent only sees a closed pipe; leave it the cause in a file. After start-up the
+    # folder is gone, and the worker's own traceback is the report.
     if path is not None:
-        Path(path).write_text(f"{type(error).__name__}: {error}", encoding="utf-8")
+        with contextlib.suppress(OSError):
+            Path(path).write_text(f"{type(error).__name__}: {error}", encoding="utf-8")
 
 
 class _ReportResetErrors(gym.Wrapper):

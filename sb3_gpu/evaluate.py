@@ -11,7 +11,7 @@ from typing import Any
 
 from stable_baselines3.common.vec_env import VecNormalize
 
-from sb3_gpu._cli import Parser, positive_int, print_error
+from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import Plan, build_env, load_config, make_plan
 from sb3_gpu.run import evaluate
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stochastic", action="store_true", help="sample actions instead of taking the most likely one")
     p.add_argument("--model", choices=("best", "final"), default="best", help="for a run dir: which model (default best)")
     p.add_argument("--device", default="cpu", help="device to run the policy on (default cpu)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the evaluation env")
+    p.add_argument("--seed", type=seed_int, default=None, help="seed of the evaluation env")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -65,15 +65,24 @@ def evaluate_run(
     seed: int | None = None,
 ) -> dict[str, Any]:
     """Load a model from a run and return ``{"mean", "std", "episodes", "model"}``."""
+    if which not in ("best", "final"):
+        raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
     model_path, run_dir = _find_model(Path(target), which)
     config = load_config(run_dir)
     plan: Plan = make_plan(config.algo, config.env, device, vec_env="dummy", seed=seed, config=config)
     env = build_env(plan, evaluation=True)
-    stats = _stats_for(model_path, run_dir)
-    if isinstance(env, VecNormalize) and stats is not None:
+    if isinstance(env, VecNormalize):
+        stats = _stats_for(model_path, run_dir)
+        if stats is None:
+            raise ConfigError(f"{run_dir} normalised its observations but holds no vecnormalize.pkl for {model_path.name}")
         env = VecNormalize.load(str(stats), env.venv)
         env.training, env.norm_reward = False, False
-    model = plan.preset.model_class.load(str(model_path), device=plan.device.device)
+    try:
+        model = plan.preset.model_class.load(str(model_path), device=plan.device.device)
+    except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
+        raise ConfigError(
+            f"{model_path} is not a loadable {plan.preset.model_class.__name__} model ({type(e).__name__}: {e})"
+        ) from None
     mean, std = evaluate(model, env, episodes, deterministic)
     env.close()
     return {

@@ -55,10 +55,6 @@ class SumMinTree:
     def __getitem__(self, indices: np.ndarray) -> np.ndarray:
         return self.sums[0][indices]
 
-    def leaves(self, count: int) -> np.ndarray:
-        """The first ``count`` leaves, in order."""
-        return self.sums[0][:count]
-
     def _groups(self, level: np.ndarray, parents: np.ndarray) -> np.ndarray:
         """The children of ``parents`` as a C-ordered ``(fanout, batch)`` array."""
         return np.ascontiguousarray(np.take(level.reshape(-1, self.fanout), parents, axis=0).T)
@@ -279,10 +275,10 @@ class _PrioritizedTraining:
         logger.record("train/n_updates", self._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
         logger.record("train/loss", np.mean(losses))
         if per is not None:
-            leaves = per.tree.leaves(per.size() * per.n_envs)
+            # Leaves hold priority ** alpha; O(1) figures, since train() may run every env step.
             logger.record("per/beta", per.beta)
-            logger.record("per/mean_priority", float(leaves.mean()))
-            logger.record("per/max_priority", float(leaves.max()))
+            logger.record("per/mean_priority", per.tree.total / (per.size() * per.n_envs))
+            logger.record("per/max_priority", per.max_priority**per.alpha)
             logger.record("per/max_weight_unnormalized", per.last_max_weight)
 
 

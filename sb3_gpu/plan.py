@@ -196,6 +196,7 @@ def make_plan(
             resolved, policy=policy, sources={**resolved.sources, "policy": "auto (observation space)"}
         )
     check_policy_kwargs(algo_, resolved.policy, resolved.policy_kwargs, entry_label)
+    _check_combinations(resolved, obs_space)
     kind, reason = choose_vec_env(vec_env, resolved.n_envs, step_seconds, hardware.logical_cores)
     if kind == "subproc" and hardware.in_notebook:
         reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"
@@ -212,6 +213,22 @@ def make_plan(
         profile_reason=profile_reason,
         seed=seed,
     )
+
+
+def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
+    """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
+    params: Any = preset.params
+    if preset.algo == "ppo" and params.n_steps * preset.n_envs < 2:
+        raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")
+    if getattr(params, "optimize_memory_usage", False):
+        raise ConfigError(
+            "optimize_memory_usage=true is not supported: SB3 refuses it beside timeout handling, which stays on"
+        )
+    if getattr(params, "per", False):
+        if params.n_steps > 1:
+            raise ConfigError("prioritized replay does not support n-step returns yet; set per=false or n_steps=1")
+        if isinstance(obs_space, spaces.Dict):
+            raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")
 
 
 def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None = None, evaluation: bool = False) -> VecEnv:
@@ -243,15 +260,18 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
 
     ``model.preset_timesteps`` holds the preset's training length.
     """
-    model = plan.preset.model_class(
-        plan.preset.policy,
-        env,
-        device=plan.device.device,
-        seed=plan.seed,
-        tensorboard_log=tensorboard_log,
-        verbose=verbose,
-        **plan.preset.sb3_kwargs(),
-    )
+    try:
+        model = plan.preset.model_class(
+            plan.preset.policy,
+            env,
+            device=plan.device.device,
+            seed=plan.seed,
+            tensorboard_log=tensorboard_log,
+            verbose=verbose,
+            **plan.preset.sb3_kwargs(),
+        )
+    except (ValueError, AssertionError, TypeError) as e:  # SB3's own checks of combinations we do not know
+        raise ConfigError(f"{plan.preset.model_class.__name__} refused the plan's hyperparameters: {e}") from None
     model.preset_timesteps = plan.preset.n_timesteps  # type: ignore[attr-defined]
     return model
 

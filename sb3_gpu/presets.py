@@ -360,8 +360,10 @@ def resolve_preset(
         apply_override(raw, key, value)
         sources[key.partition(".")[0]] = source
     for key in raw:
-        if isinstance(raw[key], dict) and isinstance(values.get(key), Mapping) and key != "normalize":
+        if isinstance(raw[key], dict) and isinstance(values.get(key), Mapping):
             raw[key] = {**values[key], **raw[key]}
+        elif key == "per" and raw[key] is True and isinstance(values.get(key), Mapping):
+            raw[key] = values[key]  # --per switches the preset's own PER settings on, not the defaults
     values.update(validate_flat(algo, raw, "override"))
     check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], entry_label)
     params = algo.params_class(**{f.name: values[f.name] for f in dataclasses.fields(algo.params_class)})

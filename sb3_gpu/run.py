@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from datetime import datetime
@@ -59,10 +60,16 @@ def train_run(
     run_dir = Path(run_dir)
     preset = plan.preset
     total = preset.n_timesteps
-    write_yaml(run_dir / "config.yaml", plan.to_config())
     env = build_env(plan, monitor_dir=str(run_dir / "monitor"))
     eval_env = build_env(plan, evaluation=True)
-    model = build_model(plan, env, tensorboard_log=str(run_dir / "tb"))
+    try:
+        model = build_model(plan, env, tensorboard_log=str(run_dir / "tb"))
+    except ConfigError:
+        _close(env, eval_env)
+        raise
+    config = plan.to_config()
+    config["resolved"]["vec_env_class"] = type(env.unwrapped).__name__  # after any fallback to DummyVecEnv
+    write_yaml(run_dir / "config.yaml", config)
 
     eval_freq = eval_freq or max(total // 10, 1)
     checkpoint_freq = checkpoint_freq or max(total // 5, 1)
@@ -80,8 +87,9 @@ def train_run(
             max(checkpoint_freq // preset.n_envs, 1), str(run_dir / "checkpoints"), name_prefix="model", save_vecnormalize=True
         ),
     ]
-    if progress:
-        callbacks.append(ProgressCallback(total, console=console))
+    bar = ProgressCallback(total, console=console) if progress else None
+    if bar is not None:
+        callbacks.append(bar)
 
     start = time.perf_counter()
     interrupted = False
@@ -89,6 +97,8 @@ def train_run(
         model.learn(total, callback=callbacks, tb_log_name="run")
     except KeyboardInterrupt:
         interrupted = True
+        if bar is not None:
+            bar.stop()  # SB3 skips on_training_end when learn() is interrupted
     wall = time.perf_counter() - start
 
     model_path = save_model(model, run_dir / "model.zip")
@@ -116,9 +126,15 @@ def train_run(
     if (run_dir / "best_model.zip").exists():
         summary["best_model"] = str(run_dir / "best_model.zip")
     write_json(run_dir / "summary.json", summary)
-    env.close()
-    eval_env.close()
+    _close(env, eval_env)
     return summary
+
+
+def _close(*envs: VecEnv) -> None:
+    # After Ctrl-C, subprocess workers got the signal too and may be gone: closing must not raise over the summary.
+    for env in envs:
+        with contextlib.suppress(EOFError, BrokenPipeError, ConnectionError, OSError):
+            env.close()
 
 
 def evaluate(model: BaseAlgorithm, env: VecEnv, episodes: int, deterministic: bool = True) -> tuple[float, float]:

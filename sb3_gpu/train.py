@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sb3_gpu import __version__
-from sb3_gpu._cli import Parser, positive_int, print_error
+from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.envs import VEC_ENV_KINDS
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import Plan, load_config, make_plan, plan_table
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's n_timesteps)")
     p.add_argument("--n-envs", type=positive_int, help="number of parallel envs (default: the preset's)")
     p.add_argument("--vec-env", choices=VEC_ENV_KINDS, default=None, help="auto (default), dummy or subproc")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: none)")
+    p.add_argument("--seed", type=seed_int, default=None, help="random seed (default: none)")
     p.add_argument("--preset", metavar="FILE", help="a preset YAML file to use instead of the bundled one")
     p.add_argument("--profile", default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large")
     p.add_argument(
@@ -120,15 +121,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print_error(str(e))
         return 2
-    summary = train_run(
-        plan,
-        run_dir,
-        eval_freq=args.eval_freq,
-        eval_episodes=args.eval_episodes,
-        checkpoint_freq=args.checkpoint_freq,
-        progress=not args.no_progress,
-        console=console,
-    )
+    try:
+        summary = train_run(
+            plan,
+            run_dir,
+            eval_freq=args.eval_freq,
+            eval_episodes=args.eval_episodes,
+            checkpoint_freq=args.checkpoint_freq,
+            progress=not args.no_progress,
+            console=console,
+        )
+    except ConfigError as e:
+        # Refused before training began: nothing in the new run dir is worth keeping, and keeping it would
+        # make the same --run-dir "already exist" on the next try.
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print_error(str(e))
+        return 2
     console.print(summary_table(summary, run_dir))
     if summary["interrupted"]:
         print_error(f"interrupted at {summary['timesteps']:,} timesteps; model saved to {summary['model']}")

@@ -99,6 +99,15 @@ BAD_INPUTS = [
     (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
     (["dqn", "--set", "per.alpha=-1"], "per.alpha: expected a number >= 0"),
     (["dqn", "--set", "grad_accum_steps=0"], "grad_accum_steps: expected a positive int"),
+    (["dqn", "--set", "optimize_memory_usage=true"], "optimize_memory_usage=true is not supported"),
+    (["ppo", "--n-envs", "1", "--set", "n_steps=1"], "n_steps * n_envs must be > 1 for PPO"),
+    (["ppo", "--seed", "-1"], "--seed: expected a seed, an integer >= 0"),
+    (["ppo", "--timesteps", "inf"], "--timesteps: expected a positive integer, got 'inf'"),
+    (["dqn", "--per", "--set", "n_steps=3"], "does not support n-step returns"),
+    (
+        ["ppo", "--set", "learning_rate={{schedule: linear, start: 1.0e-3, end: -1}}"],
+        "learning_rate.end: expected a number >= 0",
+    ),
 ]
 
 
@@ -117,6 +126,11 @@ def bad_files(tmp_path):
     paths["missing"] = tmp_path / "missing"
     paths["existing"] = tmp_path / "existing"
     paths["existing"].mkdir()
+    broken = tmp_path / "broken_run"
+    broken.mkdir()
+    (broken / "config.yaml").write_text("algo: ppo\nenv: CartPole-v1\nhyperparameters: {}\n")
+    (broken / "model.zip").write_bytes(b"PK\x03\x04 not really a zip")
+    paths["broken"] = broken
     return paths
 
 
@@ -135,6 +149,7 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["{broken}"], "is not a loadable PPO model"),
         (["{missing}"], "no such run dir or model file"),
         (["{existing}"], "holds no best_model.zip or model.zip"),
         (["{existing}", "--episodes", "0"], "--episodes: expected a positive integer"),

@@ -46,6 +46,10 @@ def test_unknown_id_suggests_the_closest_registered_names():
         resolve_env("CartPol-v1")
 
 
+def test_gymnasium_module_colon_id_form_resolves_through_the_registry():
+    assert resolve_env("gymnasium.envs.classic_control:CartPole-v1").name == "CartPole-v1"
+
+
 def test_module_attr_resolves_to_a_class_or_factory():
     spec = resolve_env("gymnasium.envs.classic_control.cartpole:CartPoleEnv")
     assert spec.make().observation_space.shape == (4,)
@@ -59,6 +63,7 @@ def test_module_attr_resolves_to_a_class_or_factory():
         ("no_such_package.envs:Env", "cannot import module 'no_such_package.envs'"),
         ("gymnasium.envs.classic_control.cartpole:NoSuchEnv", "has no attribute 'NoSuchEnv'"),
         ("gymnasium.envs.classic_control.cartpole:__name__", "is not an env class or factory"),
+        (":NoModule", "cannot import module ''"),
     ],
 )
 def test_module_attr_that_does_not_import_is_an_error(target, message):

@@ -333,3 +333,10 @@ def test_per_statistics_are_logged(tmp_path):
     last = logged[-1]
     assert float(last["per/max_priority"]) >= float(last["per/mean_priority"]) > 0
     assert float(last["per/max_weight_unnormalized"]) >= 1.0
+
+
+def test_per_switch_keeps_the_presets_own_settings(cpu_machine):
+    plan = make_plan("dqn", "CartPole-v1", overrides={"per": True}, hardware=cpu_machine)
+    assert plan.preset.params.per["alpha"] == 0.5  # dqn.yaml:CartPole-v1, not the 0.6 default
+    plan = make_plan("dqn", "Acrobot-v1", overrides={"per": True}, hardware=cpu_machine)
+    assert plan.preset.params.per["alpha"] == 0.6
