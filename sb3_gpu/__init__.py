@@ -11,7 +11,7 @@ from sb3_gpu.envs import VecEnvFallbackWarning, make_vec_env
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.hardware import HardwareProfile, choose_device, detect_hardware
 from sb3_gpu.plan import Plan, build_env, build_model, make_model, make_plan
-from sb3_gpu.run import train_run
+from sb3_gpu.run import evaluate_run, train_run
 
 __version__ = "0.1.0"
 
@@ -24,6 +24,7 @@ __all__ = [
     "build_model",
     "choose_device",
     "detect_hardware",
+    "evaluate_run",
     "make_model",
     "make_plan",
     "make_vec_env",

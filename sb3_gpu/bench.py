@@ -22,10 +22,9 @@ import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
 
 from sb3_gpu._cli import Parser, positive_int, seed_int
-from sb3_gpu.evaluate import evaluate_run
 from sb3_gpu.per import PrioritizedReplayBuffer
 from sb3_gpu.plan import build_env, build_model, make_plan
-from sb3_gpu.run import train_run
+from sb3_gpu.run import evaluate_run, train_run
 
 
 def paired_medians(

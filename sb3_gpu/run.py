@@ -13,12 +13,12 @@ from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback, EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
-from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize, sync_envs_normalization
 
 from sb3_gpu._io import save_model, write_json, write_yaml
 from sb3_gpu.callbacks import ProgressCallback, SaveVecNormalizeCallback
 from sb3_gpu.errors import ConfigError
-from sb3_gpu.plan import Plan, build_env, build_model
+from sb3_gpu.plan import Plan, build_env, build_model, load_config, make_plan
 
 
 def new_run_dir(requested: str | None, plan: Plan) -> Path:
@@ -141,3 +141,68 @@ def evaluate(model: BaseAlgorithm, env: VecEnv, episodes: int, deterministic: bo
     """Mean and std of the episode return."""
     mean, std = evaluate_policy(model, env, n_eval_episodes=episodes, deterministic=deterministic)
     return float(mean), float(std)  # type: ignore[arg-type]
+
+
+def _find_model(target: Path, which: str) -> tuple[Path, Path]:
+    """Return (model zip, run dir) for a run dir or a zip somewhere inside one."""
+    if target.is_dir():
+        names = ["best_model.zip", "model.zip"] if which == "best" else ["model.zip"]
+        for name in names:
+            if (target / name).is_file():
+                return target / name, target
+        raise ConfigError(f"{target} holds no {' or '.join(names)}; is it a run dir written by sb3_gpu.train?")
+    if not target.is_file():
+        raise ConfigError(f"no such run dir or model file: {target}")
+    for parent in target.resolve().parents:
+        if (parent / "config.yaml").is_file():
+            return target, parent
+    raise ConfigError(f"{target}: no config.yaml beside it or above it, so its algorithm and env are unknown")
+
+
+def _stats_for(model_path: Path, run_dir: Path) -> Path | None:
+    """The VecNormalize statistics saved with this model, if the run normalised."""
+    candidates = [run_dir / "best_vecnormalize.pkl"] if model_path.name == "best_model.zip" else []
+    if model_path.parent.name == "checkpoints":
+        steps = model_path.stem.removeprefix("model_")
+        candidates.append(model_path.with_name(f"model_vecnormalize_{steps}.pkl"))
+    candidates.append(run_dir / "vecnormalize.pkl")
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def evaluate_run(
+    target: str | Path,
+    episodes: int = 10,
+    *,
+    deterministic: bool = True,
+    which: str = "best",
+    device: str = "cpu",
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Load a model from a run and return ``{"mean", "std", "episodes", "model"}``."""
+    if which not in ("best", "final"):
+        raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
+    model_path, run_dir = _find_model(Path(target), which)
+    config = load_config(run_dir)
+    plan: Plan = make_plan(config.algo, config.env, device, vec_env="dummy", seed=seed, config=config)
+    env = build_env(plan, evaluation=True)
+    if isinstance(env, VecNormalize):
+        stats = _stats_for(model_path, run_dir)
+        if stats is None:
+            raise ConfigError(f"{run_dir} normalised its observations but holds no vecnormalize.pkl for {model_path.name}")
+        env = VecNormalize.load(str(stats), env.venv)
+        env.training, env.norm_reward = False, False
+    try:
+        model = plan.preset.model_class.load(str(model_path), device=plan.device.device)
+    except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
+        raise ConfigError(
+            f"{model_path} is not a loadable {plan.preset.model_class.__name__} model ({type(e).__name__}: {e})"
+        ) from None
+    mean, std = evaluate(model, env, episodes, deterministic)
+    env.close()
+    return {
+        "mean": mean,
+        "std": std,
+        "episodes": episodes,
+        "deterministic": deterministic,
+        "model": str(model_path),
+    }

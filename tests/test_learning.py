@@ -11,9 +11,8 @@ import json
 
 import pytest
 
-from sb3_gpu.evaluate import evaluate_run
 from sb3_gpu.plan import make_plan
-from sb3_gpu.run import train_run
+from sb3_gpu.run import evaluate_run, train_run
 
 pytestmark = pytest.mark.slow
 
