@@ -226,7 +226,6 @@ def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int |
             venv = SubprocVecEnv(factories, start_method=start_method)  # type: ignore[arg-type]
             _seed(venv, seed)
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
-            _seed(venv, seed)  # the probe reset used the seeds up; the model's own first reset gets them again
         except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
             if getattr(mp.current_process(), "_inheriting", False):
                 # We are a worker re-running a script that lacks the __main__ guard: die, as multiprocessing
@@ -311,7 +310,7 @@ def make_vec_env(
             venv = DummyVecEnv(factories)  # type: ignore[arg-type]
     else:
         venv = DummyVecEnv(factories)  # type: ignore[arg-type]
-    _seed(venv, seed)
+    _seed(venv, seed)  # after subproc's probe reset used the seeds up, the model's first reset gets them again
     if frame_stack:
         venv = VecFrameStack(venv, frame_stack)
     return venv

@@ -15,6 +15,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
+from sb3_gpu._checks import check_keys
 from sb3_gpu.envs import EnvSpec, choose_vec_env, make_vec_env, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.errors import ConfigError, closest
 from sb3_gpu.hardware import DeviceChoice, HardwareProfile, PolicyKind, choose_device, detect_hardware
@@ -96,9 +97,7 @@ def load_config(path: str | Path) -> RunConfig:
     data = read_yaml(path, "config file")
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: a config file must be a mapping, as written by sb3_gpu.train")
-    for key in data:
-        if key not in _CONFIG_KEYS:
-            raise ConfigError(f"{path}: unknown key {key!r} (valid: {', '.join(sorted(_CONFIG_KEYS))})")
+    check_keys(data, _CONFIG_KEYS, str(path))
     missing = {"algo", "env", "hyperparameters"} - set(data)
     if missing:
         raise ConfigError(f"{path}: missing {', '.join(sorted(missing))}")
@@ -173,7 +172,8 @@ def make_plan(
     one = probe_env(spec)
     try:
         obs_space, action_space = one.observation_space, one.action_space
-        step_seconds = measure_step_seconds(one)
+        # Only `auto` needs the step cost; evaluate and explicit choices skip the measurement.
+        step_seconds = measure_step_seconds(one) if vec_env == "auto" else 0.0
     finally:
         one.close()
     if not algo_.on_policy and not isinstance(action_space, spaces.Discrete):
