@@ -202,3 +202,24 @@ def per_config(value: Any, where: str) -> dict[str, float] | bool:
     options = mapping(value, where)
     check_keys(options, set(PER_CHECKS), where)
     return {**PER_DEFAULTS, **{k: PER_CHECKS[k](v, f"{where}.{k}") for k, v in options.items()}}
+
+
+def compile_mode(value: Any, where: str) -> str:
+    """``false`` (YAML bool or string) or a torch.compile mode."""
+    modes = ("false", "default", "reduce-overhead", "max-autotune")
+    if value is False or (isinstance(value, str) and value.strip().lower() == "false"):
+        return "false"
+    if value is True:
+        return "default"
+    return choice(modes)(value, where)
+
+
+def threads(value: Any, where: str) -> int | str:
+    """``auto`` or a positive int."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: expected 'auto' or a positive int, got {value!r}")
+    return value

@@ -11,7 +11,7 @@ import pickle
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 import gymnasium as gym
 import numpy as np
+import torch as th
 from stable_baselines3.common.atari_wrappers import AtariWrapper
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
@@ -179,8 +180,13 @@ class _EnvFactory:
 
     def __init__(self, make: Callable[[], gym.Env], monitor_path: str | None, atari: bool, report: str | None = None):
         self.make, self.monitor_path, self.atari, self.report = make, monitor_path, atari, report
+        self.worker = False  # set for SubprocVecEnv workers
 
     def __call__(self) -> gym.Env:
+        if self.worker:
+            # One thread per worker: n workers each running a core-wide thread pool would oversubscribe the CPU.
+            os.environ["OMP_NUM_THREADS"] = "1"
+            th.set_num_threads(1)
         try:
             env: gym.Env = Monitor(self.make(), filename=self.monitor_path)
             env = AtariWrapper(env) if self.atari else env
@@ -221,9 +227,11 @@ def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int |
     before = set(mp.active_children())
     with tempfile.TemporaryDirectory(prefix="sb3_gpu_") as tmp:
         for i, factory in enumerate(factories):
-            factory.report = os.path.join(tmp, f"env{i}.err")
+            factory.report, factory.worker = os.path.join(tmp, f"env{i}.err"), True
         try:
-            venv = SubprocVecEnv(factories, start_method=start_method)  # type: ignore[arg-type]
+            # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
+            with _environ(OMP_NUM_THREADS="1"):
+                venv = SubprocVecEnv(factories, start_method=start_method)  # type: ignore[arg-type]
             _seed(venv, seed)
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
         except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
@@ -249,6 +257,20 @@ def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int |
 
 class _SubprocFailed(Exception):
     pass
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _seed(venv: VecEnv, seed: int | None) -> None:

@@ -49,6 +49,8 @@ class HardwareProfile:
     mps: bool
     in_notebook: bool
     in_colab: bool
+    # AMX tiles: bf16 matrix units (Sapphire Rapids and newer), where CPU bf16 training pays.
+    cpu_amx: bool = False
 
     @property
     def has_cuda(self) -> bool:
@@ -139,6 +141,7 @@ def detect_hardware() -> HardwareProfile:
         mps=mps,
         in_notebook=_in_notebook(),
         in_colab="google.colab" in sys.modules,
+        cpu_amx="amx_bf16" in flags,
     )
 
 

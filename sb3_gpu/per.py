@@ -21,28 +21,60 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.errors import ConfigError
 
+try:
+    from sb3_gpu import _tree_kernels as _kernels
+except Exception:  # numba is the optional ``fast`` extra; a broken install (or no cache dir) means numpy
+    _kernels = None  # type: ignore[assignment]
+
 
 class SumMinTree:
     """Sums and minima over ``capacity`` non-negative leaves; empty leaves count 0 in sums and +inf in minima.
 
     Levels of ``fanout``-ary nodes are built up from the leaves until one has at most ``top`` nodes; a search
-    starts there with one cumulative sum and a binary search, then descends one level per step. Each level is a
-    flat array whose groups of ``fanout`` siblings are contiguous (few cache misses for a batch of random nodes);
-    a batch's groups are transposed to ``(fanout, batch)`` before reducing, since numpy reduces along rows of 16
-    several times slower than across a batch.
+    starts there with one cumulative sum and binary searches, then descends one level per step. All levels live in
+    one flat array (``sums`` holds views of it), with each group of ``fanout`` siblings contiguous. Minima are kept
+    from the first level up (a leaf's minimum is itself). With numba installed (the ``fast`` extra) searches and
+    updates run as compiled loops over the same arrays; otherwise as numpy calls over the whole batch, where a
+    batch's groups are transposed to ``(fanout, batch)`` since numpy reduces across a batch far faster than along
+    rows of 16.
     """
 
-    def __init__(self, capacity: int, fanout: int = 16, top: int = 4096):
+    def __init__(self, capacity: int, fanout: int = 16, top: int | None = None, backend: str = "auto"):
         if capacity < 1 or fanout < 2:
             raise ValueError(f"capacity must be >= 1 and fanout >= 2, got {capacity} and {fanout}")
+        if backend not in ("auto", "numpy", "numba"):
+            raise ValueError(f"backend must be auto, numpy or numba, got {backend!r}")
+        if backend == "numba" and _kernels is None:
+            raise ConfigError("the numba backend needs numba: pip install 'sb3-gpu[fast]'")
         self.capacity, self.fanout = capacity, fanout
+        self.backend = "numba" if backend == "auto" and _kernels is not None else "numpy" if backend == "auto" else backend
+        if top is None:  # a cumulative sum over the top costs numpy one call but compiled loops a pass per search
+            top = 256 if self.backend == "numba" else 4096
         sizes = [capacity]
         while sizes[-1] > top:
             sizes[-1] = -(-sizes[-1] // fanout) * fanout  # pad each level below the top to whole groups
             sizes.append(sizes[-1] // fanout)
-        self.sums = [np.zeros(n, dtype=np.float64) for n in sizes]
-        self.mins = [np.full(n, np.inf, dtype=np.float64) for n in sizes]
-        self._lower = np.tril(np.ones((fanout, fanout)))  # running sums down a column as one small matmul
+        self._sum_offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+        self._min_offsets = np.cumsum([0, *sizes[1:-1]], dtype=np.int64)[: len(sizes) - 1]
+        self._sizes = sizes
+        self._sums = np.zeros(sum(sizes), dtype=np.float64)
+        self._mins = np.full(sum(sizes[1:]), np.inf, dtype=np.float64)
+        self._strict_lower = np.tril(np.ones((fanout, fanout)), -1)  # exclusive running sums as one small matmul
+        self._make_views()
+
+    def _make_views(self) -> None:
+        self.sums = [self._sums[o : o + n] for o, n in zip(self._sum_offsets, self._sizes, strict=True)]
+        self.mins = [self._mins[o : o + n] for o, n in zip(self._min_offsets, self._sizes[1:], strict=True)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle would copy each view apart from the flat arrays; keep only the arrays and rebuild the views.
+        return {k: v for k, v in self.__dict__.items() if k not in ("sums", "mins")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.backend == "numba" and _kernels is None:  # saved where numba was installed, loaded where it is not
+            self.backend = "numpy"
+        self._make_views()
 
     @property
     def total(self) -> float:
@@ -50,7 +82,10 @@ class SumMinTree:
 
     @property
     def min(self) -> float:
-        return float(self.mins[-1].min())
+        if self.mins:
+            return float(self.mins[-1].min())
+        leaves = self.sums[0]
+        return float(np.min(leaves, where=leaves > 0, initial=np.inf))
 
     def __getitem__(self, indices: np.ndarray) -> np.ndarray:
         return self.sums[0][indices]
@@ -63,25 +98,38 @@ class SumMinTree:
         """Set leaves ``indices`` to ``values`` (the last write wins for repeated indices) and refresh their ancestors."""
         nodes = np.asarray(indices, dtype=np.int64)
         values = np.asarray(values, dtype=np.float64)
+        if self.backend == "numba":
+            assert _kernels is not None
+            _kernels.update(self._sums, self._mins, self._sum_offsets, self._min_offsets, self.fanout, nodes, values)
+            return
         self.sums[0][nodes] = values
-        self.mins[0][nodes] = np.where(values > 0, values, np.inf)
         for level in range(1, len(self.sums)):
             # Repeated parents are written repeatedly with the same value: cheaper than np.unique.
             nodes = nodes // self.fanout
-            self.sums[level][nodes] = self._groups(self.sums[level - 1], nodes).sum(axis=0)
-            self.mins[level][nodes] = self._groups(self.mins[level - 1], nodes).min(axis=0)
+            children = self._groups(self.sums[level - 1], nodes)
+            self.sums[level][nodes] = children.sum(axis=0)
+            if level == 1:
+                self.mins[0][nodes] = np.min(children, axis=0, where=children > 0, initial=np.inf)
+            else:
+                self.mins[level - 1][nodes] = self._groups(self.mins[level - 2], nodes).min(axis=0)
 
     def update_range(self, start: int, values: np.ndarray) -> None:
         """Set the consecutive leaves from ``start`` (what each env step adds): contiguous slices, no gathers."""
+        if self.backend == "numba":
+            self.update(np.arange(start, start + len(values)), values)
+            return
         values = np.asarray(values, dtype=np.float64)
         low, high = start, start + len(values)
         self.sums[0][low:high] = values
-        self.mins[0][low:high] = np.where(values > 0, values, np.inf)
         for level in range(1, len(self.sums)):
             low, high = low // self.fanout, (high - 1) // self.fanout + 1
             below = slice(low * self.fanout, high * self.fanout)
-            self.sums[level][low:high] = self.sums[level - 1][below].reshape(-1, self.fanout).sum(axis=1)
-            self.mins[level][low:high] = self.mins[level - 1][below].reshape(-1, self.fanout).min(axis=1)
+            children = self.sums[level - 1][below].reshape(-1, self.fanout)
+            self.sums[level][low:high] = children.sum(axis=1)
+            if level == 1:
+                self.mins[0][low:high] = np.min(children, axis=1, where=children > 0, initial=np.inf)
+            else:
+                self.mins[level - 1][low:high] = self.mins[level - 2][below].reshape(-1, self.fanout).min(axis=1)
 
     def find(self, prefix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each value ``u`` in ``[0, total)``, the leaf ``i`` with ``sum(leaves[:i]) <= u < sum(leaves[:i+1])``.
@@ -91,34 +139,35 @@ class SumMinTree:
         """
         prefix = np.array(prefix, dtype=np.float64)
         top = self.sums[-1]
-        cumulative = np.cumsum(top)
-        nodes = _clamp_to_positive(np.searchsorted(cumulative, prefix, side="right"), top[:, None])
-        values = top[nodes]
-        prefix -= cumulative[nodes] - values
-        columns = np.arange(len(prefix))
-        for level in range(len(self.sums) - 2, -1, -1):
-            children = self._groups(self.sums[level], nodes)
-            cumulative = self._lower @ children
-            child = _clamp_to_positive((cumulative <= prefix).sum(axis=0), children)
-            picked = child * len(prefix) + columns  # flat positions in the (fanout, batch) arrays
-            values = np.take(children, picked)
-            if level:
-                prefix -= np.take(cumulative, picked) - values
-            nodes = nodes * self.fanout + child
+        inclusive = np.cumsum(top)
+        if self.backend == "numba":
+            assert _kernels is not None
+            nodes, values = np.empty(len(prefix), dtype=np.int64), np.empty(len(prefix))
+            _kernels.find(self._sums, self._sum_offsets, self.fanout, inclusive, prefix, nodes, values)
+        else:
+            nodes = np.minimum(np.searchsorted(inclusive, prefix, side="right"), len(top) - 1)
+            prefix -= inclusive[nodes] - top[nodes]
+            np.maximum(prefix, 0.0, out=prefix)
+            columns = np.arange(len(prefix))
+            for level in range(len(self.sums) - 2, -1, -1):
+                exclusive = self._strict_lower @ self._groups(self.sums[level], nodes)
+                # The last child is taken when rounding runs past the others; repaired below if it is empty.
+                child = (exclusive[1:] <= prefix).sum(axis=0)
+                prefix -= np.take(exclusive, child * len(prefix) + columns)
+                nodes = nodes * self.fanout + child
+            values = self.sums[0][nodes]
+        if not (values > 0).all():
+            nodes, values = self._last_positive_before(nodes, values)
         return nodes, values
 
-
-def _clamp_to_positive(child: np.ndarray, children: np.ndarray) -> np.ndarray:
-    """Move picks that rounding pushed past the last child back onto the last child with a positive value.
-
-    ``children`` is ``(n_children, batch)``, or ``(n_children, 1)`` where all picks share one set of children.
-    """
-    width = children.shape[0]
-    over = child >= width
-    if over.any():
-        columns = children[:, over] if children.shape[1] == len(child) else np.repeat(children, int(over.sum()), axis=1)
-        child[over] = width - 1 - np.argmax(columns[::-1] > 0, axis=0)
-    return child
+    def _last_positive_before(self, nodes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Move empty picks (rounding past a group's end, rare) onto the nearest non-empty leaf before them."""
+        positive = np.flatnonzero(self.sums[0] > 0)
+        if not len(positive):
+            raise ValueError("cannot search a tree whose leaves are all zero")
+        empty = values <= 0
+        nodes[empty] = positive[np.maximum(np.searchsorted(positive, nodes[empty]) - 1, 0)]
+        return nodes, self.sums[0][nodes]
 
 
 class PrioritizedReplayBufferSamples(NamedTuple):
@@ -187,11 +236,10 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         total = self.tree.total
         prefix = (np.arange(batch_size) + np.random.random(batch_size)) * (total / batch_size)
         indices, priorities = self.tree.find(prefix)
-        stored = self.size() * self.n_envs
-        # w_i = (N * P(i)) ** -beta, divided by the largest weight, that of the smallest priority.
-        max_weight = (stored * self.tree.min / total) ** -self.beta
-        weights = (priorities * (stored / total)) ** -self.beta / max_weight
-        self.last_max_weight = float(max_weight)
+        # w_i = (N * P(i)) ** -beta divided by the largest weight, that of the smallest priority: (p_i / p_min) ** -beta.
+        smallest = self.tree.min
+        weights = (priorities / smallest) ** -self.beta
+        self.last_max_weight = (self.size() * self.n_envs * smallest / total) ** -self.beta
         # With one env, a scalar env index makes the gathers below cheaper than an array of zeros.
         batch_inds, env_inds = (indices, 0) if self.n_envs == 1 else np.divmod(indices, self.n_envs)
         samples = self._get_samples_at(batch_inds, env_inds, env)

@@ -30,6 +30,7 @@ from sb3_gpu.presets import (
     select_entry,
     validate_flat,
 )
+from sb3_gpu.speed import SpeedPlan, apply_speed, choose_speed
 
 CONFIG_VERSION = 1
 
@@ -51,6 +52,8 @@ class Plan:
     seed: int | None = None
     # Training extensions (AMP, PER, ...) record what they switched on and why, keyed by name.
     extensions: dict[str, str] = field(default_factory=dict)
+    # amp, compile, threads and CUDA math flags as decided for this machine (None: leave torch as it is).
+    speed: SpeedPlan | None = None
 
     def to_config(self) -> dict[str, Any]:
         """Plain data that :func:`load_config` turns back into the same hyperparameters."""
@@ -68,6 +71,7 @@ class Plan:
                 "profile": f"{self.preset.profile} ({self.profile_reason})",
                 "vec_env": f"{self.vec_env} ({self.vec_env_reason})",
                 "hardware": self.hardware.describe(),
+                **({f"speed.{k}": f"{v} ({why})" for k, v, why in self.speed.rows()} if self.speed else {}),
                 "sources": dict(self.preset.sources),
             },
         }
@@ -200,6 +204,17 @@ def make_plan(
     kind, reason = choose_vec_env(vec_env, resolved.n_envs, step_seconds, hardware.logical_cores)
     if kind == "subproc" and hardware.in_notebook:
         reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"
+    speed = choose_speed(
+        resolved.amp,
+        resolved.compile,
+        resolved.threads,
+        device=choice.device,
+        policy=_policy_kind(resolved.policy, obs_space),
+        net_arch=resolved.net_arch,
+        batch_size=resolved.params.batch_size,
+        env_workers=resolved.n_envs if kind == "subproc" else 0,
+        hardware=hardware,
+    )
     return Plan(
         algo=algo_.name,
         env=spec,
@@ -212,6 +227,7 @@ def make_plan(
         hardware=hardware,
         profile_reason=profile_reason,
         seed=seed,
+        speed=speed,
     )
 
 
@@ -220,6 +236,12 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
     params: Any = preset.params
     if preset.algo == "ppo" and params.n_steps * preset.n_envs < 2:
         raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")
+    if preset.algo == "ppo" and (-(-params.n_steps * preset.n_envs // params.batch_size)) % params.grad_accum_steps:
+        minibatches = -(-params.n_steps * preset.n_envs // params.batch_size)
+        raise ConfigError(
+            f"grad_accum_steps={params.grad_accum_steps} must divide the {minibatches} minibatches per epoch"
+            f" (n_steps * n_envs / batch_size = {params.n_steps} * {preset.n_envs} / {params.batch_size})"
+        )
     if getattr(params, "optimize_memory_usage", False):
         raise ConfigError(
             "optimize_memory_usage=true is not supported: SB3 refuses it beside timeout handling, which stays on"
@@ -256,7 +278,8 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
 
 
 def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:
-    """An SB3 model for the plan (sb3_gpu's subclass only where PER or gradient accumulation is on).
+    """An SB3 model for the plan (sb3_gpu's subclass only where PER or gradient accumulation is on), with the
+    plan's speed settings applied (AMP, compile, torch threads; ``torch.set_num_threads`` is process-wide).
 
     ``model.preset_timesteps`` holds the preset's training length.
     """
@@ -273,6 +296,9 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
     except (ValueError, AssertionError, TypeError) as e:  # SB3's own checks of combinations we do not know
         raise ConfigError(f"{plan.preset.model_class.__name__} refused the plan's hyperparameters: {e}") from None
     model.preset_timesteps = plan.preset.n_timesteps  # type: ignore[attr-defined]
+    if plan.speed is not None:
+        # Warns and goes on uncompiled if torch.compile fails; the reason is kept on the model.
+        model.compile_fallback = apply_speed(model, plan.speed, plan.preset.params.batch_size)  # type: ignore[attr-defined]
     return model
 
 
@@ -317,6 +343,8 @@ def plan_table(plan: Plan) -> Table:
     table.add_row("seed", str(plan.seed), "")
     for name, what in plan.extensions.items():
         table.add_row(name, what, "extension")
+    for name, value, why in plan.speed.rows() if plan.speed else []:
+        table.add_row(name, value, why)
     table.add_section()
     values = plan.preset.values()
     for key, value in values.items():

@@ -24,6 +24,8 @@ from torch import nn
 
 from sb3_gpu import _checks as c
 from sb3_gpu._checks import Check, Schedule
+from sb3_gpu.accumulate import GradAccumPPO
+from sb3_gpu.amp import AMP_MODES
 from sb3_gpu.errors import ConfigError, closest
 from sb3_gpu.per import PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer
 
@@ -63,6 +65,8 @@ class PPOParams:
     use_sde: bool = c.param(False, c.boolean)
     sde_sample_freq: int = c.param(-1, c.integer(-1, "an int >= -1"))
     target_kl: float | None = c.param(None, c.optional(c.POSITIVE))
+    # sb3_gpu extension (accumulate.py): k minibatches per optimizer step; SB3 has none.
+    grad_accum_steps: int = c.param(1, c.POS_INT)
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,12 @@ class Algo:
 
 
 ALGOS: dict[str, Algo] = {
-    "ppo": Algo("ppo", PPO, PPOParams, on_policy=True),
+    "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
     "dqn": Algo("dqn", DQN, DQNParams, on_policy=False, extended_class=PrioritizedDQN),
     "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, on_policy=False, extended_class=PrioritizedQRDQN),
 }
 EXTENSION_KEYS = ("per", "grad_accum_steps")  # sb3_gpu's own, not SB3 arguments
-OFF_POLICY_ONLY = ("per", "grad_accum_steps", "buffer_size", "train_freq", "target_update_interval")
+OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval")
 
 
 def get_algo(name: str) -> Algo:
@@ -140,6 +144,10 @@ COMMON_KEYS: dict[str, Check] = {
     "normalize": c.normalize,
     "frame_stack": c.optional(c.POS_INT),
     "env_kwargs": c.mapping,
+    # Speed switches (speed.py): not SB3 arguments; `auto` is decided per machine with a reason in the plan.
+    "amp": c.choice(AMP_MODES),
+    "compile": c.compile_mode,
+    "threads": c.threads,
 }
 COMMON_DEFAULTS: dict[str, Any] = {
     "n_timesteps": 100_000,
@@ -151,6 +159,9 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "normalize": False,
     "frame_stack": None,
     "env_kwargs": {},
+    "amp": "auto",
+    "compile": "false",
+    "threads": "auto",
 }
 
 
@@ -285,6 +296,9 @@ class Preset:
     normalize: bool | dict[str, Any]
     frame_stack: int | None
     env_kwargs: dict[str, Any]
+    amp: str
+    compile: str
+    threads: int | str
     params: AlgoParams
     sources: dict[str, str]
 

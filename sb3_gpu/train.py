@@ -14,11 +14,13 @@ from rich.table import Table
 
 from sb3_gpu import __version__
 from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.amp import AMP_MODES
 from sb3_gpu.envs import VEC_ENV_KINDS
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import Plan, load_config, make_plan, plan_table
 from sb3_gpu.presets import ALGOS, parse_override
 from sb3_gpu.run import new_run_dir, train_run
+from sb3_gpu.speed import COMPILE_MODES
 
 DEFAULT_ENV = "CartPole-v1"
 
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="prioritized replay on/off for dqn and qrdqn (default: the preset's)",
     )
+    p.add_argument("--amp", choices=AMP_MODES, help="mixed precision: auto (the plan says why), off, bf16, fp16 (CUDA)")
+    p.add_argument("--compile", choices=COMPILE_MODES, help="torch.compile the policy: false (default) or a mode")
+    p.add_argument("--threads", type=_threads, help="torch CPU threads: auto (default; chosen by policy size) or N")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override a preset key (repeatable)")
     p.add_argument("--config", metavar="CONFIG", help="repeat a run: its run_dir/config.yaml (or the run dir)")
     p.add_argument("--run-dir", help="where to write the run (default: runs/ALGO-ENV-TIMESTAMP); must not exist")
@@ -52,10 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _threads(text: str) -> int | str:
+    return "auto" if text.strip().lower() == "auto" else positive_int(text)
+
+
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """Turn parsed arguments (and a --config file) into a Plan; the CLI's only decision logic is which wins."""
     # --per first, so that --set per.alpha=... refines it rather than being replaced by it.
     overrides: dict[str, Any] = {} if args.per is None else {"per": args.per}
+    overrides.update({k: v for k in ("amp", "compile", "threads") if (v := getattr(args, k)) is not None})
     overrides.update(parse_override(item) for item in args.set)
     config = load_config(args.config) if args.config else None
     if config is not None and args.preset:

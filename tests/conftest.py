@@ -14,18 +14,27 @@ from sb3_gpu.hardware import GPUInfo, HardwareProfile
 REPO = Path(__file__).resolve().parent.parent
 
 
-def machine(gpus: int = 0, capability: tuple[int, int] = (8, 0), mps: bool = False, cores: int = 8) -> HardwareProfile:
+def machine(
+    gpus: int = 0,
+    capability: tuple[int, int] = (8, 0),
+    mps: bool = False,
+    cores: int = 8,
+    cpu_bf16: bool = False,
+    cpu_amx: bool = False,
+    gpu_name: str = "Fake A100",
+) -> HardwareProfile:
     """A HardwareProfile for a machine we do not have."""
     return HardwareProfile(
         logical_cores=cores,
         physical_cores=cores,
         ram_gb=64.0,
         cpu_model="Fake CPU",
-        cpu_bf16=False,
-        gpus=tuple(GPUInfo(i, "Fake A100", 40.0, capability) for i in range(gpus)),
+        cpu_bf16=cpu_bf16 or cpu_amx,
+        gpus=tuple(GPUInfo(i, gpu_name, 40.0, capability) for i in range(gpus)),
         mps=mps,
         in_notebook=False,
         in_colab=False,
+        cpu_amx=cpu_amx,
     )
 
 

@@ -17,9 +17,11 @@ from sb3_gpu.run import evaluate_run, train_run
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("algo", ["ppo", "dqn"])
-def test_cartpole_preset_reaches_475(algo, tmp_path):
-    plan = make_plan(algo, "CartPole-v1", device="auto", seed=0)
+# bf16 autocast on the CPU (AMP's CPU twin of the GPU path): the presets still learn in lower precision.
+@pytest.mark.parametrize(("algo", "amp"), [("ppo", "auto"), ("dqn", "auto"), ("ppo", "bf16"), ("dqn", "bf16")])
+def test_cartpole_preset_reaches_475(algo, amp, tmp_path):
+    plan = make_plan(algo, "CartPole-v1", device="cpu" if amp == "bf16" else "auto", seed=0, overrides={"amp": amp})
+    assert plan.speed is not None and (amp == "auto" or plan.speed.amp == amp)
     summary = train_run(plan, tmp_path / "run", eval_episodes=5, progress=False)
     assert summary["timesteps"] >= plan.preset.n_timesteps
     best = evaluate_run(tmp_path / "run", episodes=20, seed=123)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import importlib.util
 import io
+import pickle
 
 import gymnasium as gym
 import numpy as np
@@ -25,7 +27,11 @@ priorities = st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=1, max_si
 
 
 # Small tops force several levels below the top even for a few hundred leaves.
-shapes = st.sampled_from([(2, 1), (3, 2), (16, 4), (16, 4096), (4, 7)])
+# Each shape with each backend: numpy calls and, where numba is installed, the compiled loops.
+BACKENDS = ["numpy"] + (["numba"] if importlib.util.find_spec("numba") else [])
+shapes = st.tuples(st.sampled_from([(2, 1), (3, 2), (16, 4), (16, 4096), (4, 7)]), st.sampled_from(BACKENDS)).map(
+    lambda shape: (*shape[0], shape[1])
+)
 
 
 @settings(max_examples=80, deadline=None)
@@ -96,6 +102,44 @@ def test_range_updates_equal_index_updates(size, shape, start, values):
     by_index.update(np.arange(start, start + len(values)), np.array(values))
     for a, b in zip(by_range.sums + by_range.mins, by_index.sums + by_index.mins, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12)  # sums may differ in the last bit: other summation order
+
+
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba (the fast extra) is not installed")
+def test_numba_and_numpy_backends_agree_on_a_large_tree():
+    rng = np.random.default_rng(0)
+    trees = [SumMinTree(50_000, top=256, backend=backend) for backend in ("numpy", "numba")]
+    for tree in trees:
+        tree.update_range(0, np.ones(40_000))
+    for _ in range(20):
+        idx, val = rng.integers(0, 40_000, 256), rng.uniform(0.01, 5.0, 256)
+        for tree in trees:
+            tree.update(idx, val)
+    prefix = rng.uniform(0, trees[0].total, 512)
+    (ours, ours_values), (theirs, theirs_values) = (tree.find(prefix) for tree in trees)
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(ours_values, theirs_values)
+    for a, b in zip(trees[0].sums + trees[0].mins, trees[1].sums + trees[1].mins, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pickled_tree_keeps_its_levels_joined(backend, monkeypatch):
+    tree = SumMinTree(5000, top=64, backend=backend)
+    tree.update(np.arange(5000), np.ones(5000))
+    copy = pickle.loads(pickle.dumps(tree))
+    copy.update(np.array([7]), np.array([101.0]))
+    assert copy.total == pytest.approx(5100.0) and copy.sums[0][7] == 101.0
+    monkeypatch.setattr("sb3_gpu.per._kernels", None)  # loaded where numba is missing: numpy takes over
+    elsewhere = pickle.loads(pickle.dumps(tree))
+    elsewhere.update(np.array([8]), np.array([0.5]))
+    assert elsewhere.backend == "numpy" and elsewhere.total == pytest.approx(4999.5) and elsewhere.min == 0.5
+
+
+def test_numba_backend_without_numba_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr("sb3_gpu.per._kernels", None)
+    with pytest.raises(ConfigError, match=r"sb3-gpu\[fast\]"):
+        SumMinTree(10, backend="numba")
+    assert SumMinTree(10).backend == "numpy"
 
 
 def filled_buffer(n: int = 64, n_envs: int = 1, alpha: float = 0.6, beta: float = 0.4, size: int = 64):

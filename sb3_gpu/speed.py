@@ -1,0 +1,204 @@
+"""The training-speed switches: mixed precision, torch.compile, CPU threads and CUDA math flags.
+
+``choose_speed`` decides each from the hardware, device and policy size, with the reason the plan prints;
+``apply_speed`` puts the decisions into effect on a built model. ``python -m sb3_gpu.bench speed`` measures them.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch as th
+from stable_baselines3.common.base_class import BaseAlgorithm
+
+from sb3_gpu.amp import _networks, enable_amp
+from sb3_gpu.errors import ConfigError
+from sb3_gpu.hardware import HardwareProfile, PolicyKind
+
+COMPILE_MODES = ("false", "default", "reduce-overhead", "max-autotune")
+# Below these sizes a policy's matmuls are too small for lower precision or more threads to pay: per-op overhead
+# and synchronisation dominate (python -m sb3_gpu.bench speed shows it on the machine at hand).
+LARGE_MLP_WIDTH = 256
+LARGE_MLP_BATCH = 256
+LARGE_GPU_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class SpeedPlan:
+    """What the speed switches resolved to, each with its reason."""
+
+    amp: str
+    amp_reason: str
+    compile: str
+    compile_reason: str
+    threads: int
+    threads_reason: str
+    cudnn_benchmark: bool = False
+    tf32: bool = False
+    cuda_reason: str = ""
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        rows = [("amp", self.amp, self.amp_reason), ("compile", self.compile, self.compile_reason)]
+        rows.append(("threads", str(self.threads), self.threads_reason))
+        if self.cuda_reason:
+            flags = f"cudnn.benchmark={self.cudnn_benchmark}, tf32={self.tf32}"
+            rows.append(("cuda math", flags, self.cuda_reason))
+        return rows
+
+
+def _width(net_arch: Any) -> int:
+    """The widest hidden layer (SB3's default is 64)."""
+    layers = [w for value in net_arch.values() for w in value] if isinstance(net_arch, dict) else list(net_arch or [])
+    return max(layers, default=64)
+
+
+def choose_amp(
+    request: str, device: str, policy: PolicyKind, width: int, batch_size: int, hardware: HardwareProfile
+) -> tuple[str, str]:
+    """``auto | off | bf16 | fp16`` -> (mode, reason)."""
+    kind = device.split(":")[0]
+    gpu = hardware.gpus[int(device.split(":")[1]) if ":" in device else 0] if kind == "cuda" else None
+    if request == "off":
+        return "off", "asked for"
+    if request in ("bf16", "fp16"):
+        if kind == "mps":
+            raise ConfigError(f"amp={request} is not supported on Apple MPS; use amp=off")
+        if request == "fp16" and gpu is None:
+            raise ConfigError("amp=fp16 needs a CUDA GPU (fp16 tensor cores, loss scaling); on the CPU use bf16 or off")
+        if request == "bf16" and gpu is not None and not gpu.bf16:
+            sm = f"sm_{gpu.capability[0]}{gpu.capability[1]}"
+            raise ConfigError(f"amp=bf16: {gpu.name} ({sm}) has no bf16 tensor cores; use fp16")
+        if request == "bf16" and gpu is None and not hardware.cpu_bf16:
+            return "bf16", "asked for; this CPU has no native bf16, so expect it slower than fp32"
+        return request, "asked for"
+    big_cnn = policy == "cnn"
+    if kind == "mps":
+        return "off", "AMP is not supported on Apple MPS here"
+    if gpu is not None:
+        if not gpu.fp16:
+            return "off", f"{gpu.name} has no tensor cores (sm_{gpu.capability[0]}{gpu.capability[1]} < sm_70)"
+        if not (big_cnn or width >= 1024 or (width >= LARGE_MLP_WIDTH and batch_size >= LARGE_GPU_BATCH)):
+            return "off", f"MLP {width} wide, batch {batch_size}: too small for tensor cores to beat launch overhead"
+        mode = "bf16" if gpu.bf16 else "fp16"
+        what = "CNN policy" if big_cnn else f"MLP {width} wide, batch {batch_size}"
+        scaling = "no loss scaling needed" if mode == "bf16" else "dynamic loss scaling"
+        return mode, f"{what} on {gpu.name} tensor cores ({scaling})"
+    if not hardware.cpu_amx:
+        have = "AVX512-BF16 but no AMX tiles" if hardware.cpu_bf16 else "no native bf16"
+        return "off", f"CPU has {have}: bf16 matmuls run no faster than fp32"
+    if not (big_cnn or (width >= LARGE_MLP_WIDTH and batch_size >= LARGE_MLP_BATCH)):
+        return "off", f"MLP {width} wide, batch {batch_size}: too small for AMX to pay for the casts"
+    return "bf16", "CPU has AMX bf16 matrix units and the policy is large enough"
+
+
+def choose_threads(
+    request: int | str, device: str, policy: PolicyKind, width: int, batch_size: int, env_workers: int,
+    hardware: HardwareProfile,
+) -> tuple[int, str]:  # fmt: skip
+    """``auto`` or a count -> (torch intra-op threads, reason)."""
+    if request != "auto":
+        return int(request), "asked for"
+    free = max(1, hardware.physical_cores - env_workers)
+    left = f"{hardware.physical_cores} physical cores" + (f" minus {env_workers} env workers" if env_workers else "")
+    if device.startswith("cuda"):
+        return min(free, 4), f"the GPU does the math; {left}, at most 4 to feed it"
+    if policy == "mlp" and width <= LARGE_MLP_WIDTH and batch_size <= LARGE_MLP_BATCH:
+        return 1, f"MLP {width} wide, batch {batch_size}: one thread is faster than several on ops this small"
+    return free, f"{'CNN' if policy == 'cnn' else f'MLP {width} wide, batch {batch_size}'}: {left}"
+
+
+def choose_speed(
+    amp: str,
+    compile_mode: str,
+    threads: int | str,
+    *,
+    device: str,
+    policy: PolicyKind,
+    net_arch: Any,
+    batch_size: int,
+    env_workers: int,
+    hardware: HardwareProfile,
+) -> SpeedPlan:
+    """Resolve the speed switches for a plan."""
+    width = _width(net_arch)
+    amp_mode, amp_reason = choose_amp(amp, device, policy, width, batch_size, hardware)
+    n_threads, threads_reason = choose_threads(threads, device, policy, width, batch_size, env_workers, hardware)
+    if compile_mode == "false":
+        compile_reason = "off by default: compiling costs tens of seconds and pays only on long runs"
+    else:
+        compile_reason = "asked for; training goes on uncompiled, with the reason, if compilation fails"
+    cudnn_benchmark = tf32 = False
+    cuda_reason = ""
+    if device.startswith("cuda"):
+        gpu = hardware.gpus[int(device.split(":")[1]) if ":" in device else 0]
+        cudnn_benchmark = policy == "cnn"
+        tf32 = gpu.bf16  # Ampere and newer
+        cuda_reason = ("cuDNN picks the fastest convolutions for the fixed image size; " if cudnn_benchmark else "") + (
+            "TF32 matmuls on Ampere+ (10-bit mantissa inputs, fp32 accumulation)" if tf32 else "no TF32 before Ampere"
+        )
+    return SpeedPlan(
+        amp_mode, amp_reason, compile_mode, compile_reason, n_threads, threads_reason, cudnn_benchmark, tf32, cuda_reason
+    )
+
+
+def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str | None:
+    """Put ``speed`` into effect on ``model``; returns why compilation fell back, if it did."""
+    th.set_num_threads(speed.threads)
+    if speed.cuda_reason:
+        th.backends.cudnn.benchmark = speed.cudnn_benchmark
+        th.backends.cuda.matmul.allow_tf32 = speed.tf32
+        th.backends.cudnn.allow_tf32 = speed.tf32
+    if speed.amp != "off":
+        enable_amp(model, speed.amp)
+    if speed.compile != "false":
+        return compile_policy(model, speed.compile, batch_size)
+    return None
+
+
+def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | None:
+    """``torch.compile`` the policy's networks in place (state dict keys unchanged) and compile them now, on a batch
+    of the training size, so that a failure shows here. On failure they are left uncompiled; returns the reason."""
+    modules, _, _ = _networks(model)
+    try:
+        for module in modules:
+            module.compile(mode=None if mode == "default" else mode)
+        start = time.perf_counter()
+        _trial_step(model, batch_size)
+    except Exception as e:  # compilers fail in many ways (no C++ compiler, unsupported op, ...): all mean "fall back"
+        for module in modules:
+            module._compiled_call_impl = None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        reason = f"torch.compile failed ({type(e).__name__}: {first[:200]}); training uncompiled"
+        warnings.warn(reason, stacklevel=2)
+        return reason
+    model.compile_seconds = time.perf_counter() - start  # type: ignore[attr-defined]
+    return None
+
+
+def _trial_step(model: BaseAlgorithm, batch_size: int) -> None:
+    """One forward and backward through the training path on a batch of observations, gradients thrown away."""
+    policy: Any = model.policy
+    obs = [model.observation_space.sample() for _ in range(batch_size)]
+    obs_tensor, _ = policy.obs_to_tensor(_stack(obs))
+    if hasattr(policy, "evaluate_actions"):
+        actions = th.as_tensor(_stack([model.action_space.sample() for _ in range(batch_size)]), device=model.device)
+        values, log_prob, _ = policy.evaluate_actions(obs_tensor, actions)
+        loss = values.sum() + log_prob.sum()
+    else:
+        net = getattr(policy, "q_net", None) or policy.quantile_net
+        with th.no_grad():
+            (getattr(policy, "q_net_target", None) or policy.quantile_net_target)(obs_tensor)
+        loss = net(obs_tensor).sum()
+    loss.backward()
+    policy.optimizer.zero_grad(set_to_none=True)
+
+
+def _stack(items: list[Any]) -> Any:
+    import numpy as np
+
+    if isinstance(items[0], dict):
+        return {k: np.stack([i[k] for i in items]) for k in items[0]}
+    return np.stack(items)

@@ -1,0 +1,341 @@
+"""The speed switches: AMP (bf16 autocast, fp16 loss scaling), PPO gradient accumulation, threads, compile, and the
+plan's decisions on machines we do not have (faked hardware)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN, PPO
+
+from sb3_gpu.accumulate import GradAccumPPO
+from sb3_gpu.amp import LossScaler, amp_state, enable_amp
+from sb3_gpu.envs import make_vec_env, resolve_env
+from sb3_gpu.errors import ConfigError
+from sb3_gpu.plan import build_env, build_model, make_plan
+from sb3_gpu.speed import SpeedPlan, apply_speed, choose_speed, compile_policy
+from tests.conftest import machine, run_cli
+
+SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_settings():
+    threads, cudnn, tf32 = th.get_num_threads(), th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32
+    yield
+    th.set_num_threads(threads)
+    th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32 = cudnn, tf32
+
+
+def _params(model) -> list[th.Tensor]:
+    return [p.detach().clone() for p in model.policy.parameters()]
+
+
+# --------------------------------------------------------------------------- all switches off: plain SB3
+@pytest.mark.parametrize("algo", ["ppo", "dqn"])
+def test_switches_off_train_bit_identical_to_plain_sb3(algo):
+    overrides = {"amp": "off", "compile": False, "net_arch": [32, 32], "n_envs": 2}
+    overrides |= {"n_steps": 64, "batch_size": 32, "n_epochs": 2} if algo == "ppo" else {"learning_starts": 50, "per": False}
+    plan = make_plan(algo, "CartPole-v1", "cpu", seed=3, overrides=overrides, vec_env="dummy")
+    ours = build_model(plan, build_env(plan))
+    ours.learn(512)
+    kwargs = plan.preset.sb3_kwargs()
+    kwargs.pop("grad_accum_steps", None)
+    plain_class = PPO if algo == "ppo" else DQN
+    plain = plain_class(plan.preset.policy, build_env(plan), device="cpu", seed=3, **kwargs)
+    plain.learn(512)
+    assert type(ours) is plain_class
+    assert ours._n_updates == plain._n_updates > 0
+    for a, b in zip(_params(ours), _params(plain), strict=True):
+        assert th.equal(a, b)
+
+
+def test_grad_accum_of_one_is_plain_ppo():
+    models = []
+    for cls, extra in ((GradAccumPPO, {"grad_accum_steps": 1}), (PPO, {})):
+        model = cls("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **SMALL_PPO, **extra)
+        model.learn(128)
+        models.append(model)
+    for a, b in zip(_params(models[0]), _params(models[1]), strict=True):
+        assert th.equal(a, b)
+
+
+# --------------------------------------------------------------------------- PPO gradient accumulation
+def test_ppo_accumulating_two_half_batches_equals_one_full_batch():
+    # normalize_advantage normalises per minibatch, so it would differ between half and full batches; clipping is on.
+    common = {"n_steps": 64, "n_epochs": 3, "normalize_advantage": False, "max_grad_norm": 0.05, "seed": 2, "device": "cpu"}
+    accumulated = GradAccumPPO("MlpPolicy", "CartPole-v1", batch_size=16, grad_accum_steps=4, **common)
+    accumulated.learn(64)
+    full = PPO("MlpPolicy", "CartPole-v1", batch_size=64, **common)
+    full.learn(64)
+    for a, b in zip(_params(accumulated), _params(full), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    moved = sum(
+        (a - b).abs().sum().item()
+        for a, b in zip(_params(full), _params(PPO("MlpPolicy", "CartPole-v1", **common)), strict=True)
+    )
+    assert moved > 0, "training changed the parameters"
+
+
+def test_ppo_grad_accum_must_divide_the_minibatches():
+    with pytest.raises(ConfigError, match="must divide the 2 minibatches"):
+        GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, grad_accum_steps=3)
+
+
+def test_grad_accum_ppo_saves_and_loads(tmp_path):
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, grad_accum_steps=2, seed=0)
+    model.learn(64)
+    model.save(tmp_path / "m.zip")
+    loaded = GradAccumPPO.load(tmp_path / "m.zip", env=model.get_env())
+    assert loaded.grad_accum_steps == 2 and loaded._accumulator is not None
+    loaded.learn(64)  # its hooks are in place again
+
+
+def test_ppo_grad_accum_is_a_preset_key():
+    plan = make_plan("ppo", "CartPole-v1", "cpu", overrides={"grad_accum_steps": 2, "n_steps": 64, "batch_size": 32})
+    model = build_model(plan, build_env(plan))
+    assert isinstance(model, GradAccumPPO) and model.grad_accum_steps == 2
+
+
+# --------------------------------------------------------------------------- bf16 autocast
+def test_bf16_runs_the_networks_in_bf16_and_hands_back_float32():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    enable_amp(model, "bf16")
+    seen = []
+    model.policy.mlp_extractor.policy_net[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    obs = th.zeros(4, 4)
+    values, log_prob, entropy = model.policy.evaluate_actions(obs, th.zeros(4))
+    assert seen == [th.bfloat16]
+    assert values.dtype == log_prob.dtype == entropy.dtype == th.float32
+    assert amp_state(model).scaler is None, "bf16 needs no loss scaling"
+    with pytest.raises(ConfigError, match="already enabled"):
+        enable_amp(model, "bf16")
+
+
+@pytest.mark.parametrize("cls", [DQN, QRDQN])
+def test_bf16_dqn_family_trains(cls):
+    model = cls("MlpPolicy", "CartPole-v1", learning_starts=32, batch_size=16, policy_kwargs={"net_arch": [32]}, seed=0)
+    enable_amp(model, "bf16")
+    before = _params(model)
+    model.learn(200)
+    assert math.isfinite(model.logger.name_to_value["train/loss"])
+    assert any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True))
+
+
+# --------------------------------------------------------------------------- fp16 loss scaling, on the CPU
+def _ppo_batch(model, n=32):
+    rng = np.random.default_rng(0)
+    return th.as_tensor(rng.normal(size=(n, 4)), dtype=th.float32), th.as_tensor(rng.integers(0, 2, n))
+
+
+def _sb3_step(model, obs, actions, inject_inf=False, max_grad_norm=0.5):
+    """What SB3's train() does around a loss: zero_grad, backward, clip, step."""
+    optimizer = model.policy.optimizer
+    optimizer.zero_grad()
+    values, log_prob, _ = model.policy.evaluate_actions(obs, actions)
+    (values.pow(2).mean() - log_prob.mean()).backward()
+    if inject_inf:
+        next(model.policy.parameters()).grad[0] = math.inf  # what an fp16 overflow leaves behind
+    norm = th.nn.utils.clip_grad_norm_(model.policy.parameters(), max_grad_norm)
+    optimizer.step()
+    return norm
+
+
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_grows_it_back():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    state = enable_amp(model, "fp16", init_scale=1024.0, growth_interval=2)
+    obs, actions = _ppo_batch(model)
+    before = _params(model)
+    _sb3_step(model, obs, actions, inject_inf=True)
+    assert all(th.equal(a, b) for a, b in zip(before, _params(model), strict=True)), "the overflowed step was skipped"
+    assert state.scaler.scale == 512.0 and state.scaler.skipped_steps == 1
+    _sb3_step(model, obs, actions)
+    assert any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True)), "a good step is taken"
+    assert state.scaler.scale == 512.0
+    _sb3_step(model, obs, actions)
+    assert state.scaler.scale == 1024.0, "after growth_interval good steps the scale doubles"
+
+
+def test_a_real_fp16_overflow_is_caught_and_the_scale_backs_off():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    state = enable_amp(model, "fp16", init_scale=2.0**40)  # gradients * 2^40 overflow fp16 (max 65504)
+    obs, actions = _ppo_batch(model)
+    before = _params(model)
+    for _ in range(40):
+        _sb3_step(model, obs, actions)
+        if state.scaler.skipped_steps and any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True)):
+            break
+    assert state.scaler.skipped_steps >= 1 and state.scaler.scale < 2.0**40
+    assert all(th.isfinite(p).all() for p in model.policy.parameters())
+
+
+def test_clipping_sees_unscaled_gradients():
+    fp32 = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0, **SMALL_PPO)
+    fp16 = copy.deepcopy(fp32)
+    enable_amp(fp16, "fp16", init_scale=2.0**12)
+    obs, actions = _ppo_batch(fp32)
+    norms = [_sb3_step(model, obs, actions, max_grad_norm=1e9).item() for model in (fp32, fp16)]
+    assert norms[1] == pytest.approx(norms[0], rel=0.05), "the norm clip_grad_norm_ saw is the true one, not 4096x it"
+
+
+def test_fp16_training_logs_scale_and_skipped_steps():
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=32, batch_size=16, policy_kwargs={"net_arch": [32]}, seed=0)
+    enable_amp(model, "fp16")
+    model.learn(200)
+    logged = model.logger.name_to_value
+    assert logged["amp/scale"] > 0 and logged["amp/skipped_steps"] >= 0 and math.isfinite(logged["train/loss"])
+
+
+def test_loss_scaler_never_steps_on_nan():
+    param = th.nn.Parameter(th.ones(3))
+    optimizer = th.optim.SGD([param], lr=1.0)
+    param.grad = th.tensor([1.0, math.nan, 1.0])
+    scaler, calls = LossScaler(init_scale=8.0), []
+    scaler.step(optimizer, lambda: calls.append(1))
+    assert calls == [] and scaler.scale == 4.0
+
+
+# --------------------------------------------------------------------------- decisions, on faked machines
+def _speed(hw, device="cpu", policy="mlp", net_arch=(64, 64), batch=64, amp="auto", threads="auto", workers=0):
+    return choose_speed(
+        amp, "false", threads, device=device, policy=policy, net_arch=list(net_arch), batch_size=batch,
+        env_workers=workers, hardware=hw,
+    )  # fmt: skip
+
+
+def test_amp_auto_on_cpus():
+    assert _speed(machine(cpu_bf16=True), net_arch=[256, 256], batch=256).amp == "off"  # AVX512-BF16 only
+    assert "no AMX" in _speed(machine(cpu_bf16=True)).amp_reason
+    assert _speed(machine(cpu_amx=True), net_arch=[256, 256], batch=256).amp == "bf16"
+    assert _speed(machine(cpu_amx=True), policy="cnn").amp == "bf16"
+    small = _speed(machine(cpu_amx=True), net_arch=[64, 64], batch=64)
+    assert small.amp == "off" and "too small" in small.amp_reason
+
+
+def test_amp_auto_on_gpus():
+    a100, t4, p100 = machine(gpus=1), machine(gpus=1, capability=(7, 5), gpu_name="T4"), machine(gpus=1, capability=(6, 0))
+    assert _speed(a100, "cuda:0", "cnn").amp == "bf16"
+    assert _speed(t4, "cuda:0", "cnn").amp == "fp16"
+    assert "loss scaling" in _speed(t4, "cuda:0", "cnn").amp_reason
+    assert _speed(p100, "cuda:0", "cnn").amp == "off"
+    assert _speed(a100, "cuda:0", "mlp", [64, 64], 64).amp == "off"
+    assert _speed(a100, "cuda:0", "mlp", [256, 256], 2048).amp == "bf16"
+
+
+def test_amp_requests_that_cannot_work_are_errors():
+    with pytest.raises(ConfigError, match="amp=fp16 needs a CUDA GPU"):
+        _speed(machine(), amp="fp16")
+    with pytest.raises(ConfigError, match=r"T4 .*no bf16 tensor cores; use fp16"):
+        _speed(machine(gpus=1, capability=(7, 5), gpu_name="T4"), "cuda:0", amp="bf16")
+    with pytest.raises(ConfigError, match="not supported on Apple MPS"):
+        _speed(machine(mps=True), "mps", amp="bf16")
+    assert "slower than fp32" in _speed(machine(), amp="bf16").amp_reason
+
+
+def test_threads_follow_the_policy_size_and_the_env_workers():
+    assert _speed(machine(cores=8)).threads == 1
+    assert _speed(machine(cores=8), policy="cnn", workers=3).threads == 5
+    assert _speed(machine(cores=8), net_arch=[512, 512], batch=512).threads == 8
+    assert _speed(machine(cores=16, gpus=1), "cuda:0", policy="cnn").threads == 4
+    assert _speed(machine(cores=2), policy="cnn", workers=8).threads == 1
+    assert _speed(machine(), threads=3).threads == 3
+
+
+def test_cuda_math_flags_follow_the_gpu():
+    a100 = _speed(machine(gpus=1), "cuda:0", "cnn")
+    assert a100.cudnn_benchmark and a100.tf32 and "TF32" in a100.cuda_reason
+    t4 = _speed(machine(gpus=1, capability=(7, 5)), "cuda:0", "mlp", [64], 64)
+    assert not t4.cudnn_benchmark and not t4.tf32
+    assert _speed(machine()).cuda_reason == "" and len(_speed(machine()).rows()) == 3
+
+
+def test_apply_speed_sets_threads_flags_and_amp():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    plan = SpeedPlan("bf16", "test", "false", "test", 1, "test", cudnn_benchmark=True, tf32=True, cuda_reason="test")
+    assert apply_speed(model, plan, 32) is None
+    assert th.get_num_threads() == 1 and th.backends.cudnn.benchmark and th.backends.cuda.matmul.allow_tf32
+    assert amp_state(model).mode == "bf16"
+
+
+def test_plan_shows_and_saves_the_speed_decisions(cpu_machine):
+    plan = make_plan("ppo", "CartPole-v1", "cpu", hardware=cpu_machine, overrides={"threads": 2, "amp": "off"})
+    assert (plan.speed.amp, plan.speed.threads) == ("off", 2)
+    config = plan.to_config()
+    assert config["hyperparameters"]["threads"] == 2 and config["hyperparameters"]["amp"] == "off"
+    assert config["resolved"]["speed.threads"] == "2 (asked for)"
+
+
+# --------------------------------------------------------------------------- torch.compile
+def test_compile_failure_falls_back_with_the_reason(monkeypatch):
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr("sb3_gpu.speed._trial_step", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        reason = compile_policy(model, "default", 32)
+    assert reason is not None and "RuntimeError: no C++ compiler found" in reason
+    assert all(m._compiled_call_impl is None for m in (model.policy.mlp_extractor, model.policy.action_net))
+    model.learn(64)  # trains uncompiled
+
+
+def test_compile_for_real_keeps_state_dict_keys_and_trains():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    keys = set(model.policy.state_dict())
+    assert compile_policy(model, "default", 32) is None
+    assert model.policy.mlp_extractor._compiled_call_impl is not None
+    assert set(model.policy.state_dict()) == keys, "saved models load in plain SB3"
+    model.learn(128)
+
+
+# --------------------------------------------------------------------------- env workers and CLI
+class _ThreadsEnv(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        import os
+
+        self.threads = th.get_num_threads()
+        self.omp = os.environ.get("OMP_NUM_THREADS")
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, True, False, {}
+
+
+def test_subprocess_env_workers_run_one_thread():
+    venv = make_vec_env(resolve_env(_ThreadsEnv), 2, vec_env="subproc")
+    try:
+        assert venv.get_attr("threads") == [1, 1]
+        assert venv.get_attr("omp") == ["1", "1"]
+    finally:
+        venv.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ppo", "--amp", "fp16", "--device", "cpu"], "amp=fp16 needs a CUDA GPU"),
+        (["ppo", "--threads", "0"], "--threads"),
+        (["ppo", "--compile", "fast"], "--compile"),
+        (["ppo", "--set", "amp=fp8"], "amp: unknown value 'fp8' (valid: auto, off, bf16, fp16)"),
+        (
+            ["ppo", "--n-envs", "1", "--set", "grad_accum_steps=3", "--set", "n_steps=64", "--set", "batch_size=32"],
+            "must divide",
+        ),
+    ],
+)
+def test_bad_speed_flags_exit_2_with_one_line(args, message, tmp_path):
+    result = run_cli("sb3_gpu.train", *args, "--plan", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
