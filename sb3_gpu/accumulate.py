@@ -14,6 +14,7 @@ from typing import Any
 import torch as th
 from stable_baselines3 import PPO
 
+from sb3_gpu.amp import MICRO_BATCH
 from sb3_gpu.errors import ConfigError
 
 
@@ -35,7 +36,7 @@ class _Accumulator:
         @functools.wraps(step)
         def accumulating_step(*args: Any, **kwargs: Any) -> Any:
             if not self._last():
-                return None
+                return MICRO_BATCH
             for param, saved in self.saved.items():  # a parameter without a gradient in the last micro-batch
                 param.grad = saved / self.steps
             self.saved.clear()

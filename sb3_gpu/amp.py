@@ -12,6 +12,7 @@ gradients overflowed, halve the scale, and grow it again after a run of good ste
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,6 +23,8 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from sb3_gpu.errors import ConfigError
 
 AMP_MODES = ("auto", "off", "bf16", "fp16")
+# What a wrapped ``optimizer.step`` returns when gradient accumulation held it back (see accumulate.py).
+MICRO_BATCH = object()
 _DTYPES = {"bf16": th.bfloat16, "fp16": th.float16}
 
 
@@ -44,6 +47,8 @@ class LossScaler:
             self.scale = max(self.scale / 2.0, self.min_scale)
             return None
         out = original_step(*args, **kwargs)
+        if out is MICRO_BATCH:  # gradient accumulation held this step back: no optimizer step was taken
+            return None
         self.good_steps += 1
         if self.good_steps >= self.growth_interval:
             self.scale *= 2.0
@@ -98,22 +103,19 @@ def _scale_gradients(out: Any, scaler: LossScaler) -> Any:
     return out
 
 
-def _autocast(fn: Callable[..., Any], state: AmpState) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with th.autocast(device_type=state.device_type, dtype=state.dtype):
-            out = fn(*args, **kwargs)
-        return _to_float(out)
+# Wrappers are bound with types.MethodType to module-level functions and read their settings from the object, so that
+# a deep copy of a policy rebinds them to the copy (a closure would keep running the original's weights).
+def _amp_forward(self: th.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state: AmpState = self.__dict__["_sb3_gpu_amp_module"]
+    with th.autocast(device_type=state.device_type, dtype=state.dtype):
+        out = type(self).forward(self, *args, **kwargs)
+    out = _to_float(out)
+    return _scale_gradients(out, state.scaler) if self._sb3_gpu_amp_scaled and state.scaler is not None else out
 
-    return wrapped
 
-
-def _scaled(fn: Callable[..., Any], scaler: LossScaler) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return _scale_gradients(fn(*args, **kwargs), scaler)
-
-    return wrapped
+def _scaled_evaluate_actions(self: Any, *args: Any, **kwargs: Any) -> Any:
+    scaler = self._sb3_gpu_amp.scaler
+    return _scale_gradients(type(self).evaluate_actions(self, *args, **kwargs), scaler)
 
 
 def _parameters(optimizer: th.optim.Optimizer) -> Iterable[th.nn.Parameter]:
@@ -138,14 +140,14 @@ def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, 
     state = AmpState(mode, device_type, LossScaler(init_scale, growth_interval) if mode == "fp16" else None)
     compute, loss_facing, methods = _networks(model)
     for module in compute:
-        module.forward = _autocast(module.forward, state)
-    if state.scaler is not None:
-        for module in loss_facing:
-            module.forward = _scaled(module.forward, state.scaler)
-        for name in methods:
-            setattr(policy, name, _scaled(getattr(policy, name), state.scaler))
-        _install_unscaling(model, policy.optimizer, state.scaler)
+        setattr(module, "_sb3_gpu_amp_module", state)  # noqa: B010 - plain attributes, not nn.Module state
+        setattr(module, "_sb3_gpu_amp_scaled", any(module is m for m in loss_facing))  # noqa: B010
+        module.forward = types.MethodType(_amp_forward, module)
     policy._sb3_gpu_amp = state
+    if state.scaler is not None:
+        if methods:  # evaluate_actions: its outputs feed PPO's loss
+            policy.evaluate_actions = types.MethodType(_scaled_evaluate_actions, policy)
+        _install_unscaling(model, policy.optimizer, state.scaler)
     return state
 
 
@@ -158,14 +160,21 @@ def _install_unscaling(model: BaseAlgorithm, optimizer: th.optim.Optimizer, scal
 
     @functools.wraps(original_step)
     def step(*args: Any, **kwargs: Any) -> Any:
-        out = scaler.step(optimizer, original_step, *args, **kwargs)
+        held_back: list[bool] = []
+        out = scaler.step(optimizer, lambda *a, **k: _note(original_step(*a, **k), held_back), *args, **kwargs)
         algo = owner()
-        if algo is not None and getattr(algo, "_logger", None) is not None:
+        if not held_back and algo is not None and getattr(algo, "_logger", None) is not None:
             algo.logger.record("amp/scale", scaler.scale)
             algo.logger.record("amp/skipped_steps", scaler.skipped_steps)
         return out
 
     optimizer.step = step  # type: ignore[method-assign]
+
+
+def _note(out: Any, held_back: list[bool]) -> Any:
+    if out is MICRO_BATCH:
+        held_back.append(True)
+    return out
 
 
 def amp_state(model: BaseAlgorithm) -> AmpState | None:

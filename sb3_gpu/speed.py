@@ -162,6 +162,9 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
     """``torch.compile`` the policy's networks in place (state dict keys unchanged) and compile them now, on a batch
     of the training size, so that a failure shows here. On failure they are left uncompiled; returns the reason."""
     modules, _, _ = _networks(model)
+    # A shape seen only later (the rollout batch, a last short minibatch) recompiles during training; if that
+    # fails, dynamo then runs the frame uncompiled instead of stopping the run.
+    th._dynamo.config.suppress_errors = True
     try:
         for module in modules:
             module.compile(mode=None if mode == "default" else mode)
@@ -179,21 +182,24 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
 
 
 def _trial_step(model: BaseAlgorithm, batch_size: int) -> None:
-    """One forward and backward through the training path on a batch of observations, gradients thrown away."""
+    """The training path (forward and backward on a training batch, gradients thrown away) and the rollout path
+    (a no-grad forward on ``n_envs`` observations), so that both compile now."""
     policy: Any = model.policy
-    obs = [model.observation_space.sample() for _ in range(batch_size)]
-    obs_tensor, _ = policy.obs_to_tensor(_stack(obs))
+    obs_tensor, _ = policy.obs_to_tensor(_stack([model.observation_space.sample() for _ in range(batch_size)]))
+    rollout = obs_tensor[: model.n_envs] if isinstance(obs_tensor, th.Tensor) else obs_tensor
     if hasattr(policy, "evaluate_actions"):
         actions = th.as_tensor(_stack([model.action_space.sample() for _ in range(batch_size)]), device=model.device)
         values, log_prob, _ = policy.evaluate_actions(obs_tensor, actions)
-        loss = values.sum() + log_prob.sum()
+        loss, act = values.sum() + log_prob.sum(), policy
     else:
-        net = getattr(policy, "q_net", None) or policy.quantile_net
+        act = getattr(policy, "q_net", None) or policy.quantile_net
         with th.no_grad():
             (getattr(policy, "q_net_target", None) or policy.quantile_net_target)(obs_tensor)
-        loss = net(obs_tensor).sum()
+        loss = act(obs_tensor).sum()
     loss.backward()
     policy.optimizer.zero_grad(set_to_none=True)
+    with th.no_grad():
+        act(rollout)
 
 
 def _stack(items: list[Any]) -> Any:

@@ -127,6 +127,17 @@ def test_bf16_dqn_family_trains(cls):
     assert any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True))
 
 
+def test_a_deep_copy_of_an_amp_policy_runs_its_own_weights():
+    model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [16]})
+    enable_amp(model, "bf16")
+    clone = copy.deepcopy(model.policy)
+    for p in clone.q_net.parameters():
+        p.data.zero_()
+    obs = th.ones(2, 4)
+    assert th.equal(clone.q_net(obs), th.zeros(2, 2)) and not th.equal(model.policy.q_net(obs), th.zeros(2, 2))
+    assert clone.q_net(obs).dtype == th.float32
+
+
 # --------------------------------------------------------------------------- fp16 loss scaling, on the CPU
 def _ppo_batch(model, n=32):
     rng = np.random.default_rng(0)
@@ -189,6 +200,13 @@ def test_fp16_training_logs_scale_and_skipped_steps():
     model.learn(200)
     logged = model.logger.name_to_value
     assert logged["amp/scale"] > 0 and logged["amp/skipped_steps"] >= 0 and math.isfinite(logged["train/loss"])
+
+
+def test_fp16_with_ppo_accumulation_counts_only_real_optimizer_steps():
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, n_epochs=1, grad_accum_steps=2, seed=0)
+    state = enable_amp(model, "fp16", init_scale=64.0, growth_interval=2)
+    model.learn(64)  # 4 micro-batches: 2 optimizer steps, so the scale doubles once (not twice)
+    assert state.scaler.skipped_steps == 0 and state.scaler.scale == 128.0
 
 
 def test_loss_scaler_never_steps_on_nan():
