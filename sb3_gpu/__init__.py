@@ -7,6 +7,8 @@ Three lines in a notebook::
     model.learn(model.preset_timesteps)
 """
 
+from sb3_gpu.accumulate import GradAccumPPO
+from sb3_gpu.amp import enable_amp
 from sb3_gpu.envs import VecEnvFallbackWarning, make_vec_env
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.hardware import HardwareProfile, choose_device, detect_hardware
@@ -17,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "GradAccumPPO",
     "HardwareProfile",
     "Plan",
     "VecEnvFallbackWarning",
@@ -24,6 +27,7 @@ __all__ = [
     "build_model",
     "choose_device",
     "detect_hardware",
+    "enable_amp",
     "evaluate_run",
     "make_model",
     "make_plan",

@@ -71,7 +71,7 @@ def bench_per(args: argparse.Namespace) -> list[tuple[str, float, float, float, 
     """Rows of (case, uniform s, PER s, ratio, target ratio)."""
     rows = []
     batch = args.batch_size
-    for capacity in (100_000, 1_000_000):
+    for capacity in args.capacities:
         uniform = _filled(ReplayBuffer, capacity)
         td = np.random.default_rng(1).normal(size=batch)
 
@@ -204,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per = sub.add_parser("per", help="prioritized vs uniform replay: sampling, updates, DQN gradient steps")
     per.add_argument("--repeats", type=positive_int, default=7, help="repeats; medians are printed (default 7)")
     per.add_argument("--batch-size", type=positive_int, default=256)
+    per.add_argument("--capacities", type=positive_int, nargs="+", default=[100_000, 1_000_000], help="buffer sizes")
     per.add_argument("--learn", action="store_true", help="also train the preset of --algo/--env for each --seeds")
     per.add_argument("--algo", choices=["dqn", "qrdqn"], default="dqn", help="with --learn (default dqn)")
     per.add_argument("--env", default="CartPole-v1", help="with --learn (default CartPole-v1)")
