@@ -183,7 +183,9 @@ def evaluate_run(
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
     model_path, run_dir = _find_model(Path(target), which)
     config = load_config(run_dir)
-    plan: Plan = make_plan(config.algo, config.env, device, vec_env="dummy", seed=seed, config=config)
+    # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here.
+    speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
+    plan: Plan = make_plan(config.algo, config.env, device, vec_env="dummy", seed=seed, config=config, overrides=speed_off)
     env = build_env(plan, evaluation=True)
     if isinstance(env, VecNormalize):
         stats = _stats_for(model_path, run_dir)
