@@ -19,6 +19,7 @@ from sb3_gpu._io import save_model, write_json, write_yaml
 from sb3_gpu.callbacks import ProgressCallback, SaveVecNormalizeCallback
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import Plan, build_env, build_model, load_config, make_plan
+from sb3_gpu.telemetry import ThroughputCallback, TimedEvalCallback
 
 
 def new_run_dir(requested: str | None, plan: Plan) -> Path:
@@ -50,11 +51,13 @@ def train_run(
     checkpoint_freq: int | None = None,
     progress: bool = True,
     console: Console | None = None,
+    report_s: float | None = 30.0,
 ) -> dict[str, Any]:
     """Train per the plan into ``run_dir`` (config, checkpoints, best and final model, TensorBoard, summary).
 
     :param eval_freq: evaluate every N timesteps (default: a tenth of the run)
     :param checkpoint_freq: checkpoint every N timesteps (default: a fifth of the run)
+    :param report_s: print a throughput line every N seconds (None: never)
     :return: the summary, also written as ``summary.json``
     """
     run_dir = Path(run_dir)
@@ -74,7 +77,7 @@ def train_run(
     eval_freq = eval_freq or max(total // 10, 1)
     checkpoint_freq = checkpoint_freq or max(total // 5, 1)
     callbacks: list[BaseCallback] = [
-        EvalCallback(
+        TimedEvalCallback(
             eval_env,
             n_eval_episodes=eval_episodes,
             eval_freq=max(eval_freq // preset.n_envs, 1),
@@ -90,6 +93,10 @@ def train_run(
     bar = ProgressCallback(total, console=console) if progress else None
     if bar is not None:
         callbacks.append(bar)
+    printer = (console or Console()).log if progress else print
+    assert isinstance(callbacks[0], TimedEvalCallback)
+    throughput = ThroughputCallback(report_s=report_s, print_fn=printer, eval_callback=callbacks[0])
+    callbacks.append(throughput)
 
     start = time.perf_counter()
     interrupted = False
@@ -97,8 +104,9 @@ def train_run(
         model.learn(total, callback=callbacks, tb_log_name="run")
     except KeyboardInterrupt:
         interrupted = True
+        throughput.close()  # SB3 skips on_training_end when learn() is interrupted
         if bar is not None:
-            bar.stop()  # SB3 skips on_training_end when learn() is interrupted
+            bar.stop()
     wall = time.perf_counter() - start
 
     model_path = save_model(model, run_dir / "model.zip")
@@ -115,6 +123,7 @@ def train_run(
         "steps_per_s": round(model.num_timesteps / wall, 1) if wall > 0 else None,
         "interrupted": interrupted,
         "model": str(model_path),
+        "throughput": {k: round(v, 4) for k, v in throughput.latest.items()},
     }
     if not interrupted:
         sync_envs_normalization(env, eval_env)
