@@ -134,6 +134,12 @@ def train_run(
         summary["best_eval_mean"] = float(best.best_mean_reward) if best.best_mean_reward > -float("inf") else None
     if (run_dir / "best_model.zip").exists():
         summary["best_model"] = str(run_dir / "best_model.zip")
+    from sb3_gpu.plot import plot_runs  # here, so that `python -m sb3_gpu.plot` is not imported twice
+
+    try:
+        summary["curves"] = str(plot_runs([run_dir], run_dir / "curves.png", labels=[f"{plan.algo} {plan.env.name}"]))
+    except ConfigError as e:  # matplotlib is an optional extra
+        summary["curves"] = f"not drawn: {e}"
     write_json(run_dir / "summary.json", summary)
     _close(env, eval_env)
     return summary

@@ -125,6 +125,7 @@ class ThroughputCallback(BaseCallback):
     :param warmup_s: the first seconds of ``learn`` (start-up, first compilations) are left out of the window
     :param report_s: print a compact line every ``report_s`` seconds (None: never), via ``print_fn``
     :param dashboard: write the TensorBoard custom-scalars layout when training starts
+    :param record_s: record figures at most this often (DQN's rollouts can be a single step long)
     """
 
     # Counters kept cumulative since training start: env steps, episodes, optimizer steps, and seconds in env
@@ -139,10 +140,12 @@ class ThroughputCallback(BaseCallback):
         print_fn: Any = print,
         dashboard: bool = True,
         eval_callback: TimedEvalCallback | None = None,
+        record_s: float = 1.0,
         verbose: int = 0,
     ):
         super().__init__(verbose)
-        self.dashboard, self.eval_callback = dashboard, eval_callback
+        self.dashboard, self.eval_callback, self.record_s = dashboard, eval_callback, record_s
+        self._next_record = 0.0
         self.window = _Window(window_s)
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
         self.counters = np.zeros(7)
@@ -196,7 +199,9 @@ class ThroughputCallback(BaseCallback):
         self.counters[self._EVAL] = self.eval_callback.seconds if self.eval_callback is not None else 0.0
         if now - self._start >= self.warmup_s:
             self.window.add(now, self.counters.copy())
-        self._record(now)
+        if now >= self._next_record:
+            self._next_record = now + self.record_s
+            self._record(now)
 
     def _on_training_end(self) -> None:
         self.close()

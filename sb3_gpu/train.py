@@ -110,10 +110,19 @@ def summary_table(summary: dict[str, Any], run_dir: Path) -> Table:
         )
     if summary.get("best_eval_mean") is not None:
         rows.append(("best eval", f"{summary['best_eval_mean']:.2f}"))
+    tp = summary.get("throughput") or {}
+    if "env_steps_per_s" in tp:
+        rows.append(("last 30 s", f"{tp['env_steps_per_s']:,.0f} env steps/s, {tp['episodes_per_s']:.1f} episodes/s"))
+    if "share_env" in tp:
+        split = ", ".join(f"{name} {tp['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
+        rows.append(("time split", split))
     rows += [("run dir", str(run_dir)), ("model", summary["model"])]
     if "best_model" in summary:
         rows.append(("best model", summary["best_model"]))
+    if summary.get("curves"):
+        rows.append(("curves", summary["curves"]))
     rows.append(("replay", f"python -m sb3_gpu.train --config {run_dir / 'config.yaml'}"))
+    rows.append(("dashboard", f"tensorboard --logdir {run_dir / 'tb'}  (Custom Scalars tab)"))
     for row in rows:
         table.add_row(*row)
     return table

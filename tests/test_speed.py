@@ -364,7 +364,9 @@ def test_a_run_trained_with_gpu_only_switches_evaluates_on_the_cpu(tmp_path):
 
     from sb3_gpu.run import evaluate_run, train_run
 
-    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=0, overrides={"amp": "bf16", **SMALL_PPO, "n_envs": 1, "n_timesteps": 128})
+    plan = make_plan(
+        "ppo", "CartPole-v1", "cpu", seed=0, overrides={"amp": "bf16", **SMALL_PPO, "n_envs": 1, "n_timesteps": 128}
+    )
     train_run(plan, tmp_path / "run", eval_episodes=1, progress=False, eval_freq=64)
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     config["hyperparameters"]["amp"] = "fp16"  # as written on a CUDA machine
