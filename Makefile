@@ -21,7 +21,7 @@ quickstart: setup
 	$(BIN)/python -m sb3_gpu.train ppo --env CartPole-v1 --device auto
 
 lint: setup
-	$(BIN)/ruff check sb3_gpu tests
+	$(BIN)/ruff check sb3_gpu tests tools benchmarks
 	$(BIN)/mypy sb3_gpu
 
 test: lint

@@ -36,7 +36,8 @@ def main() -> None:
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     print(f"{args.n_envs} envs, {cores} logical cores, median of {args.repeats}")
-    print(f"{'env':<16}{'dummy us/step':>15}{'subproc us/step':>17}{'subproc/dummy speed':>21}{'start-up s':>12}{'overhead us/env':>17}")
+    header = f"{'env':<16}{'dummy us/step':>15}{'subproc us/step':>17}{'subproc/dummy speed':>21}"
+    print(f"{header}{'start-up s':>12}{'overhead us/env':>17}")
     for env_id in args.envs:
         spec = resolve_env(env_id)
         steps = 200 if spec.is_atari else 2000
@@ -55,7 +56,8 @@ def main() -> None:
         d, s = statistics.median(dummy), statistics.median(sub)
         # Subproc time = (env work spread over the cores) + overhead per env; solve for the overhead.
         overhead = (s - d / min(cores, args.n_envs)) / args.n_envs
-        print(f"{env_id:<16}{d * 1e6:>15.0f}{s * 1e6:>17.0f}{d / s:>20.2f}x{statistics.median(start):>12.1f}{overhead * 1e6:>17.0f}")
+        row = f"{env_id:<16}{d * 1e6:>15.0f}{s * 1e6:>17.0f}{d / s:>20.2f}x"
+        print(f"{row}{statistics.median(start):>12.1f}{overhead * 1e6:>17.0f}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from sb3_gpu.plan import make_plan
 from sb3_gpu.run import train_run
 from sb3_gpu.telemetry import DASHBOARD, ThroughputCallback
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 
 def _scalars(log_dir) -> dict[str, list[float]]:
@@ -129,3 +130,17 @@ def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium (.ci/run installs Debian's where apt-get can)")
+def test_headless_chromium_renders_the_dashboard(tmp_path):
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path))
+    model.learn(1500, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0))
+    out = tmp_path / "dashboard.png"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "dashboard_screenshot.py"), str(tmp_path), str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000, "a rendered page, not a blank one"
