@@ -3,6 +3,7 @@
 Sub-commands:
   per    replay sampling and DQN gradient steps, prioritized vs uniform; ``--learn`` trains presets with PER on/off
   speed  training-iteration time and env steps/s with each speed switch (bf16, compile, threads) off and on
+  telemetry  env steps/s of ``learn`` with and without the ThroughputCallback (its overhead)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from sb3_gpu.hardware import detect_hardware
 from sb3_gpu.per import PrioritizedReplayBuffer, SumMinTree, _kernels
 from sb3_gpu.plan import build_env, build_model, make_plan
 from sb3_gpu.run import evaluate_run, train_run
+from sb3_gpu.telemetry import ThroughputCallback
 
 
 def paired_medians(
@@ -214,9 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     speed = sub.add_parser("speed", help="speed switches off and on: bf16, torch.compile, threads (PPO and DQN presets)")
     speed.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
     speed.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="the N of '1 vs N threads'")
+    telemetry = sub.add_parser("telemetry", help="the ThroughputCallback's cost: env steps/s with and without it")
+    telemetry.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
     args = parser.parse_args(argv)
     if args.command == "speed":
         return _main_speed(args)
+    if args.command == "telemetry":
+        return _main_telemetry(args)
 
     if args.learn:
         try:  # bad names fail now, not after the timings
@@ -242,6 +248,39 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f" median best {statistics.median(r[3] for r in mine):.1f},"
                 f" median wall {statistics.median(r[4] for r in mine):.0f} s over {len(mine)} seeds"
             )
+    return 0
+
+
+TELEMETRY_CASES = [
+    ("PPO CartPole preset", "ppo", "CartPole-v1", {}),
+    ("DQN CartPole preset", "dqn", "CartPole-v1", {"per": False}),
+]
+
+
+def bench_telemetry(repeats: int) -> list[tuple[str, float, float]]:
+    """Rows of (case, env steps/s without the callback, with it); alternating ``learn`` segments of one model."""
+    rows = []
+    for label, algo, env, overrides in TELEMETRY_CASES:
+        plan = make_plan(algo, env, "cpu", seed=0, overrides=overrides, vec_env="dummy")
+        model: Any = build_model(plan, build_env(plan))
+        segment = model.n_steps * model.n_envs * 4 if algo == "ppo" else 2_048
+        model.learn(model.learning_starts + segment if algo != "ppo" else segment)  # warm-up, fills the buffer
+        plain = lambda m=model, n=segment: m.learn(n, reset_num_timesteps=False)  # noqa: E731
+        timed = lambda m=model, n=segment: m.learn(  # noqa: E731
+            n, reset_num_timesteps=False, callback=ThroughputCallback(warmup_s=0.0, record_s=1.0, dashboard=False)
+        )
+        without, with_ = paired_medians(plain, timed, repeats, 1)
+        rows.append((label, segment / without, segment / with_))
+        print(f"  {label}: done", flush=True)
+    return rows
+
+
+def _main_telemetry(args: argparse.Namespace) -> int:
+    print(f"machine: {platform.processor() or platform.machine()}, torch {th.__version__}, {th.get_num_threads()} threads")
+    rows = bench_telemetry(args.repeats)
+    print(f"{'case':<22} {'without':>10} {'with':>10}  overhead (env steps/s of learn, medians)")
+    for label, without, with_ in rows:
+        print(f"{label:<22} {without:>10.0f} {with_:>10.0f}  {1 - with_ / without:+.1%}")
     return 0
 
 

@@ -31,3 +31,10 @@ def test_bench_learning_with_an_unknown_env_is_exit_2(capsys):
     assert bench.main(["per", "--learn", "--env", "NoSuchEnv-v0", "--no-timing"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown env id 'NoSuchEnv-v0'" in err[0]
+
+
+def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys):
+    tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
+    monkeypatch.setattr(bench, "TELEMETRY_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
+    assert bench.main(["telemetry", "--repeats", "1"]) == 0
+    assert re.search(r"tiny PPO\s+\d+\s+\d+\s+[+-]\d+\.\d%", capsys.readouterr().out)
