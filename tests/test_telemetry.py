@@ -11,6 +11,7 @@ import time
 import urllib.request
 
 import pytest
+import torch as th
 from stable_baselines3 import DQN, PPO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -144,3 +145,23 @@ def test_headless_chromium_renders_the_dashboard(tmp_path):
     assert result.returncode == 0, result.stderr
     png = out.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000, "a rendered page, not a blank one"
+
+
+def test_cuda_memory_and_gpu_use_are_recorded_on_a_cuda_device(monkeypatch):
+    model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [8]})
+    callback = ThroughputCallback(warmup_s=0.0)
+    model.learn(10, callback=callback)  # sets the callback up; then pretend the model sits on a GPU
+    monkeypatch.setattr(model, "device", th.device("cuda", 0))
+    monkeypatch.setattr(th.cuda, "memory_allocated", lambda device: 300 * 2**20)
+    monkeypatch.setattr(th.cuda, "max_memory_allocated", lambda device: 512 * 2**20)
+    monkeypatch.setattr("sb3_gpu.telemetry._gpu_util", lambda index: 87.0)
+    callback._record(time.perf_counter())
+    assert callback.latest["cuda_allocated_mib"] == 300 and callback.latest["cuda_peak_mib"] == 512
+    assert callback.latest["gpu_util_percent"] == 87.0 and "GPU mem 300 MiB" in callback.line()
+
+
+def test_a_live_line_is_printed_every_report_s():
+    lines: list[str] = []
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
+    model.learn(64 * 6, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=0.0, print_fn=lines.append))
+    assert len(lines) >= 4 and all("steps/s" in line and "env " in line and "train " in line for line in lines)
