@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,15 @@ def load_curves(run_dir: str | Path) -> dict[str, np.ndarray]:
         with path.open(encoding="utf-8") as f:
             header = f.readline()  # #{"t_start": ..., "env_id": ...}: episode times count from t_start
             start = float(json.loads(header[1:]).get("t_start", 0.0)) if header.startswith("#{") else 0.0
-            data = np.loadtxt(f, delimiter=",", skiprows=1, ndmin=2, usecols=(0, 1, 2))
-        starts.append(start)
-        if data.size:
-            rows.append(np.column_stack([data[:, 0], data[:, 1], data[:, 2] + start]))
-    episodes = np.concatenate(rows) if rows else np.zeros((0, 3))
+            starts.append(start)
+            f.readline()  # r,l,t[,info keywords]
+            for line in f:
+                try:  # a run still writing may end in half a line
+                    r, length, t = (float(v) for v in line.split(",", 3)[:3])
+                except ValueError:
+                    continue
+                rows.append((r, length, t + start))
+    episodes = np.array(rows, dtype=np.float64).reshape(-1, 3)
     episodes = episodes[np.argsort(episodes[:, 2], kind="stable")]
     first = min(starts)
     curves = {
@@ -60,8 +65,11 @@ def load_curves(run_dir: str | Path) -> dict[str, np.ndarray]:
     }
     evaluations = run_dir / "eval" / "evaluations.npz"
     if evaluations.is_file():
-        with np.load(evaluations) as ev:
-            curves["eval_steps"], curves["eval_returns"] = ev["timesteps"], ev["results"].mean(axis=1)
+        try:
+            with np.load(evaluations) as ev:
+                curves["eval_steps"], curves["eval_returns"] = ev["timesteps"], ev["results"].mean(axis=1)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # written by SB3 while we read it
+            pass
     return curves
 
 

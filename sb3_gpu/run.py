@@ -104,9 +104,10 @@ def train_run(
         model.learn(total, callback=callbacks, tb_log_name="run")
     except KeyboardInterrupt:
         interrupted = True
-        throughput.close()  # SB3 skips on_training_end when learn() is interrupted
         if bar is not None:
-            bar.stop()
+            bar.stop()  # SB3 skips on_training_end when learn() is interrupted
+    finally:
+        throughput.close()
     wall = time.perf_counter() - start
 
     model_path = save_model(model, run_dir / "model.zip")
@@ -138,7 +139,7 @@ def train_run(
 
     try:
         summary["curves"] = str(plot_runs([run_dir], run_dir / "curves.png", labels=[f"{plan.algo} {plan.env.name}"]))
-    except ConfigError as e:  # matplotlib is an optional extra
+    except Exception as e:  # matplotlib is an optional extra; a picture must never cost the run its summary
         summary["curves"] = f"not drawn: {e}"
     write_json(run_dir / "summary.json", summary)
     _close(env, eval_env)

@@ -4,7 +4,7 @@
 excluded), optimizer steps per 1,000 env steps, the shares of wall time spent stepping envs, in the rest of
 collection (policy inference, buffer writes, callbacks), in training and in periodic evaluation, replay-buffer
 fill, process RSS and CPU use, and on CUDA the allocated and peak device memory (and GPU utilisation where
-nvidia-ml-py is installed). Env time comes from a thin VecEnv wrapper put around the model's env for the duration
+nvidia-ml-py is installed). Env time comes from a thin VecEnv timer put on the model's env for the duration
 of ``learn``; collection and training time from the rollout hooks; optimizer steps from a post-step hook on the
 policy's optimizer, so steps that AMP skipped or gradient accumulation held back do not count.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.logger import TensorBoardOutputFormat
-from stable_baselines3.common.vec_env import VecEnv, VecEnvWrapper
+from stable_baselines3.common.vec_env import VecEnv
 
 # The "Custom Scalars" dashboard: category -> chart -> tag regexes (several runs in one log dir share it).
 DASHBOARD: dict[str, dict[str, list[Any]]] = {
@@ -59,29 +59,38 @@ def write_dashboard(model: Any) -> bool:
     return False
 
 
-class TimedVecEnv(VecEnvWrapper):
-    """Adds up the wall time spent inside the wrapped VecEnv's step and reset."""
+class EnvTimer:
+    """Adds up the wall time spent in a VecEnv's ``step_async``, ``step_wait`` and ``reset``.
+
+    It times the env object in place (instance attributes over its methods) rather than wrapping it: SB3 walks
+    wrapper chains level by level (``sync_envs_normalization``, ``get_vec_normalize_env``), and an extra level
+    would break them. ``remove`` puts the methods back. Give it the innermost VecEnv (``venv.unwrapped``).
+    """
+
+    _METHODS = ("step_async", "step_wait", "reset")
 
     def __init__(self, venv: VecEnv):
-        super().__init__(venv)
-        self.seconds = 0.0
+        self.venv, self.seconds = venv, 0.0
+        self._saved = {name: venv.__dict__.get(name) for name in self._METHODS}
+        for name in self._METHODS:
+            setattr(venv, name, self._timed(getattr(venv, name)))
 
-    def reset(self) -> Any:
-        start = time.perf_counter()
-        out = self.venv.reset()
-        self.seconds += time.perf_counter() - start
-        return out
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
 
-    def step_async(self, actions: np.ndarray) -> None:
-        start = time.perf_counter()
-        self.venv.step_async(actions)
-        self.seconds += time.perf_counter() - start
+        return timed
 
-    def step_wait(self) -> Any:
-        start = time.perf_counter()
-        out = self.venv.step_wait()
-        self.seconds += time.perf_counter() - start
-        return out
+    def remove(self) -> None:
+        for name, saved in self._saved.items():
+            if saved is None:
+                self.venv.__dict__.pop(name, None)
+            else:
+                setattr(self.venv, name, saved)
 
 
 class TimedEvalCallback(EvalCallback):
@@ -150,20 +159,23 @@ class ThroughputCallback(BaseCallback):
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
         self.counters = np.zeros(7)
         self.latest: dict[str, float] = {}
-        self._timed: TimedVecEnv | None = None
-        self._hook: Any = None
+        self._timer: EnvTimer | None = None
+        self._hooks: list[Any] = []
+        self._steps0, self._eval0 = 0, 0.0
         self._start = self._rollout_start = self._rollout_end = 0.0
         self._next_report = 0.0
         self._process: Any = None
 
     # ------------------------------------------------------------------ hooks
     def _on_training_start(self) -> None:
+        self.close()  # anything left over from an interrupted learn
+        optimizers = [getattr(m, "optimizer", None) for m in (self.model.policy, *_submodules(self.model.policy))]
+        self._hooks = [o.register_step_post_hook(self._count_step) for o in optimizers if o is not None]
         if self.dashboard:
             write_dashboard(self.model)
         assert self.model.env is not None
-        self._timed = TimedVecEnv(self.model.env)
-        self.model.env = self._timed
-        self._hook = self.model.policy.optimizer.register_step_post_hook(self._count_step)
+        # The innermost VecEnv: wrappers such as VecNormalize pickle their own attributes (checkpoints do that).
+        self._timer = EnvTimer(self.model.env.unwrapped)
         try:
             import psutil
 
@@ -171,9 +183,14 @@ class ThroughputCallback(BaseCallback):
             self._process.cpu_percent(None)  # the first call only starts the measurement
         except ImportError:  # pragma: no cover - psutil is a dependency
             self._process = None
+        self.counters[:] = 0.0
+        self.window.points.clear()
+        self._steps0 = self.num_timesteps
+        self._eval0 = self.eval_callback.seconds if self.eval_callback is not None else 0.0
         self._start = time.perf_counter()
         self._rollout_end = self._start
         self._next_report = self._start + (self.report_s or 0.0)
+        self._next_record = 0.0
 
     def _count_step(self, *args: Any) -> None:
         self.counters[self._GRAD] += 1
@@ -182,6 +199,16 @@ class ThroughputCallback(BaseCallback):
         now = time.perf_counter()
         self.counters[self._TRAIN] += now - self._rollout_end  # training runs between one rollout and the next
         self._rollout_start = now
+        self._sample(now)
+
+    def _sample(self, now: float) -> None:
+        # Taken where every finished rollout has had its training, so steps and optimizer steps match.
+        self.counters[self._STEPS] = self.num_timesteps - self._steps0
+        self.counters[self._ENV] = self._timer.seconds if self._timer is not None else 0.0
+        if self.eval_callback is not None:
+            self.counters[self._EVAL] = self.eval_callback.seconds - self._eval0
+        if now - self._start >= self.warmup_s:
+            self.window.add(now, self.counters.copy())
 
     def _on_step(self) -> bool:
         dones = self.locals.get("dones")
@@ -193,27 +220,28 @@ class ThroughputCallback(BaseCallback):
         now = time.perf_counter()
         self._rollout_end = now
         self.counters[self._COLLECT] += now - self._rollout_start
-        self.counters[self._STEPS] = self.num_timesteps
-        assert self._timed is not None
-        self.counters[self._ENV] = self._timed.seconds
-        self.counters[self._EVAL] = self.eval_callback.seconds if self.eval_callback is not None else 0.0
-        if now - self._start >= self.warmup_s:
-            self.window.add(now, self.counters.copy())
         if now >= self._next_record:
             self._next_record = now + self.record_s
             self._record(now)
 
     def _on_training_end(self) -> None:
+        # The last training ran after the last rollout: count it, record, and write what is pending.
+        now = time.perf_counter()
+        self.counters[self._TRAIN] += now - self._rollout_end
+        self._rollout_end = now
+        self._sample(now)
+        self._record(now)
+        self.logger.dump(self.num_timesteps)
         self.close()
 
     def close(self) -> None:
-        """Unwrap the env and remove the optimizer hook (also after an interrupted ``learn``)."""
-        if self._timed is not None and self.model.env is self._timed:
-            self.model.env = self._timed.venv
-        self._timed = None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Stop timing the env and remove the optimizer hooks (also after an interrupted ``learn``)."""
+        if self._timer is not None:
+            self._timer.remove()
+            self._timer = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     # ------------------------------------------------------------------ figures
     def _record(self, now: float) -> None:
@@ -271,13 +299,23 @@ class ThroughputCallback(BaseCallback):
         return " | ".join(parts)
 
 
+def _submodules(policy: Any) -> list[Any]:
+    """Actor and critic of SAC/TD3-style policies, which carry their own optimizers."""
+    return [m for m in (getattr(policy, "actor", None), getattr(policy, "critic", None)) if m is not None]
+
+
+_NVML: dict[str, Any] = {}
+
+
 def _gpu_util(index: int) -> float | None:
     try:
         import pynvml  # nvidia-ml-py
     except ImportError:
         return None
     try:
-        pynvml.nvmlInit()
+        if "init" not in _NVML:
+            pynvml.nvmlInit()
+            _NVML["init"] = True
         return float(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(index)).gpu)
     except Exception:  # no driver, no permission: the figure is optional
         return None

@@ -45,7 +45,25 @@ def test_dqn_throughput_tags_land_in_tensorboard_with_sane_values(tmp_path):
     shares = [last[f"share_{k}"] for k in ("env", "policy", "train", "eval")]
     assert all(0 <= s <= 1 for s in shares) and sum(shares) == pytest.approx(1.0, abs=0.02)
     assert 0 < last["buffer_fill"] <= 1
-    assert model.env is callback.model.env and type(model.env).__name__ == "DummyVecEnv", "the timing wrapper is gone"
+    assert not {"step_async", "step_wait", "reset"} & set(vars(model.env.unwrapped)), "the timer is removed after learn"
+
+
+def test_train_run_with_a_normalizing_preset_evaluates_and_times_the_env(tmp_path):
+    # Acrobot's PPO preset normalises observations: EvalCallback syncs the VecNormalize statistics through the env.
+    overrides = {"n_timesteps": 1024, "n_envs": 2, "n_steps": 128, "batch_size": 64}
+    plan = make_plan("ppo", "Acrobot-v1", "cpu", seed=0, overrides=overrides)
+    assert plan.preset.normalize
+    summary = train_run(plan, tmp_path / "run", eval_freq=256, eval_episodes=1, progress=False)
+    assert summary["timesteps"] >= 1024 and summary["best_eval_mean"] is not None
+
+
+def test_one_callback_measures_each_learn_afresh():
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    model.learn(256, callback=callback)
+    model.learn(256, callback=callback)  # counts restart; the idle time between the learns is not in the window
+    assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(1000 / 64)
+    assert 0.05 < callback.latest["share_env"] < 0.95
 
 
 def test_ppo_counts_optimizer_steps_of_every_minibatch(tmp_path):
