@@ -10,7 +10,14 @@ import numba
 import numpy as np
 
 
-@numba.njit(nogil=True, cache=True)
+def _jit(fn):
+    try:
+        return numba.njit(nogil=True, cache=True)(fn)
+    except Exception:  # no writable cache dir anywhere: compile in each process instead
+        return numba.njit(nogil=True)(fn)
+
+
+@_jit
 def find(sums, offsets, fanout, top_inclusive, prefix, out_nodes, out_values):
     # Level by level over the whole batch rather than sample by sample: the batch's loads at one level are
     # independent, so the CPU overlaps their cache misses (a million leaves do not fit in cache).
@@ -38,7 +45,7 @@ def find(sums, offsets, fanout, top_inclusive, prefix, out_nodes, out_values):
         out_values[b] = sums[nodes[b]]
 
 
-@numba.njit(nogil=True, cache=True)
+@_jit
 def update(sums, mins, sum_offsets, min_offsets, fanout, nodes, values):
     for b in range(len(nodes)):
         node = nodes[b]

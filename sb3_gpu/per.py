@@ -50,10 +50,13 @@ class SumMinTree:
         self.backend = "numba" if backend == "auto" and _kernels is not None else "numpy" if backend == "auto" else backend
         if top is None:  # a cumulative sum over the top costs numpy one call but compiled loops a pass per search
             top = 256 if self.backend == "numba" else 4096
-        sizes = [capacity]
-        while sizes[-1] > top:
-            sizes[-1] = -(-sizes[-1] // fanout) * fanout  # pad each level below the top to whole groups
-            sizes.append(sizes[-1] // fanout)
+        levels = 1
+        while -(-capacity // fanout ** (levels - 1)) > top:
+            levels += 1
+        # Every level below the top is whole groups of whole groups: the leaves are padded (with empty leaves) to
+        # top * fanout^(levels-1), so that a search running past the end still lands on a leaf, never outside.
+        top_size = -(-capacity // fanout ** (levels - 1))
+        sizes = [top_size * fanout**k for k in range(levels - 1, -1, -1)]
         self._sum_offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
         self._min_offsets = np.cumsum([0, *sizes[1:-1]], dtype=np.int64)[: len(sizes) - 1]
         self._sizes = sizes
@@ -100,6 +103,7 @@ class SumMinTree:
         values = np.asarray(values, dtype=np.float64)
         if self.backend == "numba":
             assert _kernels is not None
+            values = np.ascontiguousarray(np.broadcast_to(values, nodes.shape))
             _kernels.update(self._sums, self._mins, self._sum_offsets, self._min_offsets, self.fanout, nodes, values)
             return
         self.sums[0][nodes] = values

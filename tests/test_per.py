@@ -135,6 +135,20 @@ def test_a_pickled_tree_keeps_its_levels_joined(backend, monkeypatch):
     assert elsewhere.backend == "numpy" and elsewhere.total == pytest.approx(4999.5) and elsewhere.min == 0.5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("capacity", [100_000, 70_001])
+def test_prefixes_at_the_total_land_on_a_real_leaf(backend, capacity):
+    # Three levels: a search running past the end must not reach padding nodes of the upper levels.
+    tree = SumMinTree(capacity, backend=backend)
+    tree.update(np.arange(capacity), np.ones(capacity))
+    total = tree.total
+    found, values = tree.find(np.array([total, np.nextafter(total, 0), 2 * total, 0.0]))
+    assert (found < capacity).all() and (values == 1.0).all()
+    assert found[0] == found[1] == found[2] == capacity - 1 and found[3] == 0
+    tree.update(np.array([3, 4]), 0.5)  # a scalar value broadcasts in both backends
+    assert tree.sums[0][3] == tree.sums[0][4] == 0.5
+
+
 def test_numba_backend_without_numba_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("sb3_gpu.per._kernels", None)
     with pytest.raises(ConfigError, match=r"sb3-gpu\[fast\]"):
