@@ -117,7 +117,7 @@ def bench_per_learning(
         for seed in seeds:
             plan = make_plan(algo, env_id, "auto", seed=seed, overrides={"per": per_on})
             with tempfile.TemporaryDirectory(prefix="sb3_gpu_bench_") as tmp:
-                summary = train_run(plan, Path(tmp) / "run", eval_episodes=5, progress=False)
+                summary = train_run(plan, Path(tmp) / "run", eval_episodes=5, progress=False, report_s=None)
                 best = evaluate_run(Path(tmp) / "run", episodes=20, seed=123)["mean"]
             final = summary["final_eval_mean"]
             results.append((per_on, seed, final, best, summary["wall_time_s"]))
