@@ -259,6 +259,7 @@ def test_threads_follow_the_policy_size_and_the_env_workers():
     assert _speed(machine(cores=8)).threads == 1
     assert _speed(machine(cores=8), policy="cnn", workers=3).threads == 5
     assert _speed(machine(cores=8), net_arch=[512, 512], batch=512).threads == 8
+    assert _speed(machine(cores=8), net_arch=[256, 256], batch=64).threads == 8
     assert _speed(machine(cores=16, gpus=1), "cuda:0", policy="cnn").threads == 4
     assert _speed(machine(cores=2), policy="cnn", workers=8).threads == 1
     assert _speed(machine(), threads=3).threads == 3
