@@ -163,9 +163,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
     """``torch.compile`` the policy's networks in place (state dict keys unchanged) and compile them now, on a batch
     of the training size, so that a failure shows here. On failure they are left uncompiled; returns the reason."""
     modules, _, _ = _networks(model)
-    # A shape seen only later (the rollout batch, a last short minibatch) recompiles during training; if that
-    # fails, dynamo then runs the frame uncompiled instead of stopping the run.
-    th._dynamo.config.suppress_errors = True
+    th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
     try:
         for module in modules:
             module.compile(mode=None if mode == "default" else mode)
@@ -179,6 +177,9 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
         warnings.warn(reason, stacklevel=2)
         return reason
     model.compile_seconds = time.perf_counter() - start  # type: ignore[attr-defined]
+    # A shape seen only later (a last short minibatch, say) recompiles during training; if that fails, dynamo
+    # then runs the frame uncompiled instead of stopping the run.
+    th._dynamo.config.suppress_errors = True
     return None
 
 

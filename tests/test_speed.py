@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import subprocess
+import sys
 
 import gymnasium as gym
 import numpy as np
@@ -373,3 +376,20 @@ def test_a_run_trained_with_gpu_only_switches_evaluates_on_the_cpu(tmp_path):
     config["hyperparameters"]["amp"] = "fp16"  # as written on a CUDA machine
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
     assert evaluate_run(tmp_path / "run", episodes=2)["episodes"] == 2
+
+
+def test_a_real_compiler_failure_falls_back_and_training_goes_on(tmp_path):
+    # No working C++ compiler for inductor: compilation fails for real, in its own process and cache dir.
+    code = (
+        "from stable_baselines3 import PPO\n"
+        "from sb3_gpu.speed import compile_policy\n"
+        "m = PPO('MlpPolicy', 'CartPole-v1', n_steps=64, batch_size=32)\n"
+        "print('REASON', compile_policy(m, 'default', 32))\n"
+        "m.learn(128)\n"
+        "print('TRAINED', m.num_timesteps)\n"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/g++", "CC": "/nonexistent/gcc", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REASON torch.compile failed (" in result.stdout and "training uncompiled" in result.stdout
+    assert "TRAINED 128" in result.stdout
