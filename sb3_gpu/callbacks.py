@@ -7,6 +7,7 @@ import io
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -16,23 +17,35 @@ from stable_baselines3.common.utils import safe_mean
 from sb3_gpu._io import atomic_write_bytes
 
 
-class WindowedRate:
+class Window:
+    """Cumulative counters (a number or an array) sampled over time; their change over the last ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.points: collections.deque[tuple[float, Any]] = collections.deque()
+
+    def add(self, now: float, counters: Any) -> None:
+        self.points.append((now, counters))
+        while len(self.points) > 2 and now - self.points[1][0] >= self.seconds:
+            self.points.popleft()
+
+    def delta(self) -> tuple[float, Any] | None:
+        """(seconds, change of the counters) from the oldest point kept to the newest; None before two points."""
+        if len(self.points) < 2:
+            return None
+        (t0, c0), (t1, c1) = self.points[0], self.points[-1]
+        return (t1 - t0, c1 - c0) if t1 > t0 else None
+
+
+class WindowedRate(Window):
     """Steps per second over the last ``window_s`` seconds (a running average since start-up lags for the whole run)."""
 
     def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self._points: collections.deque[tuple[float, int]] = collections.deque()
-
-    def add(self, now: float, steps: int) -> None:
-        self._points.append((now, steps))
-        while len(self._points) > 2 and now - self._points[1][0] >= self.window_s:
-            self._points.popleft()
+        super().__init__(window_s)
 
     def rate(self) -> float:
-        if len(self._points) < 2:
-            return 0.0
-        (t0, s0), (t1, s1) = self._points[0], self._points[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        delta = self.delta()
+        return float(delta[1] / delta[0]) if delta is not None else 0.0
 
 
 class ProgressCallback(BaseCallback):

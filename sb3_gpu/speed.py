@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
@@ -205,8 +206,6 @@ def _trial_step(model: BaseAlgorithm, batch_size: int) -> None:
 
 
 def _stack(items: list[Any]) -> Any:
-    import numpy as np
-
     if isinstance(items[0], dict):
         return {k: np.stack([i[k] for i in items]) for k in items[0]}
     return np.stack(items)

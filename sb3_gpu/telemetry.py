@@ -11,7 +11,6 @@ policy's optimizer, so steps that AMP skipped or gradient accumulation held back
 
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any
 
@@ -20,6 +19,8 @@ import torch as th
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.logger import TensorBoardOutputFormat
 from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_gpu.callbacks import Window
 
 # The "Custom Scalars" dashboard: category -> chart -> tag regexes (several runs in one log dir share it).
 DASHBOARD: dict[str, dict[str, list[Any]]] = {
@@ -108,25 +109,6 @@ class TimedEvalCallback(EvalCallback):
             self.seconds += time.perf_counter() - start
 
 
-class _Window:
-    """Cumulative counters sampled over time; rates and shares over the last ``seconds``."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.points: collections.deque[tuple[float, np.ndarray]] = collections.deque()
-
-    def add(self, now: float, counters: np.ndarray) -> None:
-        self.points.append((now, counters))
-        while len(self.points) > 2 and now - self.points[1][0] >= self.seconds:
-            self.points.popleft()
-
-    def delta(self) -> tuple[float, np.ndarray] | None:
-        if len(self.points) < 2:
-            return None
-        (t0, c0), (t1, c1) = self.points[0], self.points[-1]
-        return (t1 - t0, c1 - c0) if t1 > t0 else None
-
-
 class ThroughputCallback(BaseCallback):
     """Throughput and time-split figures under ``throughput/``, recorded at the end of each rollout.
 
@@ -155,7 +137,7 @@ class ThroughputCallback(BaseCallback):
         super().__init__(verbose)
         self.dashboard, self.eval_callback, self.record_s = dashboard, eval_callback, record_s
         self._next_record = 0.0
-        self.window = _Window(window_s)
+        self.window = Window(window_s)
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
         self.counters = np.zeros(7)
         self.latest: dict[str, float] = {}

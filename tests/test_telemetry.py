@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -111,10 +111,11 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
         plot._pyplot()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _screenshot_tool():
+    spec = importlib.util.spec_from_file_location("dashboard_screenshot", REPO / "tools" / "dashboard_screenshot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _get(url: str) -> bytes:
@@ -125,7 +126,8 @@ def _get(url: str) -> bytes:
 def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
     model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path))
     model.learn(1500, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0), tb_log_name="seed0")
-    port = _free_port()
+    tool = _screenshot_tool()
+    port = tool._free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)],
         stdout=subprocess.DEVNULL,
