@@ -10,7 +10,7 @@ Three lines in a notebook::
 from sb3_gpu.accumulate import GradAccumPPO
 from sb3_gpu.amp import enable_amp
 from sb3_gpu.envs import VecEnvFallbackWarning, make_vec_env
-from sb3_gpu.errors import ConfigError
+from sb3_gpu.errors import ConfigError, EnvWorkerError
 from sb3_gpu.hardware import HardwareProfile, choose_device, detect_hardware
 from sb3_gpu.plan import Plan, build_env, build_model, make_model, make_plan
 from sb3_gpu.run import evaluate_run, train_run
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "EnvWorkerError",
     "GradAccumPPO",
     "HardwareProfile",
     "Plan",

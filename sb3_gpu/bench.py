@@ -4,6 +4,8 @@ Sub-commands:
   per    replay sampling and DQN gradient steps, prioritized vs uniform; ``--learn`` trains presets with PER on/off
   speed  training-iteration time and env steps/s with each speed switch (bf16, compile, threads) off and on
   telemetry  env steps/s of ``learn`` with and without the ThroughputCallback (its overhead)
+  envs   env steps/s of each vec env backend (SB3's two, batched, EnvPool, auto) and worker start-up
+  train  a preset against plain SB3 with rl-zoo3's values: time and steps to a reward threshold
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
 
+from sb3_gpu._bench_envs import ZOO, bench_envs, bench_startup, bench_train, envs_markdown, train_markdown, write_results
 from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.envs import probe_env, resolve_env
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.hardware import detect_hardware
 from sb3_gpu.per import PrioritizedReplayBuffer, SumMinTree, _kernels
@@ -218,7 +222,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     speed.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="the N of '1 vs N threads'")
     telemetry = sub.add_parser("telemetry", help="the ThroughputCallback's cost: env steps/s with and without it")
     telemetry.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
+    envs = sub.add_parser("envs", help="env steps/s per vec env backend vs SB3's DummyVecEnv/SubprocVecEnv; start-up")
+    envs.add_argument("--envs", nargs="+", default=["CartPole-v1", "LunarLander-v3", "ALE/Pong-v5"], help="env ids")
+    envs.add_argument("--n-envs", type=positive_int, nargs="+", default=[8, 32, 64], help="vec env sizes")
+    envs.add_argument("--seconds", type=float, default=0.25, help="seconds per measurement (default 0.25)")
+    envs.add_argument(
+        "--repeats", type=positive_int, default=15, help="rounds in shuffled order; medians are reported (default 15)"
+    )
+    envs.add_argument("--startup-workers", type=int, default=8, help="start-up bench size; 0 skips it (default 8)")
+    envs.add_argument("--out", default="bench-results", help="folder for envs.json and envs.md")
+    train = sub.add_parser("train", help="a preset vs plain SB3 with rl-zoo3's values: time to a reward threshold")
+    train.add_argument("--algo", choices=sorted({a for a, _ in ZOO}), default="ppo")
+    train.add_argument("--env", default="CartPole-v1", help=f"one of: {', '.join(sorted({e for _, e in ZOO}))}")
+    train.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2])
+    train.add_argument("--threshold", type=float, help="mean eval return to reach (default: the env's reward_threshold)")
+    train.add_argument("--max-timesteps", type=positive_int, help="budget per run (default: the preset's n_timesteps)")
+    train.add_argument("--eval-freq", type=positive_int, default=5_000, help="evaluate every N env steps (default 5000)")
+    train.add_argument("--eval-episodes", type=positive_int, default=10)
+    train.add_argument("--out", default="bench-results", help="folder for train.json and train.md")
     args = parser.parse_args(argv)
+    if args.command == "envs":
+        return _main_envs(args, argv)
+    if args.command == "train":
+        return _main_train(args, argv)
     if args.command == "speed":
         return _main_speed(args)
     if args.command == "telemetry":
@@ -299,6 +325,54 @@ def _main_speed(args: argparse.Namespace) -> int:
             f"{case:<{width}}  {name:<14} {it_base * 1e3:>8.1f} -> {it_switch * 1e3:>7.1f} ms {it_base / it_switch:>7.2f}x"
             f"  {sps_base:>7.0f} -> {sps_switch:>7.0f} {sps_switch / sps_base:>5.2f}x"
         )
+    return 0
+
+
+def _command(argv: Sequence[str] | None) -> str:
+    return "python -m sb3_gpu.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def _main_envs(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    if args.seconds <= 0 or args.startup_workers < 0:
+        print_error("--seconds must be > 0 and --startup-workers >= 0")
+        return 2
+    try:
+        for env_id in args.envs:
+            probe_env(resolve_env(env_id)).close()
+    except ConfigError as exc:
+        print_error(str(exc))
+        return 2
+    print(f"machine: {detect_hardware().describe()}")
+    rows = bench_envs(args.envs, args.n_envs, args.seconds, args.repeats)
+    startup = None
+    if args.startup_workers:
+        times = bench_startup(args.envs[0], args.startup_workers, max(1, min(args.repeats, 3)))
+        startup = {"workers": args.startup_workers, "env": args.envs[0], **times}
+    command = _command(argv)
+    markdown = envs_markdown(rows, startup, command)
+    print(markdown)
+    paths = write_results(Path(args.out), "envs", {"command": command, "rows": rows, "startup": startup}, markdown)
+    print("written:", *paths)
+    return 0
+
+
+def _main_train(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    if (args.algo, args.env) not in ZOO:
+        have = ", ".join(f"{a} {e}" for a, e in sorted(ZOO))
+        print_error(f"no rl-zoo3 baseline for {args.algo} {args.env} (have: {have})")
+        return 2
+    threshold = args.threshold
+    if threshold is None:
+        threshold = gym.spec(args.env).reward_threshold
+    print(f"machine: {detect_hardware().describe()}")
+    summary = bench_train(
+        args.algo, args.env, args.seeds, float(threshold), args.max_timesteps, args.eval_freq, args.eval_episodes
+    )
+    command = _command(argv)
+    markdown = train_markdown(summary, command)
+    print(markdown)
+    paths = write_results(Path(args.out), "train", {"command": command, **summary}, markdown)
+    print("written:", *paths)
     return 0
 
 

@@ -24,14 +24,25 @@ from stable_baselines3.common.atari_wrappers import AtariWrapper
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
-from sb3_gpu.errors import ConfigError, closest
+from sb3_gpu.batched import BatchedSubprocVecEnv
+from sb3_gpu.envpool_vec import EnvPoolVecEnv, envpool_available, envpool_task
+from sb3_gpu.errors import ConfigError, EnvWorkerError, closest
 
-VEC_ENV_KINDS = ("auto", "dummy", "subproc")
+VEC_ENV_KINDS = ("auto", "dummy", "subproc", "batched", "envpool")
 
-# Cost of one SubprocVecEnv step beyond the env's own work, per env: a pipe round trip and a pickle each way.
+# Cost of one SB3 SubprocVecEnv step beyond the env's own work, per env: a pipe round trip and a pickle each way.
 # Measured with 8 envs on a 2-core Xeon: 160 us (CartPole-v1), 260 us (LunarLander-v3), 320 us (Pong with SB3's
-# Atari wrapper). The high end is used, so that subproc is only chosen where it clearly wins.
+# Atari wrapper).
 SUBPROC_OVERHEAD_S = 300e-6
+# BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
+# pickling per env. Measured on a 2-core Firecracker VM, where waking an idle vCPU is slow: ~350 us per step and
+# ~10 us per env (python -m sb3_gpu.bench envs). Bare-metal machines pay less, so auto errs towards dummy.
+BATCHED_STEP_OVERHEAD_S = 350e-6
+BATCHED_PER_ENV_S = 10e-6
+# EnvPool hands each step to its C++ thread pool; waking those threads cost ~250 us per step on the same VM, so it
+# only pays where a DummyVecEnv step (n_envs * one env step) is longer than this: CartPole from ~64 envs,
+# LunarLander from ~16, Atari always (bench envs: CartPole x32 on EnvPool measured 0.86x dummy).
+ENVPOOL_MIN_VEC_STEP_S = 1e-3
 
 
 class VecEnvFallbackWarning(UserWarning):
@@ -45,6 +56,12 @@ class EnvSpec:
     name: str
     make: Callable[[], gym.Env]
     is_atari: bool = False
+    env_id: str | None = None  # a registered id given without env kwargs: what EnvPool could stand in for
+
+
+def envpool_fits(spec: EnvSpec) -> bool:
+    """Whether EnvPool is installed and has a faithful twin of this env."""
+    return spec.env_id is not None and envpool_task(spec.env_id, spec.is_atari) is not None and envpool_available()
 
 
 def _register_ale() -> bool:
@@ -81,10 +98,11 @@ def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
         )
     entry_point = str(gym.registry[env_id].entry_point)
     is_atari = "ale_py" in entry_point
+    plain_id = None if kwargs else env_id
     if is_atari and env_id.startswith("ALE/"):
         # v5 ids skip 4 frames themselves; SB3's AtariWrapper skips too, so let it do the skipping alone.
         kwargs = {"frameskip": 1, **kwargs}
-    return EnvSpec(env_id, functools.partial(_make_registered, env_id, kwargs), is_atari)
+    return EnvSpec(env_id, functools.partial(_make_registered, env_id, kwargs), is_atari, plain_id)
 
 
 def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
@@ -149,11 +167,15 @@ def measure_step_seconds(env: gym.Env, budget_s: float = 0.05, max_steps: int = 
     return float(np.median(times))
 
 
-def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int) -> tuple[str, str]:
-    """Pick ``dummy`` or ``subproc`` for ``n_envs`` envs whose step takes ``step_seconds``; return (kind, reason).
+def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int, envpool: bool = False) -> tuple[str, str]:
+    """Pick a VecEnv kind for ``n_envs`` envs whose step takes ``step_seconds``; return (kind, reason).
 
-    The model: DummyVecEnv costs ``n_envs * step``; SubprocVecEnv spreads the steps over the cores but pays a
-    pipe round trip per env. Subproc must win by 20% to be chosen, since its start-up is slow too.
+    ``envpool`` says whether EnvPool is installed and has a twin of this env: its C++ envs step on a thread pool
+    with no Python in the loop, which wins once a step is long enough to pay for waking the threads. Otherwise the
+    model is: DummyVecEnv costs
+    ``n_envs * step``; the batched subprocess VecEnv spreads the envs over ``cores`` workers and pays a round trip
+    per worker and a little per env. Batched must win by 20%, since its start-up costs too. SB3's SubprocVecEnv is
+    never the automatic choice: batched does the same work with one round trip per worker instead of per env.
     """
     if requested not in VEC_ENV_KINDS:
         raise ConfigError(
@@ -161,17 +183,25 @@ def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int)
         )
     if requested != "auto":
         return requested, "asked for"
+    if envpool and n_envs * step_seconds >= ENVPOOL_MIN_VEC_STEP_S:
+        return "envpool", (
+            f"EnvPool has a faithful twin of this env; {n_envs} envs x {step_seconds * 1e6:.0f} us per Python step "
+            "pays for its thread pool"
+        )
     if n_envs == 1:
         return "dummy", "one env: nothing to parallelise"
     if cores < 2:
         return "dummy", "one CPU core: subprocesses would only add overhead"
     dummy = n_envs * step_seconds
-    waves = -(-n_envs // cores)
-    subproc = waves * step_seconds + n_envs * SUBPROC_OVERHEAD_S
-    ratio = dummy / subproc
-    detail = f"env step {step_seconds * 1e6:.0f} us, {n_envs} envs on {cores} cores: subproc est. {ratio:.2f}x dummy"
+    workers = min(n_envs, cores)
+    batched = -(-n_envs // workers) * step_seconds + BATCHED_STEP_OVERHEAD_S + n_envs * BATCHED_PER_ENV_S
+    ratio = dummy / batched
+    detail = (
+        f"env step {step_seconds * 1e6:.0f} us, {n_envs} envs on {cores} cores: "
+        f"batched ({workers} workers) est. {ratio:.2f}x dummy"
+    )
     if ratio >= 1.2:
-        return "subproc", detail
+        return "batched", detail
     return "dummy", detail
 
 
@@ -219,7 +249,7 @@ class _ReportResetErrors(gym.Wrapper):
             raise
 
 
-def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int | None) -> VecEnv:
+def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int | None, batched: bool = False) -> VecEnv:
     try:
         cloudpickle.dumps(factories[0].make)
     except Exception as e:
@@ -231,16 +261,26 @@ def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int |
         try:
             # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
             with _environ(OMP_NUM_THREADS="1"):
-                venv = SubprocVecEnv(factories, start_method=start_method)  # type: ignore[arg-type]
+                venv = (
+                    BatchedSubprocVecEnv(factories, start_method=start_method)  # type: ignore[arg-type]
+                    if batched
+                    else SubprocVecEnv(factories, start_method=start_method)  # type: ignore[arg-type]
+                )
             _seed(venv, seed)
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
         except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
+            # (EnvWorkerError is a RuntimeError: an env that fails to build or reset in a batched worker.)
             if getattr(mp.current_process(), "_inheriting", False):
                 # We are a worker re-running a script that lacks the __main__ guard: die, as multiprocessing
                 # intends, rather than fall back and run the user's whole script inside the worker.
                 raise
             reports = sorted(Path(tmp).glob("*.err"))
-            cause = f"{reports[0].stem}: {reports[0].read_text(encoding='utf-8')}" if reports else f"{type(e).__name__}: {e}"
+            if reports:
+                cause = f"{reports[0].stem}: {reports[0].read_text(encoding='utf-8')}"
+            elif isinstance(e, EnvWorkerError):
+                cause = str(e)
+            else:
+                cause = f"{type(e).__name__}: {e}"
             if not reports and isinstance(e, (EOFError, ConnectionError)):
                 cause += " (a worker exited before it built its env: an import error or a missing __main__ guard)"
             # Workers may be dead or waiting on a pipe; a polite close() would raise on the dead ones.
@@ -250,8 +290,8 @@ def _subproc(factories: list[_EnvFactory], start_method: str | None, seed: int |
             cause = " ".join(cause.split())
             raise _SubprocFailed(cause if len(cause) < 300 else cause[:297] + "...") from None
         finally:
-            for factory in factories:
-                factory.report = None
+            for factory in factories:  # the fallback DummyVecEnv calls these in this process: no worker settings
+                factory.report, factory.worker = None, False
     return venv
 
 
@@ -291,11 +331,12 @@ def make_vec_env(
     atari_wrapper: bool | None = None,
     frame_stack: int | None = None,
 ) -> VecEnv:
-    """Build a monitored VecEnv; ``subproc`` that fails to start falls back to DummyVecEnv with one warning.
+    """Build a monitored VecEnv; ``subproc``/``batched`` that fail to start fall back to DummyVecEnv with a warning.
 
     :param env: a registered id, ``package.module:Attr`` or a zero-argument factory
     :param n_envs: number of envs
-    :param vec_env: ``auto`` (chosen from cores and a short measurement of one env step), ``dummy`` or ``subproc``
+    :param vec_env: ``auto`` (EnvPool where installed and faithful, else chosen from cores and a short
+        measurement of one env step), ``dummy``, ``subproc`` (SB3's), ``batched`` or ``envpool``
     :param start_method: multiprocessing start method for ``subproc`` (SB3's default when None)
     :param seed: seed of the first env; env ``i`` gets ``seed + i``
     :param env_kwargs: keyword arguments for the env
@@ -308,27 +349,36 @@ def make_vec_env(
     spec = env if isinstance(env, EnvSpec) else resolve_env(env, env_kwargs)
     atari = spec.is_atari if atari_wrapper is None else atari_wrapper
     if vec_env == "auto":
+        pool = envpool_fits(spec) and atari == spec.is_atari
         probe = probe_env(spec)
         try:
             step = measure_step_seconds(probe)
         finally:
             probe.close()
-        vec_env, _ = choose_vec_env("auto", n_envs, step, os.cpu_count() or 1)
+        vec_env, _ = choose_vec_env("auto", n_envs, step, os.cpu_count() or 1, envpool=pool)
     else:
         choose_vec_env(vec_env, n_envs, 0.0, 1)  # validates the name
     if monitor_dir is not None:
         os.makedirs(monitor_dir, exist_ok=True)
+    venv: VecEnv
+    if vec_env == "envpool":
+        if spec.env_id is None:
+            raise ConfigError(
+                f"vec_env 'envpool' needs a registered Gymnasium id without env kwargs; got {spec.name!r}"
+                + (" with env kwargs" if ":" not in spec.name and spec.name in gym.registry else "")
+            )
+        venv = EnvPoolVecEnv(spec.env_id, n_envs, seed=seed, is_atari=atari, monitor_dir=monitor_dir)
+        _seed(venv, seed)
+        return VecFrameStack(venv, frame_stack) if frame_stack else venv
     factories = [
         _EnvFactory(spec.make, os.path.join(monitor_dir, str(i)) if monitor_dir else None, atari) for i in range(n_envs)
     ]
-    venv: VecEnv
-    if vec_env == "subproc":
+    if vec_env in ("subproc", "batched"):
         try:
-            venv = _subproc(factories, start_method, seed)
+            venv = _subproc(factories, start_method, seed, batched=vec_env == "batched")
         except _SubprocFailed as e:
-            warnings.warn(
-                f"SubprocVecEnv could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=2
-            )
+            name = "BatchedSubprocVecEnv" if vec_env == "batched" else "SubprocVecEnv"
+            warnings.warn(f"{name} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=2)
             venv = DummyVecEnv(factories)  # type: ignore[arg-type]
     else:
         venv = DummyVecEnv(factories)  # type: ignore[arg-type]

@@ -19,3 +19,15 @@ def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     if not matches:
         return ""
     return "; did you mean " + " or ".join(repr(m) for m in matches) + "?"
+
+
+class EnvWorkerError(RuntimeError):
+    """An env in a worker process raised, or the worker died; the message names the env index and the cause.
+
+    :ivar env_index: the failing env's index in the vec env (the worker's first env when the worker died)
+    :ivar worker_traceback: the worker's formatted traceback, when it raised
+    """
+
+    def __init__(self, message: str, env_index: int | None = None, worker_traceback: str | None = None):
+        super().__init__(message)
+        self.env_index, self.worker_traceback = env_index, worker_traceback

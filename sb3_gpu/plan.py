@@ -16,7 +16,7 @@ from stable_baselines3.common.preprocessing import is_image_space
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu._checks import check_keys
-from sb3_gpu.envs import EnvSpec, choose_vec_env, make_vec_env, measure_step_seconds, probe_env, resolve_env
+from sb3_gpu.envs import EnvSpec, choose_vec_env, envpool_fits, make_vec_env, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.errors import ConfigError, closest
 from sb3_gpu.hardware import DeviceChoice, HardwareProfile, PolicyKind, choose_device, detect_hardware
 from sb3_gpu.presets import (
@@ -177,6 +177,7 @@ def make_plan(
     try:
         obs_space, action_space = one.observation_space, one.action_space
         # Only `auto` needs the step cost; evaluate and explicit choices skip the measurement.
+        pool = vec_env == "auto" and envpool_fits(spec)
         step_seconds = measure_step_seconds(one) if vec_env == "auto" else 0.0
     finally:
         one.close()
@@ -201,8 +202,8 @@ def make_plan(
         )
     check_policy_kwargs(algo_, resolved.policy, resolved.policy_kwargs, entry_label)
     _check_combinations(resolved, obs_space)
-    kind, reason = choose_vec_env(vec_env, resolved.n_envs, step_seconds, hardware.logical_cores)
-    if kind == "subproc" and hardware.in_notebook:
+    kind, reason = choose_vec_env(vec_env, resolved.n_envs, step_seconds, hardware.logical_cores, envpool=pool)
+    if kind in ("subproc", "batched") and hardware.in_notebook:
         reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"
     speed = choose_speed(
         resolved.amp,
@@ -212,7 +213,7 @@ def make_plan(
         policy=_policy_kind(resolved.policy, obs_space),
         net_arch=resolved.net_arch,
         batch_size=resolved.params.batch_size,
-        env_workers=resolved.n_envs if kind == "subproc" else 0,
+        env_workers={"subproc": resolved.n_envs, "batched": min(resolved.n_envs, hardware.logical_cores)}.get(kind, 0),
         hardware=hardware,
     )
     return Plan(

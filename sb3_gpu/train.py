@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N or mps")
     p.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's n_timesteps)")
     p.add_argument("--n-envs", type=positive_int, help="number of parallel envs (default: the preset's)")
-    p.add_argument("--vec-env", choices=VEC_ENV_KINDS, default=None, help="auto (default), dummy or subproc")
+    p.add_argument(
+        "--vec-env", choices=VEC_ENV_KINDS, default=None, help="auto (default), dummy, subproc (SB3's), batched or envpool"
+    )
     p.add_argument("--seed", type=seed_int, default=None, help="random seed (default: none)")
     p.add_argument("--preset", metavar="FILE", help="a preset YAML file to use instead of the bundled one")
     p.add_argument("--profile", default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large")

@@ -38,3 +38,41 @@ def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys):
     monkeypatch.setattr(bench, "TELEMETRY_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
     assert bench.main(["telemetry", "--repeats", "1"]) == 0
     assert re.search(r"tiny PPO\s+\d+\s+\d+\s+[+-]\d+\.\d%", capsys.readouterr().out)
+
+
+def test_bench_envs_writes_json_and_markdown_with_ratios_to_the_better_sb3_class(tmp_path, capsys):
+    import json
+
+    args = ["envs", "--envs", "CartPole-v1", "--n-envs", "2", "--seconds", "0.05", "--repeats", "1"]
+    assert bench.main([*args, "--startup-workers", "0", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "envs.json").read_text())
+    rows = {r["backend"]: r for r in data["rows"]}
+    assert {"dummy", "subproc", "batched", "auto"} <= rows.keys()
+    best = max(rows["dummy"]["steps_per_s"], rows["subproc"]["steps_per_s"])
+    for row in rows.values():
+        assert row["vs_best_sb3"] == round(row["steps_per_s"] / best, 3)
+    assert rows["batched"]["class"] == "BatchedSubprocVecEnv" and rows["subproc"]["class"] == "SubprocVecEnv"
+    markdown = (tmp_path / "envs.md").read_text()
+    assert (
+        markdown.startswith("`python -m sb3_gpu.bench envs --envs CartPole-v1") and "| CartPole-v1 | 2 | batched |" in markdown
+    )
+
+
+def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path, capsys):
+    import json
+
+    args = ["train", "--seeds", "0", "--threshold", "30", "--max-timesteps", "2048", "--eval-freq", "512"]
+    assert bench.main([*args, "--eval-episodes", "3", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "train.json").read_text())
+    for name in ("sb3_gpu", "sb3_zoo"):
+        (run,) = data[name]["runs"]
+        assert run["timesteps"] <= 2048 + 256 and run["train_seconds"] > 0 and run["steps_per_s"] > 0
+    assert "| SB3 + rl-zoo3 values |" in (tmp_path / "train.md").read_text()
+
+
+def test_bench_envs_and_train_refuse_bad_names(capsys):
+    assert bench.main(["envs", "--envs", "CartPol-v1", "--startup-workers", "0"]) == 2
+    assert "did you mean 'CartPole-v1'" in capsys.readouterr().err
+    assert bench.main(["train", "--env", "Pong-v5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no rl-zoo3 baseline for ppo Pong-v5 (have: dqn CartPole-v1" in err[0]

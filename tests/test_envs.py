@@ -148,8 +148,10 @@ def test_dummy_choice_raises_no_warning():
         make_vec_env("CartPole-v1", 2, vec_env="dummy").close()
 
 
-def test_auto_picks_dummy_for_cheap_envs_on_this_machine():
+def test_auto_picks_dummy_for_cheap_envs_on_this_machine(monkeypatch):
+    monkeypatch.setattr("sb3_gpu.envs.envpool_available", lambda: False)
     assert isinstance(make_vec_env("CartPole-v1", 4, vec_env="auto"), DummyVecEnv)
+    assert isinstance(make_vec_env(cartpole, 4, vec_env="auto"), DummyVecEnv)  # a factory: EnvPool never applies
 
 
 @pytest.mark.parametrize(
@@ -159,13 +161,23 @@ def test_auto_picks_dummy_for_cheap_envs_on_this_machine():
         (8, 1e-2, 1, "dummy"),  # one core
         (8, 15e-6, 2, "dummy"),  # CartPole: IPC dwarfs the step
         (8, 40e-6, 16, "dummy"),  # LunarLander, many cores: still IPC-bound
-        (8, 800e-6, 16, "subproc"),  # Atari with the wrapper: heavy steps spread over cores
-        (64, 2e-3, 128, "subproc"),
+        (8, 800e-6, 16, "batched"),  # Atari with the wrapper: heavy steps spread over cores
+        (8, 800e-6, 2, "batched"),  # ... even on two cores (measured 1.1-1.6x dummy on Pong)
+        (32, 60e-6, 2, "dummy"),  # LunarLander on two cores: measured slower than dummy
+        (64, 2e-3, 128, "batched"),
     ],
 )
 def test_auto_choice_follows_step_cost_and_cores(n_envs, step_s, cores, kind):
     chosen, reason = choose_vec_env("auto", n_envs, step_s, cores)
     assert chosen == kind and reason
+
+
+def test_auto_prefers_envpool_where_it_fits_and_never_picks_sb3_subproc():
+    assert choose_vec_env("auto", 64, 20e-6, 2, envpool=True)[0] == "envpool"  # CartPole x64
+    assert choose_vec_env("auto", 32, 15e-6, 2, envpool=True)[0] == "dummy"  # x32: EnvPool's thread wake-ups cost more
+    assert choose_vec_env("auto", 8, 800e-6, 2, envpool=True)[0] == "envpool"  # Atari
+    kinds = {choose_vec_env("auto", n, s, c)[0] for n in (2, 8, 64) for s in (1e-5, 1e-3, 1e-1) for c in (2, 16, 128)}
+    assert kinds == {"dummy", "batched"}
 
 
 def test_explicit_choice_is_kept_and_bad_names_rejected():

@@ -10,12 +10,20 @@ from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import build_env, load_config, plan_table
 
 
-def test_plan_for_cartpole_ppo_uses_its_entry_and_the_cpu(cpu_machine):
+def test_plan_for_cartpole_ppo_uses_its_entry_and_the_cpu(cpu_machine, monkeypatch):
+    monkeypatch.setattr("sb3_gpu.envs.envpool_available", lambda: False)
     plan = make_plan("ppo", "CartPole-v1", hardware=cpu_machine)
     assert plan.preset.entry == "ppo.yaml:CartPole-v1"
     assert plan.device.device == "cpu" and plan.preset.profile == "cpu"
     assert plan.preset.n_envs == 8 and plan.preset.params.n_steps == 32
     assert plan.vec_env == "dummy" and "env step" in plan.vec_env_reason
+
+
+def test_plan_takes_envpool_where_installed_and_says_why(cpu_machine, monkeypatch):
+    monkeypatch.setattr("sb3_gpu.envs.envpool_available", lambda: True)
+    plan = make_plan("ppo", "LunarLander-v3", hardware=cpu_machine, n_envs=32)
+    assert plan.vec_env == "envpool" and "EnvPool" in plan.vec_env_reason
+    assert make_plan("ppo", "tests.test_envs:cartpole", hardware=cpu_machine).vec_env != "envpool"
 
 
 def test_on_policy_mlp_stays_on_cpu_with_a_gpu_present(gpu_machine):
