@@ -101,6 +101,7 @@ class EnvPoolVecEnv(VecEnv):
         self.env_id, (self.task, self.config) = env_id, task
         self.is_atari, self.num_threads = is_atari, num_threads
         self.pool = self._make_pool(n_envs, seed)
+        self._pool_seed, self._fresh = seed, True  # a fresh pool already holds the seed: no rebuild on first reset
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # EnvPool's Box bounds are float64; gymnasium warns on cast
             space, action_space = self.pool.observation_space, self.pool.action_space
@@ -139,9 +140,12 @@ class EnvPoolVecEnv(VecEnv):
         return np.moveaxis(obs, 1, -1) if self.is_atari else obs
 
     def reset(self) -> VecEnvObs:
-        if self._seeds[0] is not None:  # EnvPool seeds when it builds the pool
+        seed = self._seeds[0]
+        if seed is not None and not (self._fresh and seed == self._pool_seed):  # EnvPool seeds when it builds a pool
             self.pool.close()
-            self.pool = self._make_pool(self.num_envs, self._seeds[0])
+            self.pool = self._make_pool(self.num_envs, seed)
+            self._pool_seed = seed
+        self._fresh = False
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # EnvPool builds its Box spaces from float64 bounds
             obs, _ = self.pool.reset()

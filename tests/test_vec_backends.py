@@ -363,3 +363,15 @@ def test_envpool_twins_only_atari_ids_that_leave_frame_skipping_to_sb3(env_id, s
         assert task is None  # frame skip 2-5 inside the env: no faithful twin
     else:
         assert task[0] == "Pong-v5" and task[1]["repeat_action_probability"] == sticky
+
+
+@needs_envpool
+def test_envpool_reseeding_restarts_the_same_episodes():
+    venv = EnvPoolVecEnv("CartPole-v1", 3, seed=5)
+    venv.seed(5)
+    first = venv.reset()  # the pool already holds seed 5: same start as a rebuilt one
+    for _ in range(10):
+        venv.step(np.ones(3, dtype=int))
+    venv.seed(5)
+    assert np.array_equal(venv.reset(), first)
+    venv.close()
