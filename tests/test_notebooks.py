@@ -43,7 +43,7 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     text = _text(nb)
     assert "sb3_gpu is installed" in text, "CI must skip the install cell (sb3_gpu is importable here)"
     if path.stem == "quickstart":
-        assert "batched: BatchedSubprocVecEnv" in text
+        assert "batched: BatchedSubprocVecEnv" in text and "subproc: SubprocVecEnv" in text
         assert "fallback: DummyVecEnv" in text and "could not start" in text
         assert "mean return" in text
         assert any(
