@@ -30,6 +30,7 @@ from sb3_gpu.errors import ConfigError, closest
 from sb3_gpu.per import PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer
 
 MAX_YAML_BYTES = 1 << 20  # a preset is a page of text; refuse anything that could be a YAML bomb
+MAX_YAML_VALUES = 100_000  # after alias expansion: the bundled presets hold a few hundred
 # `cpu`/`gpu` follow the chosen device; `large` is asked for by name (`--profile large`): a big workstation.
 PROFILES = ("cpu", "gpu", "large")
 
@@ -223,11 +224,41 @@ def read_yaml(path: Path | str, what: str = "preset file") -> Any:
     return parse_yaml(text, str(path))
 
 
+def _expanded_size(value: Any, where: str) -> int:
+    """How many values ``value`` holds once aliases are expanded; refuses self-reference and anchor bombs."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: Any) -> int:
+        if not isinstance(node, (list, dict)):
+            return 1
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise ConfigError(f"{where}: a YAML alias refers to itself; presets are plain data")
+        active.add(key)
+        children = node.values() if isinstance(node, dict) else node
+        total = 1 + sum(size(child) for child in children)
+        active.discard(key)
+        if total > MAX_YAML_VALUES:
+            raise ConfigError(
+                f"{where}: YAML expands to more than {MAX_YAML_VALUES:,} values (an anchor/alias bomb?)"
+            )
+        sizes[key] = total
+        return total
+
+    return size(value)
+
+
 def parse_yaml(text: str, where: str) -> Any:
     if len(text) > MAX_YAML_BYTES:
         raise ConfigError(f"{where}: more than {MAX_YAML_BYTES // 1024} KiB of YAML")
     try:
-        return yaml.safe_load(text)
+        data = yaml.safe_load(text)
+        # Aliases share one object, so loading is cheap; walking them later (checks, messages) would not be.
+        _expanded_size(data, where)
+        return data
     except yaml.constructor.ConstructorError as e:
         tag = getattr(e, "problem", "") or str(e)
         raise ConfigError(f"{where}: refused YAML tag ({tag.strip()}); presets are plain data") from None

@@ -92,6 +92,9 @@ BAD_INPUTS = [
     (["ppo", "--preset", "{list_yaml}"], "must be a mapping of entries"),
     (["ppo", "--preset", "{python_tag}"], "refused YAML tag"),
     (["ppo", "--preset", "{unknown_key}"], "unknown key 'n_step'; did you mean 'n_steps'"),
+    (["ppo", "--preset", "{anchor_bomb}"], "YAML expands to more than 100,000 values"),
+    (["ppo", "--preset", "{self_alias}"], "a YAML alias refers to itself"),
+    (["ppo", "--set", "net_arch=&a [64, *a]"], "a YAML alias refers to itself"),
     (["--config", "{missing}/config.yaml"], "config file not found"),
     (["ppo", "--run-dir", "{existing}"], "already exists"),
     ([], "give an algorithm"),
@@ -118,6 +121,11 @@ def bad_files(tmp_path):
         "list_yaml": "- 1\n- 2\n",
         "python_tag": "default: !!python/object/apply:os.system ['touch pwned']\n",
         "unknown_key": "CartPole-v1:\n  n_step: 4\n",
+        # "billion laughs": 9^10 values from a few hundred bytes, hanging any code that walks them
+        "anchor_bomb": 'a0: &a0 ["x","x","x","x","x","x","x","x","x"]\n'
+        + "".join(f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]\n" for i in range(1, 10))
+        + "CartPole-v1:\n  net_arch: *a9\n",
+        "self_alias": "CartPole-v1:\n  net_arch: &a [64, *a]\n",
     }
     paths = {}
     for name, text in files.items():
