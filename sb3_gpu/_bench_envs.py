@@ -15,13 +15,13 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
-from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.callbacks import StopTrainingOnRewardThreshold
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv
 
 from sb3_gpu._io import atomic_write_text
 from sb3_gpu.envs import _EnvFactory, envpool_fits, make_vec_env, resolve_env
 from sb3_gpu.plan import build_env, build_model, make_plan
+from sb3_gpu.telemetry import TimedEvalCallback
 
 BASELINES = ("dummy", "subproc")
 
@@ -211,54 +211,31 @@ def zoo_model(algo: str, env_id: str, seed: int) -> Any:
     return (PPO if algo == "ppo" else DQN)("MlpPolicy", env, seed=seed, verbose=0, **kwargs)
 
 
-class StopAtThreshold(BaseCallback):
-    """Evaluate every ``eval_freq`` env steps; stop at ``threshold``. Time spent evaluating is kept apart."""
-
-    def __init__(self, env_id: str, threshold: float, eval_freq: int, episodes: int, seed: int):
-        super().__init__()
-        self.eval_env = make_vec_env(env_id, 1, vec_env="dummy", seed=seed + 10_000)
-        self.threshold, self.eval_freq, self.episodes = threshold, eval_freq, episodes
-        self.next_eval, self.eval_seconds = eval_freq, 0.0
-        self.reached_at: int | None = None
-        self.train_seconds_at: float | None = None
-        self.start = 0.0
-
-    def _on_training_start(self) -> None:
-        self.start = time.perf_counter()
-
-    def _on_step(self) -> bool:
-        if self.num_timesteps < self.next_eval:
-            return True
-        self.next_eval += self.eval_freq
-        t0 = time.perf_counter()
-        mean, _ = evaluate_policy(self.model, self.eval_env, n_eval_episodes=self.episodes, deterministic=True)
-        self.eval_seconds += time.perf_counter() - t0
-        if float(mean) >= self.threshold:  # type: ignore[arg-type]
-            self.reached_at = self.num_timesteps
-            self.train_seconds_at = self.train_seconds()
-            return False
-        return True
-
-    def train_seconds(self) -> float:
-        return time.perf_counter() - self.start - self.eval_seconds
-
-
 def train_once(
     model: Any, env_id: str, max_timesteps: int, threshold: float, eval_freq: int, episodes: int, seed: int
 ) -> dict[str, Any]:
-    stop = StopAtThreshold(env_id, threshold, eval_freq, episodes, seed)
-    model.learn(max_timesteps, callback=stop)
-    seconds = stop.train_seconds_at if stop.train_seconds_at is not None else stop.train_seconds()
+    """Train until the deterministic eval mean reaches ``threshold``; time spent evaluating is kept apart."""
+    eval_env = make_vec_env(env_id, 1, vec_env="dummy", seed=seed + 10_000)
+    evaluator = TimedEvalCallback(
+        eval_env,
+        eval_freq=max(eval_freq // model.n_envs, 1),
+        n_eval_episodes=episodes,
+        callback_on_new_best=StopTrainingOnRewardThreshold(threshold),
+        verbose=0,
+    )
+    start = time.perf_counter()
+    model.learn(max_timesteps, callback=evaluator)
+    seconds = time.perf_counter() - start - evaluator.seconds
     result = {
         "seed": seed,
-        "reached": stop.reached_at is not None,
-        "timesteps": int(stop.reached_at or model.num_timesteps),
+        "reached": bool(evaluator.best_mean_reward >= threshold),
+        "timesteps": int(model.num_timesteps),
         "train_seconds": round(seconds, 2),
-        "steps_per_s": round(model.num_timesteps / max(stop.train_seconds(), 1e-9), 1),
+        "steps_per_s": round(model.num_timesteps / max(seconds, 1e-9), 1),
     }
     with suppress(Exception):
         model.get_env().close()
-    stop.eval_env.close()
+    eval_env.close()
     return result
 
 

@@ -30,10 +30,6 @@ from sb3_gpu.errors import ConfigError, EnvWorkerError, closest
 
 VEC_ENV_KINDS = ("auto", "dummy", "subproc", "batched", "envpool")
 
-# Cost of one SB3 SubprocVecEnv step beyond the env's own work, per env: a pipe round trip and a pickle each way.
-# Measured with 8 envs on a 2-core Xeon: 160 us (CartPole-v1), 260 us (LunarLander-v3), 320 us (Pong with SB3's
-# Atari wrapper).
-SUBPROC_OVERHEAD_S = 300e-6
 # BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
 # pickling per env. Measured on a 2-core Firecracker VM, where waking an idle vCPU is slow: ~350 us per step and
 # ~10 us per env (python -m sb3_gpu.bench envs). Bare-metal machines pay less, so auto errs towards dummy.

@@ -242,9 +242,7 @@ def _expanded_size(value: Any, where: str) -> int:
         total = 1 + sum(size(child) for child in children)
         active.discard(key)
         if total > MAX_YAML_VALUES:
-            raise ConfigError(
-                f"{where}: YAML expands to more than {MAX_YAML_VALUES:,} values (an anchor/alias bomb?)"
-            )
+            raise ConfigError(f"{where}: YAML expands to more than {MAX_YAML_VALUES:,} values (an anchor/alias bomb?)")
         sizes[key] = total
         return total
 

@@ -25,7 +25,7 @@ import psutil
 import yaml
 from rich.console import Console
 from rich.table import Table
-from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.callbacks import EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import sync_envs_normalization
 
@@ -175,23 +175,22 @@ def fail_dead_local_trials(study: Any) -> int:
 
 
 # --------------------------------------------------------------------------- the objective
-class TrialEvalCallback(BaseCallback):
-    """Evaluate every ``eval_freq`` env steps, report to the trial, stop training when the pruner says so."""
+class TrialEvalCallback(EvalCallback):
+    """SB3's EvalCallback that reports each evaluation to the trial and stops training when the pruner says so.
+
+    :param eval_freq: evaluate every this many calls (env steps / n_envs), as EvalCallback counts
+    """
 
     def __init__(self, trial: Any, eval_env: Any, eval_freq: int, episodes: int, step_offset: int = 0):
-        super().__init__()
-        self.trial, self.eval_env, self.eval_freq, self.episodes = trial, eval_env, eval_freq, episodes
-        self.step_offset, self.next_eval, self.pruned = step_offset, eval_freq, False
+        super().__init__(eval_env, n_eval_episodes=episodes, eval_freq=eval_freq, deterministic=True, verbose=0)
+        self.trial, self.step_offset, self.pruned = trial, step_offset, False
 
     def _on_step(self) -> bool:
-        if self.num_timesteps < self.next_eval:
-            return True
-        self.next_eval = (self.num_timesteps // self.eval_freq + 1) * self.eval_freq  # never evaluate every step
-        sync_envs_normalization(self.training_env, self.eval_env)  # presets with normalize: true
-        mean, _ = evaluate_policy(self.model, self.eval_env, n_eval_episodes=self.episodes, deterministic=True)
-        self.trial.report(float(mean), self.step_offset + self.num_timesteps)  # type: ignore[arg-type]
-        self.pruned = bool(self.trial.should_prune())
-        return not self.pruned
+        keep_going = super()._on_step()
+        if self.n_calls % self.eval_freq == 0:
+            self.trial.report(float(self.last_mean_reward), self.step_offset + self.num_timesteps)
+            self.pruned = bool(self.trial.should_prune())
+        return keep_going and not self.pruned
 
 
 def make_objective(args: argparse.Namespace, space: dict[str, dict[str, Any]]) -> Any:
@@ -219,7 +218,7 @@ def make_objective(args: argparse.Namespace, space: dict[str, dict[str, Any]]) -
                 model = build_model(plan, env)
                 freq = args.eval_freq or max(plan.preset.n_timesteps // 5, 1)
                 callback = TrialEvalCallback(
-                    trial, eval_env, freq, args.eval_episodes, step_offset=i * plan.preset.n_timesteps
+                    trial, eval_env, max(freq // plan.preset.n_envs, 1), args.eval_episodes, i * plan.preset.n_timesteps
                 )
                 model.learn(plan.preset.n_timesteps, callback=callback)
                 if callback.pruned:
