@@ -1,20 +1,28 @@
-"""``BaseCallback`` subclasses: a rich progress bar with reward and windowed steps/s, and VecNormalize saving."""
+"""``BaseCallback`` subclasses: a rich progress bar with reward and windowed steps/s, VecNormalize saving, atomic
+checkpoints, a graceful stop on SIGINT/SIGTERM, and a guard that stops training before NaN reaches the weights."""
 
 from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
+import signal
+import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import torch as th
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 from stable_baselines3.common.utils import safe_mean
 
 from sb3_gpu._io import atomic_write_bytes
+from sb3_gpu.checkpoint import first_non_finite, save_state
+from sb3_gpu.errors import TrainingDiverged
 
 
 class Window:
@@ -120,3 +128,122 @@ class SaveVecNormalizeCallback(BaseCallback):
             pickle.dump(vec_normalize, buffer)
             atomic_write_bytes(self.path, buffer.getvalue())
         return True
+
+
+class AtomicCheckpointCallback(CheckpointCallback):
+    """SB3's CheckpointCallback (same names and arguments), but every file is written to a temp file and renamed,
+    the replay buffer and statistics before the model, and a model with NaN or inf weights is never saved."""
+
+    def _on_step(self) -> bool:
+        if self.n_calls % self.save_freq == 0:
+            bad = first_non_finite(self.model.policy)
+            if bad is not None:
+                raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps")
+            save_state(
+                self.model,
+                Path(self._checkpoint_path(extension="zip")),
+                Path(self._checkpoint_path("vecnormalize_", extension="pkl")),
+                Path(self._checkpoint_path("replay_buffer_", extension="pkl")) if self.save_replay_buffer else None,
+            )
+            if self.verbose >= 2:
+                print(f"Saving model checkpoint to {self._checkpoint_path(extension='zip')}")
+        return True
+
+
+class StopOnSignal(BaseCallback):
+    """Stop ``learn`` after the current step on SIGINT or SIGTERM; a second signal raises KeyboardInterrupt at once.
+
+    Use it as a context manager around ``learn`` (handlers can only be installed from the main thread; elsewhere
+    it does nothing and Ctrl-C keeps Python's default)::
+
+        stop = StopOnSignal()
+        with stop:
+            model.learn(total, callback=[stop, ...])
+        if stop.received: ...  # save and exit with 128 + stop.received
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM), verbose: int = 0):
+        super().__init__(verbose)
+        self.signals = signals
+        self.received: int | None = None
+        self.installed = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+        self.installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+        # os.write, not print: a handler may run in the middle of a print, and print is not reentrant.
+        name = signal.Signals(signum).name
+        os.write(2, f"\n{name} received: stopping after this step and saving (again to quit at once)\n".encode())
+
+    def _on_step(self) -> bool:
+        return self.received is None
+
+
+_CAUSES = "the loss diverged: look for NaN or inf in rewards or observations, or lower the learning rate"
+
+
+class NanGuard(BaseCallback):
+    """Stop training with :class:`TrainingDiverged` when a gradient or parameter turns NaN or inf.
+
+    Gradients are checked by an optimizer step pre-hook, so a NaN loss is caught before it reaches the weights
+    and the model in memory stays the last finite one. Steps that AMP's loss scaler skips never reach the
+    optimizer's ``step`` (nor this check): its overflows are expected and handled there. Parameters are checked
+    again at the start of each rollout, for what the hook cannot see (a finite gradient too large for the weights).
+    """
+
+    def __init__(self, verbose: int = 0):
+        super().__init__(verbose)
+        self._handles: list[Any] = []
+        self._names: dict[int, str] = {}
+
+    def _on_training_start(self) -> None:
+        self.close()
+        policy = self.model.policy
+        self._names = {id(p): name for name, p in policy.named_parameters()}
+        # SAC-like policies hold several optimizers, one per sub-module.
+        optimizers = {o for m in policy.modules() if isinstance(o := getattr(m, "optimizer", None), th.optim.Optimizer)}
+        self._handles = [o.register_step_pre_hook(self._check_gradients) for o in optimizers]
+
+    def _check_gradients(self, optimizer: th.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        norms = th.stack(th._foreach_norm([p.grad for p in params]))
+        if not bool(norms.isfinite().all()):
+            name = self._names.get(id(params[int((~norms.isfinite()).nonzero()[0, 0])]), "?")
+            raise TrainingDiverged(
+                f"the gradient of {name} is NaN or inf at {self.num_timesteps:,} timesteps, so the step was not "
+                f"applied ({_CAUSES})"
+            )
+
+    def _on_rollout_start(self) -> None:
+        bad = first_non_finite(self.model.policy)
+        if bad is not None:
+            raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps ({_CAUSES})")
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_training_end(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the optimizer hooks (``learn`` skips ``_on_training_end`` when it raises)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -8,6 +8,7 @@ import importlib
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import tempfile
 import time
 import warnings
@@ -213,6 +214,9 @@ class _EnvFactory:
             # One thread per worker: n workers each running a core-wide thread pool would oversubscribe the CPU.
             os.environ["OMP_NUM_THREADS"] = "1"
             th.set_num_threads(1)
+            # Ctrl-C reaches the whole process group: the parent stops training after the current step and
+            # needs its workers alive to finish it (SB3's workers would otherwise exit on KeyboardInterrupt).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             env: gym.Env = Monitor(self.make(), filename=self.monitor_path)
             env = AtariWrapper(env) if self.atari else env

@@ -31,3 +31,8 @@ class EnvWorkerError(RuntimeError):
     def __init__(self, message: str, env_index: int | None = None, worker_traceback: str | None = None):
         super().__init__(message)
         self.env_index, self.worker_traceback = env_index, worker_traceback
+
+
+class TrainingDiverged(RuntimeError):
+    """A gradient, TD error or parameter became NaN or inf; raised before it reaches the model's parameters where
+    possible, so that the model in memory is still the last finite one."""

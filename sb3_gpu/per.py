@@ -19,7 +19,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
-from sb3_gpu.errors import ConfigError
+from sb3_gpu.errors import ConfigError, TrainingDiverged
 
 try:
     from sb3_gpu import _tree_kernels as _kernels
@@ -268,6 +268,12 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     def update_priorities(self, indices: np.ndarray, td_errors: np.ndarray) -> None:
         """Set the priorities of sampled transitions from their new TD errors."""
         priorities = np.abs(np.asarray(td_errors, dtype=np.float64)).reshape(-1) + self.eps
+        if not np.isfinite(priorities).all():
+            # A NaN priority would poison the sum tree (its total, so every later sample); refuse before writing.
+            raise TrainingDiverged(
+                "a TD error is NaN or inf, so priorities and weights were left unchanged (the loss diverged: "
+                "look for NaN or inf in rewards or observations, or lower the learning rate)"
+            )
         self.max_priority = max(self.max_priority, float(priorities.max()))
         self.tree.update(indices, priorities**self.alpha)
 

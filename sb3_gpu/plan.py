@@ -77,7 +77,7 @@ class Plan:
         }
 
 
-_CONFIG_KEYS = {"version", "algo", "env", "device", "vec_env", "seed", "hyperparameters", "resolved"}
+_CONFIG_KEYS = {"version", "algo", "env", "device", "vec_env", "seed", "hyperparameters", "resolved", "run"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,8 @@ class RunConfig:
     seed: int | None
     hyperparameters: dict[str, Any]
     path: str
+    # How the run evaluates and saves (see ``run.RunOptions``); checked where it is used.
+    run: dict[str, Any] = field(default_factory=dict)
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -110,8 +112,18 @@ def load_config(path: str | Path) -> RunConfig:
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"{path}: seed must be an int or null, got {seed!r}")
+    run = data.get("run") or {}
+    if not isinstance(run, Mapping):
+        raise ConfigError(f"{path}: run must be a mapping, got {run!r}")
     return RunConfig(
-        algo.name, str(data["env"]), str(data.get("device", "auto")), str(data.get("vec_env", "auto")), seed, hyper, str(path)
+        algo.name,
+        str(data["env"]),
+        str(data.get("device", "auto")),
+        str(data.get("vec_env", "auto")),
+        seed,
+        hyper,
+        str(path),
+        dict(run),
     )
 
 

@@ -11,6 +11,8 @@ policy's optimizer, so steps that AMP skipped or gradient accumulation held back
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -95,9 +97,18 @@ class EnvTimer:
 
 
 class TimedEvalCallback(EvalCallback):
-    """SB3's EvalCallback, adding up the seconds its evaluations take (so that telemetry can split them out)."""
+    """SB3's EvalCallback, adding up the seconds its evaluations take (so that telemetry can split them out).
+
+    SB3 writes ``best_model.zip`` and ``evaluations.npz`` in place, where a crash mid-write would leave half a
+    file; here it writes them into a scratch folder, and each complete file is renamed over the real one.
+    ``best_model_save_path`` and ``log_path`` must be given by keyword.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        self._best_dir, self._log_dir = kwargs.get("best_model_save_path"), kwargs.get("log_path")
+        for key, folder in (("best_model_save_path", self._best_dir), ("log_path", self._log_dir)):
+            if folder is not None:
+                kwargs[key] = os.path.join(folder, _SCRATCH)
         super().__init__(*args, **kwargs)
         self.seconds = 0.0
 
@@ -106,7 +117,38 @@ class TimedEvalCallback(EvalCallback):
         try:
             return super()._on_step()
         finally:
+            if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
+                self._publish()
             self.seconds += time.perf_counter() - start
+
+    def _publish(self) -> None:
+        for folder, name in ((self._best_dir, "best_model.zip"), (self._log_dir, "evaluations.npz")):
+            if folder is not None and os.path.exists(scratch := os.path.join(folder, _SCRATCH, name)):
+                os.replace(scratch, os.path.join(folder, name))
+
+    def _on_training_end(self) -> None:
+        super()._on_training_end()
+        for folder in (self._best_dir, self._log_dir):
+            with contextlib.suppress(OSError):  # SB3 made them at start and writes into them until the end
+                os.rmdir(os.path.join(folder or "", _SCRATCH))
+
+    def restore_history(self, up_to_timesteps: int) -> None:
+        """Continue a resumed run's ``evaluations.npz`` (its entries up to the resumed model's timesteps) and its
+        best score (over all entries, since ``best_model.zip`` may be newer than the model resumed from)."""
+        path = os.path.join(self._log_dir or "", "evaluations.npz")
+        if self._log_dir is None or not os.path.isfile(path):
+            return
+        with np.load(path) as data:
+            timesteps, results, lengths = data["timesteps"], data["results"], data["ep_lengths"]
+        if len(results):
+            self.best_mean_reward = float(np.max(np.mean(results, axis=1)))
+        keep = timesteps <= up_to_timesteps
+        self.evaluations_timesteps = [int(t) for t in timesteps[keep]]
+        self.evaluations_results = [list(r) for r in results[keep]]
+        self.evaluations_length = [list(n) for n in lengths[keep]]
+
+
+_SCRATCH = ".partial"
 
 
 class ThroughputCallback(BaseCallback):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import signal
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,11 +18,12 @@ from rich.table import Table
 from sb3_gpu import __version__
 from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.amp import AMP_MODES
+from sb3_gpu.checkpoint import saved_states
 from sb3_gpu.envs import VEC_ENV_KINDS
-from sb3_gpu.errors import ConfigError
+from sb3_gpu.errors import ConfigError, EnvWorkerError, TrainingDiverged
 from sb3_gpu.plan import Plan, load_config, make_plan, plan_table
 from sb3_gpu.presets import ALGOS, parse_override
-from sb3_gpu.run import new_run_dir, train_run
+from sb3_gpu.run import new_run_dir, resume_run, train_run
 from sb3_gpu.speed import COMPILE_MODES
 
 DEFAULT_ENV = "CartPole-v1"
@@ -51,8 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="CONFIG", help="repeat a run: its run_dir/config.yaml (or the run dir)")
     p.add_argument("--run-dir", help="where to write the run (default: runs/ALGO-ENV-TIMESTAMP); must not exist")
     p.add_argument("--eval-freq", type=positive_int, help="evaluate every N timesteps (default: a tenth of the run)")
-    p.add_argument("--eval-episodes", type=positive_int, default=10, help="episodes per evaluation (default 10)")
+    p.add_argument("--eval-episodes", type=positive_int, help="episodes per evaluation (default 10)")
     p.add_argument("--checkpoint-freq", type=positive_int, help="checkpoint every N timesteps (default: a fifth of the run)")
+    p.add_argument(
+        "--save-replay-buffer",
+        action="store_true",
+        help="dqn, qrdqn: save the replay buffer (and PER priorities) with the model and checkpoints, for --resume",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run from its newest model or checkpoint (with --timesteps: a new total)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plan", action="store_true", help="print the plan and exit without training")
     p.add_argument("--version", action="version", version=f"sb3_gpu {__version__}")
@@ -118,7 +132,7 @@ def summary_table(summary: dict[str, Any], run_dir: Path) -> Table:
     if "share_env" in tp:
         split = ", ".join(f"{name} {tp['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
         rows.append(("time split", split))
-    rows += [("run dir", str(run_dir)), ("model", summary["model"])]
+    rows += [("run dir", str(run_dir)), ("model", summary["model"] or "not saved (NaN weights)")]
     if "best_model" in summary:
         rows.append(("best model", summary["best_model"]))
     if summary.get("curves"):
@@ -130,39 +144,88 @@ def summary_table(summary: dict[str, Any], run_dir: Path) -> Table:
     return table
 
 
+# With --resume the run's config.yaml decides everything but these.
+_RESUME_FLAGS = {"resume", "timesteps", "save_replay_buffer", "no_progress"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     console = Console()
+    run_dir: Path | None = None
     try:
-        plan = plan_from_args(args)
-        console.print(plan_table(plan))
-        if args.plan:
-            return 0
-        run_dir = new_run_dir(args.run_dir, plan)
+        if args.resume is not None:
+            run_dir = Path(args.resume)
+            fixed = [k for k, v in vars(args).items() if k not in _RESUME_FLAGS and v != parser.get_default(k)]
+            if fixed:
+                flag = "--" + fixed[0].replace("_", "-") if fixed[0] != "algo" else f"the algorithm {args.algo!r}"
+                raise ConfigError(
+                    f"--resume continues {run_dir} with its own config.yaml, so {flag} cannot be given; "
+                    "accepted with --resume: --timesteps (a new total), --save-replay-buffer, --no-progress"
+                )
+            summary = resume_run(
+                run_dir,
+                timesteps=args.timesteps,
+                save_replay_buffer=args.save_replay_buffer or None,
+                progress=not args.no_progress,
+                console=console,
+            )
+        else:
+            plan = plan_from_args(args)
+            console.print(plan_table(plan))
+            if args.plan:
+                return 0
+            run_dir = new_run_dir(args.run_dir, plan)
+            try:
+                summary = train_run(
+                    plan,
+                    run_dir,
+                    eval_freq=args.eval_freq,
+                    eval_episodes=args.eval_episodes or 10,
+                    checkpoint_freq=args.checkpoint_freq,
+                    save_replay_buffer=args.save_replay_buffer,
+                    progress=not args.no_progress,
+                    console=console,
+                )
+            except ConfigError:
+                # Refused before training began: nothing in the new run dir is worth keeping, and keeping it
+                # would make the same --run-dir "already exist" on the next try.
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise
     except ConfigError as e:
         print_error(str(e))
         return 2
-    try:
-        summary = train_run(
-            plan,
-            run_dir,
-            eval_freq=args.eval_freq,
-            eval_episodes=args.eval_episodes,
-            checkpoint_freq=args.checkpoint_freq,
-            progress=not args.no_progress,
-            console=console,
-        )
-    except ConfigError as e:
-        # Refused before training began: nothing in the new run dir is worth keeping, and keeping it would
-        # make the same --run-dir "already exist" on the next try.
-        shutil.rmtree(run_dir, ignore_errors=True)
-        print_error(str(e))
-        return 2
-    console.print(summary_table(summary, run_dir))
-    if summary["interrupted"]:
-        print_error(f"interrupted at {summary['timesteps']:,} timesteps; model saved to {summary['model']}")
+    except KeyboardInterrupt:
+        if run_dir is None or not run_dir.is_dir():
+            print_error("interrupted before training began; nothing was saved")
+            return 130
+        states = saved_states(run_dir)
+        kept = f"the last good model is {states[0].model} ({states[0].timesteps:,} timesteps)" if states else "no model"
+        print_error(f"stopped at once by a second signal; nothing more was saved, {kept}")
+        if states:
+            print_error(f"continue with: python -m sb3_gpu.train --resume {run_dir}")
         return 130
+    except (EnvWorkerError, TrainingDiverged) as e:
+        print_error(str(e).splitlines()[0])
+        print_error(_saved_note(run_dir))
+        return 1
+    except Exception:
+        traceback.print_exc()  # an unexpected error (an env raising in this process, say): its traceback matters
+        print_error(_saved_note(run_dir))
+        return 1
+    console.print(summary_table(summary, run_dir))
+    if summary["stopped_by"] is not None:
+        print_error(f"stopped by {summary['stopped_by']}: {summary['saved']}")
+        return 128 + int(signal.Signals[summary["stopped_by"]])
     return 0
+
+
+def _saved_note(run_dir: Path | None) -> str:
+    """What the emergency save wrote, as train_run recorded it in summary.json."""
+    try:
+        return str(json.loads((Path(run_dir or ".") / "summary.json").read_text(encoding="utf-8"))["saved"])
+    except (OSError, ValueError, KeyError):
+        return f"no model was saved{f' in {run_dir}' if run_dir else ''}"
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import base64
 import json
+import shutil
+import zipfile
 
 import pytest
 import yaml
@@ -111,11 +114,55 @@ BAD_INPUTS = [
         ["ppo", "--set", "learning_rate={{schedule: linear, start: 1.0e-3, end: -1}}"],
         "learning_rate.end: expected a number >= 0",
     ),
+    (["ppo", "--save-replay-buffer"], "--save-replay-buffer is for off-policy algorithms (dqn, qrdqn)"),
+    # --resume: the run dir and what may be given with it
+    (["--resume", "{missing}"], "--resume: no such run dir"),
+    (["--resume", "{existing}"], "holds no config.yaml; is it a run dir written by sb3_gpu.train?"),
+    (["--resume", "{broken}"], "holds no readable model.zip or checkpoint to continue from"),
+    (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps with a larger total"),
+    (["--resume", "{done}", "--timesteps", "10"], "already trained 64 of 10 timesteps"),
+    (["--resume", "{done}", "--env", "CartPole-v1"], "so --env cannot be given; accepted with --resume: --timesteps"),
+    (["--resume", "{done}", "--set", "n_steps=8"], "so --set cannot be given"),
+    (["ppo", "--resume", "{done}"], "so the algorithm 'ppo' cannot be given"),
+    (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
+    (["--resume", "{run_zero}", "--timesteps", "128"], "eval_episodes must be a positive int, got 0"),
+    (["--resume", "{tampered}", "--timesteps", "128"], "stores a pickled 'evil' that this run's config cannot supply"),
 ]
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A completed 64-step PPO run (trained once per module)."""
+    from sb3_gpu import make_plan, train_run
+
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    run_dir.mkdir()
+    plan = make_plan("ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, overrides={"n_steps": 32, "batch_size": 32})
+    train_run(plan, run_dir, eval_episodes=1, progress=False, report_s=None)
+    return run_dir
+
+
+def _variant(run_dir, dest, run_options=None, tamper=False):
+    shutil.copytree(run_dir, dest)
+    if run_options is not None:
+        config = yaml.safe_load((dest / "config.yaml").read_text())
+        config["run"] = run_options
+        (dest / "config.yaml").write_text(yaml.safe_dump(config))
+    if tamper:  # a pickled entry the config cannot supply, whose unpickling would create a file
+        payload = base64.b64encode(b"cos\nsystem\n(S'touch pwned'\ntR.").decode()
+        with zipfile.ZipFile(run_dir / "model.zip") as src, zipfile.ZipFile(dest / "model.zip", "w") as out:
+            for item in src.infolist():
+                data = src.read(item.filename)
+                if item.filename == "data":
+                    fields = json.loads(data)
+                    fields["evil"] = {":type:": "<class 'x'>", ":serialized:": payload}
+                    data = json.dumps(fields).encode()
+                out.writestr(item, data)
+    return dest
+
+
 @pytest.fixture
-def bad_files(tmp_path):
+def bad_files(tmp_path, finished_run):
     files = {
         "bad_yaml": "default: [1, 2\n",
         "list_yaml": "- 1\n- 2\n",
@@ -139,6 +186,10 @@ def bad_files(tmp_path):
     (broken / "config.yaml").write_text("algo: ppo\nenv: CartPole-v1\nhyperparameters: {}\n")
     (broken / "model.zip").write_bytes(b"PK\x03\x04 not really a zip")
     paths["broken"] = broken
+    paths["done"] = _variant(finished_run, tmp_path / "done")
+    paths["run_typo"] = _variant(finished_run, tmp_path / "run_typo", {"eval_frek": 5})
+    paths["run_zero"] = _variant(finished_run, tmp_path / "run_zero", {"eval_episodes": 0})
+    paths["tampered"] = _variant(finished_run, tmp_path / "tampered", tamper=True)
     return paths
 
 
@@ -157,7 +208,7 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["{broken}"], "is not a loadable PPO model"),
+        (["{broken}"], "is not an SB3 model zip"),
         (["{missing}"], "no such run dir or model file"),
         (["{existing}"], "holds no best_model.zip or model.zip"),
         (["{existing}", "--episodes", "0"], "--episodes: expected a positive integer"),
