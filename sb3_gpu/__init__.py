@@ -10,10 +10,10 @@ Three lines in a notebook::
 from sb3_gpu.accumulate import GradAccumPPO
 from sb3_gpu.amp import enable_amp
 from sb3_gpu.envs import VecEnvFallbackWarning, make_vec_env
-from sb3_gpu.errors import ConfigError, EnvWorkerError
+from sb3_gpu.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
 from sb3_gpu.hardware import HardwareProfile, choose_device, detect_hardware
 from sb3_gpu.plan import Plan, build_env, build_model, make_model, make_plan
-from sb3_gpu.run import evaluate_run, train_run
+from sb3_gpu.run import evaluate_run, resume_run, train_run
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,8 @@ __all__ = [
     "GradAccumPPO",
     "HardwareProfile",
     "Plan",
+    "StopNow",
+    "TrainingDiverged",
     "VecEnvFallbackWarning",
     "build_env",
     "build_model",
@@ -33,5 +35,6 @@ __all__ = [
     "make_model",
     "make_plan",
     "make_vec_env",
+    "resume_run",
     "train_run",
 ]

@@ -22,7 +22,7 @@ from stable_baselines3.common.utils import safe_mean
 
 from sb3_gpu._io import atomic_write_bytes
 from sb3_gpu.checkpoint import first_non_finite, save_state
-from sb3_gpu.errors import TrainingDiverged
+from sb3_gpu.errors import StopNow, TrainingDiverged
 
 
 class Window:
@@ -151,7 +151,7 @@ class AtomicCheckpointCallback(CheckpointCallback):
 
 
 class StopOnSignal(BaseCallback):
-    """Stop ``learn`` after the current step on SIGINT or SIGTERM; a second signal raises KeyboardInterrupt at once.
+    """Stop ``learn`` after the current step on SIGINT or SIGTERM; a second signal raises StopNow at once.
 
     Use it as a context manager around ``learn`` (handlers can only be installed from the main thread; elsewhere
     it does nothing and Ctrl-C keeps Python's default)::
@@ -184,7 +184,7 @@ class StopOnSignal(BaseCallback):
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
-            raise KeyboardInterrupt
+            raise StopNow
         self.received = signum
         # os.write, not print: a handler may run in the middle of a print, and print is not reentrant.
         name = signal.Signals(signum).name

@@ -36,3 +36,7 @@ class EnvWorkerError(RuntimeError):
 class TrainingDiverged(RuntimeError):
     """A gradient, TD error or parameter became NaN or inf; raised before it reaches the model's parameters where
     possible, so that the model in memory is still the last finite one."""
+
+
+class StopNow(KeyboardInterrupt):
+    """A second SIGINT or SIGTERM while a run was already stopping: quit at once, writing nothing more."""

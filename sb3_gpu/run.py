@@ -24,7 +24,7 @@ from stable_baselines3.common.vec_env import SubprocVecEnv, VecEnv, VecNormalize
 from sb3_gpu._io import write_json, write_yaml
 from sb3_gpu.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, SaveVecNormalizeCallback, StopOnSignal
 from sb3_gpu.checkpoint import SavedState, first_non_finite, load_model, save_state, saved_states
-from sb3_gpu.errors import ConfigError, EnvWorkerError, closest
+from sb3_gpu.errors import ConfigError, EnvWorkerError, StopNow, closest
 from sb3_gpu.plan import Plan, build_env, build_model, load_config, make_plan
 from sb3_gpu.presets import get_algo
 from sb3_gpu.speed import apply_speed
@@ -66,8 +66,9 @@ def train_run(
     """Train per the plan into ``run_dir`` (config, checkpoints, best and final model, TensorBoard, summary).
 
     SIGINT or SIGTERM stops training after the current step and saves everything (``summary["stopped_by"]``
-    names the signal); a second one raises KeyboardInterrupt at once. An env error or a diverged loss saves the
-    model (when its weights are finite) and re-raises, with a note saying where. Every file is written atomically.
+    names the signal); a second one raises :class:`StopNow` (a KeyboardInterrupt) at once. An env error or a
+    diverged loss saves the model (when its weights are finite) and re-raises, with a note saying where. Every
+    file is written atomically.
 
     :param eval_freq: evaluate every N timesteps (default: a tenth of the run)
     :param checkpoint_freq: checkpoint every N timesteps (default: a fifth of the run)
@@ -77,7 +78,9 @@ def train_run(
     """
     options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer)
     options.check(plan)
-    return _train(plan, Path(run_dir), options, None, progress, console, report_s)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return _train(plan, run_dir, options, None, progress, console, report_s)
 
 
 def resume_run(
@@ -238,11 +241,11 @@ def _learn(
     with stop:
         try:
             model.learn(total - model.num_timesteps, callback=callbacks, tb_log_name="run", reset_num_timesteps=state is None)
+        except StopNow:  # the second signal: quit at once, writing nothing more
+            _release(bar, throughput, guard)
+            _close(env, eval_env)
+            raise
         except KeyboardInterrupt:
-            if stop.installed:  # the second signal: quit at once, writing nothing more
-                _release(bar, throughput, guard)
-                _close(env, eval_env)
-                raise
             stop.received = signal.SIGINT  # not the main thread, so Python's own Ctrl-C: stop and save
         except Exception as e:
             error = _explain(e, env)
@@ -254,7 +257,7 @@ def _learn(
             summary = _finish(
                 plan, run_dir, options, model, env, eval_env, evaluator, throughput, stop, error, wall, start_steps
             )
-        except KeyboardInterrupt:
+        except StopNow:
             _close(env, eval_env)
             raise
     _close(env, eval_env)

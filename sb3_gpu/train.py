@@ -20,7 +20,7 @@ from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.amp import AMP_MODES
 from sb3_gpu.checkpoint import saved_states
 from sb3_gpu.envs import VEC_ENV_KINDS
-from sb3_gpu.errors import ConfigError, EnvWorkerError, TrainingDiverged
+from sb3_gpu.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
 from sb3_gpu.plan import Plan, load_config, make_plan, plan_table
 from sb3_gpu.presets import ALGOS, parse_override
 from sb3_gpu.run import new_run_dir, resume_run, train_run
@@ -195,15 +195,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print_error(str(e))
         return 2
-    except KeyboardInterrupt:
-        if run_dir is None or not run_dir.is_dir():
-            print_error("interrupted before training began; nothing was saved")
-            return 130
-        states = saved_states(run_dir)
+    except StopNow:
+        states = saved_states(run_dir) if run_dir is not None else []
         kept = f"the last good model is {states[0].model} ({states[0].timesteps:,} timesteps)" if states else "no model"
         print_error(f"stopped at once by a second signal; nothing more was saved, {kept}")
         if states:
             print_error(f"continue with: python -m sb3_gpu.train --resume {run_dir}")
+        return 130
+    except KeyboardInterrupt:  # before the signal handlers were in place: building envs, say
+        if run_dir is not None and args.resume is None and not saved_states(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        print_error("interrupted before training began; nothing was saved")
         return 130
     except (EnvWorkerError, TrainingDiverged) as e:
         print_error(str(e).splitlines()[0])

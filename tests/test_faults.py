@@ -23,9 +23,9 @@ from stable_baselines3.common.save_util import json_to_data
 from sb3_gpu import ConfigError
 from sb3_gpu._io import atomic_write_bytes
 from sb3_gpu.amp import LossScaler, _install_unscaling
-from sb3_gpu.callbacks import NanGuard
+from sb3_gpu.callbacks import NanGuard, StopOnSignal
 from sb3_gpu.checkpoint import first_non_finite, load_model, saved_states, zip_timesteps
-from sb3_gpu.errors import TrainingDiverged
+from sb3_gpu.errors import StopNow, TrainingDiverged
 from sb3_gpu.plan import build_env, build_model, load_config, make_plan
 from sb3_gpu.run import _lock, train_run
 from sb3_gpu.train import main as train_main
@@ -526,3 +526,15 @@ def test_a_run_dir_in_use_is_refused(tmp_path, capsys):
         assert train_main(["--resume", str(tmp_path), "--timesteps", "128"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path} is in use by another sb3_gpu process (pid {os.getpid()})" in err.replace("\n", "")
+
+
+def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopOnSignal()
+    with stop:
+        assert stop._on_step() is True
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM and stop._on_step() is False
+        with pytest.raises(StopNow):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is signal.default_int_handler
