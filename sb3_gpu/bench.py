@@ -3,7 +3,8 @@
 Sub-commands:
   per    replay sampling and DQN gradient steps, prioritized vs uniform; ``--learn`` trains presets with PER on/off
   speed  training-iteration time and env steps/s with each speed switch (bf16, compile, threads) off and on
-  telemetry  env steps/s of ``learn`` with and without the ThroughputCallback (its overhead)
+  telemetry  env steps/s of ``learn`` with and without the ThroughputCallback, or ``--callback guard`` the
+             NaN guard and signal handling that ``train`` adds (their overhead)
   envs   env steps/s of each vec env backend (SB3's two, batched, EnvPool, auto) and worker start-up
   train  a preset against plain SB3 with rl-zoo3's values: time and steps to a reward threshold
 """
@@ -25,9 +26,11 @@ import gymnasium as gym
 import numpy as np
 import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_gpu._bench_envs import ZOO, bench_envs, bench_startup, bench_train, envs_markdown, train_markdown, write_results
 from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.callbacks import NanGuard, StopOnSignal
 from sb3_gpu.envs import probe_env, resolve_env
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.hardware import detect_hardware
@@ -220,7 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     speed = sub.add_parser("speed", help="speed switches off and on: bf16, torch.compile, threads (PPO and DQN presets)")
     speed.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
     speed.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="the N of '1 vs N threads'")
-    telemetry = sub.add_parser("telemetry", help="the ThroughputCallback's cost: env steps/s with and without it")
+    telemetry = sub.add_parser("telemetry", help="a callback's cost: env steps/s with and without it")
+    telemetry.add_argument(
+        "--callback",
+        choices=("telemetry", "guard"),
+        default="telemetry",
+        help="telemetry: the ThroughputCallback (default); guard: NanGuard and StopOnSignal",
+    )
     telemetry.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
     envs = sub.add_parser("envs", help="env steps/s per vec env backend vs SB3's DummyVecEnv/SubprocVecEnv; start-up")
     envs.add_argument("--envs", nargs="+", default=["CartPole-v1", "LunarLander-v3", "ALE/Pong-v5"], help="env ids")
@@ -283,7 +292,13 @@ TELEMETRY_CASES = [
 ]
 
 
-def bench_telemetry(repeats: int) -> list[tuple[str, float, float]]:
+def _callbacks(which: str) -> list[BaseCallback]:
+    if which == "guard":
+        return [NanGuard(), StopOnSignal()]  # outside its `with`, StopOnSignal only adds its per-step check
+    return [ThroughputCallback(warmup_s=0.0, record_s=1.0, dashboard=False)]
+
+
+def bench_telemetry(repeats: int, which: str = "telemetry") -> list[tuple[str, float, float]]:
     """Rows of (case, env steps/s without the callback, with it); alternating ``learn`` segments of one model."""
     rows = []
     for label, algo, env, overrides in TELEMETRY_CASES:
@@ -292,9 +307,7 @@ def bench_telemetry(repeats: int) -> list[tuple[str, float, float]]:
         segment = model.n_steps * model.n_envs * 4 if algo == "ppo" else 2_048
         model.learn(model.learning_starts + segment if algo != "ppo" else segment)  # warm-up, fills the buffer
         plain = lambda m=model, n=segment: m.learn(n, reset_num_timesteps=False)  # noqa: E731
-        timed = lambda m=model, n=segment: m.learn(  # noqa: E731
-            n, reset_num_timesteps=False, callback=ThroughputCallback(warmup_s=0.0, record_s=1.0, dashboard=False)
-        )
+        timed = lambda m=model, n=segment: m.learn(n, reset_num_timesteps=False, callback=_callbacks(which))  # noqa: E731
         without, with_ = paired_medians(plain, timed, repeats, 1)
         rows.append((label, segment / without, segment / with_))
         print(f"  {label}: done", flush=True)
@@ -303,7 +316,7 @@ def bench_telemetry(repeats: int) -> list[tuple[str, float, float]]:
 
 def _main_telemetry(args: argparse.Namespace) -> int:
     print(f"machine: {platform.processor() or platform.machine()}, torch {th.__version__}, {th.get_num_threads()} threads")
-    rows = bench_telemetry(args.repeats)
+    rows = bench_telemetry(args.repeats, args.callback)
     print(f"{'case':<22} {'without':>10} {'with':>10}  overhead (env steps/s of learn, medians)")
     for label, without, with_ in rows:
         print(f"{label:<22} {without:>10.0f} {with_:>10.0f}  {1 - with_ / without:+.1%}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from sb3_gpu import bench
 
 
@@ -33,10 +35,11 @@ def test_bench_learning_with_an_unknown_env_is_exit_2(capsys):
     assert len(err) == 1 and "unknown env id 'NoSuchEnv-v0'" in err[0]
 
 
-def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys):
+@pytest.mark.parametrize("callback", ["telemetry", "guard"])
+def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys, callback):
     tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
     monkeypatch.setattr(bench, "TELEMETRY_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
-    assert bench.main(["telemetry", "--repeats", "1"]) == 0
+    assert bench.main(["telemetry", "--repeats", "1", "--callback", callback]) == 0
     assert re.search(r"tiny PPO\s+\d+\s+\d+\s+[+-]\d+\.\d%", capsys.readouterr().out)
 
 
