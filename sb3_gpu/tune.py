@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import math
 import os
 import re
@@ -30,7 +31,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import sync_envs_normalization
 
 from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
-from sb3_gpu._io import atomic_write_text
+from sb3_gpu._io import atomic_write_bytes, atomic_write_text
 from sb3_gpu.envs import VEC_ENV_KINDS, resolve_env
 from sb3_gpu.errors import ConfigError, closest
 from sb3_gpu.plan import build_env, build_model, make_plan
@@ -305,7 +306,9 @@ def write_plots(study: Any, folder: Path) -> list[str]:
                 warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental
                 ax: Any = draw(study)
             figure = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
-            figure.savefig(folder / f"{name}.png", dpi=100, bbox_inches="tight")
+            png = io.BytesIO()
+            figure.savefig(png, format="png", dpi=100, bbox_inches="tight")
+            atomic_write_bytes(folder / f"{name}.png", png.getvalue())
             notes.append(str(folder / f"{name}.png"))
         except Exception as e:  # importances need 2+ complete trials with varied params, for one
             notes.append(f"{name} not drawn: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
