@@ -1,23 +1,32 @@
 """A run's saved state: atomic saves of model, VecNormalize statistics and replay buffer; finding the newest state
-to resume from; and loading model zips without unpickling what is inside them."""
+to resume from and restoring it; loading model zips without unpickling what is inside them; and the run dir's
+lock and Monitor files."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
+import os
 import pickle
 import re
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch as th
+from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.vec_env import VecEnv
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu._io import atomic_write_bytes, save_model
 from sb3_gpu.errors import ConfigError
+from sb3_gpu.plan import Plan
+from sb3_gpu.presets import get_algo
+from sb3_gpu.speed import apply_speed
 
 # SB3 rebuilds these in ``_setup_model`` after loading, so the stored (pickled) values are never needed.
 _REBUILT_ON_LOAD = ("lr_schedule", "exploration_schedule")
@@ -145,3 +154,69 @@ def load_model(
         return model_class.load(str(path), env=env, device=device, custom_objects=custom)
     except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
         raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {e})") from None
+
+
+def restore_vecnormalize(plan: Plan, env: VecEnv, state: SavedState, run_dir: Path) -> VecEnv:
+    """The training env with the statistics saved beside ``state``'s model (where the preset normalises)."""
+    if not isinstance(env, VecNormalize):
+        return env
+    if state.vecnormalize is None:
+        raise ConfigError(f"--resume: {run_dir} normalised observations but holds no statistics saved with {state.model.name}")
+    restored = VecNormalize.load(str(state.vecnormalize), env.venv)
+    restored.training = True
+    return restored
+
+
+def restore_model(plan: Plan, env: VecEnv, state: SavedState, run_dir: Path, console: Console | None) -> BaseAlgorithm:
+    """``state``'s model on ``env``, set up as :func:`build_model` sets up a new one, with its replay buffer."""
+    preset = plan.preset
+    model = load_plan_model(plan, state.model, env)
+    model.tensorboard_log = str(run_dir / "tb")
+    if plan.seed is not None:
+        model.set_random_seed(plan.seed)
+    model.preset_timesteps = preset.n_timesteps  # type: ignore[attr-defined]
+    if plan.speed is not None:
+        model.compile_fallback = apply_speed(model, plan.speed, preset.params.batch_size)  # type: ignore[attr-defined]
+    say = (console or Console()).print
+    say(f"resuming from {state.model} at {state.timesteps:,} timesteps", highlight=False)
+    if not get_algo(plan.algo).on_policy:
+        if state.replay_buffer is not None:
+            model.load_replay_buffer(str(state.replay_buffer))  # type: ignore[attr-defined]
+            size = model.replay_buffer.size() * env.num_envs  # type: ignore[attr-defined]
+            say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions)", highlight=False)
+        else:
+            say(f"no replay buffer was saved with {state.model.name} (--save-replay-buffer keeps it): it starts empty")
+    return model
+
+
+def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:
+    """:func:`load_model` with the plan's class, policy and hyperparameters."""
+    preset = plan.preset
+    kwargs = preset.sb3_kwargs()
+    return load_model(preset.model_class, path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
+
+
+def set_monitor_files_aside(monitor: Path) -> None:
+    """Keep the earlier segments' episodes: SB3's Monitor truncates its file. The plots read every *.monitor.csv."""
+    if not monitor.is_dir():
+        return
+    segment = 1 + len({p.name.split(".")[1] for p in monitor.glob("*.seg*.monitor.csv")})
+    for path in monitor.glob("*.monitor.csv"):
+        if ".seg" not in path.name:
+            path.rename(path.with_name(path.name.replace(".monitor.csv", f".seg{segment}.monitor.csv")))
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """One process per run dir: a second `--resume` of a running run would interleave their files."""
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            raise ConfigError(f"{run_dir} is in use by another sb3_gpu process (pid {f.read().strip() or '?'})") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -23,11 +20,20 @@ from stable_baselines3.common.vec_env import SubprocVecEnv, VecEnv, VecNormalize
 
 from sb3_gpu._io import write_json, write_yaml
 from sb3_gpu.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, SaveVecNormalizeCallback, StopOnSignal
-from sb3_gpu.checkpoint import SavedState, first_non_finite, load_model, save_state, saved_states
+from sb3_gpu.checkpoint import (
+    SavedState,
+    first_non_finite,
+    load_plan_model,
+    restore_model,
+    restore_vecnormalize,
+    run_dir_lock,
+    save_state,
+    saved_states,
+    set_monitor_files_aside,
+)
 from sb3_gpu.errors import ConfigError, EnvWorkerError, StopNow, closest
 from sb3_gpu.plan import Plan, build_env, build_model, load_config, make_plan
 from sb3_gpu.presets import get_algo
-from sb3_gpu.speed import apply_speed
 from sb3_gpu.telemetry import ThroughputCallback, TimedEvalCallback
 
 
@@ -165,17 +171,17 @@ def _train(
     console: Console | None,
     report_s: float | None,
 ) -> dict[str, Any]:
-    with _lock(run_dir):
+    with run_dir_lock(run_dir):
         if state is not None:
-            _set_monitor_files_aside(run_dir / "monitor")
+            set_monitor_files_aside(run_dir / "monitor")
         env = build_env(plan, monitor_dir=str(run_dir / "monitor"))
         eval_env = build_env(plan, evaluation=True)
         try:
             if state is None:
                 model = build_model(plan, env, tensorboard_log=str(run_dir / "tb"))
             else:
-                env = _restore_statistics(plan, env, state, run_dir)
-                model = _restore_model(plan, env, state, run_dir, console)
+                env = restore_vecnormalize(plan, env, state, run_dir)
+                model = restore_model(plan, env, state, run_dir, console)
         except BaseException:
             _close(env, eval_env)
             raise
@@ -356,69 +362,6 @@ def _explain(error: Exception, env: VecEnv) -> Exception:
     return error
 
 
-def _restore_statistics(plan: Plan, env: VecEnv, state: SavedState, run_dir: Path) -> VecEnv:
-    if not isinstance(env, VecNormalize):
-        return env
-    if state.vecnormalize is None:
-        raise ConfigError(f"--resume: {run_dir} normalised observations but holds no statistics saved with {state.model.name}")
-    restored = VecNormalize.load(str(state.vecnormalize), env.venv)
-    restored.training = True
-    return restored
-
-
-def _restore_model(plan: Plan, env: VecEnv, state: SavedState, run_dir: Path, console: Console | None) -> BaseAlgorithm:
-    preset = plan.preset
-    model = _load(plan, state.model, env)
-    model.tensorboard_log = str(run_dir / "tb")
-    if plan.seed is not None:
-        model.set_random_seed(plan.seed)
-    model.preset_timesteps = preset.n_timesteps  # type: ignore[attr-defined]
-    if plan.speed is not None:
-        model.compile_fallback = apply_speed(model, plan.speed, preset.params.batch_size)  # type: ignore[attr-defined]
-    say = (console or Console()).print
-    say(f"resuming from {state.model} at {state.timesteps:,} timesteps", highlight=False)
-    if not get_algo(plan.algo).on_policy:
-        if state.replay_buffer is not None:
-            model.load_replay_buffer(str(state.replay_buffer))  # type: ignore[attr-defined]
-            size = model.replay_buffer.size() * env.num_envs  # type: ignore[attr-defined]
-            say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions)", highlight=False)
-        else:
-            say(f"no replay buffer was saved with {state.model.name} (--save-replay-buffer keeps it): it starts empty")
-    return model
-
-
-def _load(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:
-    preset = plan.preset
-    kwargs = preset.sb3_kwargs()
-    return load_model(preset.model_class, path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
-
-
-def _set_monitor_files_aside(monitor: Path) -> None:
-    """Keep the earlier segments' episodes: SB3's Monitor truncates its file. The plots read every *.monitor.csv."""
-    if not monitor.is_dir():
-        return
-    segment = 1 + len({p.name.split(".")[1] for p in monitor.glob("*.seg*.monitor.csv")})
-    for path in monitor.glob("*.monitor.csv"):
-        if ".seg" not in path.name:
-            path.rename(path.with_name(path.name.replace(".monitor.csv", f".seg{segment}.monitor.csv")))
-
-
-@contextlib.contextmanager
-def _lock(run_dir: Path) -> Iterator[None]:
-    """One process per run dir: a second `--resume` of a running run would interleave their files."""
-    with open(run_dir / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            raise ConfigError(f"{run_dir} is in use by another sb3_gpu process (pid {f.read().strip() or '?'})") from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        yield
-
-
 def _close(*envs: VecEnv) -> None:
     # After a worker died, closing must neither raise over the summary nor leave the others running or unreaped.
     for env in envs:
@@ -491,7 +434,7 @@ def evaluate_run(
             raise ConfigError(f"{run_dir} normalised its observations but holds no vecnormalize.pkl for {model_path.name}")
         env = VecNormalize.load(str(stats), env.venv)
         env.training, env.norm_reward = False, False
-    model = _load(plan, model_path, env)
+    model = load_plan_model(plan, model_path, env)
     mean, std = evaluate(model, env, episodes, deterministic)
     env.close()
     return {

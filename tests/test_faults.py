@@ -24,10 +24,10 @@ from sb3_gpu import ConfigError
 from sb3_gpu._io import atomic_write_bytes
 from sb3_gpu.amp import LossScaler, _install_unscaling
 from sb3_gpu.callbacks import NanGuard, StopOnSignal
-from sb3_gpu.checkpoint import first_non_finite, load_model, saved_states, zip_timesteps
+from sb3_gpu.checkpoint import first_non_finite, load_model, run_dir_lock, saved_states, zip_timesteps
 from sb3_gpu.errors import StopNow, TrainingDiverged
 from sb3_gpu.plan import build_env, build_model, load_config, make_plan
-from sb3_gpu.run import _lock, train_run
+from sb3_gpu.run import train_run
 from sb3_gpu.train import main as train_main
 from tests.conftest import REPO, run_cli
 
@@ -522,7 +522,7 @@ def test_a_run_dir_in_use_is_refused(tmp_path, capsys):
         "ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, vec_env="dummy", overrides={"n_steps": 32, "batch_size": 32}
     )
     train_run(plan, tmp_path, eval_episodes=1, progress=False, report_s=None)
-    with _lock(tmp_path):
+    with run_dir_lock(tmp_path):
         assert train_main(["--resume", str(tmp_path), "--timesteps", "128"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path} is in use by another sb3_gpu process (pid {os.getpid()})" in err.replace("\n", "")
