@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,11 @@ def write_yaml(path: str | Path, data: Any) -> Path:
 
 def write_json(path: str | Path, data: Any) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def save_pickle(path: str | Path, obj: Any) -> Path:
+    """Pickle ``obj`` (VecNormalize statistics, a replay buffer) with one atomic write."""
+    return atomic_write_bytes(path, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def save_model(model: BaseAlgorithm, path: str | Path) -> Path:

@@ -4,9 +4,7 @@ checkpoints, a graceful stop on SIGINT/SIGTERM, and a guard that stops training 
 from __future__ import annotations
 
 import collections
-import io
 import os
-import pickle
 import signal
 import threading
 import time
@@ -20,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from stable_baselines3.common.callbacks import BaseCallback, CheckpointCallback
 from stable_baselines3.common.utils import safe_mean
 
-from sb3_gpu._io import atomic_write_bytes
+from sb3_gpu._io import save_pickle
 from sb3_gpu.checkpoint import first_non_finite, save_state
 from sb3_gpu.errors import StopNow, TrainingDiverged
 
@@ -124,9 +122,7 @@ class SaveVecNormalizeCallback(BaseCallback):
     def _on_step(self) -> bool:
         vec_normalize = self.model.get_vec_normalize_env()
         if vec_normalize is not None:
-            buffer = io.BytesIO()
-            pickle.dump(vec_normalize, buffer)
-            atomic_write_bytes(self.path, buffer.getvalue())
+            save_pickle(self.path, vec_normalize)
         return True
 
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import json
 import os
-import pickle
 import re
 import zipfile
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
-from sb3_gpu._io import atomic_write_bytes, save_model
+from sb3_gpu._io import save_model, save_pickle
 from sb3_gpu.errors import ConfigError
 from sb3_gpu.plan import Plan
 from sb3_gpu.presets import get_algo
@@ -49,12 +47,10 @@ def save_state(model: BaseAlgorithm, model_path: Path, vecnormalize_path: Path, 
     The model is written last because resuming starts from the model: its companions are never older than it.
     """
     if replay_buffer_path is not None and getattr(model, "replay_buffer", None) is not None:
-        buffer = io.BytesIO()
-        pickle.dump(model.replay_buffer, buffer, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[attr-defined]
-        atomic_write_bytes(replay_buffer_path, buffer.getvalue())
+        save_pickle(replay_buffer_path, model.replay_buffer)  # type: ignore[attr-defined]
     vec_normalize = model.get_vec_normalize_env()
     if vec_normalize is not None:
-        atomic_write_bytes(vecnormalize_path, pickle.dumps(vec_normalize))
+        save_pickle(vecnormalize_path, vec_normalize)
     save_model(model, model_path)
 
 
