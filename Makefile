@@ -21,7 +21,8 @@ quickstart: setup
 	$(BIN)/python -m sb3_gpu.train ppo --env CartPole-v1 --device auto
 
 lint: setup
-	$(BIN)/ruff check sb3_gpu tests tools benchmarks
+	$(BIN)/ruff check sb3_gpu tests tools
+	$(BIN)/ruff format --check sb3_gpu tests tools
 	$(BIN)/mypy sb3_gpu
 
 test: lint

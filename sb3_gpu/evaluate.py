@@ -7,9 +7,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
-from sb3_gpu.errors import ConfigError
-from sb3_gpu.run import evaluate_run
+from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.runs.evaluation import evaluate_run
 
 
 def build_parser() -> argparse.ArgumentParser:

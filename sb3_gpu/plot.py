@@ -1,120 +1,15 @@
-"""``python -m sb3_gpu.plot RUN_DIR [RUN_DIR ...]``: learning curves and throughput of one or several runs.
-
-Three panels: episode return against env steps (a rolling mean of training episodes, dots for evaluations),
-return against wall time, and env steps/s over the run. Reads only the run dirs' ``monitor/`` and ``eval/`` files.
-Needs matplotlib (``pip install 'sb3-gpu[plot]'``).
-"""
+"""``python -m sb3_gpu.plot RUN_DIR [RUN_DIR ...]``: learning curves and throughput of one or several runs."""
 
 from __future__ import annotations
 
-import io
-import json
 import sys
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from sb3_gpu._cli import Parser, print_error
-from sb3_gpu._io import atomic_write_bytes
-from sb3_gpu.errors import ConfigError
-
-MISSING = "plotting needs matplotlib: pip install 'sb3-gpu[plot]'"
-
-
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed, none opened
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError(MISSING) from None
-    return plt
-
-
-def load_curves(run_dir: str | Path) -> dict[str, np.ndarray]:
-    """A run's episodes in time order: ``steps`` (cumulative env steps), ``seconds``, ``returns``; and evaluations."""
-    run_dir = Path(run_dir)
-    monitor = run_dir / "monitor"
-    files = sorted(monitor.glob("*.monitor.csv")) if monitor.is_dir() else []
-    if not files:
-        raise ConfigError(f"{run_dir} has no monitor/*.monitor.csv; is it a run dir written by sb3_gpu.train?")
-    rows, starts = [], []
-    for path in files:
-        with path.open(encoding="utf-8") as f:
-            header = f.readline()  # #{"t_start": ..., "env_id": ...}: episode times count from t_start
-            start = float(json.loads(header[1:]).get("t_start", 0.0)) if header.startswith("#{") else 0.0
-            starts.append(start)
-            f.readline()  # r,l,t[,info keywords]
-            for line in f:
-                try:  # a run still writing may end in half a line
-                    r, length, t = (float(v) for v in line.split(",", 3)[:3])
-                except ValueError:
-                    continue
-                rows.append((r, length, t + start))
-    episodes = np.array(rows, dtype=np.float64).reshape(-1, 3)
-    episodes = episodes[np.argsort(episodes[:, 2], kind="stable")]
-    first = min(starts)
-    curves = {
-        "returns": episodes[:, 0],
-        "steps": np.cumsum(episodes[:, 1]),
-        "seconds": episodes[:, 2] - first,
-    }
-    evaluations = run_dir / "eval" / "evaluations.npz"
-    if evaluations.is_file():
-        try:
-            with np.load(evaluations) as ev:
-                curves["eval_steps"], curves["eval_returns"] = ev["timesteps"], ev["results"].mean(axis=1)
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # written by SB3 while we read it
-            pass
-    return curves
-
-
-def _rolling(values: np.ndarray, width: int) -> np.ndarray:
-    if len(values) < width:
-        return np.cumsum(values) / np.arange(1, len(values) + 1)
-    kernel = np.ones(width) / width
-    head = np.cumsum(values[: width - 1]) / np.arange(1, width)
-    return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
-
-
-def _rate(steps: np.ndarray, seconds: np.ndarray, points: int = 40) -> tuple[np.ndarray, np.ndarray]:
-    """Env steps/s on an even time grid: cumulative steps interpolated in time, differenced (``points`` values)."""
-    if len(steps) < 2 or seconds[-1] <= seconds[0]:
-        return np.zeros(0), np.zeros(0)
-    grid = np.linspace(seconds[0], seconds[-1], points + 1)
-    done = np.interp(grid, seconds, steps)
-    return (grid[1:] + grid[:-1]) / 2, np.diff(done) / np.diff(grid)
-
-
-def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """Draw the runs on one figure and write it (atomically) to ``out``."""
-    plt = _pyplot()
-    labels = list(labels) if labels else [Path(r).name for r in run_dirs]
-    fig, (by_steps, by_time, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for run_dir, label in zip(run_dirs, labels, strict=True):
-        c = load_curves(run_dir)
-        smooth = _rolling(c["returns"], 20)
-        (line,) = by_steps.plot(c["steps"], smooth, label=label)
-        if "eval_steps" in c:
-            by_steps.plot(c["eval_steps"], c["eval_returns"], "o", color=line.get_color(), markersize=4)
-        by_time.plot(c["seconds"], smooth, color=line.get_color(), label=label)
-        t, rate = _rate(c["steps"], c["seconds"])
-        speed.plot(t, rate, color=line.get_color(), label=label)
-    by_steps.set(xlabel="env steps", ylabel="episode return", title="return (line: last 20 episodes; dots: eval)")
-    by_time.set(xlabel="wall time (s)", ylabel="episode return", title="return against wall time")
-    speed.set(xlabel="wall time (s)", ylabel="env steps/s", title="throughput (evaluation pauses included)")
-    for ax in (by_steps, by_time, speed):
-        ax.grid(alpha=0.3)
-    by_steps.legend(fontsize=8)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    return atomic_write_bytes(Path(out), buffer.getvalue())
+from sb3_gpu.common.cli import Parser, print_error
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.runs.curves import plot_runs
+from sb3_gpu.runs.rundir import RunDir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -122,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", help="run dirs written by sb3_gpu.train")
     parser.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/curves.png for one run, curves.png)")
     args = parser.parse_args(argv)
-    out = args.out or (str(Path(args.run_dirs[0]) / "curves.png") if len(args.run_dirs) == 1 else "curves.png")
+    out = args.out or (RunDir(args.run_dirs[0]).curves if len(args.run_dirs) == 1 else Path("curves.png"))
     try:
         path = plot_runs(args.run_dirs, out)
     except ConfigError as e:

@@ -9,22 +9,23 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from sb3_gpu import __version__
-from sb3_gpu._cli import Parser, positive_int, print_error, seed_int
-from sb3_gpu.amp import AMP_MODES
-from sb3_gpu.checkpoint import saved_states
-from sb3_gpu.envs import VEC_ENV_KINDS
-from sb3_gpu.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
-from sb3_gpu.plan import Plan, load_config, make_plan, plan_table
-from sb3_gpu.presets import ALGOS, parse_override
-from sb3_gpu.run import new_run_dir, resume_run, train_run
-from sb3_gpu.speed import COMPILE_MODES
+from sb3_gpu.common.checks import AMP_MODES, COMPILE_MODES
+from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
+from sb3_gpu.config.presets import parse_override
+from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.config.schema import ALGOS
+from sb3_gpu.envs.choice import VEC_ENV_KINDS
+from sb3_gpu.planning.plan import Plan, make_plan
+from sb3_gpu.planning.table import plan_table
+from sb3_gpu.runs.rundir import RunDir
+from sb3_gpu.runs.training import resume_run, train_run
 
 DEFAULT_ENV = "CartPole-v1"
 
@@ -107,7 +108,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     )
 
 
-def summary_table(summary: dict[str, Any], run_dir: Path) -> Table:
+def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     table = Table(title="sb3_gpu summary", title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
@@ -132,13 +133,13 @@ def summary_table(summary: dict[str, Any], run_dir: Path) -> Table:
     if "share_env" in tp:
         split = ", ".join(f"{name} {tp['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
         rows.append(("time split", split))
-    rows += [("run dir", str(run_dir)), ("model", summary["model"] or "not saved (NaN weights)")]
+    rows += [("run dir", str(run)), ("model", summary["model"] or "not saved (NaN weights)")]
     if "best_model" in summary:
         rows.append(("best model", summary["best_model"]))
     if summary.get("curves"):
         rows.append(("curves", summary["curves"]))
-    rows.append(("replay", f"python -m sb3_gpu.train --config {run_dir / 'config.yaml'}"))
-    rows.append(("dashboard", f"tensorboard --logdir {run_dir / 'tb'}  (Custom Scalars tab)"))
+    rows.append(("replay", f"python -m sb3_gpu.train --config {run.config}"))
+    rows.append(("dashboard", f"tensorboard --logdir {run.tensorboard}  (Custom Scalars tab)"))
     for row in rows:
         table.add_row(*row)
     return table
@@ -152,19 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     console = Console()
-    run_dir: Path | None = None
+    run: RunDir | None = None  # once known, for the messages below
     try:
         if args.resume is not None:
-            run_dir = Path(args.resume)
-            fixed = [k for k, v in vars(args).items() if k not in _RESUME_FLAGS and v != parser.get_default(k)]
-            if fixed:
-                flag = "--" + fixed[0].replace("_", "-") if fixed[0] != "algo" else f"the algorithm {args.algo!r}"
-                raise ConfigError(
-                    f"--resume continues {run_dir} with its own config.yaml, so {flag} cannot be given; "
-                    "accepted with --resume: --timesteps (a new total), --save-replay-buffer, --no-progress"
-                )
+            run = RunDir(args.resume)
+            _check_resume_flags(parser, args, run)
             summary = resume_run(
-                run_dir,
+                run.path,
                 timesteps=args.timesteps,
                 save_replay_buffer=args.save_replay_buffer or None,
                 progress=not args.no_progress,
@@ -175,59 +170,78 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(plan_table(plan))
             if args.plan:
                 return 0
-            run_dir = new_run_dir(args.run_dir, plan)
-            try:
-                summary = train_run(
-                    plan,
-                    run_dir,
-                    eval_freq=args.eval_freq,
-                    eval_episodes=args.eval_episodes or 10,
-                    checkpoint_freq=args.checkpoint_freq,
-                    save_replay_buffer=args.save_replay_buffer,
-                    progress=not args.no_progress,
-                    console=console,
-                )
-            except ConfigError:
-                # Refused before training began: nothing in the new run dir is worth keeping, and keeping it
-                # would make the same --run-dir "already exist" on the next try.
-                shutil.rmtree(run_dir, ignore_errors=True)
-                raise
+            run = RunDir.create(args.run_dir, plan.algo, plan.env.name)
+            summary = _train_new(plan, run, args, console)
     except ConfigError as e:
         print_error(str(e))
         return 2
     except StopNow:
-        states = saved_states(run_dir) if run_dir is not None else []
-        kept = f"the last good model is {states[0].model} ({states[0].timesteps:,} timesteps)" if states else "no model"
-        print_error(f"stopped at once by a second signal; nothing more was saved, {kept}")
-        if states:
-            print_error(f"continue with: python -m sb3_gpu.train --resume {run_dir}")
-        return 130
+        return _stopped_at_once(run)
     except KeyboardInterrupt:  # before the signal handlers were in place: building envs, say
-        if run_dir is not None and args.resume is None and not saved_states(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if run is not None and args.resume is None and not run.saved_states():
+            shutil.rmtree(run.path, ignore_errors=True)
         print_error("interrupted before training began; nothing was saved")
         return 130
     except (EnvWorkerError, TrainingDiverged) as e:
         print_error(str(e).splitlines()[0])
-        print_error(_saved_note(run_dir))
+        print_error(_saved_note(run))
         return 1
     except Exception:
         traceback.print_exc()  # an unexpected error (an env raising in this process, say): its traceback matters
-        print_error(_saved_note(run_dir))
+        print_error(_saved_note(run))
         return 1
-    console.print(summary_table(summary, run_dir))
+    assert run is not None
+    console.print(summary_table(summary, run))
     if summary["stopped_by"] is not None:
         print_error(f"stopped by {summary['stopped_by']}: {summary['saved']}")
         return 128 + int(signal.Signals[summary["stopped_by"]])
     return 0
 
 
-def _saved_note(run_dir: Path | None) -> str:
-    """What the emergency save wrote, as train_run recorded it in summary.json."""
+def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, run: RunDir) -> None:
+    fixed = [k for k, v in vars(args).items() if k not in _RESUME_FLAGS and v != parser.get_default(k)]
+    if fixed:
+        flag = "--" + fixed[0].replace("_", "-") if fixed[0] != "algo" else f"the algorithm {args.algo!r}"
+        raise ConfigError(
+            f"--resume continues {run} with its own config.yaml, so {flag} cannot be given; "
+            "accepted with --resume: --timesteps (a new total), --save-replay-buffer, --no-progress"
+        )
+
+
+def _train_new(plan: Plan, run: RunDir, args: argparse.Namespace, console: Console) -> dict[str, Any]:
     try:
-        return str(json.loads((Path(run_dir or ".") / "summary.json").read_text(encoding="utf-8"))["saved"])
+        return train_run(
+            plan,
+            run.path,
+            eval_freq=args.eval_freq,
+            eval_episodes=args.eval_episodes or 10,
+            checkpoint_freq=args.checkpoint_freq,
+            save_replay_buffer=args.save_replay_buffer,
+            progress=not args.no_progress,
+            console=console,
+        )
+    except ConfigError:
+        # Refused before training began: nothing in the new run dir is worth keeping, and keeping it would make
+        # the same --run-dir "already exist" on the next try.
+        shutil.rmtree(run.path, ignore_errors=True)
+        raise
+
+
+def _stopped_at_once(run: RunDir | None) -> int:
+    states = run.saved_states() if run is not None else []
+    kept = f"the last good model is {states[0].model} ({states[0].timesteps:,} timesteps)" if states else "no model"
+    print_error(f"stopped at once by a second signal; nothing more was saved, {kept}")
+    if states:
+        print_error(f"continue with: python -m sb3_gpu.train --resume {run}")
+    return 130
+
+
+def _saved_note(run: RunDir | None) -> str:
+    """What the emergency save wrote, as the run recorded it in summary.json."""
+    try:
+        return str(json.loads((run or RunDir(".")).summary.read_text(encoding="utf-8"))["saved"])
     except (OSError, ValueError, KeyError):
-        return f"no model was saved{f' in {run_dir}' if run_dir else ''}"
+        return f"no model was saved{f' in {run}' if run else ''}"
 
 
 if __name__ == "__main__":

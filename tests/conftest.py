@@ -1,15 +1,19 @@
-"""Shared fixtures: fake machines for device decisions, and a subprocess runner for the CLIs."""
+"""Shared fixtures: fake machines for device decisions, and runners for the CLIs (in this process, or as a user runs
+them, in a subprocess)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch as th
 
-from sb3_gpu.hardware import GPUInfo, HardwareProfile
+from sb3_gpu.common.hardware import GPUInfo, HardwareProfile
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,6 +42,15 @@ def machine(
     )
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_settings():
+    """Building a model applies its plan's thread count and CUDA math flags process-wide: put them back after each test."""
+    threads, cudnn, tf32 = th.get_num_threads(), th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32
+    yield
+    th.set_num_threads(threads)
+    th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32 = cudnn, tf32
+
+
 @pytest.fixture
 def cpu_machine() -> HardwareProfile:
     return machine()
@@ -54,3 +67,26 @@ def run_cli(*args: str, cwd: Path | str | None = None, timeout: float = 600) -> 
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+@dataclass(frozen=True)
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def call_main(capsys) -> Callable[..., CliResult]:
+    """Run a CLI's ``main(argv)`` in this process and capture its exit code and output (argparse errors included)."""
+
+    def call(main: Callable[[Sequence[str]], int], *args: str) -> CliResult:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse reports bad arguments by exiting
+            code = e.code if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+
+    return call

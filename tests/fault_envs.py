@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from gymnasium.envs.classic_control import CartPoleEnv
@@ -10,11 +11,15 @@ from gymnasium.envs.classic_control import CartPoleEnv
 
 class FaultyCartPole(CartPoleEnv):
     """CartPole that, counting its own steps, raises at ``raise_at``, returns NaN rewards from ``nan_at`` on,
-    and sleeps ``sleep`` seconds per step (so that a test can land a signal inside a step)."""
+    sleeps ``sleep`` seconds per step, and at step ``block_at`` creates the file ``marker`` and then sleeps for a
+    minute (so that a test can land signals inside that step, knowing it is there)."""
 
-    def __init__(self, raise_at: int = 0, nan_at: int = 0, sleep: float = 0.0, **kwargs: Any):
+    def __init__(
+        self, raise_at: int = 0, nan_at: int = 0, sleep: float = 0.0, block_at: int = 0, marker: str = "", **kwargs: Any
+    ):
         super().__init__(**kwargs)
         self.raise_at, self.nan_at, self.sleep = raise_at, nan_at, sleep
+        self.block_at, self.marker = block_at, marker
         self.steps = 0
 
     def step(self, action: Any) -> Any:
@@ -23,6 +28,9 @@ class FaultyCartPole(CartPoleEnv):
             raise RuntimeError(f"boom at step {self.steps}")
         if self.sleep:
             time.sleep(self.sleep)
+        if self.block_at and self.steps == self.block_at:
+            Path(self.marker).touch()
+            time.sleep(60)  # a signal handler runs during the sleep; one that raises ends it
         obs, reward, terminated, truncated, info = super().step(action)
         if self.nan_at and self.steps >= self.nan_at:
             reward = float("nan")

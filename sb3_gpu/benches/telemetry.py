@@ -1,0 +1,52 @@
+"""``bench telemetry``: what the callbacks that every sb3_gpu training adds cost, in env steps/s of ``learn``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stable_baselines3.common.callbacks import BaseCallback
+
+from sb3_gpu.benches.base import paired_medians
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.callbacks import NanGuard, StopOnSignal
+from sb3_gpu.runs.telemetry import ThroughputCallback
+
+TELEMETRY_CASES = [
+    ("PPO CartPole preset", "ppo", "CartPole-v1", {}),
+    ("DQN CartPole preset", "dqn", "CartPole-v1", {"per": False}),
+]
+CALLBACK_SETS = ("telemetry", "guard", "session")
+
+
+def callbacks_for(which: str) -> list[BaseCallback]:
+    """``telemetry``: the ThroughputCallback; ``guard``: the NaN guard and the signal check; ``session``: all three,
+    what a training Session adds besides evaluation and checkpoints."""
+    telemetry: list[BaseCallback] = [ThroughputCallback(warmup_s=0.0, record_s=1.0, dashboard=False)]
+    guard: list[BaseCallback] = [NanGuard(), StopOnSignal()]  # outside its `with`, StopOnSignal only checks per step
+    sets: dict[str, list[BaseCallback]] = {"telemetry": telemetry, "guard": guard, "session": [*guard, *telemetry]}
+    return sets[which]
+
+
+def bench_telemetry(repeats: int, which: str = "telemetry") -> list[tuple[str, float, float]]:
+    """Rows of (case, env steps/s without the callbacks, with them).
+
+    Two models built alike, one never given a callback (so that nothing sb3_gpu installs reaches it), train in
+    alternating ``learn`` segments.
+    """
+    rows = []
+    for label, algo, env, overrides in TELEMETRY_CASES:
+        models: list[Any] = []
+        for _ in range(2):
+            plan = make_plan(algo, env, "cpu", seed=0, overrides=overrides, vec_env="dummy")
+            models.append(build_model(plan, build_env(plan)))
+        plain_model, model = models
+        segment = model.n_steps * model.n_envs * 4 if algo == "ppo" else 2_048
+        for m in models:  # warm-up, fills the buffer
+            m.learn(m.learning_starts + segment if algo != "ppo" else segment)
+        plain = lambda m=plain_model, n=segment: m.learn(n, reset_num_timesteps=False)  # noqa: E731
+        timed = lambda m=model, n=segment: m.learn(n, reset_num_timesteps=False, callback=callbacks_for(which))  # noqa: E731
+        without, with_ = paired_medians(plain, timed, repeats, 1)
+        rows.append((label, segment / without, segment / with_))
+        print(f"  {label}: done", flush=True)
+    return rows

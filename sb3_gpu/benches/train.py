@@ -1,0 +1,160 @@
+"""``bench train``: a preset against plain SB3 with rl-zoo3's hyperparameters, time and steps to a reward threshold,
+both trained through the same Session (NaN guard, signals, telemetry) so that neither pays for what the other skips."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from stable_baselines3 import DQN, PPO
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.callbacks import StopTrainingOnRewardThreshold
+from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
+from stable_baselines3.common.utils import LinearSchedule
+
+from sb3_gpu.envs.build import close_vec_envs, make_vec_env
+from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.evaluation import TimedEvalCallback
+from sb3_gpu.runs.session import Session
+
+# rl-zoo3's published hyperparameters (hyperparams/ppo.yml and dqn.yml in DLR-RM/rl-baselines3-zoo), the baseline
+# that `bench train` runs with plain SB3. LunarLander-v3 takes the values rl-zoo3 lists for LunarLander-v2.
+ZOO: dict[tuple[str, str], dict[str, Any]] = {
+    ("ppo", "CartPole-v1"): dict(
+        n_envs=8,
+        n_steps=32,
+        batch_size=256,
+        gae_lambda=0.8,
+        gamma=0.98,
+        n_epochs=20,
+        ent_coef=0.0,
+        learning_rate=("lin", 1e-3),
+        clip_range=("lin", 0.2),
+    ),
+    ("ppo", "LunarLander-v3"): dict(
+        n_envs=16,
+        n_steps=1024,
+        batch_size=64,
+        gae_lambda=0.98,
+        gamma=0.999,
+        n_epochs=4,
+        ent_coef=0.01,
+    ),
+    ("dqn", "CartPole-v1"): dict(
+        n_envs=1,
+        learning_rate=2.3e-3,
+        batch_size=64,
+        buffer_size=100_000,
+        learning_starts=1000,
+        gamma=0.99,
+        target_update_interval=10,
+        train_freq=256,
+        gradient_steps=128,
+        exploration_fraction=0.16,
+        exploration_final_eps=0.04,
+        policy_kwargs=dict(net_arch=[256, 256]),
+    ),
+}
+
+
+def zoo_model(algo: str, env_id: str, seed: int) -> Any:
+    """Plain SB3 as an rl-zoo3 user runs it: the published hyperparameters, DummyVecEnv, SB3's default device."""
+    kwargs = dict(ZOO[(algo, env_id)])
+    n_envs = kwargs.pop("n_envs")
+    for key, value in list(kwargs.items()):
+        if isinstance(value, tuple):
+            kwargs[key] = LinearSchedule(value[1], 0.0, 1.0)
+    env = sb3_make_vec_env(env_id, n_envs=n_envs, seed=seed)
+    return (PPO if algo == "ppo" else DQN)("MlpPolicy", env, seed=seed, verbose=0, **kwargs)
+
+
+def train_once(
+    model: BaseAlgorithm, env_id: str, max_timesteps: int, threshold: float, eval_freq: int, episodes: int, seed: int
+) -> dict[str, Any]:
+    """Train until the deterministic eval mean reaches ``threshold``; time spent evaluating is kept apart."""
+    eval_env = make_vec_env(env_id, 1, seed=seed + EVAL_SEED_OFFSET, vec_env="dummy")
+    evaluator = TimedEvalCallback(
+        eval_env,
+        eval_freq=max(eval_freq // model.n_envs, 1),
+        n_eval_episodes=episodes,
+        callback_on_new_best=StopTrainingOnRewardThreshold(threshold),
+        verbose=0,
+    )
+    try:
+        with Session(model, evaluator=evaluator) as session:
+            outcome = session.learn(max_timesteps)
+        if outcome.error is not None:
+            raise outcome.error
+        if outcome.stopped_by is not None:
+            raise KeyboardInterrupt(f"stopped by {outcome.stopped_by}")
+    finally:
+        close_vec_envs(model.get_env(), eval_env)
+    seconds = outcome.wall_s - evaluator.seconds
+    return {
+        "seed": seed,
+        "reached": bool(evaluator.best_mean_reward >= threshold),
+        "timesteps": outcome.timesteps,
+        "train_seconds": round(seconds, 2),
+        "steps_per_s": round(outcome.timesteps / max(seconds, 1e-9), 1),
+    }
+
+
+def bench_train(
+    algo: str,
+    env_id: str,
+    seeds: list[int],
+    threshold: float,
+    max_timesteps: int | None,
+    eval_freq: int,
+    episodes: int,
+    print_fn: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Our preset (device, vec env and threads chosen by the plan) and plain SB3 with rl-zoo3's values, per seed."""
+    results: dict[str, list[dict[str, Any]]] = {"sb3_gpu": [], "sb3_zoo": []}
+    plan_text = ""
+    for seed in seeds:
+        plan = make_plan(algo, env_id, "auto", seed=seed)
+        plan_text = f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs"
+        budget = max_timesteps or plan.preset.n_timesteps
+        ours = build_model(plan, build_env(plan))
+        results["sb3_gpu"].append(train_once(ours, env_id, budget, threshold, eval_freq, episodes, seed))
+        zoo = zoo_model(algo, env_id, seed)
+        results["sb3_zoo"].append(train_once(zoo, env_id, budget, threshold, eval_freq, episodes, seed))
+        print_fn(f"  seed {seed}: sb3_gpu {results['sb3_gpu'][-1]}, zoo {results['sb3_zoo'][-1]}")
+    summary: dict[str, Any] = {"algo": algo, "env": env_id, "threshold": threshold, "seeds": seeds, "plan": plan_text}
+    for name, runs in results.items():
+        summary[name] = {
+            "runs": runs,
+            "reached": sum(r["reached"] for r in runs),
+            "median_train_seconds": statistics.median(r["train_seconds"] for r in runs),
+            "median_timesteps": statistics.median(r["timesteps"] for r in runs),
+            "median_steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
+        }
+    return summary
+
+
+def train_markdown(summary: dict[str, Any], command: str) -> str:
+    """The summary as a markdown table with the speed-up, headed by the command that produced it."""
+    ours, zoo = summary["sb3_gpu"], summary["sb3_zoo"]
+    n = len(summary["seeds"])
+    lines = [
+        f"`{command}`: {summary['algo']} {summary['env']} to mean eval return {summary['threshold']:g} "
+        f"(medians over {n} seeds; evaluation time excluded; ours: {summary['plan']})",
+        "",
+        "| run | reached | time to threshold | timesteps | steps/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, s in (("sb3_gpu preset", ours), ("SB3 + rl-zoo3 values", zoo)):
+        lines.append(
+            f"| {name} | {s['reached']}/{n} | {s['median_train_seconds']:.1f} s | {s['median_timesteps']:,.0f} "
+            f"| {s['median_steps_per_s']:,.0f} |"
+        )
+    lines += [
+        "",
+        f"Speed-up: {zoo['median_train_seconds'] / max(ours['median_train_seconds'], 1e-9):.2f}x in time to threshold, "
+        f"{ours['median_steps_per_s'] / max(zoo['median_steps_per_s'], 1e-9):.2f}x in steps/s "
+        "(a run that never reached the threshold counts its whole time).",
+    ]
+    return "\n".join(lines) + "\n"

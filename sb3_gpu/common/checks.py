@@ -1,0 +1,228 @@
+"""Value checks for preset keys and their domains, and the Schedule type. Each check takes (value, where) and returns
+the normalised value or raises ConfigError naming ``where``."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from stable_baselines3.common.utils import ConstantSchedule, LinearSchedule
+
+from sb3_gpu.common.errors import ConfigError, closest
+
+
+# --------------------------------------------------------------------------- schedules
+@dataclass(frozen=True)
+class Schedule:
+    """A value that changes over training, written in YAML as ``{schedule: linear, start: 1.0e-3, end: 0.0}``.
+
+    ``end_fraction`` is the share of training after which ``end`` is held (SB3's ``LinearSchedule``).
+    """
+
+    kind: str
+    start: float
+    end: float = 0.0
+    end_fraction: float = 1.0
+
+    def to_sb3(self) -> Callable[[float], float]:
+        if self.kind == "constant":
+            return ConstantSchedule(self.start)
+        return LinearSchedule(self.start, self.end, self.end_fraction)
+
+    def to_yaml(self) -> dict[str, Any]:
+        if self.kind == "constant":
+            return {"schedule": "constant", "value": self.start}
+        out: dict[str, Any] = {"schedule": "linear", "start": self.start, "end": self.end}
+        if self.end_fraction != 1.0:
+            out["end_fraction"] = self.end_fraction
+        return out
+
+    def __str__(self) -> str:
+        if self.kind == "constant":
+            return f"{self.start:g}"
+        tail = f" by {self.end_fraction:g}" if self.end_fraction != 1.0 else ""
+        return f"linear {self.start:g} -> {self.end:g}{tail}"
+
+
+Check = Callable[[Any, str], Any]
+_NUMBER_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _as_number(value: Any, where: str, what: str) -> float:
+    # PyYAML reads `1e5` (no dot) as a string; accept it, since users write it that way.
+    if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: expected {what}, got {value!r}")
+    return value
+
+
+def integer(low: int, what: str) -> Check:
+    def check(value: Any, where: str) -> int:
+        number = _as_number(value, where, what)
+        if number != int(number) or number < low:
+            raise ConfigError(f"{where}: expected {what}, got {value!r}")
+        return int(number)
+
+    return check
+
+
+def number(low: float, high: float, what: str, low_open: bool = False) -> Check:
+    def check(value: Any, where: str) -> float:
+        number = float(_as_number(value, where, what))
+        if number < low or number > high or (low_open and number == low):
+            raise ConfigError(f"{where}: expected {what}, got {value!r}")
+        return number
+
+    return check
+
+
+def optional(inner: Check) -> Check:
+    def check(value: Any, where: str) -> Any:
+        return None if value is None else inner(value, where)
+
+    return check
+
+
+def boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def schedulable(inner: Check) -> Check:
+    def check(value: Any, where: str) -> float | Schedule:
+        if not isinstance(value, Mapping):
+            return inner(value, where)
+        kind = value.get("schedule")
+        if kind == "constant":
+            check_keys(value, {"schedule", "value"}, where)
+            return Schedule("constant", inner(value.get("value"), f"{where}.value"))
+        if kind == "linear":
+            check_keys(value, {"schedule", "start", "end", "end_fraction"}, where)
+            if "start" not in value:
+                raise ConfigError(f"{where}: a linear schedule needs 'start'")
+            frac = number(0.0, 1.0, "a number in (0, 1]", low_open=True)(
+                value.get("end_fraction", 1.0), f"{where}.end_fraction"
+            )
+            # The end of a decaying schedule may be 0 even where the value itself must be positive.
+            end = NON_NEGATIVE(value.get("end", 0.0), f"{where}.end")
+            return Schedule("linear", inner(value["start"], f"{where}.start"), float(end), frac)
+        raise ConfigError(f"{where}: schedule must be 'linear' or 'constant', got {kind!r}")
+
+    return check
+
+
+def check_keys(mapping: Mapping[str, Any], valid: set[str], where: str) -> None:
+    for key in mapping:
+        if key not in valid:
+            raise ConfigError(f"{where}: unknown key {key!r}{closest(str(key), valid)} (valid: {', '.join(sorted(valid))})")
+
+
+def net_arch(value: Any, where: str) -> list[int] | dict[str, list[int]]:
+    layer = integer(1, "a positive layer width")
+    if isinstance(value, list):
+        return [layer(v, where) for v in value]
+    if isinstance(value, Mapping):
+        check_keys(value, {"pi", "vf", "qf"}, where)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(v, list):
+                raise ConfigError(f"{where}.{k}: expected a list of layer widths, got {v!r}")
+            out[k] = [layer(x, f"{where}.{k}") for x in v]
+        return out
+    raise ConfigError(f"{where}: expected a list of layer widths like [64, 64] or {{pi: [...], vf: [...]}}, got {value!r}")
+
+
+def choice(choices: tuple[str, ...] | list[str]) -> Check:
+    def check(value: Any, where: str) -> str:
+        if value not in choices:
+            raise ConfigError(f"{where}: unknown value {value!r}{closest(str(value), choices)} (valid: {', '.join(choices)})")
+        return str(value)
+
+    return check
+
+
+def mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    return {str(k): v for k, v in value.items()}
+
+
+NORMALIZE_KEYS = {
+    "norm_obs": boolean,
+    "norm_reward": boolean,
+    "clip_obs": number(0, math.inf, "a positive number", True),
+    "clip_reward": number(0, math.inf, "a positive number", True),
+}
+
+
+def normalize(value: Any, where: str) -> bool | dict[str, Any]:
+    if isinstance(value, bool):
+        return value
+    options = mapping(value, where)
+    check_keys(options, set(NORMALIZE_KEYS), where)
+    return {k: NORMALIZE_KEYS[k](v, f"{where}.{k}") for k, v in options.items()}
+
+
+def train_freq(value: Any, where: str) -> int | tuple[int, str]:
+    if isinstance(value, list):
+        if len(value) != 2 or value[1] not in ("step", "episode"):
+            raise ConfigError(f"{where}: expected a positive int or [n, step|episode], got {value!r}")
+        return (integer(1, "a positive int")(value[0], where), value[1])
+    return integer(1, "a positive int or [n, step|episode]")(value, where)
+
+
+POS_INT = integer(1, "a positive int")
+UNIT = number(0.0, 1.0, "a number in [0, 1]")
+POSITIVE = number(0.0, math.inf, "a positive number", low_open=True)
+NON_NEGATIVE = number(0.0, math.inf, "a number >= 0")
+
+
+def param(default: Any, check: Check) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+PER_DEFAULTS = {"alpha": 0.6, "beta0": 0.4, "eps": 1e-6, "beta_fraction": 1.0}
+PER_CHECKS = {
+    "alpha": number(0.0, math.inf, "a number >= 0 (0 is uniform sampling)"),
+    "beta0": number(0.0, 1.0, "a number in [0, 1]"),
+    "eps": number(0.0, math.inf, "a number > 0", low_open=True),
+    "beta_fraction": number(0.0, 1.0, "a number in (0, 1]", low_open=True),
+}
+
+
+def per_config(value: Any, where: str) -> dict[str, float] | bool:
+    """``false``, ``true`` (the defaults) or a mapping of ``alpha``, ``beta0``, ``eps``, ``beta_fraction``."""
+    if isinstance(value, bool):
+        return dict(PER_DEFAULTS) if value else False
+    options = mapping(value, where)
+    check_keys(options, set(PER_CHECKS), where)
+    return {**PER_DEFAULTS, **{k: PER_CHECKS[k](v, f"{where}.{k}") for k, v in options.items()}}
+
+
+AMP_MODES = ("auto", "off", "bf16", "fp16")
+COMPILE_MODES = ("false", "default", "reduce-overhead", "max-autotune")
+
+
+def compile_mode(value: Any, where: str) -> str:
+    """``false`` (YAML bool or string) or a torch.compile mode."""
+    if value is False or (isinstance(value, str) and value.strip().lower() == "false"):
+        return "false"
+    if value is True:
+        return "default"
+    return choice(COMPILE_MODES)(value, where)
+
+
+def threads(value: Any, where: str) -> int | str:
+    """``auto`` or a positive int."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: expected 'auto' or a positive int, got {value!r}")
+    return value

@@ -1,0 +1,133 @@
+"""What machine this is: cores, memory, CPU features, GPUs. Facts only; the choices made from them live in planning."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+from dataclasses import dataclass
+
+import torch as th
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """One CUDA device as torch reports it."""
+
+    index: int
+    name: str
+    memory_gb: float
+    capability: tuple[int, int]
+
+    @property
+    def bf16(self) -> bool:
+        # Ampere (8.0) and newer run bf16 on tensor cores; older cards emulate it slowly.
+        return self.capability >= (8, 0)
+
+    @property
+    def fp16(self) -> bool:
+        # Volta (7.0) introduced tensor cores; fp16 before that brings no speed-up.
+        return self.capability >= (7, 0)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """The machine as far as training decisions care."""
+
+    logical_cores: int
+    physical_cores: int
+    ram_gb: float
+    cpu_model: str
+    cpu_bf16: bool
+    gpus: tuple[GPUInfo, ...]
+    mps: bool
+    in_notebook: bool
+    in_colab: bool
+    # AMX tiles: bf16 matrix units (Sapphire Rapids and newer), where CPU bf16 training pays.
+    cpu_amx: bool = False
+
+    @property
+    def has_cuda(self) -> bool:
+        return len(self.gpus) > 0
+
+    def describe(self) -> str:
+        """One line, e.g. ``2 cores (2 physical), 23.4 GiB RAM, no GPU``."""
+        cpu = f"{self.logical_cores} cores ({self.physical_cores} physical), {self.ram_gb:.1f} GiB RAM"
+        if self.gpus:
+            gpu = ", ".join(
+                f"cuda:{g.index} {g.name} {g.memory_gb:.0f} GiB sm_{g.capability[0]}{g.capability[1]}" for g in self.gpus
+            )
+        elif self.mps:
+            gpu = "Apple MPS"
+        else:
+            gpu = "no GPU"
+        where = " (Colab)" if self.in_colab else " (notebook)" if self.in_notebook else ""
+        return f"{cpu}, {gpu}{where}"
+
+
+def logical_cores() -> int:
+    """The logical cores this machine has (``os.cpu_count``): the one count that every core-based choice uses."""
+    return os.cpu_count() or 1
+
+
+def _cpu_info() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or platform.machine(), set[str]()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return model, flags
+    if m := re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE):
+        model = m.group(1).strip()
+    if m := re.search(r"^flags\s*:\s*(.+)$", text, re.MULTILINE):
+        flags = set(m.group(1).split())
+    return model, flags
+
+
+def _physical_cores(logical: int) -> int:
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or logical
+    except ImportError:  # pragma: no cover - psutil is a dependency, but keep the probe harmless without it
+        return logical
+
+
+def _ram_gb() -> float:
+    try:
+        import psutil
+
+        return psutil.virtual_memory().total / 2**30
+    except ImportError:  # pragma: no cover
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _in_notebook() -> bool:
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return shell is not None and type(shell).__name__ in {"ZMQInteractiveShell", "Shell"}
+
+
+def detect_hardware() -> HardwareProfile:
+    """Query the machine; every GPU query goes through ``torch.cuda`` / ``torch.backends.mps`` so tests can fake it."""
+    logical = logical_cores()
+    model, flags = _cpu_info()
+    gpus: list[GPUInfo] = []
+    if th.cuda.is_available():
+        for i in range(th.cuda.device_count()):
+            props = th.cuda.get_device_properties(i)
+            gpus.append(GPUInfo(i, props.name, props.total_memory / 2**30, (props.major, props.minor)))
+    mps = bool(getattr(th.backends, "mps", None) and th.backends.mps.is_available())
+    return HardwareProfile(
+        logical_cores=logical,
+        physical_cores=_physical_cores(logical),
+        ram_gb=_ram_gb(),
+        cpu_model=model,
+        # AVX512-BF16 or AMX tiles: the CPU multiplies bf16 natively (other CPUs emulate it, slower than fp32).
+        cpu_bf16=bool(flags & {"avx512_bf16", "amx_bf16"}),
+        gpus=tuple(gpus),
+        mps=mps,
+        in_notebook=_in_notebook(),
+        in_colab="google.colab" in sys.modules,
+        cpu_amx="amx_bf16" in flags,
+    )

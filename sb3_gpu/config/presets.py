@@ -1,0 +1,182 @@
+"""Presets: loading a preset file, choosing its entry for an env, layering SB3 defaults, the entry, its profile and
+overrides into one resolved :class:`Preset`, and turning that into SB3 keyword arguments.
+
+A preset file (``presets/ppo.yaml``) maps entry names to entries. An entry is chosen by env id, else ``atari``
+for Atari games, else ``default``. An entry holds shared keys plus ``cpu:`` and ``gpu:`` profiles that override
+them; the profile follows the chosen device. Every key is validated: unknown keys, wrong types and values outside
+their domain raise :class:`~sb3_gpu.common.errors.ConfigError` naming the key, the file and the closest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stable_baselines3.common.base_class import BaseAlgorithm
+
+from sb3_gpu.common import checks as c
+from sb3_gpu.common.checks import Schedule
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.files import parse_yaml, presets_dir, read_yaml
+from sb3_gpu.config.schema import (
+    ACTIVATIONS,
+    COMMON_DEFAULTS,
+    COMMON_KEYS,
+    EXTENSION_KEYS,
+    PROFILES,
+    Algo,
+    AlgoParams,
+    get_algo,
+    validate_entry,
+    validate_flat,
+)
+from sb3_gpu.extensions.per import PrioritizedReplayBuffer
+
+
+def load_preset_file(algo: Algo, path: Path | str | None = None) -> tuple[dict[str, dict[str, Any]], str]:
+    """Load and validate a whole preset file (the bundled one for ``algo`` when ``path`` is None)."""
+    path = Path(path) if path is not None else presets_dir() / f"{algo.name}.yaml"
+    data = read_yaml(path)
+    if not isinstance(data, Mapping) or not data:
+        raise ConfigError(f"{path}: a preset file must be a mapping of entries (env ids, 'default', 'atari')")
+    return {str(name): validate_entry(algo, entry, f"{path}, entry {name}") for name, entry in data.items()}, str(path)
+
+
+def select_entry(entries: Mapping[str, Any], env_id: str, is_atari: bool, where: str) -> str:
+    """The entry for an env: its own id, else ``atari`` for Atari games, else ``default``."""
+    for name in (env_id, "atari" if is_atari else None, "default"):
+        if name is not None and name in entries:
+            return name
+    raise ConfigError(f"{where} has no entry for {env_id!r} and no 'default' entry (entries: {', '.join(entries)})")
+
+
+# --------------------------------------------------------------------------- overrides
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``key=value`` (the value read as a YAML scalar, list or mapping)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value (e.g. batch_size=128), got {text!r}")
+    return key, parse_yaml(raw, f"--set {key}")
+
+
+def apply_override(values: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` in a flat mapping; ``policy_kwargs.x``, ``env_kwargs.x``, ``per.x`` reach one level down."""
+    head, dot, rest = key.partition(".")
+    if dot and head in ("policy_kwargs", "env_kwargs", "normalize", "per") and rest:
+        inner = values.get(head)
+        inner = dict(inner) if isinstance(inner, Mapping) else {}
+        inner[rest] = value
+        values[head] = inner
+    else:
+        values[key] = value
+
+
+# --------------------------------------------------------------------------- the resolved preset
+@dataclass(frozen=True)
+class Preset:
+    """A fully resolved, validated set of values for one algorithm, env and profile, with each value's source."""
+
+    algo: str
+    entry: str
+    profile: str
+    n_timesteps: int
+    n_envs: int
+    policy: str
+    net_arch: list[int] | dict[str, list[int]] | None
+    activation_fn: str | None
+    policy_kwargs: dict[str, Any]
+    normalize: bool | dict[str, Any]
+    frame_stack: int | None
+    env_kwargs: dict[str, Any]
+    amp: str
+    compile: str
+    threads: int | str
+    params: AlgoParams
+    sources: dict[str, str]
+
+    def values(self) -> dict[str, Any]:
+        """Every key as plain YAML data: a flat entry that, loaded again, gives this preset."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in COMMON_KEYS}
+        out.update(self._params())
+        return {k: v.to_yaml() if isinstance(v, Schedule) else list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+    def _params(self) -> dict[str, Any]:
+        return {f.name: getattr(self.params, f.name) for f in dataclasses.fields(self.params)}
+
+    def policy_kwargs_for_sb3(self) -> dict[str, Any]:
+        kwargs = dict(self.policy_kwargs)
+        if self.net_arch is not None:
+            kwargs["net_arch"] = self.net_arch
+        if self.activation_fn is not None:
+            kwargs["activation_fn"] = ACTIVATIONS[self.activation_fn]
+        return kwargs
+
+    @property
+    def model_class(self) -> type[BaseAlgorithm]:
+        """The plain SB3 class, or sb3_gpu's subclass where prioritized replay or gradient accumulation is on."""
+        algo = get_algo(self.algo)
+        extended = getattr(self.params, "per", False) or getattr(self.params, "grad_accum_steps", 1) > 1
+        return algo.extended_class if extended and algo.extended_class is not None else algo.model_class
+
+    def sb3_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :attr:`model_class`, schedules turned into SB3's own schedule objects."""
+        kwargs = {k: v.to_sb3() if isinstance(v, Schedule) else v for k, v in self._params().items()}
+        kwargs["policy_kwargs"] = self.policy_kwargs_for_sb3()
+        per: Any = self._params().get("per", False)
+        grad_accum_steps = kwargs.pop("grad_accum_steps", 1)
+        kwargs.pop("per", None)
+        if self.model_class is not get_algo(self.algo).model_class:
+            kwargs["grad_accum_steps"] = grad_accum_steps
+        if per:
+            kwargs["replay_buffer_class"] = PrioritizedReplayBuffer
+            kwargs["replay_buffer_kwargs"] = {"alpha": per["alpha"], "beta": per["beta0"], "eps": per["eps"]}
+            kwargs["per_beta_fraction"] = per["beta_fraction"]
+        return kwargs
+
+
+def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], where: str) -> None:
+    if policy == "auto" or not kwargs:
+        return
+    policy_class = algo.model_class.policy_aliases.get(policy)
+    if policy_class is None:  # pragma: no cover - POLICIES lists only aliases every algorithm has
+        raise ConfigError(f"{where}: {algo.name} has no policy {policy!r}")
+    accepted = set(inspect.signature(policy_class.__init__).parameters) - {"self", "observation_space", "action_space"}
+    c.check_keys(kwargs, accepted, f"{where}: policy_kwargs of {policy}")
+
+
+def resolve_preset(
+    algo: Algo,
+    entry: Mapping[str, Any],
+    entry_label: str,
+    profile: str,
+    overrides: Mapping[str, tuple[Any, str]] | None = None,
+) -> Preset:
+    """Merge SB3 defaults, an entry's shared keys, its profile and overrides (``key -> (value, source)``)."""
+    overrides = overrides or {}
+    defaults = {f.name: f.default for f in dataclasses.fields(algo.params_class)}
+    values: dict[str, Any] = {**COMMON_DEFAULTS, **defaults}
+    sources = {k: "sb3_gpu default" for k in COMMON_DEFAULTS} | {k: "SB3 default" for k in defaults}
+    sources.update({k: "sb3_gpu default" for k in EXTENSION_KEYS if k in defaults})
+    for layer, label in ((entry, entry_label), (entry.get(profile) or {}, f"{entry_label}/{profile}")):
+        for key, value in layer.items():
+            if key not in PROFILES:
+                values[key], sources[key] = value, label
+    raw: dict[str, Any] = {}
+    for key, (value, source) in overrides.items():
+        apply_override(raw, key, value)
+        sources[key.partition(".")[0]] = source
+    for key in raw:
+        if isinstance(raw[key], dict) and isinstance(values.get(key), Mapping):
+            raw[key] = {**values[key], **raw[key]}
+        elif key == "per" and raw[key] is True and isinstance(values.get(key), Mapping):
+            raw[key] = values[key]  # --per switches the preset's own PER settings on, not the defaults
+    values.update(validate_flat(algo, raw, "override"))
+    check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], entry_label)
+    params = algo.params_class(**{f.name: values[f.name] for f in dataclasses.fields(algo.params_class)})
+    common = {k: values[k] for k in COMMON_KEYS}
+    return Preset(algo=algo.name, entry=entry_label, profile=profile, params=params, sources=sources, **common)

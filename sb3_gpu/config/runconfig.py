@@ -1,0 +1,67 @@
+"""A run's ``config.yaml`` read back: the arguments and pinned hyperparameters that ``--config`` and ``--resume`` use."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sb3_gpu.common.checks import check_keys
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.files import read_yaml
+from sb3_gpu.config.schema import get_algo, validate_flat
+
+# The layout of config.yaml that this version writes and reads; a newer one is refused rather than misread.
+CONFIG_VERSION = 1
+CONFIG_KEYS = ("version", "algo", "env", "device", "vec_env", "seed", "hyperparameters", "resolved", "run")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A ``config.yaml`` read back: the run's arguments and its pinned hyperparameters."""
+
+    algo: str
+    env: str
+    device: str
+    vec_env: str
+    seed: int | None
+    hyperparameters: dict[str, Any]
+    path: str
+    # How the run evaluates and saves (see ``runs.training.RunOptions``); checked where it is used.
+    run: dict[str, Any] = field(default_factory=dict)
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read a run's ``config.yaml`` (a run dir is accepted too)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.yaml"
+    data = read_yaml(path, "config file")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: a config file must be a mapping, as written by sb3_gpu.train")
+    check_keys(data, set(CONFIG_KEYS), str(path))
+    missing = {"algo", "env", "hyperparameters"} - set(data)
+    if missing:
+        raise ConfigError(f"{path}: missing {', '.join(sorted(missing))}")
+    version = data.get("version", CONFIG_VERSION)
+    if version != CONFIG_VERSION:
+        raise ConfigError(f"{path}: config version {version!r}; this sb3_gpu reads version {CONFIG_VERSION}")
+    algo = get_algo(str(data["algo"]))
+    hyper = validate_flat(algo, data["hyperparameters"], f"{path}: hyperparameters")
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"{path}: seed must be an int or null, got {seed!r}")
+    run = data.get("run") or {}
+    if not isinstance(run, Mapping):
+        raise ConfigError(f"{path}: run must be a mapping, got {run!r}")
+    return RunConfig(
+        algo=algo.name,
+        env=str(data["env"]),
+        device=str(data.get("device", "auto")),
+        vec_env=str(data.get("vec_env", "auto")),
+        seed=seed,
+        hyperparameters=hyper,
+        path=str(path),
+        run=dict(run),
+    )

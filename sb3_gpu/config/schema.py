@@ -1,0 +1,188 @@
+"""The preset schema: each algorithm's hyperparameters as a frozen dataclass whose fields carry their checks, the
+keys every entry may hold, and the validation of flat mappings and of entries with profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN, PPO
+from stable_baselines3.common.base_class import BaseAlgorithm
+from torch import nn
+
+from sb3_gpu.common import checks as c
+from sb3_gpu.common.checks import AMP_MODES, Check, Schedule
+from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.extensions.accumulate import GradAccumPPO
+from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN
+
+# `cpu`/`gpu` follow the chosen device; `large` is asked for by name (`--profile large`): a big workstation.
+PROFILES = ("cpu", "gpu", "large")
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "tanh": nn.Tanh,
+    "relu": nn.ReLU,
+    "elu": nn.ELU,
+    "leaky_relu": nn.LeakyReLU,
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+}
+POLICIES = ("auto", "MlpPolicy", "CnnPolicy", "MultiInputPolicy")
+
+
+# --------------------------------------------------------------------------- per-algorithm hyperparameters
+# Defaults equal SB3's own (a test pins that), so "SB3 default" in the plan is the truth.
+@dataclass(frozen=True)
+class PPOParams:
+    """PPO's keyword arguments, as SB3 names them."""
+
+    learning_rate: float | Schedule = c.param(3e-4, c.schedulable(c.POSITIVE))
+    n_steps: int = c.param(2048, c.POS_INT)
+    batch_size: int = c.param(64, c.integer(2, "an int >= 2"))
+    n_epochs: int = c.param(10, c.POS_INT)
+    gamma: float = c.param(0.99, c.UNIT)
+    gae_lambda: float = c.param(0.95, c.UNIT)
+    clip_range: float | Schedule = c.param(0.2, c.schedulable(c.POSITIVE))
+    clip_range_vf: float | None = c.param(None, c.optional(c.POSITIVE))
+    normalize_advantage: bool = c.param(True, c.boolean)
+    ent_coef: float = c.param(0.0, c.NON_NEGATIVE)
+    vf_coef: float = c.param(0.5, c.NON_NEGATIVE)
+    max_grad_norm: float = c.param(0.5, c.POSITIVE)
+    use_sde: bool = c.param(False, c.boolean)
+    sde_sample_freq: int = c.param(-1, c.integer(-1, "an int >= -1"))
+    target_kl: float | None = c.param(None, c.optional(c.POSITIVE))
+    # sb3_gpu extension (extensions.accumulate): k minibatches per optimizer step; SB3 has none.
+    grad_accum_steps: int = c.param(1, c.POS_INT)
+
+
+@dataclass(frozen=True)
+class DQNParams:
+    """DQN's keyword arguments, as SB3 names them."""
+
+    learning_rate: float | Schedule = c.param(1e-4, c.schedulable(c.POSITIVE))
+    buffer_size: int = c.param(1_000_000, c.POS_INT)
+    learning_starts: int = c.param(100, c.integer(0, "an int >= 0"))
+    batch_size: int = c.param(32, c.POS_INT)
+    tau: float = c.param(1.0, c.number(0.0, 1.0, "a number in (0, 1]", low_open=True))
+    gamma: float = c.param(0.99, c.UNIT)
+    train_freq: int | tuple[int, str] = c.param(4, c.train_freq)
+    gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
+    optimize_memory_usage: bool = c.param(False, c.boolean)
+    n_steps: int = c.param(1, c.POS_INT)
+    target_update_interval: int = c.param(10_000, c.POS_INT)
+    exploration_fraction: float = c.param(0.1, c.UNIT)
+    exploration_initial_eps: float = c.param(1.0, c.UNIT)
+    exploration_final_eps: float = c.param(0.05, c.UNIT)
+    max_grad_norm: float | None = c.param(10.0, c.POSITIVE)
+    # sb3_gpu extensions (extensions.per): prioritized replay and gradient accumulation; SB3 has neither.
+    per: dict[str, float] | bool = c.param(False, c.per_config)
+    grad_accum_steps: int = c.param(1, c.POS_INT)
+
+
+@dataclass(frozen=True)
+class QRDQNParams(DQNParams):
+    """QR-DQN's keyword arguments (sb3-contrib); the same as DQN's with other defaults."""
+
+    learning_rate: float | Schedule = c.param(5e-5, c.schedulable(c.POSITIVE))
+    exploration_fraction: float = c.param(0.005, c.UNIT)
+    exploration_final_eps: float = c.param(0.01, c.UNIT)
+    max_grad_norm: float | None = c.param(None, c.optional(c.POSITIVE))
+
+
+AlgoParams = PPOParams | DQNParams
+
+
+@dataclass(frozen=True)
+class Algo:
+    name: str
+    model_class: type[BaseAlgorithm]
+    params_class: type[PPOParams] | type[DQNParams]
+    on_policy: bool
+    # The subclass that runs sb3_gpu's training extensions; the plain SB3 class is used when they are off.
+    extended_class: type[BaseAlgorithm] | None = None
+
+
+ALGOS: dict[str, Algo] = {
+    "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
+    "dqn": Algo("dqn", DQN, DQNParams, on_policy=False, extended_class=PrioritizedDQN),
+    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, on_policy=False, extended_class=PrioritizedQRDQN),
+}
+EXTENSION_KEYS = ("per", "grad_accum_steps")  # sb3_gpu's own, not SB3 arguments
+OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval")
+
+
+def get_algo(name: str) -> Algo:
+    """Look an algorithm up by name (case-insensitive)."""
+    algo = ALGOS.get(name.lower())
+    if algo is None:
+        raise ConfigError(f"unknown algorithm {name!r}{closest(name.lower(), ALGOS)} (valid: {', '.join(ALGOS)})")
+    return algo
+
+
+# Keys that every entry may hold beside the algorithm's hyperparameters.
+COMMON_KEYS: dict[str, Check] = {
+    "n_timesteps": c.POS_INT,
+    "n_envs": c.POS_INT,
+    "policy": c.choice(POLICIES),
+    "net_arch": c.optional(c.net_arch),
+    "activation_fn": c.optional(c.choice(tuple(ACTIVATIONS))),
+    "policy_kwargs": c.mapping,
+    "normalize": c.normalize,
+    "frame_stack": c.optional(c.POS_INT),
+    "env_kwargs": c.mapping,
+    # Speed switches (planning.speed): not SB3 arguments; `auto` is decided per machine with a reason in the plan.
+    "amp": c.choice(AMP_MODES),
+    "compile": c.compile_mode,
+    "threads": c.threads,
+}
+COMMON_DEFAULTS: dict[str, Any] = {
+    "n_timesteps": 100_000,
+    "n_envs": 1,
+    "policy": "auto",
+    "net_arch": None,
+    "activation_fn": None,
+    "policy_kwargs": {},
+    "normalize": False,
+    "frame_stack": None,
+    "env_kwargs": {},
+    "amp": "auto",
+    "compile": "false",
+    "threads": "auto",
+}
+
+
+def _param_checks(algo: Algo) -> dict[str, Check]:
+    return {f.name: f.metadata["check"] for f in dataclasses.fields(algo.params_class)}
+
+
+def valid_keys(algo: Algo) -> dict[str, Check]:
+    """Every key a flat (profile-free) entry of ``algo`` may hold, with its check."""
+    return {**COMMON_KEYS, **_param_checks(algo)}
+
+
+def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
+    """Validate a profile-free mapping of keys; return the normalised values."""
+    mapping = c.mapping(mapping, where)
+    checks = valid_keys(algo)
+    for key in mapping:
+        if algo.on_policy and key in OFF_POLICY_ONLY:
+            raise ConfigError(f"{where}: {key!r} is for off-policy algorithms (dqn, qrdqn); {algo.name} is on-policy")
+    c.check_keys(mapping, set(checks), where)
+    return {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
+
+
+def validate_entry(algo: Algo, entry: Any, where: str) -> dict[str, Any]:
+    """Validate an entry: shared keys plus optional ``cpu:``, ``gpu:`` and ``large:`` profiles."""
+    entry = c.mapping(entry, where)
+    c.check_keys(entry, set(valid_keys(algo)) | set(PROFILES), where)
+    shared = validate_flat(algo, {k: v for k, v in entry.items() if k not in PROFILES}, where)
+    out: dict[str, Any] = dict(shared)
+    for profile in PROFILES:
+        if profile in entry:
+            values = validate_flat(algo, entry[profile] or {}, f"{where}, profile {profile}")
+            if "policy" in values:
+                raise ConfigError(f"{where}, profile {profile}: 'policy' must be shared, not set per profile")
+            out[profile] = values
+    return out

@@ -1,0 +1,398 @@
+"""A subprocess VecEnv that steps several envs per worker and passes observations through shared memory.
+
+SB3's SubprocVecEnv runs one process per env and pickles every observation both ways, so on a machine with few
+cores most of a step is pipe traffic. Here W workers each own a contiguous slice of the envs: one message per
+worker per step carries the actions out and the infos back, and the observations, rewards and dones are written
+into one shared-memory block that the parent reads. Semantics are DummyVecEnv's: auto-reset with
+``terminal_observation`` in the info, ``TimeLimit.truncated``, seeds and options applied at the next reset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import multiprocessing as mp
+import signal
+import sys
+import traceback
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.env_util import is_wrapped
+from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
+from stable_baselines3.common.vec_env.patch_gym import _patch_env
+from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
+
+from sb3_gpu.common.errors import EnvWorkerError
+from sb3_gpu.envs.choice import batched_workers
+
+# Preloaded by the forkserver, so that each worker forks with torch and SB3 already imported instead of importing
+# them itself (3.4 s per worker on a 2-core Xeon, which is most of SubprocVecEnv's start-up).
+_PRELOAD = ["sb3_gpu.envs.spec"]
+
+
+class _Layout:
+    """Where each array lives in the shared block: observations per key, rewards, dones."""
+
+    def __init__(self, observation_space: gym.Space, n_envs: int):
+        self.keys, shapes, dtypes = obs_space_info(observation_space)
+        fields: list[tuple[Any, tuple[int, ...], np.dtype]] = [
+            (("obs", key), (n_envs, *shapes[key]), np.dtype(dtypes[key])) for key in self.keys
+        ]
+        fields += [("rewards", (n_envs,), np.dtype(np.float32)), ("dones", (n_envs,), np.dtype(bool))]
+        self.fields, offset = [], 0
+        for name, shape, dtype in fields:
+            offset = -(-offset // 64) * 64  # cache-line aligned, so no two arrays share a line
+            self.fields.append((name, shape, dtype.str, offset))
+            offset += int(np.prod(shape)) * dtype.itemsize
+        self.nbytes = max(offset, 1)
+
+    def views(self, buf: memoryview) -> dict[Any, np.ndarray]:
+        return {
+            name: np.ndarray(shape, dtype=np.dtype(dtype), buffer=buf, offset=offset)
+            for name, shape, dtype, offset in self.fields
+        }
+
+
+def _die_with_parent() -> None:
+    # Linux only: the kernel kills this worker when the process that forked it dies, even by SIGKILL. (Under the
+    # forkserver that is the server, which itself exits when the training process dies.)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _worker(conn: Connection, payload: bytes, first: int) -> None:
+    """A worker process: build its envs, map its slice of the shared block, then answer commands until closed."""
+    # Ctrl-C reaches the whole process group; the parent decides when to stop, and closes the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    worker = _Worker(first)
+    try:
+        worker.start(conn, payload)
+        while worker.serve(conn):
+            pass
+    except BaseException as e:  # reported to the parent, which raises it with the env's index
+        with contextlib.suppress(Exception):
+            conn.send(("error", (worker.current, f"{type(e).__name__}: {e}", traceback.format_exc())))
+
+
+class _Worker:
+    """The envs of one worker, from index ``first`` on; ``current`` is the env being run, for error reports."""
+
+    def __init__(self, first: int):
+        self.first = self.current = first
+        self.envs: list[gym.Env] = []
+
+    def start(self, conn: Connection, payload: bytes) -> None:
+        for fn in cloudpickle.loads(payload):
+            self.envs.append(_patch_env(fn()))
+            self.current += 1
+        conn.send(("ok", (self.envs[0].observation_space, self.envs[0].action_space)))
+        _, (name, layout) = conn.recv()
+        # Workers share the parent's resource tracker, which registers the block once and forgets it at unlink.
+        self.shm = shared_memory.SharedMemory(name=name)
+        views = layout.views(self.shm.buf)
+        lo, hi = self.first, self.first + len(self.envs)
+        self.obs = {key: views[("obs", key)][lo:hi] for key in layout.keys}
+        self.rewards, self.dones = views["rewards"][lo:hi], views["dones"][lo:hi]
+        conn.send(("ok", None))
+
+    def serve(self, conn: Connection) -> bool:
+        """Answer one command; False once closed or the parent is gone."""
+        try:
+            cmd, data = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return False
+        self.current = self.first
+        if cmd == "close":
+            self._close()
+            conn.send(("ok", None))
+            return False
+        handlers: dict[str, Callable[[Any], Any]] = {"step": self._step, "reset": self._reset, "call": self._call}
+        conn.send(("ok", handlers[cmd](data)))
+        return True
+
+    def _each(self, indices: Any) -> Any:
+        for j in indices:
+            self.current = self.first + j
+            yield j, self.envs[j]
+
+    def _save(self, j: int, observation: Any) -> None:
+        for key, array in self.obs.items():
+            array[j] = observation if key is None else observation[key]
+
+    def _step(self, actions: np.ndarray) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]]]:
+        infos, reset_infos = [], {}
+        for j, env in self._each(range(len(self.envs))):
+            observation, reward, terminated, truncated, info = env.step(actions[j])
+            info["TimeLimit.truncated"] = truncated and not terminated
+            done = terminated or truncated
+            if done:
+                info["terminal_observation"] = observation
+                observation, reset_infos[j] = env.reset()
+            self._save(j, observation)
+            self.rewards[j], self.dones[j] = reward, done
+            infos.append(info)
+        return infos, reset_infos
+
+    def _reset(self, data: tuple[list[int | None], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        seeds, options = data
+        infos = []
+        for j, env in self._each(range(len(self.envs))):
+            kwargs = {"options": options[j]} if options[j] else {}
+            observation, info = env.reset(seed=seeds[j], **kwargs)
+            self._save(j, observation)
+            infos.append(info)
+        return infos
+
+    def _call(self, data: tuple[str, list[int], tuple[Any, ...]]) -> list[Any]:
+        kind, local, args = data
+        return [_call(env, kind, args) for _, env in self._each(local)]
+
+    def _close(self) -> None:
+        for _, env in self._each(range(len(self.envs))):
+            env.close()
+        del self.obs, self.rewards, self.dones
+        self.shm.close()
+
+
+def _call(env: gym.Env, kind: str, args: tuple[Any, ...]) -> Any:
+    if kind == "render":
+        return env.render()
+    if kind == "get_attr":
+        return env.get_wrapper_attr(args[0])
+    if kind == "has_attr":
+        try:
+            env.get_wrapper_attr(args[0])
+        except AttributeError:
+            return False
+        return True
+    if kind == "set_attr":
+        return setattr(env, args[0], args[1])
+    if kind == "env_method":
+        name, method_args, method_kwargs = args
+        return env.get_wrapper_attr(name)(*method_args, **method_kwargs)
+    if kind == "is_wrapped":
+        return is_wrapped(env, args[0])
+    raise NotImplementedError(kind)
+
+
+def _exit_cause(process: mp.process.BaseProcess) -> str:
+    process.join(timeout=2)
+    code = process.exitcode
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _shutdown(processes: list[Any], conns: list[Connection], shm: list[shared_memory.SharedMemory]) -> None:
+    """Stop every worker and free the shared block; safe to call twice, and at interpreter exit."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    for conn in conns:
+        conn.close()
+    for block in shm:
+        with contextlib.suppress(Exception):
+            block.close()
+        with contextlib.suppress(FileNotFoundError):
+            block.unlink()
+    shm.clear()
+
+
+class BatchedSubprocVecEnv(VecEnv):
+    """Envs stepped by ``n_workers`` processes, each owning a slice of them; observations in shared memory.
+
+    :param env_fns: one factory per env (picklable with cloudpickle)
+    :param n_workers: worker processes (default: one per logical core, at most one per env)
+    :param start_method: multiprocessing start method (default: ``forkserver`` where available, else ``spawn``)
+    """
+
+    def __init__(self, env_fns: list[Callable[[], gym.Env]], n_workers: int | None = None, start_method: str | None = None):
+        n_envs = len(env_fns)
+        if n_envs == 0:
+            raise ValueError("BatchedSubprocVecEnv needs at least one env factory")
+        workers = batched_workers(n_envs, n_workers)
+        bounds = np.linspace(0, n_envs, workers + 1).round().astype(int)
+        self.slices = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
+        payloads = [cloudpickle.dumps(env_fns[lo:hi]) for lo, hi in self.slices]  # fails here, in the parent
+        if start_method is None:
+            start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            from multiprocessing import forkserver
+
+            # Add to (not replace) what the process preloads already; it takes effect if the server is not up yet.
+            current = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", ["__main__"])
+            ctx.set_forkserver_preload(list(dict.fromkeys([*current, *_PRELOAD])))
+        self.waiting, self.closed = False, False
+        self._owed: set[int] = set()  # workers that were sent a command and have not answered yet
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        self._shm: list[shared_memory.SharedMemory] = []
+        self._finalizer = weakref.finalize(self, _shutdown, self.processes, self.conns, self._shm)
+        try:
+            for w, ((lo, _), payload) in enumerate(zip(self.slices, payloads, strict=True)):
+                parent_end, child_end = ctx.Pipe()
+                process = ctx.Process(  # type: ignore[attr-defined]
+                    target=_worker, args=(child_end, payload, lo), daemon=True, name=f"sb3_gpu-env-worker-{w}"
+                )
+                process.start()
+                child_end.close()
+                self.processes.append(process)
+                self.conns.append(parent_end)
+            spaces = [self._recv(w) for w in range(workers)]
+            observation_space, action_space = spaces[0]
+            self._layout = _Layout(observation_space, n_envs)
+            block = shared_memory.SharedMemory(create=True, size=self._layout.nbytes)
+            self._shm.append(block)
+            self._views = self._layout.views(block.buf)  # type: ignore[arg-type]
+            for w in range(workers):
+                self._send(w, ("buffers", (block.name, self._layout)))
+            for w in range(workers):
+                self._recv(w)
+            super().__init__(n_envs, observation_space, action_space)
+        except BaseException:
+            self._abort()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids."""
+        return [p.pid for p in self.processes]
+
+    def _died(self, w: int) -> EnvWorkerError:
+        lo, hi = self.slices[w]
+        cause = _exit_cause(self.processes[w])
+        self._abort()
+        return EnvWorkerError(f"env worker {w} (envs {lo}-{hi - 1}, pid {self.processes[w].pid}) {cause}", env_index=lo)
+
+    def _send(self, w: int, message: Any) -> None:
+        try:
+            self.conns[w].send(message)
+        except OSError:  # a worker that died between steps (killed for memory, say): a closed pipe
+            raise self._died(w) from None
+        self._owed.add(w)
+
+    def _recv(self, w: int) -> Any:
+        try:
+            status, payload = self.conns[w].recv()
+        except (EOFError, OSError):
+            raise self._died(w) from None
+        self._owed.discard(w)
+        if status == "error":
+            index, summary, trace = payload
+            self._abort()
+            raise EnvWorkerError(f"env {index} (worker {w}) raised {summary}", env_index=index, worker_traceback=trace)
+        return payload
+
+    def _abort(self) -> None:
+        self.closed, self.waiting = True, False
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EnvWorkerError("this BatchedSubprocVecEnv is closed (after close() or a worker's failure)")
+
+    def _obs(self) -> VecEnvObs:
+        return dict_to_obs(self.observation_space, {key: self._views[("obs", key)].copy() for key in self._layout.keys})
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self._check_open()
+        for w, (lo, hi) in enumerate(self.slices):
+            self._send(w, ("step", actions[lo:hi]))
+        self.waiting = True
+
+    def step_wait(self) -> VecEnvStepReturn:
+        infos: list[dict[str, Any]] = []
+        for w, (lo, _) in enumerate(self.slices):
+            worker_infos, reset_infos = self._recv(w)
+            infos.extend(worker_infos)
+            for j, info in reset_infos.items():
+                self.reset_infos[lo + j] = info
+        self.waiting = False
+        return self._obs(), self._views["rewards"].copy(), self._views["dones"].copy(), infos
+
+    def reset(self) -> VecEnvObs:
+        self._check_open()
+        for w, (lo, hi) in enumerate(self.slices):
+            self._send(w, ("reset", (self._seeds[lo:hi], self._options[lo:hi])))
+        for w, (lo, hi) in enumerate(self.slices):
+            self.reset_infos[lo:hi] = self._recv(w)
+        self._reset_seeds()
+        self._reset_options()
+        return self._obs()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            # Workers still owing an answer (a step cut short by Ctrl-C) finish it first; they ignore SIGINT.
+            for w in sorted(self._owed):
+                if not self.conns[w].poll(30):
+                    return  # a worker stuck in its env: the finally below terminates it
+                self._recv(w)
+            for w in range(len(self.conns)):
+                self._send(w, ("close", None))
+            for w in range(len(self.conns)):
+                if self.conns[w].poll(30):
+                    self._recv(w)
+        except (EnvWorkerError, OSError):
+            pass  # a dead worker: nothing left to close politely
+        finally:
+            self._abort()  # joins the workers (terminating any that did not exit) and unlinks the shared block
+
+    def _call(self, kind: str, indices: VecEnvIndices, *args: Any) -> list[Any]:
+        self._check_open()
+        targets = list(self._get_indices(indices))
+        asked = []
+        for w, (lo, hi) in enumerate(self.slices):
+            local = [i - lo for i in targets if lo <= i < hi]
+            if local:
+                self._send(w, ("call", (kind, local, args)))
+                asked.append((w, local))
+        by_index = {}
+        for w, local in asked:
+            lo = self.slices[w][0]
+            by_index.update({lo + j: value for j, value in zip(local, self._recv(w), strict=True)})
+        return [by_index[i] for i in targets]
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        if self.render_mode != "rgb_array":
+            warnings.warn(f"The render mode is {self.render_mode}, but get_images() needs 'rgb_array'", stacklevel=2)
+            return [None] * self.num_envs
+        return self._call("render", None)
+
+    def has_attr(self, attr_name: str) -> bool:
+        return all(self._call("has_attr", None, attr_name))
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        return self._call("get_attr", indices, attr_name)
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        self._call("set_attr", indices, attr_name, value)
+
+    def env_method(
+        self, method_name: str, *method_args: Any, indices: VecEnvIndices = None, **method_kwargs: Any
+    ) -> list[Any]:
+        return self._call("env_method", indices, method_name, method_args, method_kwargs)
+
+    def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
+        return self._call("is_wrapped", indices, wrapper_class)

@@ -1,0 +1,256 @@
+"""Building vec envs: SB3's ``make_vec_env`` signature plus ``vec_env="auto"``; subprocess workers that fail to
+start fall back to DummyVecEnv with a warning; envs whose workers died are closed without hanging."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
+
+from sb3_gpu.common.errors import ConfigError, EnvWorkerError
+from sb3_gpu.envs.batched import BatchedSubprocVecEnv
+from sb3_gpu.envs.choice import check_vec_env_kind, vec_env_choice
+from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
+from sb3_gpu.envs.spec import EnvFactory, EnvSpec, resolve_env
+
+# The kinds that ``vec_env_cls`` names, as SB3 users pass them.
+_KIND_OF_CLASS: dict[type[VecEnv], str] = {
+    DummyVecEnv: "dummy",
+    SubprocVecEnv: "subproc",
+    BatchedSubprocVecEnv: "batched",
+    EnvPoolVecEnv: "envpool",
+}
+
+
+class VecEnvFallbackWarning(UserWarning):
+    """Subprocess workers could not start, so the envs step in this process (DummyVecEnv)."""
+
+
+def make_vec_env(
+    env_id: str | Callable[..., gym.Env] | EnvSpec,
+    n_envs: int = 1,
+    seed: int | None = None,
+    start_index: int = 0,
+    monitor_dir: str | None = None,
+    wrapper_class: Callable[..., gym.Env] | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    vec_env_cls: type[VecEnv] | None = None,
+    vec_env_kwargs: dict[str, Any] | None = None,
+    monitor_kwargs: dict[str, Any] | None = None,
+    wrapper_kwargs: dict[str, Any] | None = None,
+    *,
+    vec_env: str = "auto",
+    atari_wrapper: bool | None = None,
+    frame_stack: int | None = None,
+) -> VecEnv:
+    """SB3's ``make_vec_env`` (same arguments, same meaning) that also picks the vec env class itself.
+
+    With neither ``vec_env_cls`` nor ``vec_env`` given, ``auto`` chooses among DummyVecEnv, the batched subprocess
+    VecEnv and EnvPool from the cores and a short measurement of one env step. Subprocess kinds that cannot start
+    (an unpicklable factory, a notebook, a worker that dies on its first reset) fall back to DummyVecEnv with a
+    :class:`VecEnvFallbackWarning` naming the cause.
+
+    :param env_id: a registered id, ``package.module:Attr`` or an env factory
+    :param seed: seed of the first env; env ``i`` gets ``seed + i``
+    :param start_index: index of the first env (names its Monitor file)
+    :param vec_env_cls: a VecEnv class, as in SB3 (DummyVecEnv, SubprocVecEnv, BatchedSubprocVecEnv, ...)
+    :param vec_env_kwargs: its keyword arguments (``start_method`` for the subprocess kinds)
+    :param vec_env: ``auto``, ``dummy``, ``subproc`` (SB3's), ``batched`` or ``envpool``; use it or ``vec_env_cls``
+    :param atari_wrapper: wrap with SB3's AtariWrapper (default: for Atari games when no ``wrapper_class`` is given)
+    :param frame_stack: stack this many frames with VecFrameStack
+    """
+    if isinstance(n_envs, bool) or not isinstance(n_envs, int) or n_envs < 1:
+        raise ConfigError(f"n_envs must be a positive int, got {n_envs!r}")
+    vec_env_kwargs = dict(vec_env_kwargs or {})
+    spec = resolve_env(env_id, env_kwargs)
+    atari = (spec.is_atari and wrapper_class is None) if atari_wrapper is None else atari_wrapper
+    kind = _kind(vec_env, vec_env_cls)
+    if kind == "auto":
+        plain = wrapper_class is None and atari == spec.is_atari and not monitor_kwargs
+        kind = vec_env_choice("auto", spec, n_envs, envpool_allowed=plain).kind
+    if monitor_dir is not None:
+        os.makedirs(monitor_dir, exist_ok=True)
+    if kind == "envpool":
+        venv: VecEnv = _envpool(spec, n_envs, seed, atari, monitor_dir, wrapper_class, vec_env_kwargs)
+    else:
+        factories = [
+            EnvFactory(
+                spec.make,
+                os.path.join(monitor_dir, str(start_index + i)) if monitor_dir else None,
+                atari,
+                monitor_kwargs=monitor_kwargs,
+                wrapper_class=wrapper_class,
+                wrapper_kwargs=wrapper_kwargs,
+            )
+            for i in range(n_envs)
+        ]
+        venv = _build(kind, factories, vec_env_cls, vec_env_kwargs, seed)
+    _seed(venv, seed)  # after a subprocess probe reset used the seeds up, the model's first reset gets them again
+    return VecFrameStack(venv, frame_stack) if frame_stack else venv
+
+
+def _kind(vec_env: str, vec_env_cls: type[VecEnv] | None) -> str:
+    check_vec_env_kind(vec_env)
+    if vec_env_cls is None:
+        return vec_env
+    if vec_env != "auto":
+        raise ConfigError(f"give vec_env ({vec_env!r}) or vec_env_cls ({vec_env_cls.__name__}), not both")
+    return _KIND_OF_CLASS.get(vec_env_cls, "class")
+
+
+def _envpool(
+    spec: EnvSpec,
+    n_envs: int,
+    seed: int | None,
+    atari: bool,
+    monitor_dir: str | None,
+    wrapper_class: Callable[..., gym.Env] | None,
+    vec_env_kwargs: dict[str, Any],
+) -> VecEnv:
+    if spec.env_id is None:
+        with_kwargs = " with env kwargs" if ":" not in spec.name and spec.name in gym.registry else ""
+        raise ConfigError(
+            f"vec_env 'envpool' needs a registered Gymnasium id without env kwargs; got {spec.name!r}{with_kwargs}"
+        )
+    if wrapper_class is not None:
+        raise ConfigError("vec_env 'envpool' runs C++ envs, which a Python wrapper_class cannot wrap")
+    return EnvPoolVecEnv(spec.env_id, n_envs, seed=seed, is_atari=atari, monitor_dir=monitor_dir, **vec_env_kwargs)
+
+
+def _build(
+    kind: str,
+    factories: list[EnvFactory],
+    vec_env_cls: type[VecEnv] | None,
+    vec_env_kwargs: dict[str, Any],
+    seed: int | None,
+) -> VecEnv:
+    fns: list[Callable[[], gym.Env]] = list(factories)
+    if kind == "dummy":
+        return DummyVecEnv(fns)
+    if kind == "class":
+        assert vec_env_cls is not None
+        return vec_env_cls(fns, **vec_env_kwargs)  # type: ignore[arg-type]
+    try:
+        return _start_workers(kind, factories, vec_env_kwargs, seed)
+    except _WorkersFailed as e:
+        name = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
+        warnings.warn(f"{name} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=3)
+        return DummyVecEnv(fns)
+
+
+class _WorkersFailed(Exception):
+    pass
+
+
+def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any], seed: int | None) -> VecEnv:
+    """A subprocess VecEnv that has reset once, or :class:`_WorkersFailed` naming why its workers could not start."""
+    try:
+        cloudpickle.dumps(factories[0])
+    except Exception as e:
+        raise _WorkersFailed(f"the env factory cannot be pickled ({type(e).__name__}: {e})") from None
+    before = set(mp.active_children())
+    cls = BatchedSubprocVecEnv if kind == "batched" else SubprocVecEnv
+    with tempfile.TemporaryDirectory(prefix="sb3_gpu_") as tmp:
+        for i, factory in enumerate(factories):
+            factory.report, factory.worker = os.path.join(tmp, f"env{i}.err"), True
+        try:
+            # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
+            with _environ(OMP_NUM_THREADS="1"):
+                venv = cls(list(factories), **kwargs)
+            _seed(venv, seed)
+            venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
+        except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
+            # (EnvWorkerError is a RuntimeError: an env that fails to build or reset in a batched worker.)
+            if getattr(mp.current_process(), "_inheriting", False):
+                # We are a worker re-running a script that lacks the __main__ guard: die, as multiprocessing
+                # intends, rather than fall back and run the user's whole script inside the worker.
+                raise
+            # Workers may be dead or waiting on a pipe; a polite close() would raise on the dead ones.
+            for proc in set(mp.active_children()) - before:
+                proc.terminate()
+                proc.join(timeout=5)
+            raise _WorkersFailed(_failure_cause(e, sorted(Path(tmp).glob("*.err")))) from None
+        finally:
+            for factory in factories:  # the fallback DummyVecEnv calls these in this process: no worker settings
+                factory.report, factory.worker = None, False
+    return venv
+
+
+def _failure_cause(error: BaseException, reports: list[Path]) -> str:
+    """One line: the first worker's own report, else the error the parent saw."""
+    if reports:
+        cause = f"{reports[0].stem}: {reports[0].read_text(encoding='utf-8')}"
+    elif isinstance(error, EnvWorkerError):
+        cause = str(error)
+    else:
+        cause = f"{type(error).__name__}: {error}"
+    if not reports and isinstance(error, (EOFError, ConnectionError)):
+        cause += " (a worker exited before it built its env: an import error or a missing __main__ guard)"
+    cause = " ".join(cause.split())
+    return cause if len(cause) < 300 else cause[:297] + "..."
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _seed(venv: VecEnv, seed: int | None) -> None:
+    # VecEnv.seed(None) draws a random seed; leave unseeded envs alone instead.
+    if seed is not None:
+        venv.seed(seed)
+
+
+def explain_env_error(error: BaseException, venv: VecEnv) -> BaseException:
+    """Name the env behind a closed pipe: SB3's SubprocVecEnv only reports EOFError when a worker dies."""
+    base = venv.unwrapped
+    if not isinstance(error, (EOFError, ConnectionError)) or not isinstance(base, SubprocVecEnv):
+        return error
+    for index, process in enumerate(base.processes):
+        process.join(timeout=1)
+        if process.exitcode is not None:
+            code = process.exitcode
+            if code < 0:
+                cause = f"was killed by {signal.Signals(-code).name}"
+            else:
+                cause = f"exited with code {code} (its traceback is above)"
+            return EnvWorkerError(f"env {index} (SubprocVecEnv worker, pid {process.pid}) {cause}", env_index=index)
+    return error
+
+
+def close_vec_envs(*venvs: VecEnv | None) -> None:
+    """Close each env; after a worker died, neither raise nor leave the other workers running or unreaped."""
+    for venv in venvs:
+        if venv is None:
+            continue
+        base = venv.unwrapped
+        processes = getattr(base, "processes", [])
+        if isinstance(base, SubprocVecEnv) and not all(p.is_alive() for p in processes):
+            # SB3's close() would wait for a reply from every worker still owing one: stop them instead.
+            for process in processes:
+                process.terminate()
+            base.closed = True
+        with contextlib.suppress(EOFError, BrokenPipeError, ConnectionError, OSError, EnvWorkerError):
+            venv.close()
+        for process in processes:
+            process.join(timeout=5)

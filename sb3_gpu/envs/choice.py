@@ -1,0 +1,103 @@
+"""The one ``auto`` vec env choice (dummy, batched subprocesses or EnvPool), and the worker count it implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.hardware import logical_cores
+from sb3_gpu.envs.envpool_vec import envpool_available, envpool_task
+from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
+
+VEC_ENV_KINDS = ("auto", "dummy", "subproc", "batched", "envpool")
+
+# BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
+# pickling per env. Measured on a 2-core Firecracker VM, where waking an idle vCPU is slow: ~350 us per step and
+# ~10 us per env (python -m sb3_gpu.bench envs). Bare-metal machines pay less, so auto errs towards dummy.
+BATCHED_STEP_OVERHEAD_S = 350e-6
+BATCHED_PER_ENV_S = 10e-6
+# EnvPool hands each step to its C++ thread pool; waking those threads cost ~250 us per step on the same VM, so it
+# only pays where a DummyVecEnv step (n_envs * one env step) is longer than this: CartPole from ~64 envs,
+# LunarLander from ~16, Atari always (bench envs: CartPole x32 on EnvPool measured 0.86x dummy).
+ENVPOOL_MIN_VEC_STEP_S = 1e-3
+
+
+def batched_workers(n_envs: int, limit: int | None = None) -> int:
+    """Worker processes of a batched subprocess VecEnv: ``limit`` (default one per logical core), at most one per env."""
+    return max(1, min(n_envs, limit or logical_cores()))
+
+
+def envpool_fits(spec: EnvSpec) -> bool:
+    """Whether EnvPool is installed and has a faithful twin of this env."""
+    return spec.env_id is not None and envpool_task(spec.env_id, spec.is_atari) is not None and envpool_available()
+
+
+def check_vec_env_kind(kind: str) -> str:
+    if kind not in VEC_ENV_KINDS:
+        raise ConfigError(f"unknown vec_env {kind!r}{closest(kind, VEC_ENV_KINDS)} (valid: {', '.join(VEC_ENV_KINDS)})")
+    return kind
+
+
+def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int, envpool: bool = False) -> tuple[str, str]:
+    """Pick a VecEnv kind for ``n_envs`` envs whose step takes ``step_seconds``; return (kind, reason).
+
+    ``envpool`` says whether EnvPool is installed and has a twin of this env: its C++ envs step on a thread pool
+    with no Python in the loop, which wins once a step is long enough to pay for waking the threads. Otherwise the
+    model is: DummyVecEnv costs ``n_envs * step``; the batched subprocess VecEnv spreads the envs over ``cores``
+    workers and pays a round trip per worker and a little per env. Batched must win by 20%, since its start-up
+    costs too. SB3's SubprocVecEnv is never the automatic choice: batched does the same work with one round trip
+    per worker instead of per env.
+    """
+    if check_vec_env_kind(requested) != "auto":
+        return requested, "asked for"
+    if envpool and n_envs * step_seconds >= ENVPOOL_MIN_VEC_STEP_S:
+        return "envpool", (
+            f"EnvPool has a faithful twin of this env; {n_envs} envs x {step_seconds * 1e6:.0f} us per Python step "
+            "pays for its thread pool"
+        )
+    if n_envs == 1:
+        return "dummy", "one env: nothing to parallelise"
+    if cores < 2:
+        return "dummy", "one CPU core: subprocesses would only add overhead"
+    dummy = n_envs * step_seconds
+    workers = batched_workers(n_envs, cores)
+    batched = -(-n_envs // workers) * step_seconds + BATCHED_STEP_OVERHEAD_S + n_envs * BATCHED_PER_ENV_S
+    ratio = dummy / batched
+    detail = (
+        f"env step {step_seconds * 1e6:.0f} us, {n_envs} envs on {cores} cores: "
+        f"batched ({workers} workers) est. {ratio:.2f}x dummy"
+    )
+    return ("batched" if ratio >= 1.2 else "dummy"), detail
+
+
+@dataclass(frozen=True)
+class VecEnvChoice:
+    """A vec env kind, why, and how many worker processes it starts (each runs one torch thread)."""
+
+    kind: str
+    reason: str
+    workers: int
+
+
+def vec_env_choice(
+    requested: str,
+    spec: EnvSpec,
+    n_envs: int,
+    *,
+    cores: int | None = None,
+    step_seconds: float | None = None,
+    envpool_allowed: bool = True,
+) -> VecEnvChoice:
+    """:func:`choose_vec_env` with its facts gathered: ``auto`` times one env step (unless ``step_seconds`` is
+    given) and asks whether EnvPool fits (``envpool_allowed=False``: the envs carry wrappers EnvPool cannot run)."""
+    cores = cores or logical_cores()
+    if check_vec_env_kind(requested) == "auto" and step_seconds is None:
+        probe = probe_env(spec)
+        try:
+            step_seconds = measure_step_seconds(probe)
+        finally:
+            probe.close()
+    pool = requested == "auto" and envpool_allowed and envpool_fits(spec)
+    kind, reason = choose_vec_env(requested, n_envs, step_seconds or 0.0, cores, envpool=pool)
+    workers = {"subproc": n_envs, "batched": batched_workers(n_envs, cores)}.get(kind, 0)
+    return VecEnvChoice(kind, reason, workers)

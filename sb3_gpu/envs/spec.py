@@ -1,0 +1,206 @@
+"""What an env is: a registered id, ``package.module:Attr`` or a factory, resolved into a picklable spec; and the
+factory that builds one env of a vec env (Monitor, then SB3's Atari preprocessing)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch as th
+from stable_baselines3.common.atari_wrappers import AtariWrapper
+from stable_baselines3.common.monitor import Monitor
+
+from sb3_gpu.common.errors import ConfigError, closest
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A resolved env: a display name, a picklable factory and whether it is an Atari game."""
+
+    name: str
+    make: Callable[[], gym.Env]
+    is_atari: bool = False
+    env_id: str | None = None  # a registered id given without env kwargs: what EnvPool could stand in for
+
+
+def register_ale() -> bool:
+    """Register ale-py's Atari ids with Gymnasium; False where ale-py is not installed."""
+    try:
+        import ale_py
+    except ImportError:
+        return False
+    gym.register_envs(ale_py)
+    return True
+
+
+def _make_registered(env_id: str, kwargs: dict[str, Any]) -> gym.Env:
+    if env_id not in gym.registry:
+        register_ale()  # worker processes start with an empty ALE registry
+    return gym.make(env_id, **kwargs)
+
+
+def _make_from_path(path: str, kwargs: dict[str, Any]) -> gym.Env:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)(**kwargs)
+
+
+def _looks_atari(env_id: str) -> bool:
+    return env_id.startswith("ALE/") or "NoFrameskip" in env_id
+
+
+def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
+    if env_id not in gym.registry and not register_ale() and _looks_atari(env_id):
+        raise ConfigError(f"env {env_id!r} is an Atari game and needs ale-py: pip install 'sb3-gpu[atari]'")
+    if env_id not in gym.registry:
+        raise ConfigError(
+            f"unknown env id {env_id!r}{closest(env_id, gym.registry.keys())} "
+            "(accepted: a registered Gymnasium id, 'package.module:EnvClass' or a factory)"
+        )
+    entry_point = str(gym.registry[env_id].entry_point)
+    is_atari = "ale_py" in entry_point
+    plain_id = None if kwargs else env_id
+    if is_atari and env_id.startswith("ALE/"):
+        # v5 ids skip 4 frames themselves; SB3's AtariWrapper skips too, so let it do the skipping alone.
+        kwargs = {"frameskip": 1, **kwargs}
+    return EnvSpec(env_id, functools.partial(_make_registered, env_id, kwargs), is_atari, plain_id)
+
+
+def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
+    module, _, attr = path.partition(":")
+    try:
+        imported = importlib.import_module(module)
+    except Exception as e:  # the user's module may fail in any way while importing
+        raise ConfigError(f"env {path!r}: cannot import module {module!r} ({type(e).__name__}: {e})") from None
+    if attr in gym.registry:  # Gymnasium's own "package:EnvId-v0" form: the import registered the env
+        return _resolve_id(attr, kwargs)
+    target = getattr(imported, attr, None)
+    if target is None:
+        raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}")
+    if not callable(target):
+        raise ConfigError(f"env {path!r}: {attr!r} is not an env class or factory")
+    return EnvSpec(path, functools.partial(_make_from_path, path, kwargs))
+
+
+def resolve_env(env: str | Callable[[], gym.Env] | EnvSpec, env_kwargs: dict[str, Any] | None = None) -> EnvSpec:
+    """Turn a registered id, ``package.module:Attr`` or a zero-argument factory into an :class:`EnvSpec`."""
+    env_kwargs = dict(env_kwargs or {})
+    if isinstance(env, EnvSpec):
+        return env
+    if callable(env):
+        if env_kwargs:
+            env = functools.partial(env, **env_kwargs)
+        name = getattr(env, "__name__", None) or type(env).__name__
+        return EnvSpec(name, env)
+    if not isinstance(env, str) or not env.strip():
+        raise ConfigError(f"env must be a Gymnasium id, 'package.module:Attr' or a factory, got {env!r}")
+    if ":" in env:
+        return _resolve_path(env, env_kwargs)
+    return _resolve_id(env, env_kwargs)
+
+
+class EnvFactory:
+    """One env of a vec env: the user's env, Monitor, SB3's Atari wrapper, then ``wrapper_class``.
+
+    Picklable with cloudpickle, so subprocess workers build their envs from it.
+
+    :param make: the env's zero-argument factory
+    :param monitor_path: Monitor's CSV file (None: none written)
+    :param atari: wrap with SB3's AtariWrapper
+    :param wrapper_class: a wrapper applied last (SB3's ``make_vec_env`` argument of the same name)
+    """
+
+    def __init__(
+        self,
+        make: Callable[[], gym.Env],
+        monitor_path: str | None = None,
+        atari: bool = False,
+        *,
+        monitor_kwargs: dict[str, Any] | None = None,
+        wrapper_class: Callable[..., gym.Env] | None = None,
+        wrapper_kwargs: dict[str, Any] | None = None,
+    ):
+        self.make, self.monitor_path, self.atari = make, monitor_path, atari
+        self.monitor_kwargs = monitor_kwargs or {}
+        self.wrapper_class, self.wrapper_kwargs = wrapper_class, wrapper_kwargs or {}
+        # Set by the subprocess builder for the time its workers start (see envs.build).
+        self.report: str | None = None
+        self.worker = False
+
+    def __call__(self) -> gym.Env:
+        if self.worker:
+            # One thread per worker: n workers each running a core-wide thread pool would oversubscribe the CPU.
+            os.environ["OMP_NUM_THREADS"] = "1"
+            th.set_num_threads(1)
+            # Ctrl-C reaches the whole process group: the parent stops training after the current step and
+            # needs its workers alive to finish it (SB3's workers would otherwise exit on KeyboardInterrupt).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            env: gym.Env = Monitor(self.make(), filename=self.monitor_path, **self.monitor_kwargs)
+            env = AtariWrapper(env) if self.atari else env
+            env = self.wrapper_class(env, **self.wrapper_kwargs) if self.wrapper_class is not None else env
+        except BaseException as e:
+            write_report(self.report, e)
+            raise
+        return _ReportResetErrors(env, self.report) if self.report else env
+
+
+def write_report(path: str | None, error: BaseException) -> None:
+    """Leave the cause of a worker's failure in a file: its parent only sees a closed pipe."""
+    # After start-up the folder is gone, and the worker's own traceback is the report.
+    if path is not None:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(f"{type(error).__name__}: {error}", encoding="utf-8")
+
+
+class _ReportResetErrors(gym.Wrapper):
+    """In subprocess workers only: record why a reset failed (a failed first reset triggers the fallback)."""
+
+    def __init__(self, env: gym.Env, report: str):
+        super().__init__(env)
+        self._report = report
+
+    def reset(self, **kwargs: Any) -> Any:
+        try:
+            return self.env.reset(**kwargs)
+        except BaseException as e:
+            write_report(self._report, e)
+            raise
+
+
+def probe_env(spec: EnvSpec) -> gym.Env:
+    """Build one env in this process as a vec env would (Atari wrapped), naming the pip extra a failure needs."""
+    try:
+        return EnvFactory(spec.make, None, spec.is_atari)()
+    except gym.error.DependencyNotInstalled as e:
+        extra = "box2d" if "box2d" in str(e).lower() else "atari" if "ale" in str(e).lower() else None
+        hint = f": pip install 'sb3-gpu[{extra}]'" if extra else ""
+        raise ConfigError(f"env {spec.name!r} needs a missing dependency ({str(e).splitlines()[0]}){hint}") from None
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"env {spec.name!r} failed to build: {type(e).__name__}: {e}") from None
+
+
+def measure_step_seconds(env: gym.Env, budget_s: float = 0.05, max_steps: int = 500) -> float:
+    """Median wall time of one ``step`` with random actions, over at most ``budget_s`` seconds."""
+    env.reset(seed=0)
+    env.action_space.seed(0)
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < max_steps and (len(times) < 5 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        _, _, terminated, truncated, _ = env.step(env.action_space.sample())
+        times.append(time.perf_counter() - start)
+        if terminated or truncated:
+            env.reset()
+    return float(np.median(times))

@@ -1,0 +1,115 @@
+"""Mixed precision for SB3 models without copying their ``train()``.
+
+``enable_amp(model, "bf16" | "fp16")`` wraps the networks' forward passes (PPO's feature extractor, MLP extractor
+and heads; the DQN family's online and target networks) in ``torch.autocast`` and hands their outputs back as
+float32, so distributions and losses are computed in full precision. fp16 also gets dynamic loss scaling: a
+gradient hook on each output that feeds the loss multiplies the incoming gradient by the scale (before it is cast to
+fp16, where small gradients would underflow), which is what scaling the loss does; the model's
+:class:`~sb3_gpu.extensions.stepping.OptimizerStep` divides it back out before clipping, skips steps whose gradients
+overflowed and updates the scale.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+import torch as th
+from stable_baselines3.common.base_class import BaseAlgorithm
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.networks import policy_networks
+from sb3_gpu.extensions.stepping import LossScale, optimizer_step
+
+_DTYPES = {"bf16": th.bfloat16, "fp16": th.float16}
+
+
+class AmpState:
+    """What :func:`enable_amp` attached to a policy: the dtype, the device type, and the loss scale for fp16."""
+
+    def __init__(self, mode: str, device_type: str, scaler: LossScale | None):
+        self.mode, self.device_type, self.scaler = mode, device_type, scaler
+        self.dtype = _DTYPES[mode]
+
+
+def _to_float(out: Any) -> Any:
+    if isinstance(out, th.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, tuple):
+        return tuple(_to_float(o) for o in out)
+    return out
+
+
+def _scale_gradients(out: Any, scaler: LossScale) -> Any:
+    """Make each float output that carries a gradient multiply it by the loss scale on the way back."""
+    if isinstance(out, th.Tensor) and out.is_floating_point() and out.requires_grad:
+        out.register_hook(lambda grad: grad * scaler.scale)
+    elif isinstance(out, tuple):
+        for o in out:
+            _scale_gradients(o, scaler)
+    return out
+
+
+# Wrappers are bound with types.MethodType to module-level functions and read their settings from the object, so that
+# a deep copy of a policy rebinds them to the copy (a closure would keep running the original's weights).
+def _amp_forward(self: th.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state: AmpState = self.__dict__["_sb3_gpu_amp_module"]
+    with th.autocast(device_type=state.device_type, dtype=state.dtype):
+        out = type(self).forward(self, *args, **kwargs)
+    out = _to_float(out)
+    return _scale_gradients(out, state.scaler) if self._sb3_gpu_amp_scaled and state.scaler is not None else out
+
+
+def _scaled_evaluate_actions(self: Any, *args: Any, **kwargs: Any) -> Any:
+    scaler = self._sb3_gpu_amp.scaler
+    return _scale_gradients(type(self).evaluate_actions(self, *args, **kwargs), scaler)
+
+
+def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, growth_interval: int = 2000) -> AmpState:
+    """Switch ``model``'s training step to ``bf16`` or ``fp16`` autocast (``fp16`` with dynamic loss scaling).
+
+    Call it again after ``load`` made a new policy; it refuses a policy set up twice. Logs ``amp/scale`` and
+    ``amp/skipped_steps`` for fp16. fp16 runs on the CPU too (slowly: it is there so that the scaling logic can be
+    tested without a GPU); the plan only picks it for CUDA.
+    """
+    if mode not in _DTYPES:
+        raise ConfigError(f"enable_amp: mode must be bf16 or fp16, got {mode!r}")
+    policy: Any = model.policy
+    if getattr(policy, "_sb3_gpu_amp", None) is not None:
+        raise ConfigError("AMP is already enabled on this model's policy")
+    device_type = model.device.type
+    if device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"AMP runs on cpu (bf16) or cuda, not {device_type}")
+    scaler = LossScale(init_scale, growth_interval=growth_interval) if mode == "fp16" else None
+    state = AmpState(mode, device_type, scaler)
+    networks = policy_networks(model)
+    for module in networks.compute:
+        setattr(module, "_sb3_gpu_amp_module", state)  # noqa: B010 - plain attributes, not nn.Module state
+        setattr(module, "_sb3_gpu_amp_scaled", any(module is m for m in networks.loss_facing))  # noqa: B010
+        module.forward = types.MethodType(_amp_forward, module)
+    policy._sb3_gpu_amp = state
+    if scaler is not None:
+        if networks.loss_methods:  # evaluate_actions: its outputs feed PPO's loss
+            policy.evaluate_actions = types.MethodType(_scaled_evaluate_actions, policy)
+        step = optimizer_step(policy.optimizer, policy)
+        step.scale_losses(scaler)
+        step.listeners.append(_scale_logger(model, scaler))
+    return state
+
+
+def _scale_logger(model: BaseAlgorithm, scaler: LossScale) -> Any:
+    owner = weakref.ref(model)
+
+    def log() -> None:
+        algo = owner()
+        if algo is not None and getattr(algo, "_logger", None) is not None:
+            algo.logger.record("amp/scale", scaler.scale)
+            algo.logger.record("amp/skipped_steps", scaler.skipped_steps)
+
+    return log
+
+
+def amp_state(model: BaseAlgorithm) -> AmpState | None:
+    """The AMP settings attached to ``model``'s policy, or None."""
+    return getattr(model.policy, "_sb3_gpu_amp", None)

@@ -1,0 +1,66 @@
+"""``torch.compile`` of a policy's networks, compiled at once so that a failure shows before training starts."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch as th
+from stable_baselines3.common.base_class import BaseAlgorithm
+
+from sb3_gpu.extensions.networks import policy_networks
+
+
+class CompileFallbackWarning(UserWarning):
+    """torch.compile failed, so the policy trains uncompiled; the message says why."""
+
+
+def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | None:
+    """Compile the policy's networks in place (state dict keys unchanged) and run one training and one rollout batch
+    through them now. On failure they are left uncompiled and a :class:`CompileFallbackWarning` says why, which is
+    also returned."""
+    modules = policy_networks(model).compute
+    th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
+    try:
+        for module in modules:
+            module.compile(mode=None if mode == "default" else mode)
+        _trial_step(model, batch_size)
+    except Exception as e:  # compilers fail in many ways (no C++ compiler, unsupported op, ...): all mean "fall back"
+        for module in modules:
+            module._compiled_call_impl = None  # what Module.compile set; torch has no public way to undo it
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        reason = f"torch.compile failed ({type(e).__name__}: {first[:200]}); training uncompiled"
+        warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
+        return reason
+    # A shape seen only later (a last short minibatch, say) recompiles during training; if that fails, dynamo
+    # then runs the frame uncompiled instead of stopping the run.
+    th._dynamo.config.suppress_errors = True
+    return None
+
+
+def _trial_step(model: BaseAlgorithm, batch_size: int) -> None:
+    """The training path (forward and backward on a training batch, gradients thrown away) and the rollout path
+    (a no-grad forward on ``n_envs`` observations), so that both compile now."""
+    policy: Any = model.policy
+    obs_tensor, _ = policy.obs_to_tensor(_stack([model.observation_space.sample() for _ in range(batch_size)]))
+    rollout = obs_tensor[: model.n_envs] if isinstance(obs_tensor, th.Tensor) else obs_tensor
+    if hasattr(policy, "evaluate_actions"):
+        actions = th.as_tensor(_stack([model.action_space.sample() for _ in range(batch_size)]), device=model.device)
+        values, log_prob, _ = policy.evaluate_actions(obs_tensor, actions)
+        loss, act = values.sum() + log_prob.sum(), policy
+    else:
+        act = getattr(policy, "q_net", None) or policy.quantile_net
+        with th.no_grad():
+            (getattr(policy, "q_net_target", None) or policy.quantile_net_target)(obs_tensor)
+        loss = act(obs_tensor).sum()
+    loss.backward()
+    policy.optimizer.zero_grad(set_to_none=True)
+    with th.no_grad():
+        act(rollout)
+
+
+def _stack(items: list[Any]) -> Any:
+    if isinstance(items[0], dict):
+        return {k: np.stack([i[k] for i in items]) for k in items[0]}
+    return np.stack(items)

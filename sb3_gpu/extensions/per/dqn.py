@@ -1,0 +1,140 @@
+"""DQN and QR-DQN with prioritized replay and gradient accumulation, each of which may be off."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch as th
+import torch.nn.functional as F
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN
+
+from sb3_gpu.common.checks import PER_CHECKS, POS_INT
+from sb3_gpu.extensions.accumulate import accumulating_step
+from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
+
+
+class _PrioritizedTraining:
+    """``train()`` for the DQN family with importance-weighted losses and priority updates.
+
+    It follows SB3's ``DQN.train`` step for step; subclasses supply only ``_per_sample_loss``. Each gradient step
+    takes ``grad_accum_steps`` micro-batches, accumulated by the optimizer's step wrapper as PPO's are. With a plain
+    ReplayBuffer and ``grad_accum_steps=1`` it computes exactly what SB3 computes (a test pins this).
+    """
+
+    grad_accum_steps: int
+    per_beta_fraction: float
+    replay_buffer_kwargs: dict[str, Any]
+
+    def _set_extensions(self, grad_accum_steps: int, per_beta_fraction: float) -> None:
+        # Before SB3's __init__, which calls _setup_model (as load does, after restoring the saved attributes).
+        self.grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
+        self.per_beta_fraction = PER_CHECKS["beta_fraction"](per_beta_fraction, "per.beta_fraction")
+
+    def _setup_model(self) -> None:
+        super()._setup_model()  # type: ignore[misc]
+        self._accumulator = accumulating_step(self, self.grad_accum_steps)
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_accumulator"]  # type: ignore[misc]
+
+    @property
+    def per_beta0(self) -> float:
+        """Beta at the start of training: the buffer's ``beta`` argument."""
+        return float((self.replay_buffer_kwargs or {}).get("beta", 0.4))
+
+    def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
+        """The loss of each sample of ``data`` and its TD error."""
+        raise NotImplementedError
+
+    def _anneal_beta(self) -> float:
+        progress = 1.0 - self._current_progress_remaining  # type: ignore[attr-defined]
+        return self.per_beta0 + (1.0 - self.per_beta0) * min(1.0, progress / self.per_beta_fraction)
+
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:
+        self.policy.set_training_mode(True)  # type: ignore[attr-defined]
+        optimizer = self.policy.optimizer  # type: ignore[attr-defined]
+        self._update_learning_rate(optimizer)  # type: ignore[attr-defined]
+        buffer = self.replay_buffer  # type: ignore[attr-defined]
+        per = buffer if isinstance(buffer, PrioritizedReplayBuffer) else None
+        if per is not None:
+            per.beta = self._anneal_beta()
+        if self._accumulator is not None:
+            self._accumulator.reset()
+        losses = []
+        for _ in range(gradient_steps * self.grad_accum_steps):
+            data = buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[attr-defined]
+            discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
+            per_sample, td_errors = self._per_sample_loss(data, discounts)
+            if per is not None:
+                # Before the backward pass: a NaN TD error is refused before anything reaches the tree or the weights.
+                per.update_priorities(data.indices, td_errors.detach().cpu().numpy())
+            loss = (per_sample * data.weights.flatten()).mean() if per is not None else per_sample.mean()
+            losses.append(loss.item())
+            optimizer.zero_grad()
+            loss.backward()
+            if self.max_grad_norm is not None:  # type: ignore[attr-defined]
+                th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)  # type: ignore[attr-defined]
+            optimizer.step()
+        self._n_updates += gradient_steps  # type: ignore[attr-defined]
+        self._log(losses, per)
+
+    def _log(self, losses: list[float], per: PrioritizedReplayBuffer | None) -> None:
+        logger = self.logger  # type: ignore[attr-defined]
+        logger.record("train/n_updates", self._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
+        logger.record("train/loss", np.mean(losses))
+        if per is not None:
+            # Leaves hold priority ** alpha; O(1) figures, since train() may run every env step.
+            logger.record("per/beta", per.beta)
+            logger.record("per/mean_priority", per.tree.total / (per.size() * per.n_envs))
+            logger.record("per/max_priority", per.max_priority**per.alpha)
+            logger.record("per/max_weight_unnormalized", per.last_max_weight)
+
+
+class PrioritizedDQN(_PrioritizedTraining, DQN):
+    """SB3's DQN trained with prioritized replay and/or gradient accumulation (each may be off).
+
+    :param grad_accum_steps: micro-batches of ``batch_size`` whose gradients make one optimizer step
+    :param per_beta_fraction: share of training over which beta rises from its start to 1
+    """
+
+    def __init__(self, *args: Any, grad_accum_steps: int = 1, per_beta_fraction: float = 1.0, **kwargs: Any):
+        self._set_extensions(grad_accum_steps, per_beta_fraction)
+        super().__init__(*args, **kwargs)
+
+    def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
+        with th.no_grad():
+            next_q, _ = self.q_net_target(data.next_observations).max(dim=1)
+            target = data.rewards + (1 - data.dones) * discounts * next_q.reshape(-1, 1)
+        current = th.gather(self.q_net(data.observations), dim=1, index=data.actions.long())
+        return F.smooth_l1_loss(current, target, reduction="none").flatten(), (target - current).flatten()
+
+
+class PrioritizedQRDQN(_PrioritizedTraining, QRDQN):
+    """sb3-contrib's QR-DQN trained with prioritized replay and/or gradient accumulation (each may be off)."""
+
+    def __init__(self, *args: Any, grad_accum_steps: int = 1, per_beta_fraction: float = 1.0, **kwargs: Any):
+        self._set_extensions(grad_accum_steps, per_beta_fraction)
+        super().__init__(*args, **kwargs)
+
+    def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
+        batch = data.observations.shape[0]
+        with th.no_grad():
+            next_quantiles = self.quantile_net_target(data.next_observations)
+            greedy = next_quantiles.mean(dim=1, keepdim=True).argmax(dim=2, keepdim=True)
+            next_quantiles = next_quantiles.gather(dim=2, index=greedy.expand(batch, self.n_quantiles, 1)).squeeze(dim=2)
+            target = data.rewards + (1 - data.dones) * discounts * next_quantiles
+        actions = data.actions[..., None].long().expand(batch, self.n_quantiles, 1)
+        current = th.gather(self.quantile_net(data.observations), dim=2, index=actions).squeeze(dim=2)
+        return _quantile_huber_per_sample(current, target), (target.mean(dim=1) - current.mean(dim=1))
+
+
+def _quantile_huber_per_sample(current: th.Tensor, target: th.Tensor) -> th.Tensor:
+    """sb3-contrib's quantile Huber loss (summed over quantiles) for each sample, before the batch mean."""
+    n = current.shape[-1]
+    cum_prob = ((th.arange(n, device=current.device, dtype=th.float) + 0.5) / n).view(1, -1, 1)
+    delta = target.unsqueeze(-2) - current.unsqueeze(-1)
+    abs_delta = th.abs(delta)
+    huber = th.where(abs_delta > 1, abs_delta - 0.5, delta**2 * 0.5)
+    return (th.abs(cum_prob - (delta.detach() < 0).float()) * huber).sum(dim=-2).mean(dim=-1)

@@ -1,0 +1,193 @@
+"""The one wrapper around an optimizer's step: gradient accumulation, fp16 loss scaling, the NaN guard and the step
+count, always in the same order.
+
+SB3's ``train()`` methods run ``zero_grad(); loss.backward(); clip_grad_norm_(); step()`` per minibatch, and sb3_gpu
+copies none of them. :func:`optimizer_step` wraps an optimizer's ``zero_grad`` and ``step`` once, and each extension
+switches its part on there:
+
+- accumulation (:meth:`OptimizerStep.accumulate`): a hook that runs when a parameter's gradient is complete sets
+  each micro-batch's gradient aside, so that clipping sees zeros and the step is held back, until the last
+  micro-batch of the window, whose gradient gets the others' back and is divided by their number;
+- fp16 loss scaling (:meth:`OptimizerStep.scale_losses`): the same hook divides by the loss scale, so that SB3's
+  clipping sees true gradients; a step whose gradients overflowed is skipped and the scale updated with
+  ``torch.amp.GradScaler``'s rules;
+- the NaN guard (``on_non_finite``): any other non-finite gradient stops training before it reaches the weights;
+- counting: ``steps`` counts the steps the optimizer really took (not held-back or skipped ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch as th
+from stable_baselines3.common.base_class import BaseAlgorithm
+
+
+def first_non_finite(module: th.nn.Module) -> str | None:
+    """The name of the first parameter of ``module`` holding a NaN or inf, or None."""
+    return non_finite_name(module.named_parameters())
+
+
+def non_finite_name(named: Iterable[tuple[str, th.Tensor]]) -> str | None:
+    """The name of the first tensor holding a NaN or inf, or None (one device sync when all are finite)."""
+    tensors = [(name, tensor.detach()) for name, tensor in named]
+    if not tensors:
+        return None
+    # The 2-norm is the cheapest reduction over all of them (a max-abs norm costs several times more on the CPU). It is
+    # finite when every element is; when it is not, an element is NaN or inf, or the squares overflowed: look closer.
+    if bool(th.nn.utils.get_total_norm([t for _, t in tensors], norm_type=2.0).isfinite()):
+        return None
+    return next((name for name, t in tensors if not bool(t.isfinite().all())), None)
+
+
+class LossScale:
+    """A dynamic fp16 loss scale that follows ``torch.amp.GradScaler``'s rules (a test runs the two side by side).
+
+    An overflow skips the step and multiplies the scale by ``backoff_factor``; ``growth_interval`` good steps in a
+    row multiply it by ``growth_factor``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.skipped_steps = 0
+        self._good_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        """Account for one optimizer step that overflowed (and was skipped) or did not."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.skipped_steps += 1
+            self._good_steps = 0
+            return
+        self._good_steps += 1
+        if self._good_steps == self.growth_interval:
+            grown = self.scale * self.growth_factor
+            self.scale = grown if math.isfinite(grown) else self.scale
+            self._good_steps = 0
+
+
+class OptimizerStep:
+    """An optimizer's ``zero_grad`` and ``step``, wrapped once; get it with :func:`optimizer_step`.
+
+    :ivar steps: steps the optimizer took
+    :ivar on_non_finite: the NaN guard: given a parameter's name, the exception to raise when its gradient is not
+        finite (and no loss scale explains it)
+    :ivar listeners: called after each step taken or skipped (AMP logs its scale there)
+    """
+
+    def __init__(self, optimizer: th.optim.Optimizer, names: dict[int, str]):
+        self.optimizer = optimizer
+        self.micro_batches = 1
+        self.loss_scale: LossScale | None = None
+        self.on_non_finite: Callable[[str], BaseException] | None = None
+        self.steps = 0
+        self.listeners: list[Callable[[], None]] = []
+        self._names = names
+        self._micro = -1  # the micro-batch being computed; advanced by zero_grad, which SB3 calls before backward
+        self._saved: dict[th.Tensor, th.Tensor] = {}
+        self._hooks: list[Any] = []
+        self._zero_grad, self._step = optimizer.zero_grad, optimizer.step
+        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        optimizer.step = self.step  # type: ignore[method-assign]
+
+    def accumulate(self, micro_batches: int) -> None:
+        """Step on the mean gradient of ``micro_batches`` consecutive backward passes."""
+        self.micro_batches = micro_batches
+        self._hook_gradients()
+
+    def scale_losses(self, loss_scale: LossScale) -> None:
+        """Gradients arrive multiplied by ``loss_scale.scale`` (see :mod:`sb3_gpu.extensions.amp`); divide it out."""
+        self.loss_scale = loss_scale
+        self._hook_gradients()
+
+    def reset(self) -> None:
+        """Start a new accumulation window (a ``train()`` may stop between micro-batches, PPO's ``target_kl``)."""
+        self._micro = -1
+        self._saved.clear()
+
+    # ------------------------------------------------------------------ the wrapped calls
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._micro += 1
+        self._zero_grad(set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Hold back, check, skip or refuse, step, count: always in this order."""
+        if not self._last_micro_batch():
+            return None
+        for param, saved in self._saved.items():  # a parameter without a gradient in the last micro-batch
+            param.grad = self._unscaled(saved)
+        self._saved.clear()
+        bad = self._non_finite_gradient() if self.loss_scale is not None or self.on_non_finite is not None else None
+        if self.loss_scale is not None:
+            self.loss_scale.update(found_inf=bad is not None)
+            if bad is not None:  # an fp16 overflow: expected now and then, and handled by the scale
+                self._notify()
+                return None
+        if bad is not None and self.on_non_finite is not None:
+            raise self.on_non_finite(bad)
+        out = self._step() if closure is None else self._step(closure)
+        self.steps += 1
+        self._notify()
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _last_micro_batch(self) -> bool:
+        return self._micro % self.micro_batches == self.micro_batches - 1
+
+    def _hook_gradients(self) -> None:
+        if not self._hooks:
+            params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in params]
+
+    def _on_gradient(self, param: th.Tensor) -> None:
+        """Runs once per backward pass for each parameter, when its ``.grad`` is complete (before clipping)."""
+        assert param.grad is not None
+        if self.micro_batches > 1:
+            saved = self._saved.pop(param, None)
+            if not self._last_micro_batch():
+                self._saved[param] = param.grad.clone() if saved is None else saved.add_(param.grad)
+                param.grad.zero_()
+                return
+            if saved is not None:
+                param.grad.add_(saved)
+        self._unscaled(param.grad)
+
+    def _unscaled(self, grad: th.Tensor) -> th.Tensor:
+        divisor = self.micro_batches * (self.loss_scale.scale if self.loss_scale is not None else 1.0)
+        return grad.div_(divisor) if divisor != 1.0 else grad
+
+    def _non_finite_gradient(self) -> str | None:
+        params = (p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None)
+        return non_finite_name((self._names.get(id(p), "?"), p.grad) for p in params)
+
+    def _notify(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+
+def optimizer_step(optimizer: th.optim.Optimizer, module: th.nn.Module | None = None) -> OptimizerStep:
+    """The :class:`OptimizerStep` of ``optimizer``, wrapping it on first use.
+
+    :param module: names the parameters in messages (the policy)
+    """
+    installed = getattr(optimizer.step, "__self__", None)
+    if isinstance(installed, OptimizerStep):
+        return installed
+    names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
+    return OptimizerStep(optimizer, names)
+
+
+def optimizer_steps(model: BaseAlgorithm) -> list[OptimizerStep]:
+    """The :class:`OptimizerStep` of every optimizer of ``model``'s policy (SAC-like policies hold one per network)."""
+    policy = model.policy
+    optimizers = {id(o): o for m in policy.modules() if isinstance(o := getattr(m, "optimizer", None), th.optim.Optimizer)}
+    return [optimizer_step(o, policy) for o in optimizers.values()]

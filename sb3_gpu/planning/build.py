@@ -1,0 +1,104 @@
+"""From a Plan to plain SB3 objects: its VecEnv and its model, and ``make_model`` that does both in one call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import gymnasium as gym
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.planning.plan import Plan, make_plan
+from sb3_gpu.planning.speed import apply_speed
+
+# Evaluation envs are seeded apart from the training envs, so that they never replay the same episodes.
+EVAL_SEED_OFFSET = 10_000
+
+
+def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None = None, evaluation: bool = False) -> VecEnv:
+    """The plan's VecEnv (``evaluation=True``: one dummy env, seeded apart, with frozen normalisation)."""
+    preset = plan.preset
+    seed = None if plan.seed is None else plan.seed + (EVAL_SEED_OFFSET if evaluation else 0)
+    venv = make_vec_env(
+        plan.env,
+        n_envs or (1 if evaluation else preset.n_envs),
+        seed=seed,
+        monitor_dir=monitor_dir,
+        vec_env="dummy" if evaluation else plan.vec_env,
+        frame_stack=preset.frame_stack,
+    )
+    if not preset.normalize:
+        return venv
+    kwargs = preset.normalize if isinstance(preset.normalize, dict) else {}
+    gamma = getattr(preset.params, "gamma", 0.99)
+    if evaluation:
+        frozen = {k: v for k, v in kwargs.items() if k != "norm_reward"}
+        return VecNormalize(venv, training=False, norm_reward=False, gamma=gamma, **frozen)
+    return VecNormalize(venv, gamma=gamma, **kwargs)
+
+
+def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:
+    """An SB3 model for the plan (sb3_gpu's subclass only where PER or gradient accumulation is on), with the plan's
+    speed settings applied (AMP, compile, torch threads; ``torch.set_num_threads`` is process-wide).
+
+    If torch.compile fails, the model trains uncompiled and a ``CompileFallbackWarning`` says why.
+    """
+    preset = plan.preset
+    try:
+        model = preset.model_class(
+            preset.policy,
+            env,
+            device=plan.device.device,
+            seed=plan.seed,
+            tensorboard_log=tensorboard_log,
+            verbose=verbose,
+            **preset.sb3_kwargs(),
+        )
+    except (ValueError, AssertionError, TypeError) as e:  # SB3's own checks of combinations we do not know
+        raise ConfigError(f"{preset.model_class.__name__} refused the plan's hyperparameters: {e}") from None
+    if plan.speed is not None:
+        apply_speed(model, plan.speed, preset.params.batch_size)
+    return model
+
+
+class PresetModel(NamedTuple):
+    """A ready SB3 model and the preset's training length: ``model, timesteps = make_model(...)``."""
+
+    model: BaseAlgorithm
+    timesteps: int
+
+
+def make_model(
+    algo: str,
+    env: str | Callable[[], gym.Env],
+    device: str = "auto",
+    *,
+    n_envs: int | None = None,
+    vec_env: str = "auto",
+    seed: int | None = None,
+    preset: str | Path | None = None,
+    profile: str = "auto",
+    tensorboard_log: str | None = None,
+    verbose: int = 0,
+    **overrides: Any,
+) -> PresetModel:
+    """A plain SB3 model whose hyperparameters fit this machine, and the preset's timesteps to train it for::
+
+        model, timesteps = make_model("ppo", "CartPole-v1", device="auto")
+        model.learn(timesteps)
+
+    :param algo: ``ppo``, ``dqn`` or ``qrdqn``
+    :param env: a registered id, ``package.module:Attr`` or a zero-argument env factory
+    :param device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``
+    :param profile: ``auto`` (by device), ``cpu``, ``gpu`` or ``large`` (a big workstation; DQN family)
+    :param overrides: preset keys that win over the preset, e.g. ``batch_size=128, net_arch=[64, 64]``
+    """
+    plan = make_plan(
+        algo, env, device, n_envs=n_envs, vec_env=vec_env, seed=seed, preset=preset, profile=profile, overrides=overrides
+    )
+    model = build_model(plan, build_env(plan), tensorboard_log=tensorboard_log, verbose=verbose)
+    return PresetModel(model, plan.preset.n_timesteps)

@@ -1,0 +1,231 @@
+"""The Plan: the hardware, the resolved preset, and the device, profile, vec env and speed choices, each with its
+reason. It is decided before anything trains, printed as one table, and saved as a run's ``config.yaml``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+from gymnasium import spaces
+from stable_baselines3.common.preprocessing import is_image_space
+
+from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
+from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
+from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
+from sb3_gpu.config.schema import PROFILES, get_algo
+from sb3_gpu.envs.choice import vec_env_choice
+from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env, resolve_env
+from sb3_gpu.extensions.accumulate import check_accumulation
+from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
+from sb3_gpu.planning.speed import SpeedPlan, choose_speed
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before training, with the reason for each decision. Saved as ``config.yaml``."""
+
+    algo: str
+    env: EnvSpec
+    device_request: str
+    device: DeviceChoice
+    vec_env_request: str
+    vec_env: str
+    vec_env_reason: str
+    preset: Preset
+    hardware: HardwareProfile
+    profile_reason: str = ""
+    seed: int | None = None
+    # amp, compile, threads and CUDA math flags as decided for this machine (None: leave torch as it is).
+    speed: SpeedPlan | None = None
+
+    def to_config(self) -> dict[str, Any]:
+        """Plain data that :func:`~sb3_gpu.config.runconfig.load_config` turns back into the same hyperparameters."""
+        speed_rows = self.speed.rows() if self.speed else []
+        return {
+            "version": CONFIG_VERSION,
+            "algo": self.algo,
+            "env": self.env.name,
+            "device": self.device_request,
+            "vec_env": self.vec_env_request,
+            "seed": self.seed,
+            "hyperparameters": self.preset.values(),
+            # Informational: what was chosen on the machine that wrote this file, and why.
+            "resolved": {
+                "device": f"{self.device.device} ({self.device.reason})",
+                "profile": f"{self.preset.profile} ({self.profile_reason})",
+                "vec_env": f"{self.vec_env} ({self.vec_env_reason})",
+                "hardware": self.hardware.describe(),
+                **{f"speed.{name}": f"{value} ({why})" for name, value, why in speed_rows},
+                "sources": dict(self.preset.sources),
+            },
+        }
+
+
+@dataclass(frozen=True)
+class _EnvFacts:
+    """What one env, built as training will see it, tells the plan."""
+
+    observation_space: spaces.Space
+    action_space: spaces.Space
+    step_seconds: float | None  # measured only where the vec env kind is chosen automatically
+
+
+def make_plan(
+    algo: str,
+    env: str | Callable[[], gym.Env],
+    device: str = "auto",
+    *,
+    n_envs: int | None = None,
+    n_timesteps: int | None = None,
+    vec_env: str = "auto",
+    seed: int | None = None,
+    preset: str | Path | None = None,
+    profile: str = "auto",
+    overrides: Mapping[str, Any] | None = None,
+    override_source: str = "override",
+    config: RunConfig | None = None,
+    hardware: HardwareProfile | None = None,
+) -> Plan:
+    """Resolve hardware, preset, device and vec env for ``algo`` on ``env``.
+
+    :param preset: a preset YAML file to use instead of the bundled one for ``algo``
+    :param profile: ``auto`` (``cpu`` or ``gpu`` by the chosen device) or a profile name: ``cpu``, ``gpu``, ``large``
+    :param overrides: hyperparameters that win over the preset (``{"batch_size": 128, "policy_kwargs.ortho_init": False}``)
+    :param config: a run's config read by :func:`~sb3_gpu.config.runconfig.load_config`; its hyperparameters replace
+        the preset
+    """
+    algo_ = get_algo(algo)
+    hardware = hardware or detect_hardware()
+    entry, entry_label = _entry(algo_.name, env, preset, config)
+    layered = _layered(overrides, override_source, n_envs, n_timesteps)
+    # Policy and env kwargs never differ between profiles, so a provisional resolve tells what to probe.
+    provisional = resolve_preset(algo_, entry, entry_label, "cpu", layered)
+    spec = resolve_env(env, provisional.env_kwargs)
+    facts = _probe(spec, measure=vec_env == "auto")
+    if not algo_.on_policy and not isinstance(facts.action_space, spaces.Discrete):
+        raise ConfigError(f"{algo_.name} needs a Discrete action space; {spec.name} has {facts.action_space}")
+
+    policy = provisional.policy if provisional.policy != "auto" else _policy_for(facts.observation_space)
+    choice = choose_device(device, _policy_kind(policy, facts.observation_space), algo_.on_policy, hardware)
+    profile, profile_reason = _profile(profile, choice, entry, entry_label)
+    resolved = resolve_preset(algo_, entry, entry_label, profile, layered)
+    if resolved.policy == "auto":
+        sources = {**resolved.sources, "policy": "auto (observation space)"}
+        resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
+    check_policy_kwargs(algo_, resolved.policy, resolved.policy_kwargs, entry_label)
+    _check_combinations(resolved, facts.observation_space)
+
+    vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
+    vec_reason = vec.reason
+    if vec.kind in ("subproc", "batched") and hardware.in_notebook:
+        vec_reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"
+    return Plan(
+        algo=algo_.name,
+        env=spec,
+        device_request=device,
+        device=choice,
+        vec_env_request=vec_env,
+        vec_env=vec.kind,
+        vec_env_reason=vec_reason,
+        preset=resolved,
+        hardware=hardware,
+        profile_reason=profile_reason,
+        seed=seed,
+        speed=_speed(resolved, choice.device, _policy_kind(resolved.policy, facts.observation_space), vec.workers, hardware),
+    )
+
+
+def _speed(preset: Preset, device: str, policy: PolicyKind, env_workers: int, hardware: HardwareProfile) -> SpeedPlan:
+    return choose_speed(
+        preset.amp,
+        preset.compile,
+        preset.threads,
+        device=device,
+        policy=policy,
+        net_arch=preset.net_arch,
+        batch_size=preset.params.batch_size,
+        env_workers=env_workers,
+        hardware=hardware,
+    )
+
+
+def _layered(
+    overrides: Mapping[str, Any] | None, source: str, n_envs: int | None, n_timesteps: int | None
+) -> dict[str, tuple[Any, str]]:
+    """Overrides as ``key -> (value, source)``; the CLI's counts name their flags."""
+    layered = {k: (v, source) for k, v in (overrides or {}).items()}
+    if n_envs is not None:
+        layered["n_envs"] = (n_envs, "--n-envs")
+    if n_timesteps is not None:
+        layered["n_timesteps"] = (n_timesteps, "--timesteps")
+    return layered
+
+
+def _entry(
+    algo: str, env: str | Callable[[], gym.Env], preset: str | Path | None, config: RunConfig | None
+) -> tuple[dict[str, Any], str]:
+    """The preset entry to resolve, and its label: a run config's hyperparameters, else the preset file's entry."""
+    if config is not None:
+        return dict(config.hyperparameters), config.path
+    entries, file_label = load_preset_file(get_algo(algo), preset)
+    name_probe = resolve_env(env)
+    name = select_entry(entries, name_probe.name, name_probe.is_atari, file_label)
+    return entries[name], f"{Path(file_label).name}:{name}"
+
+
+def _probe(spec: EnvSpec, measure: bool) -> _EnvFacts:
+    one = probe_env(spec)
+    try:
+        return _EnvFacts(one.observation_space, one.action_space, measure_step_seconds(one) if measure else None)
+    finally:
+        one.close()
+
+
+def _profile(requested: str, choice: DeviceChoice, entry: Mapping[str, Any], entry_label: str) -> tuple[str, str]:
+    """The profile to apply and why: the device's, or the one asked for if the entry has it."""
+    if requested == "auto":
+        return choice.profile, f"follows the device ({choice.device})"
+    if requested not in PROFILES:
+        raise ConfigError(f"unknown profile {requested!r}{closest(requested, PROFILES)} (valid: auto, {', '.join(PROFILES)})")
+    if requested not in entry and requested not in ("cpu", "gpu"):
+        have = [p for p in PROFILES if p in entry]
+        raise ConfigError(f"{entry_label} has no {requested!r} profile (it has: {', '.join(have) or 'none'})")
+    return requested, "asked for"
+
+
+def _policy_for(obs_space: spaces.Space) -> str:
+    if isinstance(obs_space, spaces.Dict):
+        return "MultiInputPolicy"
+    return "CnnPolicy" if is_image_space(obs_space, check_channels=False) else "MlpPolicy"
+
+
+def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
+    if policy == "CnnPolicy":
+        return "cnn"
+    if policy == "MultiInputPolicy":
+        subspaces = obs_space.spaces.values() if isinstance(obs_space, spaces.Dict) else []
+        return "cnn" if any(is_image_space(s, check_channels=False) for s in subspaces) else "multi"
+    return "mlp"
+
+
+def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
+    """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
+    params: Any = preset.params
+    if preset.algo == "ppo":
+        if params.n_steps * preset.n_envs < 2:
+            raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")
+        check_accumulation(params.grad_accum_steps, params.n_steps, preset.n_envs, params.batch_size)
+    if getattr(params, "optimize_memory_usage", False):
+        raise ConfigError(
+            "optimize_memory_usage=true is not supported: SB3 refuses it beside timeout handling, which stays on"
+        )
+    if getattr(params, "per", False):
+        if params.n_steps > 1:
+            raise ConfigError("prioritized replay does not support n-step returns yet; set per=false or n_steps=1")
+        if isinstance(obs_space, spaces.Dict):
+            raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")

@@ -1,0 +1,212 @@
+"""``BaseCallback`` subclasses that every sb3_gpu training runs: a graceful stop on SIGINT/SIGTERM, the NaN guard,
+atomic checkpoints, VecNormalize saving, and a progress bar with reward and windowed steps/s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.utils import safe_mean
+
+from sb3_gpu.common.errors import StopNow, TrainingDiverged
+from sb3_gpu.common.io import save_pickle
+from sb3_gpu.extensions.stepping import OptimizerStep, first_non_finite, optimizer_steps
+from sb3_gpu.runs.rundir import RunDir
+from sb3_gpu.runs.saving import save_state
+from sb3_gpu.runs.telemetry import WindowedRate
+
+
+class StopOnSignal(BaseCallback):
+    """Stop ``learn`` after the current step on SIGINT or SIGTERM; a second signal raises StopNow at once.
+
+    Use it as a context manager around ``learn`` (handlers can only be installed from the main thread; elsewhere
+    it does nothing and Ctrl-C keeps Python's default)::
+
+        stop = StopOnSignal()
+        with stop:
+            model.learn(total, callback=[stop, ...])
+        if stop.received: ...  # save and exit with 128 + stop.received
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM), verbose: int = 0):
+        super().__init__(verbose)
+        self.signals = signals
+        self.received: int | None = None
+        self.installed = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+        self.installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:
+            raise StopNow
+        self.received = signum
+        # os.write, not print: a handler may run in the middle of a print, and print is not reentrant.
+        name = signal.Signals(signum).name
+        os.write(2, f"\n{name} received: stopping after this step and saving (again to quit at once)\n".encode())
+
+    def _on_step(self) -> bool:
+        return self.received is None
+
+
+_CAUSES = "the loss diverged: look for NaN or inf in rewards or observations, or lower the learning rate"
+
+
+class NanGuard(BaseCallback):
+    """Stop training with :class:`TrainingDiverged` when a gradient or parameter turns NaN or inf.
+
+    Gradients are checked by the policy's :class:`~sb3_gpu.extensions.stepping.OptimizerStep` before each step, so
+    a NaN loss is caught before it reaches the weights and the model in memory stays the last finite one. Steps
+    that fp16 AMP's loss scale skips are not errors: its overflows are expected and handled there. Parameters are
+    checked again at the start of each rollout, for what the step cannot see (a finite gradient too large for the
+    weights).
+    """
+
+    def __init__(self, verbose: int = 0):
+        super().__init__(verbose)
+        self._guarded: list[OptimizerStep] = []
+
+    def _on_training_start(self) -> None:
+        self.close()
+        self._guarded = optimizer_steps(self.model)
+        for step in self._guarded:
+            step.on_non_finite = self._diverged
+
+    def _diverged(self, name: str) -> TrainingDiverged:
+        return TrainingDiverged(
+            f"the gradient of {name} is NaN or inf at {self.num_timesteps:,} timesteps, so the step was not "
+            f"applied ({_CAUSES})"
+        )
+
+    def _on_rollout_start(self) -> None:
+        bad = first_non_finite(self.model.policy)
+        if bad is not None:
+            raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps ({_CAUSES})")
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_training_end(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop guarding the optimizers (``learn`` skips ``_on_training_end`` when it raises)."""
+        for step in self._guarded:
+            step.on_non_finite = None
+        self._guarded = []
+
+
+class AtomicCheckpointCallback(BaseCallback):
+    """Checkpoints every ``save_freq`` calls, named as SB3's CheckpointCallback names them, written atomically: the
+    replay buffer and statistics before the model. A model with NaN or inf weights is never saved.
+
+    :param save_freq: calls (env steps / n_envs) between checkpoints
+    :param run_dir: the run whose ``checkpoints/`` folder receives them
+    :param save_replay_buffer: save the replay buffer (with PER priorities) too
+    """
+
+    def __init__(self, save_freq: int, run_dir: RunDir, save_replay_buffer: bool = False, verbose: int = 0):
+        super().__init__(verbose)
+        self.save_freq, self.run_dir, self.save_replay_buffer = save_freq, run_dir, save_replay_buffer
+
+    def _on_step(self) -> bool:
+        if self.n_calls % self.save_freq == 0:
+            bad = first_non_finite(self.model.policy)
+            if bad is not None:
+                raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps")
+            files = self.run_dir.checkpoint(self.num_timesteps)
+            save_state(self.model, files, replay_buffer=self.save_replay_buffer)
+            if self.verbose >= 2:
+                print(f"Saving model checkpoint to {files.model}")
+        return True
+
+
+class SaveVecNormalizeCallback(BaseCallback):
+    """Save the training env's VecNormalize statistics (atomically) whenever it is called, e.g. on a new best model."""
+
+    def __init__(self, path: str | Path, verbose: int = 0):
+        super().__init__(verbose)
+        self.path = Path(path)
+
+    def _on_step(self) -> bool:
+        vec_normalize = self.model.get_vec_normalize_env()
+        if vec_normalize is not None:
+            save_pickle(self.path, vec_normalize)
+        return True
+
+
+class ProgressCallback(BaseCallback):
+    """A rich progress bar showing timesteps, mean episode return and steps/s over the last 10 seconds.
+
+    :param total_timesteps: the length of the bar (``model.learn``'s ``total_timesteps``)
+    :param refresh_s: how often the bar is redrawn; the step hook costs one clock read otherwise
+    """
+
+    def __init__(self, total_timesteps: int, refresh_s: float = 0.5, console: Console | None = None, verbose: int = 0):
+        super().__init__(verbose)
+        self.total_timesteps = total_timesteps
+        self.refresh_s = refresh_s
+        self.console = console
+        self.rate = WindowedRate()
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._next_refresh = 0.0
+
+    def _on_training_start(self) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[sps]:>7.0f} steps/s"),
+            TextColumn("return {task.fields[ret]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("training", total=self.total_timesteps, sps=0.0, ret="-")
+        self._progress.start()
+        self.rate.add(time.perf_counter(), self.num_timesteps)
+
+    def _on_step(self) -> bool:
+        now = time.perf_counter()
+        if now >= self._next_refresh:
+            self._next_refresh = now + self.refresh_s
+            self._refresh(now)
+        return True
+
+    def _refresh(self, now: float) -> None:
+        assert self._progress is not None and self._task is not None
+        self.rate.add(now, self.num_timesteps)
+        episodes = self.model.ep_info_buffer
+        ret = f"{safe_mean([ep['r'] for ep in episodes]):.1f}" if episodes else "-"
+        self._progress.update(self._task, completed=self.num_timesteps, sps=self.rate.rate(), ret=ret)
+
+    def _on_training_end(self) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Draw the last state and release the terminal (also after an interrupted ``learn``)."""
+        if self._progress is not None:
+            self._refresh(time.perf_counter())
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,126 @@
+"""Evaluation: periodic (SB3's EvalCallback, timed, its files written atomically into a run dir) and of a finished
+run's saved model."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.callbacks import EvalCallback
+from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.planning.build import build_env
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.rundir import RunDir
+from sb3_gpu.runs.saving import load_plan_model
+
+
+class TimedEvalCallback(EvalCallback):
+    """SB3's EvalCallback (same arguments), adding up the seconds its evaluations take so that telemetry can split
+    them out.
+
+    With ``run_dir``, the best model and ``evaluations.npz`` go there. SB3 writes them in place, where a crash
+    mid-write would leave half a file; here it writes them into a scratch folder, and each complete file is renamed
+    over the real one.
+    """
+
+    def __init__(self, eval_env: Any, *, run_dir: RunDir | None = None, **kwargs: Any):
+        self.run_dir = run_dir
+        if run_dir is not None:
+            kwargs["best_model_save_path"] = str(run_dir.path / RunDir.SCRATCH)
+            kwargs["log_path"] = str(run_dir.eval / RunDir.SCRATCH)
+        super().__init__(eval_env, **kwargs)
+        self.seconds = 0.0
+
+    def _on_step(self) -> bool:
+        start = time.perf_counter()
+        try:
+            return super()._on_step()
+        finally:
+            if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
+                self._publish()
+            self.seconds += time.perf_counter() - start
+
+    def _scratch_files(self) -> list[tuple[Path, Path]]:
+        run = self.run_dir
+        if run is None:
+            return []
+        return [
+            (run.path / RunDir.SCRATCH / RunDir.BEST_MODEL, run.best_model),
+            (run.eval / RunDir.SCRATCH / RunDir.EVALUATIONS, run.evaluations),
+        ]
+
+    def _publish(self) -> None:
+        for scratch, final in self._scratch_files():
+            if scratch.exists():
+                os.replace(scratch, final)
+
+    def _on_training_end(self) -> None:
+        super()._on_training_end()
+        for scratch, _ in self._scratch_files():
+            with contextlib.suppress(OSError):  # SB3 made them at start and writes into them until the end
+                scratch.parent.rmdir()
+
+    def restore_history(self, up_to_timesteps: int) -> None:
+        """Continue a resumed run's ``evaluations.npz`` (its entries up to the resumed model's timesteps) and its
+        best score (over all entries, since the best model may be newer than the model resumed from)."""
+        if self.run_dir is None or not self.run_dir.evaluations.is_file():
+            return
+        with np.load(self.run_dir.evaluations) as data:
+            timesteps, results, lengths = data["timesteps"], data["results"], data["ep_lengths"]
+        if len(results):
+            self.best_mean_reward = float(np.max(np.mean(results, axis=1)))
+        keep = timesteps <= up_to_timesteps
+        self.evaluations_timesteps = [int(t) for t in timesteps[keep]]
+        self.evaluations_results = [list(r) for r in results[keep]]
+        self.evaluations_length = [list(n) for n in lengths[keep]]
+
+
+def evaluate(model: BaseAlgorithm, env: VecEnv, episodes: int, deterministic: bool = True) -> tuple[float, float]:
+    """Mean and std of the episode return."""
+    mean, std = evaluate_policy(model, env, n_eval_episodes=episodes, deterministic=deterministic)
+    return float(mean), float(std)  # type: ignore[arg-type]
+
+
+def evaluate_run(
+    target: str | Path,
+    episodes: int = 10,
+    *,
+    deterministic: bool = True,
+    which: str = "best",
+    device: str = "cpu",
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Load a model from a run and return ``{"mean", "std", "episodes", "deterministic", "model"}``.
+
+    :param target: a run dir (its best model, else its final one; ``which="final"``: the final one) or a model zip
+        inside a run dir
+    """
+    if which not in ("best", "final"):
+        raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
+    model_path, run = RunDir.find_model(target, which)
+    config = load_config(run.config)
+    # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here.
+    speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
+    plan = make_plan(config.algo, config.env, device, vec_env="dummy", seed=seed, config=config, overrides=speed_off)
+    env = build_env(plan, evaluation=True)
+    if isinstance(env, VecNormalize):
+        stats = run.vecnormalize_for(model_path)
+        if stats is None:
+            raise ConfigError(f"{run} normalised its observations but holds no vecnormalize.pkl for {model_path.name}")
+        env = VecNormalize.load(str(stats), env.venv)
+        env.training, env.norm_reward = False, False
+    try:
+        model = load_plan_model(plan, model_path, env)
+        mean, std = evaluate(model, env, episodes, deterministic)
+    finally:
+        env.close()
+    return {"mean": mean, "std": std, "episodes": episodes, "deterministic": deterministic, "model": str(model_path)}

@@ -1,0 +1,218 @@
+"""A run directory: the one place that names its files, makes it, locks it, and finds the states saved in it."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from sb3_gpu.common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """One resumable point of a run: a model and the files saved with it (None where absent)."""
+
+    model: Path
+    timesteps: int
+    vecnormalize: Path | None
+    replay_buffer: Path | None
+
+
+@dataclass(frozen=True)
+class StateFiles:
+    """Where a model and the files saved with it go."""
+
+    model: Path
+    vecnormalize: Path
+    replay_buffer: Path
+
+
+def zip_timesteps(path: Path) -> int | None:
+    """``num_timesteps`` recorded in a model zip, read from its JSON without loading the model (None if unreadable)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            value = json.loads(archive.read("data")).get("num_timesteps")
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+class RunDir:
+    """A run directory written by ``sb3_gpu.train``; every file name in it is spelled here and nowhere else."""
+
+    # SB3's EvalCallback writes these two itself, under these names.
+    BEST_MODEL = "best_model.zip"
+    EVALUATIONS = "evaluations.npz"
+    # Where SB3's EvalCallback writes before a file is complete and renamed into place.
+    SCRATCH = ".partial"
+    _CHECKPOINT = re.compile(r"model_(\d+)_steps\.zip")
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ------------------------------------------------------------------ names
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def final(self) -> StateFiles:
+        """The model saved when the run ended, stopped or crashed, and its companions."""
+        return StateFiles(self.path / "model.zip", self.path / "vecnormalize.pkl", self.path / "replay_buffer.pkl")
+
+    @property
+    def best_model(self) -> Path:
+        return self.path / self.BEST_MODEL
+
+    @property
+    def best_vecnormalize(self) -> Path:
+        return self.path / "best_vecnormalize.pkl"
+
+    @property
+    def curves(self) -> Path:
+        return self.path / "curves.png"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tb"
+
+    @property
+    def monitor(self) -> Path:
+        return self.path / "monitor"
+
+    @property
+    def eval(self) -> Path:
+        return self.path / "eval"
+
+    @property
+    def evaluations(self) -> Path:
+        return self.eval / self.EVALUATIONS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / ".lock"
+
+    def checkpoint(self, timesteps: int) -> StateFiles:
+        """The files of the checkpoint at ``timesteps`` (SB3's CheckpointCallback names, prefix ``model``)."""
+        folder = self.checkpoints
+        return StateFiles(
+            folder / f"model_{timesteps}_steps.zip",
+            folder / f"model_vecnormalize_{timesteps}_steps.pkl",
+            folder / f"model_replay_buffer_{timesteps}_steps.pkl",
+        )
+
+    # ------------------------------------------------------------------ making and locking
+    @classmethod
+    def create(cls, requested: str | Path | None, algo: str, env_name: str) -> RunDir:
+        """A new run dir: ``requested``, which must not exist, or ``runs/ALGO-ENV-TIMESTAMP``. Never one in use."""
+        if requested is not None:
+            path = Path(requested)
+            if path.exists():
+                raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
+            path.mkdir(parents=True)
+            return cls(path)
+        env = re.sub(r"[^A-Za-z0-9_.-]+", "_", env_name)
+        base = Path("runs") / f"{algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
+        for i in range(1, 1000):
+            path = base if i == 1 else base.with_name(f"{base.name}-{i}")
+            try:
+                path.mkdir(parents=True)
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise ConfigError(f"could not find a free run dir name beside {base}")  # pragma: no cover
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """One process per run dir: a second ``--resume`` of a running run would interleave their files."""
+        with open(self.lock_file, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                pid = f.read().strip() or "?"
+                raise ConfigError(f"{self.path} is in use by another sb3_gpu process (pid {pid})") from None
+            f.seek(0)
+            f.truncate()
+            f.write(str(os.getpid()))
+            f.flush()
+            yield
+
+    def set_monitor_files_aside(self) -> None:
+        """Keep the earlier segments' episodes (SB3's Monitor truncates its file); the plots read every segment."""
+        if not self.monitor.is_dir():
+            return
+        segment = 1 + len({p.name.split(".")[1] for p in self.monitor.glob("*.seg*.monitor.csv")})
+        for path in self.monitor.glob("*.monitor.csv"):
+            if ".seg" not in path.name:
+                path.rename(path.with_name(path.name.replace(".monitor.csv", f".seg{segment}.monitor.csv")))
+
+    # ------------------------------------------------------------------ finding what was saved
+    def saved_states(self) -> list[SavedState]:
+        """Every readable model of the run (the final one and the checkpoints), newest first."""
+        candidates = [self.final] if self.final.model.is_file() else []
+        if self.checkpoints.is_dir():
+            for path in self.checkpoints.glob("model_*_steps.zip"):
+                match = self._CHECKPOINT.fullmatch(path.name)
+                if match:
+                    candidates.append(self.checkpoint(int(match.group(1))))
+        found = []
+        for files in candidates:
+            steps = zip_timesteps(files.model)
+            if steps is not None:
+                vecnormalize = files.vecnormalize if files.vecnormalize.is_file() else None
+                replay_buffer = files.replay_buffer if files.replay_buffer.is_file() else None
+                found.append(SavedState(files.model, steps, vecnormalize, replay_buffer))
+        # Newest first; at equal timesteps the final model (written at the stop) wins over a checkpoint of that step.
+        return sorted(found, key=lambda s: (s.timesteps, s.model == self.final.model), reverse=True)
+
+    def vecnormalize_for(self, model: Path) -> Path | None:
+        """The VecNormalize statistics saved with ``model``, if the run normalised."""
+        candidates = [self.best_vecnormalize] if model.name == self.BEST_MODEL else []
+        match = self._CHECKPOINT.fullmatch(model.name)
+        if match and model.parent.name == self.checkpoints.name:
+            candidates.append(self.checkpoint(int(match.group(1))).vecnormalize)
+        candidates.append(self.final.vecnormalize)
+        return next((c for c in candidates if c.is_file()), None)
+
+    @classmethod
+    def find_model(cls, target: str | Path, which: str = "best") -> tuple[Path, RunDir]:
+        """(model zip, run dir) for a run dir (its best model, else its final one) or a zip somewhere inside one."""
+        target = Path(target)
+        if target.is_dir():
+            run = cls(target)
+            names = [run.best_model, run.final.model] if which == "best" else [run.final.model]
+            for path in names:
+                if path.is_file():
+                    return path, run
+            raise ConfigError(
+                f"{target} holds no {' or '.join(p.name for p in names)}; is it a run dir written by sb3_gpu.train?"
+            )
+        if not target.is_file():
+            raise ConfigError(f"no such run dir or model file: {target}")
+        for parent in target.resolve().parents:
+            if cls(parent).config.is_file():
+                return target, cls(parent)
+        raise ConfigError(f"{target}: no config.yaml beside it or above it, so its algorithm and env are unknown")

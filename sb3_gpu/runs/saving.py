@@ -1,0 +1,121 @@
+"""Saving a model with its companions (VecNormalize statistics, replay buffer), each file atomically; and loading
+models back without unpickling what is inside their zips."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import save_model, save_pickle
+from sb3_gpu.config.schema import get_algo
+from sb3_gpu.planning.plan import Plan
+from sb3_gpu.planning.speed import apply_speed
+from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles
+
+# SB3 rebuilds these in ``_setup_model`` after loading, so the stored (pickled) values are never needed.
+_REBUILT_ON_LOAD = ("lr_schedule", "exploration_schedule")
+
+
+def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) -> None:
+    """Save the replay buffer (if asked) and VecNormalize statistics first and the model last, each atomically.
+
+    The model is written last because resuming starts from the model: its companions are never older than it.
+    """
+    if replay_buffer and getattr(model, "replay_buffer", None) is not None:
+        save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
+    vec_normalize = model.get_vec_normalize_env()
+    if vec_normalize is not None:
+        save_pickle(files.vecnormalize, vec_normalize)
+    save_model(model, files.model)
+
+
+def _zip_data(path: Path) -> dict[str, Any]:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            data = json.loads(archive.read("data"))
+    except (OSError, zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise ConfigError(f"{path} is not an SB3 model zip ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not an SB3 model zip (its 'data' entry is not a JSON object)")
+    return data
+
+
+def load_model(
+    model_class: type[BaseAlgorithm],
+    path: Path,
+    *,
+    policy: str,
+    model_kwargs: dict[str, Any],
+    env: VecEnv,
+    device: str,
+) -> BaseAlgorithm:
+    """``model_class.load`` that unpickles nothing from the zip.
+
+    SB3 stores some entries (spaces, schedules, classes) as cloudpickle, and unpickling runs code. Every such
+    entry is replaced by the value this run's config gives it (taken from an unbuilt model made with the same
+    arguments); a zip holding a pickled entry that the config cannot supply is refused. Weights are read with
+    ``torch.load(weights_only=True)`` by SB3 itself.
+    """
+    serialized = sorted(k for k, v in _zip_data(path).items() if isinstance(v, dict) and ":serialized:" in v)
+    template = model_class(policy, env, device="cpu", _init_setup_model=False, **model_kwargs)  # type: ignore[call-arg]
+    known = vars(template)
+    custom: dict[str, Any] = {}
+    for key in serialized:
+        if key in known:
+            custom[key] = known[key]
+        elif key in _REBUILT_ON_LOAD:
+            custom[key] = None
+        else:
+            raise ConfigError(
+                f"{path} stores a pickled {key!r} that this run's config cannot supply; sb3_gpu does not unpickle "
+                f"model files (load it with SB3's {model_class.__name__}.load only if you trust where it came from)"
+            )
+    try:
+        return model_class.load(str(path), env=env, device=device, custom_objects=custom)
+    except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
+        raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {e})") from None
+
+
+def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:
+    """:func:`load_model` with the plan's class, policy and hyperparameters."""
+    preset = plan.preset
+    kwargs = preset.sb3_kwargs()
+    return load_model(preset.model_class, path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
+
+
+def restore_vecnormalize(env: VecEnv, state: SavedState, run: RunDir) -> VecEnv:
+    """The training env with the statistics saved beside ``state``'s model (where the preset normalises)."""
+    if not isinstance(env, VecNormalize):
+        return env
+    if state.vecnormalize is None:
+        raise ConfigError(f"--resume: {run} normalised observations but holds no statistics saved with {state.model.name}")
+    restored = VecNormalize.load(str(state.vecnormalize), env.venv)
+    restored.training = True
+    return restored
+
+
+def restore_model(plan: Plan, env: VecEnv, state: SavedState, run: RunDir, say: Callable[[str], None]) -> BaseAlgorithm:
+    """``state``'s model on ``env``, set up as a new model from the plan would be, with its replay buffer."""
+    model = load_plan_model(plan, state.model, env)
+    model.tensorboard_log = str(run.tensorboard)
+    if plan.seed is not None:
+        model.set_random_seed(plan.seed)
+    if plan.speed is not None:
+        apply_speed(model, plan.speed, plan.preset.params.batch_size)
+    say(f"resuming from {state.model} at {state.timesteps:,} timesteps")
+    if get_algo(plan.algo).on_policy:
+        return model
+    if state.replay_buffer is not None:
+        model.load_replay_buffer(str(state.replay_buffer))  # type: ignore[attr-defined]
+        size = model.replay_buffer.size() * env.num_envs  # type: ignore[attr-defined]
+        say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions)")
+    else:
+        say(f"no replay buffer was saved with {state.model.name} (--save-replay-buffer keeps it): it starts empty")
+    return model

@@ -1,0 +1,180 @@
+"""The one training loop that ``train``, ``tune`` and ``bench`` share: ``model.learn`` with a stop on SIGINT/SIGTERM
+after the current step, the NaN guard, throughput telemetry and periodic evaluation; with a run dir also
+checkpoints, the best model, and a save at the end (after a stop or an error too, where the weights are finite)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
+
+from sb3_gpu.common.errors import StopNow
+from sb3_gpu.envs.build import explain_env_error
+from sb3_gpu.extensions.stepping import first_non_finite
+from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, StopOnSignal
+from sb3_gpu.runs.evaluation import TimedEvalCallback, evaluate
+from sb3_gpu.runs.rundir import RunDir
+from sb3_gpu.runs.saving import save_state
+from sb3_gpu.runs.telemetry import ThroughputCallback
+
+
+@dataclass
+class Outcome:
+    """How a session's training ended.
+
+    :ivar timesteps: the model's ``num_timesteps`` at the end
+    :ivar steps: env steps taken in this session
+    :ivar stopped_by: ``SIGINT`` or ``SIGTERM`` when a signal stopped it
+    :ivar error: the exception that ended it (an env crash, a diverged loss), to re-raise once reported
+    :ivar saved: with a run dir, what was saved and where (and how to go on when interrupted)
+    """
+
+    timesteps: int
+    steps: int
+    wall_s: float
+    stopped_by: str | None = None
+    error: BaseException | None = None
+    saved: str | None = None
+    model_path: Path | None = None
+    throughput: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped_by is not None or self.error is not None
+
+    @property
+    def steps_per_s(self) -> float | None:
+        return self.steps / self.wall_s if self.wall_s > 0 else None
+
+
+class Session:
+    """One training of ``model``, inside a ``with`` block that owns SIGINT and SIGTERM::
+
+        with Session(model, evaluator=TimedEvalCallback(eval_env, eval_freq=1000)) as session:
+            outcome = session.learn(100_000)
+            mean, std = session.evaluate(10)   # a second signal still quits at once here
+
+    The first signal stops ``learn`` after the current env step (``outcome.stopped_by``); a second one raises
+    :class:`~sb3_gpu.common.errors.StopNow` at once, also while the session saves. Errors out of ``learn`` are
+    returned in ``outcome.error`` after the save, for the caller to report and re-raise.
+
+    :param evaluator: periodic evaluation (its time is split out by telemetry)
+    :param run_dir: where checkpoints and the final model go (nothing is written without one)
+    :param checkpoint_freq: env steps between checkpoints (with ``run_dir``; None: none)
+    :param save_replay_buffer: save the replay buffer with the final model and each checkpoint
+    :param progress: draw a progress bar on this console
+    :param report_s: print a throughput line every ``report_s`` seconds through ``print_fn`` (None: never)
+    :param callbacks: more callbacks, run after these
+    """
+
+    def __init__(
+        self,
+        model: BaseAlgorithm,
+        *,
+        evaluator: TimedEvalCallback | None = None,
+        run_dir: RunDir | None = None,
+        checkpoint_freq: int | None = None,
+        save_replay_buffer: bool = False,
+        progress: Console | None = None,
+        report_s: float | None = None,
+        print_fn: Callable[[str], None] = print,
+        callbacks: Sequence[BaseCallback] = (),
+    ):
+        self.model, self.evaluator, self.run_dir = model, evaluator, run_dir
+        self.save_replay_buffer = save_replay_buffer
+        self.stop = StopOnSignal()
+        self.guard = NanGuard()
+        self.telemetry = ThroughputCallback(report_s=report_s, print_fn=print_fn, eval_callback=evaluator)
+        self._progress_console = progress
+        self._progress: ProgressCallback | None = None
+        self._checkpoint_freq = checkpoint_freq
+        self._extra = list(callbacks)
+
+    def __enter__(self) -> Session:
+        self.stop.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+        self.stop.__exit__(*exc)
+
+    def learn(self, timesteps: int, *, reset_num_timesteps: bool = True, tb_log_name: str = "run") -> Outcome:
+        """``model.learn(timesteps)`` with the session's callbacks, then, with a run dir, the final save."""
+        model = self.model
+        start_steps = 0 if reset_num_timesteps else model.num_timesteps
+        callbacks = self._callbacks(start_steps + timesteps)
+        error: BaseException | None = None
+        start = time.perf_counter()
+        try:
+            model.learn(timesteps, callback=callbacks, tb_log_name=tb_log_name, reset_num_timesteps=reset_num_timesteps)
+        except StopNow:  # the second signal: quit at once, writing nothing more
+            raise
+        except KeyboardInterrupt:
+            self.stop.received = signal.SIGINT  # not the main thread, so Python's own Ctrl-C: stop and save
+        except Exception as e:
+            error = explain_env_error(e, model.get_env())  # type: ignore[arg-type]
+        finally:
+            self._release()
+        outcome = Outcome(
+            timesteps=int(model.num_timesteps),
+            steps=int(model.num_timesteps - start_steps),
+            wall_s=time.perf_counter() - start,
+            stopped_by=signal.Signals(self.stop.received).name if self.stop.received is not None else None,
+            error=error,
+            throughput={k: round(v, 4) for k, v in self.telemetry.latest.items()},
+        )
+        if self.run_dir is not None:
+            self._save(outcome)
+        return outcome
+
+    def evaluate(self, episodes: int, deterministic: bool = True) -> tuple[float, float]:
+        """Mean and std of the return on the evaluator's env, with the training env's normalisation statistics."""
+        assert self.evaluator is not None, "a session evaluates on its evaluator's env"
+        train_env: VecEnv | None = self.model.get_env()
+        if train_env is not None:
+            sync_envs_normalization(train_env, self.evaluator.eval_env)
+        return evaluate(self.model, self.evaluator.eval_env, episodes, deterministic)
+
+    def _callbacks(self, total_timesteps: int) -> list[BaseCallback]:
+        callbacks: list[BaseCallback] = [self.stop, self.guard]
+        if self.evaluator is not None:
+            callbacks.append(self.evaluator)
+        if self.run_dir is not None and self._checkpoint_freq is not None:
+            calls = max(self._checkpoint_freq // self.model.n_envs, 1)
+            callbacks.append(AtomicCheckpointCallback(calls, self.run_dir, self.save_replay_buffer))
+        if self._progress_console is not None:
+            self._progress = ProgressCallback(total_timesteps, console=self._progress_console)
+            callbacks.append(self._progress)
+        return [*callbacks, self.telemetry, *self._extra]
+
+    def _release(self) -> None:
+        # SB3 skips on_training_end when learn() raises: release the terminal and the hooks here.
+        if self._progress is not None:
+            self._progress.stop()
+        self.telemetry.close()
+        self.guard.close()
+
+    def _save(self, outcome: Outcome) -> None:
+        """Save the model (unless its weights are NaN) and say where, and how to go on if the run was cut short."""
+        assert self.run_dir is not None
+        run, model = self.run_dir, self.model
+        bad = first_non_finite(model.policy)
+        if bad is None:
+            save_state(model, run.final, replay_buffer=self.save_replay_buffer)
+            outcome.model_path = run.final.model
+            outcome.saved = f"model saved to {run.final.model} at {model.num_timesteps:,} timesteps"
+        else:
+            newest = run.saved_states()
+            kept = "none (no checkpoint was written yet)"
+            if newest:
+                kept = f"{newest[0].model} ({newest[0].timesteps:,} timesteps)"
+            outcome.saved = f"the weights are NaN ({bad}), so no model was saved; the last good model is {kept}"
+        if outcome.interrupted:
+            outcome.saved += f"; continue with: python -m sb3_gpu.train --resume {run}"

@@ -1,0 +1,318 @@
+"""Throughput telemetry: where a run's time goes, logged through SB3's logger, and a TensorBoard dashboard layout.
+
+``ThroughputCallback`` records under ``throughput/``: env steps/s and episodes/s over a sliding window (warm-up
+excluded), optimizer steps per 1,000 env steps, the shares of wall time spent stepping envs, in the rest of
+collection (policy inference, buffer writes, callbacks), in training and in periodic evaluation, replay-buffer
+fill, process RSS and CPU use, and on CUDA the allocated and peak device memory (and GPU utilisation where
+nvidia-ml-py is installed). Env time comes from a thin VecEnv timer put on the model's env for the duration
+of ``learn``; collection and training time from the rollout hooks; optimizer steps from the count that the policy's
+:class:`~sb3_gpu.extensions.stepping.OptimizerStep` keeps, so steps that AMP skipped or gradient accumulation held
+back do not count.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import numpy as np
+import torch as th
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.logger import TensorBoardOutputFormat
+from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_steps
+from sb3_gpu.runs.evaluation import TimedEvalCallback
+
+
+class Window:
+    """Cumulative counters (a number or an array) sampled over time; their change over the last ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.points: collections.deque[tuple[float, Any]] = collections.deque()
+
+    def add(self, now: float, counters: Any) -> None:
+        self.points.append((now, counters))
+        while len(self.points) > 2 and now - self.points[1][0] >= self.seconds:
+            self.points.popleft()
+
+    def delta(self) -> tuple[float, Any] | None:
+        """(seconds, change of the counters) from the oldest point kept to the newest; None before two points."""
+        if len(self.points) < 2:
+            return None
+        (t0, c0), (t1, c1) = self.points[0], self.points[-1]
+        return (t1 - t0, c1 - c0) if t1 > t0 else None
+
+
+class WindowedRate(Window):
+    """Steps per second over the last ``window_s`` seconds (a running average since start-up lags for the whole run)."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        super().__init__(window_s)
+
+    def rate(self) -> float:
+        delta = self.delta()
+        return float(delta[1] / delta[0]) if delta is not None else 0.0
+
+
+# The "Custom Scalars" dashboard: category -> chart -> tag regexes (several runs in one log dir share it).
+DASHBOARD: dict[str, dict[str, list[Any]]] = {
+    "Returns": {
+        "episode return (rollout, eval)": ["Multiline", [r"rollout/ep_rew_mean", r"eval/mean_reward"]],
+        "episode length": ["Multiline", [r"rollout/ep_len_mean", r"eval/mean_ep_length"]],
+    },
+    "Throughput": {
+        "env steps/s (windowed)": ["Multiline", [r"throughput/env_steps_per_s"]],
+        "episodes/s": ["Multiline", [r"throughput/episodes_per_s"]],
+        "optimizer steps per 1k env steps": ["Multiline", [r"throughput/grad_steps_per_1k_env_steps"]],
+        "SB3 fps (since start)": ["Multiline", [r"time/fps"]],
+    },
+    "Time split": {
+        "share of wall time": ["Multiline", [r"throughput/share_(env|policy|train|eval)"]],
+    },
+    "Losses": {
+        "losses": ["Multiline", [r"train/.*loss"]],
+        "learning rate, exploration": ["Multiline", [r"train/learning_rate", r"rollout/exploration_rate"]],
+        "prioritized replay, AMP": ["Multiline", [r"per/.*", r"amp/scale"]],
+    },
+    "Hardware": {
+        "process memory (MiB)": ["Multiline", [r"throughput/rss_mib", r"throughput/cuda_(allocated|peak)_mib"]],
+        "CPU and GPU use (%)": ["Multiline", [r"throughput/cpu_percent", r"throughput/gpu_util_percent"]],
+        "replay buffer fill": ["Multiline", [r"throughput/buffer_fill"]],
+    },
+}
+
+
+def write_dashboard(model: Any) -> bool:
+    """Write the custom-scalars layout into the model's TensorBoard run, if it logs to TensorBoard."""
+    for fmt in model.logger.output_formats:
+        if isinstance(fmt, TensorBoardOutputFormat):
+            fmt.writer.add_custom_scalars(DASHBOARD)
+            fmt.writer.flush()
+            return True
+    return False
+
+
+class EnvTimer:
+    """Adds up the wall time spent in a VecEnv's ``step_async``, ``step_wait`` and ``reset``.
+
+    It times the env object in place (instance attributes over its methods) rather than wrapping it: SB3 walks
+    wrapper chains level by level (``sync_envs_normalization``, ``get_vec_normalize_env``), and an extra level
+    would break them. ``remove`` puts the methods back. Give it the innermost VecEnv (``venv.unwrapped``).
+    """
+
+    _METHODS = ("step_async", "step_wait", "reset")
+
+    def __init__(self, venv: VecEnv):
+        self.venv, self.seconds = venv, 0.0
+        self._saved = {name: venv.__dict__.get(name) for name in self._METHODS}
+        for name in self._METHODS:
+            setattr(venv, name, self._timed(getattr(venv, name)))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+    def remove(self) -> None:
+        for name, saved in self._saved.items():
+            if saved is None:
+                self.venv.__dict__.pop(name, None)
+            else:
+                setattr(self.venv, name, saved)
+
+
+class ThroughputCallback(BaseCallback):
+    """Throughput and time-split figures under ``throughput/``, recorded at the end of each rollout.
+
+    :param window_s: the sliding window for rates and shares
+    :param warmup_s: the first seconds of ``learn`` (start-up, first compilations) are left out of the window
+    :param report_s: print a compact line every ``report_s`` seconds (None: never), via ``print_fn``
+    :param dashboard: write the TensorBoard custom-scalars layout when training starts
+    :param record_s: record figures at most this often (DQN's rollouts can be a single step long)
+    """
+
+    # Counters kept cumulative since training start: env steps, episodes, optimizer steps, and seconds in env
+    # steps, in collection as a whole, in training, and in periodic evaluation (which runs inside collection).
+    _STEPS, _EPISODES, _GRAD, _ENV, _COLLECT, _TRAIN, _EVAL = range(7)
+
+    def __init__(
+        self,
+        window_s: float = 30.0,
+        warmup_s: float = 5.0,
+        report_s: float | None = None,
+        print_fn: Any = print,
+        dashboard: bool = True,
+        eval_callback: TimedEvalCallback | None = None,
+        record_s: float = 1.0,
+        verbose: int = 0,
+    ):
+        super().__init__(verbose)
+        self.dashboard, self.eval_callback, self.record_s = dashboard, eval_callback, record_s
+        self._next_record = 0.0
+        self.window = Window(window_s)
+        self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
+        self.counters = np.zeros(7)
+        self.latest: dict[str, float] = {}
+        self._timer: EnvTimer | None = None
+        self._optimizer_steps: list[OptimizerStep] = []
+        self._grad0 = 0
+        self._steps0, self._eval0 = 0, 0.0
+        self._start = self._rollout_start = self._rollout_end = 0.0
+        self._next_report = 0.0
+        self._process: Any = None
+
+    # ------------------------------------------------------------------ hooks
+    def _on_training_start(self) -> None:
+        self.close()  # anything left over from an interrupted learn
+        self._optimizer_steps = optimizer_steps(self.model)
+        self._grad0 = self._steps_taken()
+        if self.dashboard:
+            write_dashboard(self.model)
+        assert self.model.env is not None
+        # The innermost VecEnv: wrappers such as VecNormalize pickle their own attributes (checkpoints do that).
+        self._timer = EnvTimer(self.model.env.unwrapped)
+        try:
+            import psutil
+
+            self._process = psutil.Process()
+            self._process.cpu_percent(None)  # the first call only starts the measurement
+        except ImportError:  # pragma: no cover - psutil is a dependency
+            self._process = None
+        self.counters[:] = 0.0
+        self.window.points.clear()
+        self._steps0 = self.num_timesteps
+        self._eval0 = self.eval_callback.seconds if self.eval_callback is not None else 0.0
+        self._start = time.perf_counter()
+        self._rollout_end = self._start
+        self._next_report = self._start + (self.report_s or 0.0)
+        self._next_record = 0.0
+
+    def _steps_taken(self) -> int:
+        return sum(step.steps for step in self._optimizer_steps)
+
+    def _on_rollout_start(self) -> None:
+        now = time.perf_counter()
+        self.counters[self._TRAIN] += now - self._rollout_end  # training runs between one rollout and the next
+        self._rollout_start = now
+        self._sample(now)
+
+    def _sample(self, now: float) -> None:
+        # Taken where every finished rollout has had its training, so steps and optimizer steps match.
+        self.counters[self._STEPS] = self.num_timesteps - self._steps0
+        self.counters[self._GRAD] = self._steps_taken() - self._grad0
+        self.counters[self._ENV] = self._timer.seconds if self._timer is not None else 0.0
+        if self.eval_callback is not None:
+            self.counters[self._EVAL] = self.eval_callback.seconds - self._eval0
+        if now - self._start >= self.warmup_s:
+            self.window.add(now, self.counters.copy())
+
+    def _on_step(self) -> bool:
+        dones = self.locals.get("dones")
+        if dones is not None:
+            self.counters[self._EPISODES] += int(np.count_nonzero(dones))
+        return True
+
+    def _on_rollout_end(self) -> None:
+        now = time.perf_counter()
+        self._rollout_end = now
+        self.counters[self._COLLECT] += now - self._rollout_start
+        if now >= self._next_record:
+            self._next_record = now + self.record_s
+            self._record(now)
+
+    def _on_training_end(self) -> None:
+        # The last training ran after the last rollout: count it, record, and write what is pending.
+        now = time.perf_counter()
+        self.counters[self._TRAIN] += now - self._rollout_end
+        self._rollout_end = now
+        self._sample(now)
+        self._record(now)
+        self.logger.dump(self.num_timesteps)
+        self.close()
+
+    def close(self) -> None:
+        """Stop timing the env (also after an interrupted ``learn``)."""
+        if self._timer is not None:
+            self._timer.remove()
+            self._timer = None
+        self._optimizer_steps = []
+
+    # ------------------------------------------------------------------ figures
+    def _record(self, now: float) -> None:
+        figures: dict[str, float] = {}
+        window = self.window.delta()
+        if window is not None:
+            seconds, d = window
+            figures["env_steps_per_s"] = d[self._STEPS] / seconds
+            figures["episodes_per_s"] = d[self._EPISODES] / seconds
+            if d[self._STEPS] > 0:
+                figures["grad_steps_per_1k_env_steps"] = 1000.0 * d[self._GRAD] / d[self._STEPS]
+            busy = d[self._COLLECT] + d[self._TRAIN]
+            if busy > 0:
+                # Collection = env steps + evaluation + the rest of the loop: policy inference, buffer writes, callbacks.
+                figures["share_env"] = d[self._ENV] / busy
+                figures["share_eval"] = d[self._EVAL] / busy
+                figures["share_policy"] = max(d[self._COLLECT] - d[self._ENV] - d[self._EVAL], 0.0) / busy
+                figures["share_train"] = d[self._TRAIN] / busy
+        buffer = getattr(self.model, "replay_buffer", None)
+        if buffer is not None:
+            figures["buffer_fill"] = buffer.size() / buffer.buffer_size
+        if self._process is not None:
+            figures["rss_mib"] = self._process.memory_info().rss / 2**20
+            figures["cpu_percent"] = self._process.cpu_percent(None)
+        device = self.model.device
+        if device.type == "cuda":
+            figures["cuda_allocated_mib"] = th.cuda.memory_allocated(device) / 2**20
+            figures["cuda_peak_mib"] = th.cuda.max_memory_allocated(device) / 2**20
+            util = _gpu_util(device.index or 0)
+            if util is not None:
+                figures["gpu_util_percent"] = util
+        for key, value in figures.items():
+            self.logger.record(f"throughput/{key}", value)
+        self.latest = figures
+        if self.report_s is not None and now >= self._next_report and "env_steps_per_s" in figures:
+            self._next_report = now + self.report_s
+            self.print_fn(self.line())
+
+    def line(self) -> str:
+        """The latest figures as one compact line."""
+        f = self.latest
+        parts = [f"{self.num_timesteps:,} steps", f"{f.get('env_steps_per_s', 0):,.0f} steps/s"]
+        parts.append(f"{f.get('episodes_per_s', 0):.1f} ep/s")
+        if "grad_steps_per_1k_env_steps" in f:
+            parts.append(f"{f['grad_steps_per_1k_env_steps']:.0f} opt steps/1k")
+        if "share_env" in f:
+            shares = (f"{name} {f['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
+            parts.append(" ".join(shares))
+        if "buffer_fill" in f:
+            parts.append(f"buffer {f['buffer_fill']:.0%}")
+        if "rss_mib" in f:
+            parts.append(f"RSS {f['rss_mib']:,.0f} MiB")
+        if "cuda_allocated_mib" in f:
+            parts.append(f"GPU mem {f['cuda_allocated_mib']:,.0f} MiB")
+        return " | ".join(parts)
+
+
+_NVML: dict[str, Any] = {}
+
+
+def _gpu_util(index: int) -> float | None:
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        if "init" not in _NVML:
+            pynvml.nvmlInit()
+            _NVML["init"] = True
+        return float(pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(index)).gpu)
+    except Exception:  # no driver, no permission: the figure is optional
+        return None

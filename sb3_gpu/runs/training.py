@@ -1,0 +1,258 @@
+"""Training a plan into a run directory, and resuming one: what ``python -m sb3_gpu.train`` does, as library calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.vec_env import VecEnv
+
+from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.io import write_json, write_yaml
+from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.config.schema import get_algo
+from sb3_gpu.envs.build import close_vec_envs
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import Plan, make_plan
+from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
+from sb3_gpu.runs.curves import plot_runs
+from sb3_gpu.runs.evaluation import TimedEvalCallback
+from sb3_gpu.runs.rundir import RunDir, SavedState
+from sb3_gpu.runs.saving import restore_model, restore_vecnormalize
+from sb3_gpu.runs.session import Outcome, Session
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run evaluates and saves; kept in ``config.yaml`` so that ``--resume`` goes on the same way.
+
+    :ivar eval_freq: evaluate every N timesteps (None: a tenth of the run)
+    :ivar checkpoint_freq: checkpoint every N timesteps (None: a fifth of the run)
+    """
+
+    eval_freq: int | None = None
+    eval_episodes: int = 10
+    checkpoint_freq: int | None = None
+    save_replay_buffer: bool = False
+
+    def check(self, plan: Plan) -> None:
+        for name in ("eval_freq", "eval_episodes", "checkpoint_freq"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.save_replay_buffer, bool):
+            raise ConfigError(f"save_replay_buffer must be true or false, got {self.save_replay_buffer!r}")
+        if self.save_replay_buffer and get_algo(plan.algo).on_policy:
+            raise ConfigError(
+                f"--save-replay-buffer is for off-policy algorithms (dqn, qrdqn); {plan.algo} keeps no replay buffer"
+            )
+
+    @classmethod
+    def from_config(cls, data: dict[str, Any], where: str) -> RunOptions:
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in names:
+                raise ConfigError(f"{where}: unknown key 'run.{key}'{closest(str(key), names)}")
+        return cls(**data)
+
+    def frequencies(self, timesteps: int) -> tuple[int, int]:
+        """Env steps between evaluations and between checkpoints, for a run of ``timesteps``."""
+        return self.eval_freq or max(timesteps // 10, 1), self.checkpoint_freq or max(timesteps // 5, 1)
+
+
+def train_run(
+    plan: Plan,
+    run_dir: str | Path,
+    *,
+    eval_freq: int | None = None,
+    eval_episodes: int = 10,
+    checkpoint_freq: int | None = None,
+    save_replay_buffer: bool = False,
+    progress: bool = True,
+    console: Console | None = None,
+    report_s: float | None = 30.0,
+) -> dict[str, Any]:
+    """Train per the plan into ``run_dir`` (config, checkpoints, best and final model, TensorBoard, summary).
+
+    SIGINT or SIGTERM stops training after the current step and saves everything (``summary["stopped_by"]``
+    names the signal); a second one raises :class:`~sb3_gpu.common.errors.StopNow` (a KeyboardInterrupt) at once.
+    An env error or a diverged loss saves the model (when its weights are finite) and re-raises, with a note saying
+    where. Every file is written atomically.
+
+    :param eval_freq: evaluate every N timesteps (default: a tenth of the run)
+    :param checkpoint_freq: checkpoint every N timesteps (default: a fifth of the run)
+    :param save_replay_buffer: save the replay buffer (with PER priorities) with the model and each checkpoint
+    :param report_s: print a throughput line every N seconds (None: never)
+    :return: the summary, also written as ``summary.json``
+    """
+    options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer)
+    options.check(plan)
+    run = RunDir(run_dir)
+    run.path.mkdir(parents=True, exist_ok=True)
+    return _train(plan, run, options, None, _Output(progress, console, report_s))
+
+
+def resume_run(
+    run_dir: str | Path,
+    *,
+    timesteps: int | None = None,
+    save_replay_buffer: bool | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+    report_s: float | None = 30.0,
+) -> dict[str, Any]:
+    """Continue a run from its newest model or checkpoint, with its config, replay buffer, VecNormalize statistics
+    and evaluation history, into the same TensorBoard run (schedules and exploration go on from the saved step).
+
+    :param timesteps: the new total length (default: the run's own)
+    :param save_replay_buffer: from now on save the replay buffer too (default: as the run did)
+    """
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise ConfigError(f"--resume: no such run dir: {run}")
+    if not run.config.is_file():
+        raise ConfigError(f"--resume: {run} holds no config.yaml; is it a run dir written by sb3_gpu.train?")
+    config = load_config(run.config)
+    options = RunOptions.from_config(config.run, config.path)
+    states = run.saved_states()
+    if not states:
+        raise ConfigError(f"--resume: {run} holds no readable model.zip or checkpoint to continue from")
+    state = states[0]
+    # Seeded runs continue on fresh seeds: replaying the first episodes' seeds would repeat them.
+    seed = None if config.seed is None else (config.seed + state.timesteps) % 2**32
+    plan = make_plan(
+        config.algo, config.env, config.device, vec_env=config.vec_env, seed=seed, config=config, n_timesteps=timesteps
+    )
+    total = plan.preset.n_timesteps
+    if state.timesteps >= total:
+        raise ConfigError(
+            f"--resume: {run} already trained {state.timesteps:,} of {total:,} timesteps; "
+            f"pass --timesteps with a larger total to train on"
+        )
+    if save_replay_buffer is not None:
+        options = dataclasses.replace(options, save_replay_buffer=save_replay_buffer)
+    options.check(plan)
+    return _train(plan, run, options, state, _Output(progress, console, report_s))
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where a run's progress goes: a bar and rich log lines on a console, or plain prints."""
+
+    progress: bool
+    console: Console | None
+    report_s: float | None
+
+    def say(self, text: str) -> None:
+        (self.console or Console()).print(text, highlight=False)
+
+
+def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, output: _Output) -> dict[str, Any]:
+    with run.locked():
+        if state is not None:
+            run.set_monitor_files_aside()
+        env: VecEnv = build_env(plan, monitor_dir=str(run.monitor))
+        eval_env: VecEnv | None = None
+        try:
+            eval_env = build_env(plan, evaluation=True)
+            if state is None:
+                model = build_model(plan, env, tensorboard_log=str(run.tensorboard))
+            else:
+                env = restore_vecnormalize(env, state, run)
+                model = restore_model(plan, env, state, run, output.say)
+            _write_config(plan, run, options, state, env)
+            return _learn(plan, run, options, state, model, eval_env, output)
+        finally:
+            close_vec_envs(env, eval_env)
+
+
+def _write_config(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, env: VecEnv) -> None:
+    config = plan.to_config()
+    if state is not None and plan.seed is not None:
+        config["seed"] = (plan.seed - state.timesteps) % 2**32  # the run's own seed, not the resumed segment's
+    config["run"] = dataclasses.asdict(options)
+    config["resolved"]["vec_env_class"] = type(env.unwrapped).__name__  # after any fallback to DummyVecEnv
+    write_yaml(run.config, config)
+
+
+def _learn(
+    plan: Plan,
+    run: RunDir,
+    options: RunOptions,
+    state: SavedState | None,
+    model: BaseAlgorithm,
+    eval_env: VecEnv,
+    output: _Output,
+) -> dict[str, Any]:
+    preset = plan.preset
+    eval_freq, checkpoint_freq = options.frequencies(preset.n_timesteps)
+    evaluator = TimedEvalCallback(
+        eval_env,
+        run_dir=run,
+        n_eval_episodes=options.eval_episodes,
+        eval_freq=max(eval_freq // preset.n_envs, 1),
+        callback_on_new_best=SaveVecNormalizeCallback(run.best_vecnormalize) if preset.normalize else None,
+        verbose=0,
+    )
+    if state is not None:
+        evaluator.restore_history(state.timesteps)
+    console = output.console or Console()
+    session = Session(
+        model,
+        evaluator=evaluator,
+        run_dir=run,
+        checkpoint_freq=checkpoint_freq,
+        save_replay_buffer=options.save_replay_buffer,
+        progress=console if output.progress else None,
+        report_s=output.report_s,
+        print_fn=console.log if output.progress else print,
+    )
+    # Everything below runs inside the session: a second signal during the saves aborts them, and atomic writes
+    # keep the old files.
+    with session:
+        outcome = session.learn(preset.n_timesteps - model.num_timesteps, reset_num_timesteps=state is None)
+        summary = _summary(plan, model, outcome)
+        if not outcome.interrupted:
+            mean, std = session.evaluate(options.eval_episodes)
+            best = evaluator.best_mean_reward
+            summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
+            summary["best_eval_mean"] = float(best) if best > -float("inf") else None
+        if run.best_model.exists():
+            summary["best_model"] = str(run.best_model)
+        summary["curves"] = _draw_curves(plan, run)
+        write_json(run.summary, summary)
+    if outcome.error is not None:
+        if hasattr(outcome.error, "add_note"):  # Python 3.11+; summary.json says the same on 3.10
+            outcome.error.add_note(str(outcome.saved))
+        raise outcome.error
+    return summary
+
+
+def _summary(plan: Plan, model: BaseAlgorithm, outcome: Outcome) -> dict[str, Any]:
+    env = model.get_env()
+    return {
+        "algo": plan.algo,
+        "env": plan.env.name,
+        "device": plan.device.device,
+        "vec_env": type(env.unwrapped).__name__ if env is not None else None,
+        "timesteps": outcome.timesteps,
+        "wall_time_s": round(outcome.wall_s, 2),
+        "steps_per_s": round(outcome.steps_per_s, 1) if outcome.steps_per_s is not None else None,
+        "interrupted": outcome.interrupted,
+        "stopped_by": outcome.stopped_by,
+        "error": f"{type(outcome.error).__name__}: {outcome.error}" if outcome.error is not None else None,
+        "saved": outcome.saved,
+        "model": str(outcome.model_path) if outcome.model_path is not None else None,
+        "throughput": outcome.throughput,
+    }
+
+
+def _draw_curves(plan: Plan, run: RunDir) -> str:
+    try:
+        return str(plot_runs([run], run.curves, labels=[f"{plan.algo} {plan.env.name}"]))
+    except Exception as e:  # matplotlib is an optional extra; a picture must never cost the run its summary
+        return f"not drawn: {e}"

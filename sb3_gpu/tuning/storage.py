@@ -1,0 +1,79 @@
+"""Where a study lives: optuna storages that many processes and machines share, and the trials of dead workers."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from sb3_gpu.common.errors import ConfigError
+
+
+def import_optuna() -> Any:
+    try:
+        import optuna
+    except ImportError:
+        raise ConfigError("tuning needs optuna: pip install 'sb3-gpu[tune]'") from None
+    return optuna
+
+
+def mask_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def make_storage(url: str, heartbeat_s: int) -> Any:
+    """An optuna storage: ``journal:PATH`` (a journal file), or any SQLAlchemy URL (sqlite, postgresql, mysql)."""
+    optuna = import_optuna()
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        path = Path(url.removeprefix("journal:"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path)))
+    if "://" not in url:
+        raise ConfigError(
+            f"storage {url!r} is not a URL (accepted: sqlite:///FILE, postgresql://..., mysql://..., journal:FILE)"
+        )
+    for attempt in range(5):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable in practice
+                return optuna.storages.RDBStorage(
+                    url, heartbeat_interval=heartbeat_s, grace_period=2 * heartbeat_s, engine_kwargs={"pool_pre_ping": True}
+                )
+        except ImportError:
+            raise ConfigError(
+                f"storage {mask_url(url)}: its database driver is not installed "
+                "(PostgreSQL: pip install 'sb3-gpu[tune]'; MySQL: pip install PyMySQL)"
+            ) from None
+        except Exception as e:  # SQLAlchemy raises many kinds: refused connection, bad credentials, unknown database
+            text = str(e).lower()
+            if attempt < 4 and ("already exists" in text or "duplicate" in text):
+                # Workers started together on an empty database race to create optuna's tables: the loser retries.
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"cannot open storage {mask_url(url)}: {mask_url(first)}") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def fail_dead_local_trials(study: Any) -> int:
+    """Mark failed the RUNNING trials of workers on this host whose process is gone; return how many.
+
+    RDB storages do this by heartbeat; a journal file has no heartbeats, and this covers the one-machine case.
+    """
+    optuna = import_optuna()
+    host, failed = socket.gethostname(), 0
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
+        if worker_host == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            # skip_if_finished: another worker may have failed it first.
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+            failed += 1
+    return failed

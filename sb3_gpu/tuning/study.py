@@ -1,0 +1,294 @@
+"""A study's trials: sampling overrides from a search space, scoring them through the same training Session as
+``train`` (NaN guard, signals, telemetry), and exporting the best trial as a preset."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import socket
+import statistics
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import atomic_write_bytes, atomic_write_text
+from sb3_gpu.config.files import presets_dir, read_yaml
+from sb3_gpu.config.presets import apply_override, load_preset_file, select_entry
+from sb3_gpu.config.schema import PROFILES, get_algo
+from sb3_gpu.envs.build import close_vec_envs
+from sb3_gpu.envs.spec import resolve_env
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.evaluation import TimedEvalCallback
+from sb3_gpu.runs.session import Session
+from sb3_gpu.tuning.storage import import_optuna
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How each trial trains and is scored.
+
+    :ivar seeds: seeds per trial, from ``seed`` on; the score is the mean of their final evaluations
+    :ivar timesteps: timesteps per seed (None: the preset's)
+    :ivar eval_freq: evaluate (and maybe prune) every N timesteps (None: a fifth of the run)
+    """
+
+    algo: str
+    env: str
+    device: str = "auto"
+    vec_env: str = "auto"
+    timesteps: int | None = None
+    seeds: int = 1
+    seed: int = 0
+    eval_episodes: int = 10
+    eval_freq: int | None = None
+
+
+def encode_choice(value: Any) -> Any:
+    # optuna's categorical choices must be scalars; lists (net_arch) travel as their YAML text.
+    return (
+        value
+        if value is None or isinstance(value, (bool, int, float, str))
+        else yaml.safe_dump(value, default_flow_style=True).strip()
+    )
+
+
+def sample(trial: Any, space: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Draw one set of overrides; ``X.y`` keys are skipped when ``X`` was drawn false (``per.alpha`` without PER)."""
+    params: dict[str, Any] = {}
+    for key, spec in space.items():
+        head = key.partition(".")[0]
+        if "." in key and params.get(head) is False:
+            continue
+        if "choices" in spec:
+            encoded = [encode_choice(c) for c in spec["choices"]]
+            value = trial.suggest_categorical(key, encoded)
+            params[key] = spec["choices"][encoded.index(value)]
+        elif isinstance(spec["low"], int) and isinstance(spec["high"], int) and not isinstance(spec["low"], bool):
+            params[key] = trial.suggest_int(key, spec["low"], spec["high"], log=bool(spec.get("log")))
+        else:
+            params[key] = trial.suggest_float(key, float(spec["low"]), float(spec["high"]), log=bool(spec.get("log")))
+    return params
+
+
+class TrialInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped a trial (optuna marks it failed and ends the worker)."""
+
+    def __init__(self, signal_name: str, trial_number: int):
+        super().__init__(f"stopped by {signal_name} in trial {trial_number}")
+        self.signal_name = signal_name
+
+
+class TrialEvalCallback(TimedEvalCallback):
+    """SB3's EvalCallback that reports each evaluation to the trial and stops training when the pruner says so.
+
+    :param eval_freq: evaluate every this many calls (env steps / n_envs), as EvalCallback counts
+    :param step_offset: added to the reported step, so that the seeds of one trial report one rising curve
+    """
+
+    def __init__(self, trial: Any, eval_env: Any, eval_freq: int, episodes: int, step_offset: int = 0):
+        super().__init__(eval_env, n_eval_episodes=episodes, eval_freq=eval_freq, deterministic=True, verbose=0)
+        self.trial, self.step_offset, self.pruned = trial, step_offset, False
+
+    def _on_step(self) -> bool:
+        keep_going = super()._on_step()
+        if self.n_calls % self.eval_freq == 0:
+            self.trial.report(float(self.last_mean_reward), self.step_offset + self.num_timesteps)
+            self.pruned = bool(self.trial.should_prune())
+        return keep_going and not self.pruned
+
+
+def make_objective(settings: TrialSettings, space: dict[str, dict[str, Any]]) -> Any:
+    """optuna's objective: sample overrides, train each seed, and return the mean final evaluation.
+
+    A combination the preset checks refuse is pruned (not a result); a signal stops the trial, which optuna then
+    marks failed, and ends the worker.
+    """
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+
+    def objective(trial: Any) -> float:
+        trial.set_user_attr("worker", worker)
+        params = sample(trial, space)
+        scores = [_score(trial, settings, params, i) for i in range(settings.seeds)]
+        trial.set_user_attr("seed_scores", scores)
+        score = statistics.fmean(scores)
+        if not math.isfinite(score):
+            raise RuntimeError(f"trial {trial.number} scored {score}")
+        return score
+
+    return objective
+
+
+def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: int) -> float:
+    """Train seed ``settings.seed + index`` with ``params`` and return its final mean return."""
+    optuna = import_optuna()
+    seed = settings.seed + index
+    try:
+        plan = make_plan(
+            settings.algo,
+            settings.env,
+            settings.device,
+            seed=seed,
+            n_timesteps=settings.timesteps,
+            vec_env=settings.vec_env,
+            overrides=params,
+            override_source="search space",
+        )
+    except ConfigError as e:  # an invalid combination (say batch_size > n_steps * n_envs): not a result
+        trial.set_user_attr("invalid", str(e))
+        raise optuna.TrialPruned(f"invalid combination: {e}") from None
+    timesteps, n_envs = plan.preset.n_timesteps, plan.preset.n_envs
+    env = build_env(plan)
+    eval_env = None
+    try:
+        eval_env = build_env(plan, evaluation=True)
+        model = build_model(plan, env)
+        freq = settings.eval_freq or max(timesteps // 5, 1)
+        evaluator = TrialEvalCallback(trial, eval_env, max(freq // n_envs, 1), settings.eval_episodes, index * timesteps)
+        with Session(model, evaluator=evaluator) as session:
+            outcome = session.learn(timesteps)
+            if outcome.stopped_by is not None:
+                raise TrialInterrupted(outcome.stopped_by, trial.number)
+            if outcome.error is not None:
+                raise outcome.error
+            if evaluator.pruned:
+                raise optuna.TrialPruned(f"pruned at {outcome.timesteps} timesteps of seed {seed}")
+            mean, _ = session.evaluate(settings.eval_episodes)
+        return mean
+    finally:
+        close_vec_envs(env, eval_env)
+
+
+# --------------------------------------------------------------------------- results
+def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -> Path:
+    """The best trial as a preset file: the bundled entry for ``env`` with the tuned keys set (profiles dropped)."""
+    algo_ = get_algo(algo)
+    best = study.best_trial
+    entries, label = load_preset_file(algo_)
+    spec = resolve_env(env)
+    name = select_entry(entries, spec.name, spec.is_atari, label)
+    raw = read_yaml(presets_dir() / f"{algo_.name}.yaml")[name]
+    # Profiles would override the tuned values on some machines; the tuned values hold everywhere.
+    entry = {k: v for k, v in raw.items() if k not in PROFILES}
+    for key, value in _decoded_params(best, study).items():
+        apply_override(entry, key, value)
+    header = (
+        f"# Tuned by python -m sb3_gpu.tune {algo} --env {env}: trial {best.number} of study {study.study_name!r},\n"
+        f"# mean score {best.value:.2f} over {len(best.user_attrs.get('seed_scores', [])) or 1} seed(s) at {timesteps} "
+        f"timesteps each. Train it: python -m sb3_gpu.train {algo} --env {env} --preset {path.name}\n"
+    )
+    atomic_write_text(path, header + yaml.safe_dump({spec.name: entry}, sort_keys=False))
+    load_preset_file(algo_, path)  # what we wrote must load as a preset
+    return path
+
+
+def _decoded_params(trial: Any, study: Any) -> dict[str, Any]:
+    space = study.user_attrs.get("space", {})
+    out = {}
+    for key, value in trial.params.items():
+        choices = space.get(key, {}).get("choices")
+        out[key] = choices[[encode_choice(c) for c in choices].index(value)] if choices else value
+    return out
+
+
+def write_plots(study: Any, folder: Path) -> list[str]:
+    """optuna's optimization history and parameter importances as PNGs; a note for each one not drawn."""
+    notes = []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from optuna.visualization import matplotlib as vis
+    except ImportError as e:
+        return [f"plots not drawn ({e}): pip install 'sb3-gpu[plot]'"]
+    for name, draw in (
+        ("optimization_history", vis.plot_optimization_history),
+        ("param_importances", vis.plot_param_importances),
+    ):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental
+                ax: Any = draw(study)
+            figure = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
+            png = io.BytesIO()
+            figure.savefig(png, format="png", dpi=100, bbox_inches="tight")
+            atomic_write_bytes(folder / f"{name}.png", png.getvalue())
+            notes.append(str(folder / f"{name}.png"))
+        except Exception as e:  # importances need 2+ complete trials with varied params, for one
+            notes.append(f"{name} not drawn: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    return notes
+
+
+# --------------------------------------------------------------------------- the study
+SAMPLERS = ("tpe", "random")
+PRUNERS = ("median", "halving", "none")
+
+
+def open_study(
+    name: str,
+    storage: Any,
+    *,
+    sampler: str,
+    pruner: str,
+    timesteps: int,
+    algo: str,
+    env: str,
+    space: dict[str, dict[str, Any]],
+    where: str,
+) -> Any:
+    """Create the study ``name`` in ``storage``, or join it; refuse one that tunes another algorithm or env.
+
+    :param timesteps: of each seed's training; the median pruner waits for a third of them
+    :param where: the storage as messages name it (without its password)
+    """
+    optuna = import_optuna()
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(n_startup_trials=5), "random": optuna.samplers.RandomSampler}
+    pruners = {
+        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=timesteps // 3),
+        "halving": optuna.pruners.SuccessiveHalvingPruner,
+        "none": optuna.pruners.NopPruner,
+    }
+    study = optuna.create_study(
+        study_name=name,
+        storage=storage,
+        sampler=samplers[sampler](),
+        pruner=pruners[pruner](),
+        direction="maximize",
+        load_if_exists=True,
+    )
+    made_for = (study.user_attrs.get("algo"), study.user_attrs.get("env"))
+    if made_for[0] is None:
+        study.set_user_attr("algo", algo)
+        study.set_user_attr("env", env)
+        study.set_user_attr("space", space)
+    elif made_for != (algo, env):
+        raise ConfigError(f"study {name!r} in {where} tunes {made_for[0]} on {made_for[1]}; choose another --study-name")
+    return study
+
+
+def finished_trials(study: Any) -> int:
+    """Trials that count towards the study's target: complete or pruned."""
+    optuna = import_optuna()
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)))
+
+
+def run_trials(study: Any, objective: Any, target: int) -> None:
+    """Run trials until the study, counting every worker's, has ``target`` finished ones."""
+    optuna = import_optuna()
+    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+    done = finished_trials(study)
+    if done >= target:
+        return
+    study.optimize(
+        objective,
+        n_trials=target - done,
+        callbacks=[optuna.study.MaxTrialsCallback(target, states=finished)],
+        gc_after_trial=True,
+        # A trial that diverges (NaN logits) or runs out of memory fails alone; the worker and the study go on.
+        catch=(Exception,),
+    )

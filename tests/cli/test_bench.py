@@ -1,0 +1,83 @@
+"""The bench command runs end to end and prints its ratios (the figures themselves are for the README, not tests)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sb3_gpu import bench
+from sb3_gpu.benches import speed, telemetry
+from sb3_gpu.extensions.per import tree_backends
+
+
+def test_bench_speed_prints_a_row_per_switch(monkeypatch, capsys):
+    tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
+    monkeypatch.setattr(speed, "SPEED_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
+    assert bench.main(["speed", "--repeats", "1", "--threads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4096x256 @ 256x256 matmul" in out and "native bf16:" in out
+    rows = [line for line in out.splitlines() if line.startswith("tiny PPO")]
+    assert [r.split("  ")[1].strip() for r in rows] == ["bf16 autocast", "torch.compile", "2 threads"]
+    assert all(len(re.findall(r"\d+\.\d\dx", r)) == 2 for r in rows)
+
+
+def test_bench_per_times_each_tree_backend_and_the_gradient_step(capsys):
+    assert bench.main(["per", "--repeats", "1", "--capacities", "1000", "--batch-size", "32"]) == 0
+    out = capsys.readouterr().out
+    backends = tree_backends()
+    for backend in backends:
+        assert re.search(rf"sample\(32\) \+ update @ 1e\+03, {backend} tree.*\d\.\d\dx", out), out
+    assert re.search(r"DQN gradient step .* <= 1.25x (ok|MISSED)", out)
+
+
+def test_bench_learning_with_an_unknown_env_is_exit_2(capsys):
+    assert bench.main(["per", "--learn", "--env", "NoSuchEnv-v0", "--no-timing"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown env id 'NoSuchEnv-v0'" in err[0]
+
+
+@pytest.mark.parametrize("callback", ["telemetry", "guard", "session"])
+def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys, callback):
+    tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
+    monkeypatch.setattr(telemetry, "TELEMETRY_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
+    assert bench.main(["telemetry", "--repeats", "1", "--callback", callback]) == 0
+    assert re.search(r"tiny PPO\s+\d+\s+\d+\s+[+-]\d+\.\d%", capsys.readouterr().out)
+
+
+def test_bench_envs_writes_json_and_markdown_with_ratios_to_the_better_sb3_class(tmp_path, capsys):
+    import json
+
+    args = ["envs", "--envs", "CartPole-v1", "--n-envs", "2", "--seconds", "0.05", "--repeats", "1"]
+    assert bench.main([*args, "--startup-workers", "0", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "envs.json").read_text())
+    rows = {r["backend"]: r for r in data["rows"]}
+    assert {"dummy", "subproc", "batched", "auto"} <= rows.keys()
+    best = max(rows["dummy"]["steps_per_s"], rows["subproc"]["steps_per_s"])
+    for row in rows.values():
+        assert row["vs_best_sb3"] == round(row["steps_per_s"] / best, 3)
+    assert rows["batched"]["class"] == "BatchedSubprocVecEnv" and rows["subproc"]["class"] == "SubprocVecEnv"
+    markdown = (tmp_path / "envs.md").read_text()
+    assert (
+        markdown.startswith("`python -m sb3_gpu.bench envs --envs CartPole-v1") and "| CartPole-v1 | 2 | batched |" in markdown
+    )
+
+
+def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path, capsys):
+    import json
+
+    args = ["train", "--seeds", "0", "--threshold", "30", "--max-timesteps", "2048", "--eval-freq", "512"]
+    assert bench.main([*args, "--eval-episodes", "3", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "train.json").read_text())
+    for name in ("sb3_gpu", "sb3_zoo"):
+        (run,) = data[name]["runs"]
+        assert run["timesteps"] <= 2048 + 256 and run["train_seconds"] > 0 and run["steps_per_s"] > 0
+    assert "| SB3 + rl-zoo3 values |" in (tmp_path / "train.md").read_text()
+
+
+def test_bench_envs_and_train_refuse_bad_names(capsys):
+    assert bench.main(["envs", "--envs", "CartPol-v1", "--startup-workers", "0"]) == 2
+    assert "did you mean 'CartPole-v1'" in capsys.readouterr().err
+    assert bench.main(["train", "--env", "Pong-v5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no rl-zoo3 baseline for ppo Pong-v5 (have: dqn CartPole-v1" in err[0]

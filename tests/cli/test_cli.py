@@ -1,0 +1,241 @@
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import zipfile
+
+import pytest
+import yaml
+from stable_baselines3 import PPO
+
+from sb3_gpu.evaluate import main as evaluate_main
+from sb3_gpu.train import main as train_main
+from tests.conftest import run_cli
+
+
+def test_train_writes_a_complete_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        "sb3_gpu.train",
+        "ppo",
+        "--env",
+        "CartPole-v1",
+        "--timesteps",
+        "2048",
+        "--n-envs",
+        "2",
+        "--seed",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--eval-freq",
+        "1024",
+        "--eval-episodes",
+        "2",
+        "--checkpoint-freq",
+        "1024",
+        "--no-progress",
+        "--set",
+        "n_epochs=1",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "sb3_gpu plan: PPO on CartPole-v1" in result.stdout and "sb3_gpu summary" in result.stdout
+    for name in (
+        "config.yaml",
+        "model.zip",
+        "best_model.zip",
+        "summary.json",
+        "eval/evaluations.npz",
+        "checkpoints/model_1024_steps.zip",
+        "monitor/0.monitor.csv",
+    ):
+        assert (run_dir / name).is_file(), name
+    assert list((run_dir / "tb").glob("run_1/events.out.tfevents.*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["timesteps"] >= 2048 and summary["steps_per_s"] > 0 and summary["eval_episodes"] == 2
+    assert summary["final_eval_mean"] > 0 and summary["interrupted"] is False
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["hyperparameters"]["n_epochs"] == 1 and config["resolved"]["sources"]["n_epochs"] == "--set"
+    assert PPO.load(run_dir / "model.zip").num_timesteps == summary["timesteps"]
+
+    replay = run_cli("sb3_gpu.train", "--config", str(run_dir / "config.yaml"), "--plan")
+    assert replay.returncode == 0, replay.stderr
+    assert "n_epochs" in replay.stdout and str(run_dir / "config.yaml") in replay.stdout.replace("\n", "")
+
+    evaluation = run_cli("sb3_gpu.evaluate", str(run_dir), "--episodes", "2", "--json")
+    assert evaluation.returncode == 0, evaluation.stderr
+    assert json.loads(evaluation.stdout)["episodes"] == 2
+
+    again = run_cli("sb3_gpu.train", "ppo", "--run-dir", str(run_dir), "--timesteps", "10")
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_plan_prints_and_trains_nothing(tmp_path):
+    result = run_cli("sb3_gpu.train", "dqn", "--env", "CartPole-v1", "--plan", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "device" in result.stdout and "why / source" in result.stdout and "dqn.yaml:CartPole-v1" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+# Each bad input: arguments, and a piece of the one-line message that says what was wrong.
+BAD_INPUTS = [
+    (["ppo3"], "unknown algorithm 'ppo3'; did you mean 'ppo'"),
+    (["ppo", "--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
+    (["ppo", "--env", "no_such_pkg.envs:MyEnv"], "cannot import module 'no_such_pkg.envs'"),
+    (["ppo", "--timesteps", "0"], "--timesteps: expected a positive integer"),
+    (["ppo", "--timesteps", "-5"], "--timesteps: expected a positive integer"),
+    (["ppo", "--n-envs", "0"], "--n-envs: expected a positive integer"),
+    (["ppo", "--n-envs", "2.5"], "--n-envs: expected a positive integer"),
+    (["ppo", "--device", "cuda"], "asked for a CUDA GPU, but torch sees none"),
+    (["ppo", "--device", "bogus"], "unknown device 'bogus'; accepted: auto, cpu, cuda, cuda:N, mps"),
+    (["ppo", "--set", "bach_size=64"], "unknown key 'bach_size'; did you mean 'batch_size'"),
+    (["ppo", "--set", "batch_size=lots"], "batch_size: expected an int >= 2, got 'lots'"),
+    (["ppo", "--set", "batch_size"], "--set expects key=value"),
+    (["ppo", "--vec-env", "threads"], "argument --vec-env: invalid choice: 'threads'"),
+    (["ppo", "--preset", "{bad_yaml}"], "not valid YAML"),
+    (["ppo", "--preset", "{list_yaml}"], "must be a mapping of entries"),
+    (["ppo", "--preset", "{python_tag}"], "refused YAML tag"),
+    (["ppo", "--preset", "{unknown_key}"], "unknown key 'n_step'; did you mean 'n_steps'"),
+    (["ppo", "--preset", "{anchor_bomb}"], "YAML expands to more than 100,000 values"),
+    (["ppo", "--preset", "{self_alias}"], "a YAML alias refers to itself"),
+    (["ppo", "--set", "net_arch=&a [64, *a]"], "a YAML alias refers to itself"),
+    (["--config", "{missing}/config.yaml"], "config file not found"),
+    (["ppo", "--run-dir", "{existing}"], "already exists"),
+    ([], "give an algorithm"),
+    (["ppo", "--per"], "'per' is for off-policy algorithms (dqn, qrdqn); ppo is on-policy"),
+    (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
+    (["dqn", "--set", "per.alpha=-1"], "per.alpha: expected a number >= 0"),
+    (["dqn", "--set", "grad_accum_steps=0"], "grad_accum_steps: expected a positive int"),
+    (["dqn", "--set", "optimize_memory_usage=true"], "optimize_memory_usage=true is not supported"),
+    (["ppo", "--n-envs", "1", "--set", "n_steps=1"], "n_steps * n_envs must be > 1 for PPO"),
+    (["ppo", "--seed", "-1"], "--seed: expected a seed, an integer >= 0"),
+    (["ppo", "--timesteps", "inf"], "--timesteps: expected a positive integer, got 'inf'"),
+    (["dqn", "--per", "--set", "n_steps=3"], "does not support n-step returns"),
+    (
+        ["ppo", "--set", "learning_rate={{schedule: linear, start: 1.0e-3, end: -1}}"],
+        "learning_rate.end: expected a number >= 0",
+    ),
+    (["ppo", "--save-replay-buffer"], "--save-replay-buffer is for off-policy algorithms (dqn, qrdqn)"),
+    # --resume: the run dir and what may be given with it
+    (["--resume", "{missing}"], "--resume: no such run dir"),
+    (["--resume", "{existing}"], "holds no config.yaml; is it a run dir written by sb3_gpu.train?"),
+    (["--resume", "{broken}"], "holds no readable model.zip or checkpoint to continue from"),
+    (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps with a larger total"),
+    (["--resume", "{done}", "--timesteps", "10"], "already trained 64 of 10 timesteps"),
+    (["--resume", "{done}", "--env", "CartPole-v1"], "so --env cannot be given; accepted with --resume: --timesteps"),
+    (["--resume", "{done}", "--set", "n_steps=8"], "so --set cannot be given"),
+    (["ppo", "--resume", "{done}"], "so the algorithm 'ppo' cannot be given"),
+    (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
+    (["--resume", "{run_zero}", "--timesteps", "128"], "eval_episodes must be a positive int, got 0"),
+    (["--resume", "{tampered}", "--timesteps", "128"], "stores a pickled 'evil' that this run's config cannot supply"),
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A completed 64-step PPO run (trained once per module)."""
+    from sb3_gpu import make_plan, train_run
+
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    run_dir.mkdir()
+    plan = make_plan("ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, overrides={"n_steps": 32, "batch_size": 32})
+    train_run(plan, run_dir, eval_episodes=1, progress=False, report_s=None)
+    return run_dir
+
+
+def _variant(run_dir, dest, run_options=None, tamper=False):
+    shutil.copytree(run_dir, dest)
+    if run_options is not None:
+        config = yaml.safe_load((dest / "config.yaml").read_text())
+        config["run"] = run_options
+        (dest / "config.yaml").write_text(yaml.safe_dump(config))
+    if tamper:  # a pickled entry the config cannot supply, whose unpickling would create a file
+        payload = base64.b64encode(b"cos\nsystem\n(S'touch pwned'\ntR.").decode()
+        with zipfile.ZipFile(run_dir / "model.zip") as src, zipfile.ZipFile(dest / "model.zip", "w") as out:
+            for item in src.infolist():
+                data = src.read(item.filename)
+                if item.filename == "data":
+                    fields = json.loads(data)
+                    fields["evil"] = {":type:": "<class 'x'>", ":serialized:": payload}
+                    data = json.dumps(fields).encode()
+                out.writestr(item, data)
+    return dest
+
+
+@pytest.fixture
+def bad_files(tmp_path, finished_run):
+    files = {
+        "bad_yaml": "default: [1, 2\n",
+        "list_yaml": "- 1\n- 2\n",
+        "python_tag": "default: !!python/object/apply:os.system ['touch pwned']\n",
+        "unknown_key": "CartPole-v1:\n  n_step: 4\n",
+        # "billion laughs": 9^10 values from a few hundred bytes, hanging any code that walks them
+        "anchor_bomb": 'a0: &a0 ["x","x","x","x","x","x","x","x","x"]\n'
+        + "".join(f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]\n" for i in range(1, 10))
+        + "CartPole-v1:\n  net_arch: *a9\n",
+        "self_alias": "CartPole-v1:\n  net_arch: &a [64, *a]\n",
+    }
+    paths = {}
+    for name, text in files.items():
+        paths[name] = tmp_path / f"{name}.yaml"
+        paths[name].write_text(text)
+    paths["missing"] = tmp_path / "missing"
+    paths["existing"] = tmp_path / "existing"
+    paths["existing"].mkdir()
+    broken = tmp_path / "broken_run"
+    broken.mkdir()
+    (broken / "config.yaml").write_text("algo: ppo\nenv: CartPole-v1\nhyperparameters: {}\n")
+    (broken / "model.zip").write_bytes(b"PK\x03\x04 not really a zip")
+    paths["broken"] = broken
+    paths["done"] = _variant(finished_run, tmp_path / "done")
+    paths["run_typo"] = _variant(finished_run, tmp_path / "run_typo", {"eval_frek": 5})
+    paths["run_zero"] = _variant(finished_run, tmp_path / "run_zero", {"eval_episodes": 0})
+    paths["tampered"] = _variant(finished_run, tmp_path / "tampered", tamper=True)
+    return paths
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) or "no-args" for a, _ in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, monkeypatch, call_main):
+    monkeypatch.chdir(tmp_path)
+    args = [a.format(**bad_files) for a in args]
+    result = call_main(train_main, *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{broken}"], "is not an SB3 model zip"),
+        (["{missing}"], "no such run dir or model file"),
+        (["{existing}"], "holds no best_model.zip or model.zip"),
+        (["{existing}", "--episodes", "0"], "--episodes: expected a positive integer"),
+    ],
+)
+def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call_main):
+    result = call_main(evaluate_main, *[a.format(**bad_files) for a in args])
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [result.stderr.strip()]
+    assert message in result.stderr
+
+
+# The table above runs in this process; these run the real commands, as a user would.
+@pytest.mark.parametrize(
+    ("module", "args", "message"),
+    [
+        ("sb3_gpu.train", ["ppo3"], "unknown algorithm 'ppo3'; did you mean 'ppo'"),
+        ("sb3_gpu.train", ["ppo", "--timesteps", "0"], "--timesteps: expected a positive integer"),
+        ("sb3_gpu.train", ["ppo", "--set", "bach_size=64"], "unknown key 'bach_size'; did you mean 'batch_size'"),
+        ("sb3_gpu.evaluate", ["nowhere"], "no such run dir or model file"),
+    ],
+)
+def test_bad_input_in_a_real_process_exits_2_with_one_line(module, args, message, tmp_path):
+    result = run_cli(module, *args, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [result.stderr.strip()]
+    assert message in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,266 @@
+"""``python -m sb3_gpu.tune``: studies on SQLite, a journal file and PostgreSQL, shared by workers, resumed."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna", reason="tuning needs the [tune] extra")
+
+from sb3_gpu import tune  # noqa: E402
+from sb3_gpu.common.errors import ConfigError  # noqa: E402
+from sb3_gpu.config.search import load_space  # noqa: E402
+from sb3_gpu.tuning import storage as tuning_storage  # noqa: E402
+from sb3_gpu.tuning import study as tuning  # noqa: E402
+from tests.conftest import REPO, run_cli  # noqa: E402
+
+TINY_SPACE = REPO / "tests" / "cli" / "tiny_ppo_space.yaml"
+TINY = ["--timesteps", "512", "--eval-episodes", "2", "--vec-env", "dummy", "--device", "cpu", "--space", str(TINY_SPACE)]
+
+
+def load(storage: str, name: str = "ppo-CartPole-v1"):
+    return optuna.load_study(study_name=name, storage=tuning_storage.make_storage(storage, 60))
+
+
+def finished(study):
+    return [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+
+
+def test_a_tiny_study_exports_a_preset_that_train_accepts(tmp_path):
+    out = run_cli("sb3_gpu.tune", "ppo", "--trials", "3", "--study-dir", str(tmp_path), *TINY, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "3 of 3" not in out.stdout and "best preset:" in out.stdout
+    study = load(f"sqlite:///{tmp_path / 'study.db'}")
+    assert len(finished(study)) == 3 and study.best_trial.user_attrs["seed_scores"]
+    preset = tmp_path / "best_preset.yaml"
+    text = preset.read_text()
+    assert text.startswith("# Tuned by python -m sb3_gpu.tune ppo") and "CartPole-v1:" in text
+    for key, value in study.best_trial.params.items():
+        assert key in text, (key, value)
+    trained = run_cli(
+        "sb3_gpu.train",
+        "ppo",
+        "--preset",
+        str(preset),
+        "--timesteps",
+        "512",
+        "--no-progress",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--eval-episodes",
+        "2",
+        cwd=tmp_path,
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert (tmp_path / "run" / "model.zip").is_file()
+    # Running the command again with a higher target resumes the same study.
+    again = run_cli("sb3_gpu.tune", "ppo", "--trials", "4", "--study-dir", str(tmp_path), *TINY, cwd=tmp_path)
+    assert again.returncode == 0 and "3 of 4 trials finished" in again.stdout
+    assert len(finished(load(f"sqlite:///{tmp_path / 'study.db'}"))) == 4
+
+
+def _workers(storage: str, tmp_path: Path, trials: int, n: int = 2) -> list[subprocess.CompletedProcess[str]]:
+    cmd = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", str(trials), "--storage", storage]
+    cmd += ["--study-dir", str(tmp_path), "--sampler", "random", "--pruner", "none", *TINY]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(n)
+    ]
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
+
+
+def _check_shared(storage: str, trials: int):
+    study = load(storage)
+    done = finished(study)
+    # Each worker stops once the study has `trials` finished ones; both may have been mid-trial at that moment.
+    assert trials <= len(done) <= trials + 1
+    assert len({t.user_attrs["worker"] for t in done}) == 2, "both workers must have run trials"
+
+
+def test_two_workers_share_one_study_on_a_journal_file(tmp_path):
+    storage = f"journal:{tmp_path / 'journal.log'}"
+    for out in _workers(storage, tmp_path, trials=6):
+        assert out.returncode == 0, out.stderr
+    _check_shared(storage, 6)
+
+
+def _heartbeat_ages(db: Path) -> list[float]:
+    """Seconds since each trial's last heartbeat, by the database's own clock (optuna's staleness check uses it)."""
+    if not db.exists():
+        return []
+    with contextlib.closing(sqlite3.connect(db, timeout=30)) as connection:
+        try:
+            rows = connection.execute(
+                "SELECT (julianday(CURRENT_TIMESTAMP) - julianday(heartbeat)) * 86400.0 FROM trial_heartbeats"
+            ).fetchall()
+        except sqlite3.OperationalError:  # optuna has not made its tables yet
+            return []
+    return [float(age) for (age,) in rows]
+
+
+def _poll(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen in {timeout} s")
+        time.sleep(0.2)
+
+
+def test_a_killed_worker_leaves_a_failed_trial_and_the_study_goes_on(tmp_path):
+    db = tmp_path / "study.db"
+    storage = f"sqlite:///{db}"
+    base = ["--storage", storage, "--study-dir", str(tmp_path), "--heartbeat", "1", *TINY[2:]]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    long_trial = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", "1", "--timesteps", "200000", *base]
+    proc = subprocess.Popen(long_trial, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _poll(lambda: _heartbeat_ages(db), "the worker's first heartbeat")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    # Stale once no heartbeat came for longer than the grace period (two heartbeats of 1 s).
+    _poll(lambda: min(_heartbeat_ages(db)) > 2.0, "the dead worker's trial going stale")
+    out = run_cli("sb3_gpu.tune", "ppo", "--trials", "1", "--timesteps", "512", *base, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    states = [t.state for t in load(storage).trials]
+    assert states.count(optuna.trial.TrialState.FAIL) == 1 and states.count(optuna.trial.TrialState.COMPLETE) == 1
+
+
+def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
+    class AlwaysPrune(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return True
+
+    args = tune.build_parser().parse_args(["ppo", *TINY, "--eval-freq", "128"])
+    study = optuna.create_study(direction="maximize", pruner=AlwaysPrune())
+    study.optimize(tuning.make_objective(tune.settings_from_args(args), load_space("ppo", TINY_SPACE)), n_trials=1)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.PRUNED
+    assert list(trial.intermediate_values) == [128]  # reported once, then stopped
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sampler", "cmaes"], "argument --sampler: invalid choice: 'cmaes'"),
+        (["--pruner", "hyperband"], "argument --pruner: invalid choice: 'hyperband'"),
+        (
+            ["--storage", "postgresql://tuner:s3cret@127.0.0.1:1/optuna"],
+            "cannot open storage postgresql://tuner:***@127.0.0.1:1/optuna",
+        ),
+        (["--storage", "study.db"], "storage 'study.db' is not a URL"),
+        (["--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, call_main):
+    monkeypatch.chdir(tmp_path)
+    out = call_main(tune.main, "ppo", "--study-dir", str(tmp_path), *args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert "s3cret" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learning_rat: {low: 1.0e-5, high: 1.0e-3}", "unknown key 'learning_rat'.*did you mean 'learning_rate'"),
+        ("gamma: {low: 0.9, high: 1.5}", "gamma"),
+        ("n_steps: {choices: []}", "non-empty list"),
+        ("n_steps: {lo: 1, high: 2}", "did you mean 'low'"),
+        ("buffer_size: {choices: [1000]}", "'buffer_size' is for off-policy"),
+        ("learning_rate: {low: 0, high: 1, log: true}", "low > 0 with log"),
+    ],
+)
+def test_search_space_keys_and_values_are_checked_like_presets(tmp_path, text, message):
+    path = tmp_path / "space.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_space("ppo", path)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "dqn", "qrdqn"])
+def test_bundled_search_spaces_load(algo):
+    assert load_space(algo)
+
+
+def test_per_subkeys_are_only_drawn_with_per_on():
+    space = load_space("dqn")
+    seen = set()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        params = tuning.sample(study.ask(), space)
+        seen.add(params["per"])
+        assert ("per.alpha" in params) == params["per"]
+    assert seen == {True, False}
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------------------------
+
+
+def _pg_bin() -> Path | None:
+    for folder in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
+        if Path(folder, "initdb").is_file():
+            return Path(folder)
+    found = shutil.which("initdb")
+    return Path(found).resolve().parent if found else None
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A throwaway PostgreSQL server on 127.0.0.1 (Debian's postgresql package; .ci/run installs it)."""
+    bin_dir = _pg_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed here (Debian: apt-get install postgresql; .ci/run installs it)")
+    root = Path(tempfile.mkdtemp(prefix="sb3_gpu_pg_"))
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # the server refuses to run as root
+        shutil.chown(root, "postgres")
+        prefix = ["runuser", "-u", "postgres", "--"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = root / "data"
+
+    def pg(tool: str, *args: str) -> None:
+        subprocess.run([*prefix, str(bin_dir / tool), *args], check=True, capture_output=True, timeout=120)
+
+    pg("initdb", "-D", str(data), "-A", "trust", "-U", "postgres")
+    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1"
+    pg("pg_ctl", "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start")
+    try:
+        pg("createdb", "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "optuna")
+        yield f"postgresql://postgres@127.0.0.1:{port}/optuna"
+    finally:
+        pg("pg_ctl", "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_two_workers_share_one_study_on_postgresql(tmp_path, postgres_url):
+    for out in _workers(postgres_url, tmp_path, trials=6):
+        assert out.returncode == 0, out.stderr
+        assert "postgresql://postgres@127.0.0.1" in out.stdout
+    _check_shared(postgres_url, 6)
+
+
+def test_trials_of_dead_workers_on_this_host_are_failed():
+    study = optuna.create_study()
+    dead, alive = study.ask(), study.ask()
+    dead.set_user_attr("worker", f"{socket.gethostname()}:{2**22 + 12345}")  # above Linux's pid_max
+    alive.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+    assert tuning_storage.fail_dead_local_trials(study) == 1
+    states = {t.number: t.state for t in study.trials}
+    assert states == {dead.number: optuna.trial.TrialState.FAIL, alive.number: optuna.trial.TrialState.RUNNING}

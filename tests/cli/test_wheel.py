@@ -1,0 +1,68 @@
+"""The wheel carries the presets: install it into a fresh venv and use it from outside the repo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+from tests.conftest import REPO
+
+
+def test_wheel_installs_into_a_fresh_venv_and_works_outside_the_repo(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    wheel = next(dist.glob("sb3_gpu-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"sb3_gpu/presets/ppo.yaml", "sb3_gpu/presets/dqn.yaml", "sb3_gpu/presets/qrdqn.yaml", "sb3_gpu/py.typed"} <= set(
+        names
+    )
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    # The heavy dependencies (torch, SB3) come from this interpreter's site-packages, added *after* the venv's own,
+    # so the sb3_gpu that imports is the installed wheel, not the checkout.
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    with open(f"{site}/outer_deps.pth", "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    script = (
+        "import sb3_gpu, sb3_gpu.config.files as p\n"
+        "from sb3_gpu import make_model\n"
+        "model, timesteps = make_model('ppo', 'CartPole-v1', device='auto', n_steps=16, n_envs=2)\n"
+        "model.learn(64)\n"
+        "print(sb3_gpu.__file__); print(p.presets_dir()); print(timesteps)\n"
+    )
+    out = subprocess.run([str(python), "-c", script], cwd=outside, capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    module_file, presets, timesteps = out.stdout.strip().splitlines()[-3:]
+    assert module_file.startswith(str(venv)) and presets.startswith(str(venv)), out.stdout
+    assert timesteps == "100000"
+
+    plan = subprocess.run(
+        [str(python), "-m", "sb3_gpu.train", "dqn", "--env", "CartPole-v1", "--plan"],
+        cwd=outside,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert "dqn.yaml:CartPole-v1" in plan.stdout

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch as th
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.hardware import GPUInfo, detect_hardware
+from sb3_gpu.planning.device import choose_device
+from tests.conftest import machine
+
+
+def test_detect_hardware_reads_the_real_cpu():
+    hw = detect_hardware()
+    assert hw.logical_cores >= 1 and hw.physical_cores >= 1
+    assert hw.ram_gb > 0
+    assert not hw.in_notebook
+
+
+def test_detect_hardware_reports_each_gpu_from_torch_queries(monkeypatch):
+    props = [
+        SimpleNamespace(name="Tesla T4", total_memory=15 * 2**30, major=7, minor=5),
+        SimpleNamespace(name="NVIDIA A100", total_memory=80 * 2**30, major=8, minor=0),
+    ]
+    monkeypatch.setattr(th.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(th.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(th.cuda, "get_device_properties", lambda i: props[i])
+    hw = detect_hardware()
+    assert [g.name for g in hw.gpus] == ["Tesla T4", "NVIDIA A100"]
+    assert hw.gpus[0].memory_gb == pytest.approx(15.0)
+    assert (hw.gpus[0].fp16, hw.gpus[0].bf16) == (True, False)
+    assert (hw.gpus[1].fp16, hw.gpus[1].bf16) == (True, True)
+    assert "Tesla T4" in hw.describe()
+
+
+def test_pre_volta_gpu_has_neither_fast_fp16_nor_bf16():
+    gpu = GPUInfo(0, "GTX 1080", 8.0, (6, 1))
+    assert not gpu.fp16 and not gpu.bf16
+
+
+def test_auto_without_gpu_picks_cpu_and_says_why():
+    choice = choose_device("auto", "cnn", on_policy=True, hardware=machine())
+    assert choice.device == "cpu" and choice.profile == "cpu"
+    assert "no CUDA" in choice.reason
+
+
+def test_auto_picks_gpu_for_cnn_policies():
+    choice = choose_device("auto", "cnn", on_policy=True, hardware=machine(gpus=1))
+    assert choice.device == "cuda:0" and choice.profile == "gpu"
+    assert "CNN" in choice.reason
+
+
+def test_auto_keeps_on_policy_mlp_on_cpu_even_with_a_gpu():
+    choice = choose_device("auto", "mlp", on_policy=True, hardware=machine(gpus=1))
+    assert choice.device == "cpu"
+    assert "1245" in choice.reason and "--device cuda" in choice.reason
+
+
+def test_auto_gives_off_policy_mlp_the_gpu():
+    assert choose_device("auto", "mlp", on_policy=False, hardware=machine(gpus=1)).device == "cuda:0"
+
+
+def test_auto_uses_mps_for_cnn_on_apple():
+    assert choose_device("auto", "cnn", on_policy=True, hardware=machine(mps=True)).device == "mps"
+
+
+@pytest.mark.parametrize(
+    "requested, expected", [("cpu", "cpu"), ("cuda", "cuda:0"), ("cuda:1", "cuda:1"), (" CUDA:0 ", "cuda:0")]
+)
+def test_explicit_devices_are_honoured(requested, expected):
+    assert choose_device(requested, "mlp", on_policy=True, hardware=machine(gpus=2)).device == expected
+
+
+def test_cuda_without_gpu_is_a_clear_error():
+    with pytest.raises(ConfigError, match="asked for a CUDA GPU, but torch sees none"):
+        choose_device("cuda", "mlp", on_policy=True, hardware=machine())
+
+
+def test_cuda_index_past_the_last_gpu_is_an_error():
+    with pytest.raises(ConfigError, match=r"only cuda:0..cuda:1 exist"):
+        choose_device("cuda:2", "mlp", on_policy=True, hardware=machine(gpus=2))
+
+
+def test_mps_unavailable_is_an_error():
+    with pytest.raises(ConfigError, match="MPS"):
+        choose_device("mps", "mlp", on_policy=True, hardware=machine())
+
+
+@pytest.mark.parametrize("bogus", ["bogus", "gpu", "cuda:x", "cuda:-1", ""])
+def test_unknown_device_names_the_accepted_ones(bogus):
+    with pytest.raises(ConfigError, match="accepted: auto, cpu, cuda, cuda:N, mps"):
+        choose_device(bogus, "mlp", on_policy=True, hardware=machine())

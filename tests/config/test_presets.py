@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import yaml
+from stable_baselines3.common.utils import ConstantSchedule, LinearSchedule
+from torch import nn
+
+from sb3_gpu.common.checks import Schedule
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.files import presets_dir
+from sb3_gpu.config.presets import load_preset_file, parse_override, resolve_preset, select_entry
+from sb3_gpu.config.schema import ALGOS, EXTENSION_KEYS, get_algo, validate_entry, validate_flat
+
+PPO_ = get_algo("ppo")
+DQN_ = get_algo("dqn")
+
+
+def write(tmp_path, text: str, name: str = "preset.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_bundled_preset_files_load_and_validate(algo):
+    entries, label = load_preset_file(get_algo(algo))
+    assert {"default", "atari", "CartPole-v1"} <= set(entries)
+    assert label.endswith(f"{algo}.yaml")
+    for profile in ("cpu", "gpu"):
+        assert profile in entries["default"] and profile in entries["atari"]
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_dataclass_defaults_equal_sb3_defaults(algo):
+    spec = get_algo(algo)
+    signature = inspect.signature(spec.model_class.__init__).parameters
+    for f in dataclasses.fields(spec.params_class):
+        if f.name in EXTENSION_KEYS:  # sb3_gpu's own extensions, off by default
+            assert f.default in (False, 1)
+            continue
+        assert f.name in signature, f"{f.name} is not an argument of {spec.model_class.__name__}"
+        assert f.default == signature[f.name].default, f.name
+
+
+def test_default_entry_follows_the_seed_table():
+    entries, _ = load_preset_file(PPO_)
+    gpu = resolve_preset(PPO_, entries["default"], "ppo.yaml:default", "gpu")
+    cpu = resolve_preset(PPO_, entries["default"], "ppo.yaml:default", "cpu")
+    assert (gpu.n_envs, gpu.params.batch_size, gpu.params.n_steps, gpu.params.n_epochs, gpu.net_arch) == (
+        8,
+        256,
+        512,
+        10,
+        [256, 256],
+    )
+    assert (cpu.params.batch_size, cpu.params.n_steps, cpu.params.n_epochs, cpu.net_arch) == (64, 256, 4, [128, 128])
+    entries, _ = load_preset_file(DQN_)
+    gpu = resolve_preset(DQN_, entries["default"], "dqn.yaml:default", "gpu")
+    cpu = resolve_preset(DQN_, entries["default"], "dqn.yaml:default", "cpu")
+    assert (gpu.params.batch_size, gpu.params.buffer_size, gpu.net_arch) == (128, 50_000, [256, 256, 256])
+    assert (cpu.params.batch_size, cpu.params.buffer_size, cpu.net_arch) == (32, 10_000, [128, 128])
+
+
+def test_profile_overrides_shared_values_and_sources_say_so():
+    entry = validate_entry(PPO_, {"n_steps": 128, "batch_size": 32, "gpu": {"batch_size": 512}}, "t")
+    preset = resolve_preset(PPO_, entry, "f:e", "gpu")
+    assert preset.params.batch_size == 512 and preset.sources["batch_size"] == "f:e/gpu"
+    assert preset.params.n_steps == 128 and preset.sources["n_steps"] == "f:e"
+    assert preset.params.gamma == 0.99 and preset.sources["gamma"] == "SB3 default"
+
+
+def test_overrides_win_and_are_validated():
+    entry = validate_entry(PPO_, {"batch_size": 32}, "t")
+    preset = resolve_preset(
+        PPO_, entry, "f:e", "cpu", {"batch_size": (128, "--set"), "policy_kwargs.ortho_init": (False, "--set")}
+    )
+    assert preset.params.batch_size == 128 and preset.sources["batch_size"] == "--set"
+    assert preset.policy_kwargs == {"ortho_init": False}
+    with pytest.raises(ConfigError, match="batch_size: expected an int >= 2"):
+        resolve_preset(PPO_, entry, "f:e", "cpu", {"batch_size": ("big", "--set")})
+
+
+def test_entry_selection_prefers_env_then_atari_then_default():
+    entries = {"default": {}, "atari": {}, "CartPole-v1": {}}
+    assert select_entry(entries, "CartPole-v1", False, "f") == "CartPole-v1"
+    assert select_entry(entries, "ALE/Pong-v5", True, "f") == "atari"
+    assert select_entry(entries, "Pendulum-v1", False, "f") == "default"
+    with pytest.raises(ConfigError, match="no entry for 'X-v0' and no 'default'"):
+        select_entry({"CartPole-v1": {}}, "X-v0", False, "f")
+
+
+def test_unknown_key_names_file_entry_and_closest_valid_name(tmp_path):
+    path = write(tmp_path, "CartPole-v1:\n  bach_size: 64\n")
+    with pytest.raises(
+        ConfigError, match=r"preset.yaml, entry CartPole-v1: unknown key 'bach_size'; did you mean 'batch_size'"
+    ):
+        load_preset_file(PPO_, path)
+
+
+def test_unknown_key_in_a_profile_is_an_error(tmp_path):
+    path = write(tmp_path, "default:\n  gpu:\n    n_env: 4\n")
+    with pytest.raises(ConfigError, match=r"profile gpu: unknown key 'n_env'; did you mean 'n_envs'"):
+        load_preset_file(PPO_, path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("default:\n  batch_size: sixty\n", "batch_size: expected an int >= 2, got 'sixty'"),
+        ("default:\n  n_steps: 12.5\n", "n_steps: expected a positive int"),
+        ("default:\n  gamma: 1.5\n", r"gamma: expected a number in \[0, 1\]"),
+        ("default:\n  normalize_advantage: 'yes please'\n", "expected true or false"),
+        ("default:\n  learning_rate: -1\n", "learning_rate: expected a positive number"),
+        ("default:\n  learning_rate: {schedule: cosine, start: 1}\n", "schedule must be 'linear' or 'constant'"),
+        ("default:\n  net_arch: [64, -1]\n", "expected a positive layer width"),
+        ("default:\n  activation_fn: relu6\n", "unknown value 'relu6'"),
+        ("default:\n  policy: MlpPolicyy\n", "did you mean 'MlpPolicy'"),
+        ("default:\n  gpu:\n    policy: CnnPolicy\n", "'policy' must be shared"),
+        ("default:\n  policy_kwargs: {ortho_innit: false}\n  policy: MlpPolicy\n", "did you mean 'ortho_init'"),
+    ],
+)
+def test_bad_values_are_errors_that_name_the_key(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message):
+        entries, label = load_preset_file(PPO_, path)
+        resolve_preset(PPO_, entries["default"], label, "cpu")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("default: [1, 2\n", "not valid YAML at line"),
+        ("- a\n- b\n", "must be a mapping of entries"),
+        ("", "must be a mapping of entries"),
+        ("default: !!python/object/apply:os.system ['echo hacked']\n", "refused YAML tag"),
+        ("default: !!python/name:builtins.eval\n", "refused YAML tag"),
+    ],
+)
+def test_files_that_are_not_plain_yaml_mappings_are_refused(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_preset_file(PPO_, write(tmp_path, text))
+
+
+def test_missing_preset_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="preset file not found"):
+        load_preset_file(PPO_, tmp_path / "nope.yaml")
+
+
+def test_oversized_preset_file_is_refused(tmp_path):
+    path = write(tmp_path, "default:\n  n_steps: 1\n" + "#" * (2 << 20))
+    with pytest.raises(ConfigError, match="larger than 1024 KiB"):
+        load_preset_file(PPO_, path)
+
+
+def test_numbers_written_as_1e5_are_accepted():
+    # PyYAML reads 1e5 (no dot) as a string; users write it anyway.
+    values = validate_flat(PPO_, yaml.safe_load("n_timesteps: 1e5\nlearning_rate: 3e-4"), "t")
+    assert values == {"n_timesteps": 100_000, "learning_rate": 3e-4}
+
+
+def test_schedules_become_sb3_schedule_objects():
+    entry = validate_entry(
+        PPO_,
+        {
+            "learning_rate": {"schedule": "linear", "start": 1e-3, "end": 0.0},
+            "clip_range": {"schedule": "constant", "value": 0.1},
+        },
+        "t",
+    )
+    kwargs = resolve_preset(PPO_, entry, "t", "cpu").sb3_kwargs()
+    assert isinstance(kwargs["learning_rate"], LinearSchedule) and isinstance(kwargs["clip_range"], ConstantSchedule)
+    assert kwargs["learning_rate"](1.0) == pytest.approx(1e-3) and kwargs["learning_rate"](0.5) == pytest.approx(5e-4)
+    assert kwargs["clip_range"](0.3) == 0.1
+
+
+def test_activation_names_map_to_torch_classes():
+    entry = validate_entry(PPO_, {"activation_fn": "relu", "net_arch": {"pi": [32], "vf": [64]}}, "t")
+    kwargs = resolve_preset(PPO_, entry, "t", "cpu").sb3_kwargs()
+    assert kwargs["policy_kwargs"] == {"activation_fn": nn.ReLU, "net_arch": {"pi": [32], "vf": [64]}}
+
+
+def test_values_round_trip_through_validation():
+    entries, label = load_preset_file(PPO_)
+    preset = resolve_preset(PPO_, entries["CartPole-v1"], label, "cpu")
+    again = resolve_preset(PPO_, validate_flat(PPO_, yaml.safe_load(yaml.safe_dump(preset.values())), "t"), "t", "cpu")
+    assert again.params == preset.params and again.values() == preset.values()
+    assert isinstance(again.params.learning_rate, Schedule)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("batch_size=128", ("batch_size", 128)),
+        ("net_arch=[64, 64]", ("net_arch", [64, 64])),
+        ("use_sde=true", ("use_sde", True)),
+        ("gamma = 0.9", ("gamma", 0.9)),
+    ],
+)
+def test_override_values_are_yaml_scalars(text, expected):
+    assert parse_override(text) == expected
+
+
+@pytest.mark.parametrize("text", ["batch_size", "=3", ""])
+def test_override_without_key_or_equals_is_an_error(text):
+    with pytest.raises(ConfigError, match="--set expects key=value"):
+        parse_override(text)
+
+
+def test_presets_dir_is_the_top_level_folder_in_a_checkout():
+    assert (presets_dir() / "ppo.yaml").is_file()

@@ -1,0 +1,259 @@
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecFrameStack
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.envs.build import VecEnvFallbackWarning, make_vec_env
+from sb3_gpu.envs.choice import choose_vec_env
+from sb3_gpu.envs.spec import resolve_env
+
+
+def cartpole() -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+def fails_in_worker() -> gym.Env:
+    # Works in the parent, fails in a subprocess: like an env registered only at run time in __main__.
+    if mp.parent_process() is not None:
+        raise RuntimeError("env 'MyEnv-v0' is not registered in this process")
+    return gym.make("CartPole-v1")
+
+
+class ResetFailsInWorker(gym.Wrapper):
+    def reset(self, **kwargs):
+        if mp.parent_process() is not None:
+            raise OSError("device /dev/sim0 busy")
+        return super().reset(**kwargs)
+
+
+def reset_fails_in_worker() -> gym.Env:
+    return ResetFailsInWorker(gym.make("CartPole-v1"))
+
+
+def test_registered_id_resolves():
+    spec = resolve_env("CartPole-v1")
+    assert spec.name == "CartPole-v1" and not spec.is_atari
+    assert spec.make().observation_space.shape == (4,)
+
+
+def test_unknown_id_suggests_the_closest_registered_names():
+    with pytest.raises(ConfigError, match=r"unknown env id 'CartPol-v1'; did you mean 'CartPole-v1'"):
+        resolve_env("CartPol-v1")
+
+
+def test_gymnasium_module_colon_id_form_resolves_through_the_registry():
+    assert resolve_env("gymnasium.envs.classic_control:CartPole-v1").name == "CartPole-v1"
+
+
+def test_module_attr_resolves_to_a_class_or_factory():
+    spec = resolve_env("gymnasium.envs.classic_control.cartpole:CartPoleEnv")
+    assert spec.make().observation_space.shape == (4,)
+    spec = resolve_env("tests.envs.test_envs:cartpole")
+    assert spec.make().spec.id == "CartPole-v1"
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("no_such_package.envs:Env", "cannot import module 'no_such_package.envs'"),
+        ("gymnasium.envs.classic_control.cartpole:NoSuchEnv", "has no attribute 'NoSuchEnv'"),
+        ("gymnasium.envs.classic_control.cartpole:__name__", "is not an env class or factory"),
+        (":NoModule", "cannot import module ''"),
+    ],
+)
+def test_module_attr_that_does_not_import_is_an_error(target, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_env(target)
+
+
+def test_atari_ids_are_marked_and_wrapped_with_frame_stack():
+    spec = resolve_env("ALE/Pong-v5")
+    assert spec.is_atari
+    venv = make_vec_env(spec, 2, vec_env="dummy", frame_stack=4, seed=0)
+    assert isinstance(venv, VecFrameStack)
+    assert venv.observation_space.shape == (84, 84, 4)
+    assert venv.reset().shape == (2, 84, 84, 4)
+    venv.close()
+
+
+def test_factory_and_kwargs_are_accepted():
+    venv = make_vec_env("CartPole-v1", 3, vec_env="dummy", env_kwargs={"max_episode_steps": 7}, seed=1)
+    assert isinstance(venv, DummyVecEnv) and venv.num_envs == 3
+    venv.reset()
+    for _ in range(7):
+        _, _, dones, infos = venv.step(np.zeros(3, dtype=int))
+    assert dones.all() and infos[0]["TimeLimit.truncated"] in (True, False)
+    venv.close()
+
+
+def test_same_seed_gives_the_same_first_observations():
+    a = make_vec_env(cartpole, 2, vec_env="dummy", seed=3)
+    b = make_vec_env(cartpole, 2, vec_env="dummy", seed=3)
+    np.testing.assert_array_equal(a.reset(), b.reset())
+
+
+def test_subproc_starts_and_steps():
+    venv = make_vec_env("CartPole-v1", 2, vec_env="subproc", seed=0)
+    assert isinstance(venv, SubprocVecEnv)
+    venv.reset()
+    obs, rewards, _, _ = venv.step(np.zeros(2, dtype=int))
+    assert obs.shape == (2, 4) and rewards.tolist() == [1.0, 1.0]
+    venv.close()
+
+
+def test_subproc_and_dummy_agree_for_the_same_seed():
+    dummy = make_vec_env("CartPole-v1", 2, vec_env="dummy", seed=5)
+    sub = make_vec_env("CartPole-v1", 2, vec_env="subproc", seed=5)
+    np.testing.assert_array_equal(dummy.reset(), sub.reset())
+    sub.close()
+
+
+def test_unpicklable_factory_falls_back_with_one_warning_naming_the_cause():
+    lock = threading.Lock()
+
+    def factory() -> gym.Env:
+        with lock:
+            return gym.make("CartPole-v1")
+
+    with pytest.warns(VecEnvFallbackWarning, match="cannot be pickled") as record:
+        venv = make_vec_env(factory, 2, vec_env="subproc")
+    assert len(record) == 1
+    assert isinstance(venv, DummyVecEnv) and venv.num_envs == 2
+
+
+def test_factory_failing_only_in_workers_falls_back_and_names_the_cause():
+    before = set(mp.active_children())
+    with pytest.warns(VecEnvFallbackWarning, match="RuntimeError: env 'MyEnv-v0' is not registered") as record:
+        venv = make_vec_env(fails_in_worker, 2, vec_env="subproc")
+    assert len(record) == 1
+    assert isinstance(venv, DummyVecEnv)
+    assert venv.reset().shape == (2, 4)
+    assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
+
+
+def test_worker_dying_on_first_reset_falls_back():
+    with pytest.warns(VecEnvFallbackWarning, match="SubprocVecEnv could not start"):
+        venv = make_vec_env(reset_fails_in_worker, 2, vec_env="subproc")
+    assert isinstance(venv, DummyVecEnv)
+
+
+def test_dummy_choice_raises_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_vec_env("CartPole-v1", 2, vec_env="dummy").close()
+
+
+def test_auto_picks_dummy_for_cheap_envs_on_this_machine(monkeypatch):
+    monkeypatch.setattr("sb3_gpu.envs.choice.envpool_available", lambda: False)
+    assert isinstance(make_vec_env("CartPole-v1", 4, vec_env="auto"), DummyVecEnv)
+    assert isinstance(make_vec_env(cartpole, 4, vec_env="auto"), DummyVecEnv)  # a factory: EnvPool never applies
+
+
+@pytest.mark.parametrize(
+    "n_envs, step_s, cores, kind",
+    [
+        (1, 1e-2, 64, "dummy"),  # one env
+        (8, 1e-2, 1, "dummy"),  # one core
+        (8, 15e-6, 2, "dummy"),  # CartPole: IPC dwarfs the step
+        (8, 40e-6, 16, "dummy"),  # LunarLander, many cores: still IPC-bound
+        (8, 800e-6, 16, "batched"),  # Atari with the wrapper: heavy steps spread over cores
+        (8, 800e-6, 2, "batched"),  # ... even on two cores (measured 1.1-1.6x dummy on Pong)
+        (32, 60e-6, 2, "dummy"),  # LunarLander on two cores: measured slower than dummy
+        (64, 2e-3, 128, "batched"),
+    ],
+)
+def test_auto_choice_follows_step_cost_and_cores(n_envs, step_s, cores, kind):
+    chosen, reason = choose_vec_env("auto", n_envs, step_s, cores)
+    assert chosen == kind and reason
+
+
+def test_auto_prefers_envpool_where_it_fits_and_never_picks_sb3_subproc():
+    assert choose_vec_env("auto", 64, 20e-6, 2, envpool=True)[0] == "envpool"  # CartPole x64
+    assert choose_vec_env("auto", 32, 15e-6, 2, envpool=True)[0] == "dummy"  # x32: EnvPool's thread wake-ups cost more
+    assert choose_vec_env("auto", 8, 800e-6, 2, envpool=True)[0] == "envpool"  # Atari
+    kinds = {choose_vec_env("auto", n, s, c)[0] for n in (2, 8, 64) for s in (1e-5, 1e-3, 1e-1) for c in (2, 16, 128)}
+    assert kinds == {"dummy", "batched"}
+
+
+def test_explicit_choice_is_kept_and_bad_names_rejected():
+    assert choose_vec_env("subproc", 1, 0.0, 1) == ("subproc", "asked for")
+    with pytest.raises(ConfigError, match="unknown vec_env 'subprocess'; did you mean 'subproc'"):
+        choose_vec_env("subprocess", 2, 0.0, 2)
+
+
+@pytest.mark.parametrize("n_envs", [0, -3, 2.5, True])
+def test_n_envs_must_be_a_positive_int(n_envs):
+    with pytest.raises(ConfigError, match="n_envs must be a positive int"):
+        make_vec_env("CartPole-v1", n_envs)
+
+
+def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import warnings\n"
+        "from sb3_gpu import make_vec_env\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    venv = make_vec_env('CartPole-v1', 2, vec_env='subproc')\n"
+        "print('KIND', type(venv).__name__)\n"
+        "print('WARN', *[str(w.message) for w in caught])\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("KIND") == 1, "workers must not run the script's body"
+    assert "KIND DummyVecEnv" in out.stdout and "missing __main__ guard" in out.stdout
+
+
+# --- SB3's make_vec_env signature ----------------------------------------------------------------------------------
+def test_sb3_arguments_mean_what_they_mean_in_sb3(tmp_path):
+    from gymnasium.wrappers import TimeLimit
+    from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
+
+    kwargs = {"seed": 3, "start_index": 2, "wrapper_class": TimeLimit, "wrapper_kwargs": {"max_episode_steps": 5}}
+    ours = make_vec_env("CartPole-v1", 2, monitor_dir=str(tmp_path / "ours"), vec_env_cls=DummyVecEnv, **kwargs)
+    theirs = sb3_make_vec_env("CartPole-v1", 2, monitor_dir=str(tmp_path / "sb3"), vec_env_cls=DummyVecEnv, **kwargs)
+    np.testing.assert_array_equal(ours.reset(), theirs.reset())  # the same seeds for the same envs
+    dones = [ours.step(np.zeros(2, dtype=int))[2] for _ in range(5)]
+    assert not any(d.any() for d in dones[:4]) and dones[4].all(), "the wrapper and its kwargs: episodes of 5 steps"
+    assert isinstance(ours, DummyVecEnv) and ours.env_is_wrapped(TimeLimit) == [True, True]
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["2.monitor.csv", "3.monitor.csv"]
+    assert sorted(p.name for p in (tmp_path / "sb3").iterdir()) == ["2.monitor.csv", "3.monitor.csv"]
+    ours.close()
+    theirs.close()
+
+
+def test_vec_env_cls_picks_the_class_and_passes_its_kwargs():
+    venv = make_vec_env("CartPole-v1", 2, vec_env_cls=SubprocVecEnv, vec_env_kwargs={"start_method": "forkserver"})
+    try:
+        assert isinstance(venv, SubprocVecEnv)
+    finally:
+        venv.close()
+
+
+def test_vec_env_and_vec_env_cls_together_are_refused():
+    with pytest.raises(ConfigError, match=r"give vec_env \('batched'\) or vec_env_cls \(DummyVecEnv\), not both"):
+        make_vec_env("CartPole-v1", 2, vec_env="batched", vec_env_cls=DummyVecEnv)
+
+
+def test_a_wrapper_class_keeps_atari_preprocessing_off_and_envpool_out():
+    from stable_baselines3.common.atari_wrappers import AtariWrapper
+
+    pytest.importorskip("ale_py")
+    venv = make_vec_env("ALE/Pong-v5", 1, wrapper_class=AtariWrapper, vec_env="dummy")
+    try:
+        assert venv.env_is_wrapped(AtariWrapper) == [True]
+        assert venv.observation_space.shape == (84, 84, 1), "wrapped once, by the caller's AtariWrapper"
+    finally:
+        venv.close()
+    with pytest.raises(ConfigError, match="a Python wrapper_class cannot wrap"):
+        make_vec_env("CartPole-v1", 2, wrapper_class=AtariWrapper, vec_env="envpool")

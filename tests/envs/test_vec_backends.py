@@ -1,0 +1,376 @@
+"""The batched subprocess VecEnv and the EnvPool adapter: DummyVecEnv's semantics, failures named, no leftovers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import gymnasium as gym
+import numpy as np
+import psutil
+import pytest
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv
+
+from sb3_gpu import make_model, make_vec_env
+from sb3_gpu.common.errors import ConfigError, EnvWorkerError
+from sb3_gpu.envs.batched import BatchedSubprocVecEnv
+from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv, envpool_available
+from tests.conftest import REPO
+
+needs_envpool = pytest.mark.skipif(not envpool_available(), reason="EnvPool is not installed (pip install 'sb3-gpu[envpool]')")
+
+
+def short_cartpole() -> gym.Env:
+    # A 20-step limit, so that truncations happen as often as terminations.
+    return Monitor(gym.make("CartPole-v1", max_episode_steps=20, render_mode="rgb_array"))
+
+
+class DictObs(gym.ObservationWrapper):
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Dict({"state": env.observation_space, "count": gym.spaces.Discrete(1000)})
+        self.count = 0
+
+    def observation(self, observation):
+        self.count += 1
+        return {"state": observation, "count": self.count % 1000}
+
+
+def dict_cartpole() -> gym.Env:
+    return DictObs(short_cartpole())
+
+
+class FailsAtStep(gym.Wrapper):
+    def __init__(self, env: gym.Env, at: int):
+        super().__init__(env)
+        self.at, self.steps = at, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == self.at:
+            raise ValueError(f"simulator diverged at step {self.steps}")
+        return super().step(action)
+
+
+class FailingFactory:
+    def __init__(self, fail: bool):
+        self.fail = fail
+
+    def __call__(self) -> gym.Env:
+        env = gym.make("CartPole-v1")
+        return FailsAtStep(env, 5) if self.fail else env
+
+
+def assert_same_step(ours, theirs):
+    (o1, r1, d1, i1), (o2, r2, d2, i2) = ours, theirs
+    if isinstance(o1, dict):
+        assert o1.keys() == o2.keys() and all(np.array_equal(o1[k], o2[k]) for k in o1)
+    else:
+        assert np.array_equal(o1, o2)
+    assert r1.dtype == r2.dtype == np.float32 and np.array_equal(r1, r2)
+    assert d1.dtype == d2.dtype == bool and np.array_equal(d1, d2)
+    assert len(i1) == len(i2)
+    for a, b in zip(i1, i2, strict=False):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "terminal_observation":
+                if isinstance(a[key], dict):
+                    assert all(np.array_equal(a[key][k], b[key][k]) for k in a[key])
+                else:
+                    assert np.array_equal(a[key], b[key])
+            elif key == "episode":
+                assert a[key]["r"] == b[key]["r"] and a[key]["l"] == b[key]["l"]
+            else:
+                assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("factory", [short_cartpole, dict_cartpole], ids=["box", "dict"])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_batched_matches_dummy_step_for_step(factory, workers):
+    n = 5  # uneven slices across 2 and 3 workers
+    ours, theirs = BatchedSubprocVecEnv([factory] * n, n_workers=workers), DummyVecEnv([factory] * n)
+    try:
+        rng = np.random.default_rng(0)
+        for _round in range(2):  # the second round checks that seeding again restarts the same episodes
+            ours.seed(7), theirs.seed(7)
+            o1, o2 = ours.reset(), theirs.reset()
+            assert_same_step(
+                (o1, np.zeros(1, np.float32), np.zeros(1, bool), []), (o2, np.zeros(1, np.float32), np.zeros(1, bool), [])
+            )
+            assert ours.reset_infos == theirs.reset_infos
+            dones = truncations = 0
+            for _ in range(60):
+                actions = rng.integers(0, 2, n)
+                step = ours.step(actions)
+                assert_same_step(step, theirs.step(actions))
+                assert all(ours.observation_space.contains(_single(step[0], i)) for i in range(n))
+                dones += step[2].sum()
+                truncations += sum(info["TimeLimit.truncated"] for info in step[3])
+            assert dones > n and truncations > 0, "episodes must end both ways (and auto-reset) during the comparison"
+    finally:
+        ours.close(), theirs.close()
+
+
+def _single(obs, i):
+    return {k: v[i] for k, v in obs.items()} if isinstance(obs, dict) else obs[i]
+
+
+def test_batched_attrs_methods_seed_and_render_reach_the_right_envs():
+    venv = BatchedSubprocVecEnv([short_cartpole] * 5, n_workers=2)
+    try:
+        assert venv.render_mode == "rgb_array"
+        venv.set_attr("tag", "x", indices=[1, 4])
+        assert venv.get_attr("tag", indices=[4, 1]) == ["x", "x"]
+        with pytest.raises(EnvWorkerError, match=r"env 0 \(worker 0\) raised AttributeError"):
+            venv.get_attr("tag")
+    finally:
+        venv.close()
+    venv = BatchedSubprocVecEnv([short_cartpole] * 5, n_workers=2)
+    try:
+        venv.reset()
+        assert venv.env_is_wrapped(Monitor) == [True] * 5 and venv.has_attr("spec")
+        first = venv.env_method("reset", seed=3, indices=[0, 3])
+        assert np.array_equal(first[0][0], first[1][0])  # same seed, same start
+        frames = venv.get_images()
+        assert len(frames) == 5 and frames[0].ndim == 3
+        assert venv.render().ndim == 3  # SB3 tiles the frames
+    finally:
+        venv.close()
+    assert venv.closed and all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in venv.pids)
+
+
+def _gone(pids, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        zombies = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() == psutil.STATUS_ZOMBIE]
+        if not alive and not zombies:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_an_env_that_raises_is_named_and_no_worker_is_left():
+    venv = BatchedSubprocVecEnv([FailingFactory(i == 3) for i in range(4)], n_workers=2)
+    pids = venv.pids
+    venv.reset()
+    with pytest.raises(EnvWorkerError, match=r"env 3 \(worker 1\) raised ValueError: simulator diverged at step 5") as info:
+        for _ in range(10):
+            venv.step(np.zeros(4, dtype=int))
+    assert info.value.env_index == 3 and "simulator diverged" in info.value.worker_traceback
+    assert _gone(pids)
+    with pytest.raises(EnvWorkerError, match="closed"):
+        venv.step(np.zeros(4, dtype=int))
+    venv.close()  # closing a failed vec env is a no-op
+
+
+def test_a_killed_worker_is_named_and_the_rest_are_stopped():
+    venv = BatchedSubprocVecEnv([short_cartpole] * 4, n_workers=2)
+    pids = venv.pids
+    venv.reset()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(EnvWorkerError, match=r"env worker 1 \(envs 2-3, pid \d+\) was killed by SIGKILL"):
+        venv.step(np.zeros(4, dtype=int))
+    assert _gone(pids)
+
+
+SCRIPT = """
+import sys, time
+import numpy as np
+from sb3_gpu import make_vec_env
+if __name__ == "__main__":
+    venv = make_vec_env("CartPole-v1", 4, vec_env="batched")
+    print("PIDS", *venv.unwrapped.pids, flush=True)
+    venv.reset()
+    if sys.argv[1] == "exit":
+        sys.exit(0)  # no close(): the exit must still stop the workers
+    try:
+        while True:
+            venv.step(np.zeros(4, dtype=int))
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+        raise
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "sigint", "sigterm"])
+def test_no_worker_outlives_its_parent(tmp_path, how):
+    script = tmp_path / "loop.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "exit" if how == "exit" else "loop"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    line = proc.stdout.readline()
+    assert line.startswith("PIDS"), proc.stderr.read()
+    pids = [int(p) for p in line.split()[1:]]
+    if how != "exit":
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
+    out, _err = proc.communicate(timeout=60)
+    if how == "sigint":
+        assert "INTERRUPTED" in out and proc.returncode != 0
+    assert _gone(pids), f"workers {pids} outlived their parent ({how})"
+
+
+def test_unpicklable_factory_falls_back_to_dummy_with_a_warning():
+    import threading
+
+    lock = threading.Lock()
+
+    def factory():  # a closure over a lock: not picklable
+        assert lock is not None
+        return gym.make("CartPole-v1")
+
+    with pytest.warns(UserWarning, match="BatchedSubprocVecEnv could not start .*falling back to DummyVecEnv"):
+        venv = make_vec_env(factory, 2, vec_env="batched")
+    assert isinstance(venv, DummyVecEnv)
+
+
+# --- EnvPool --------------------------------------------------------------------------------------------------
+
+
+@needs_envpool
+def test_envpool_steps_like_an_sb3_vec_env():
+    venv = EnvPoolVecEnv("Pendulum-v1", 3, seed=0)  # Pendulum always truncates, at 200 steps
+    obs = venv.reset()
+    assert obs.shape == (3, 3) and venv.observation_space.contains(obs[0].astype(np.float32))
+    total = np.zeros(3)
+    for _t in range(200):
+        obs, rewards, dones, infos = venv.step(np.zeros((3, 1), dtype=np.float32))
+        total += rewards
+        assert rewards.dtype == np.float32 and dones.dtype == bool
+    assert dones.all()
+    for i, info in enumerate(infos):
+        assert info["TimeLimit.truncated"] is True
+        assert info["episode"]["l"] == 200 and info["episode"]["r"] == pytest.approx(total[i], rel=1e-5)
+        assert not np.array_equal(info["terminal_observation"], obs[i])  # obs is already the next episode's
+    venv.close()
+
+
+@needs_envpool
+def test_envpool_cartpole_episodes_match_gymnasium_in_distribution():
+    # EnvPool draws its start states with its own RNG, so seeds can't match step for step; the dynamics can.
+    def lengths(venv, n_episodes=300):
+        venv.seed(0)
+        venv.reset()
+        rng, out = np.random.default_rng(0), []
+        while len(out) < n_episodes:
+            _, _, dones, infos = venv.step(rng.integers(0, 2, venv.num_envs))
+            out += [info["episode"]["l"] for info, done in zip(infos, dones, strict=False) if done]
+            for info, done in zip(infos, dones, strict=False):
+                if done:
+                    assert not info["TimeLimit.truncated"] and "terminal_observation" in info
+        return np.array(out)
+
+    pool = lengths(EnvPoolVecEnv("CartPole-v1", 8, seed=0))
+    gym_ = lengths(make_vec_env("CartPole-v1", 8, vec_env="dummy"))
+    assert abs(pool.mean() - gym_.mean()) < 3.0, (pool.mean(), gym_.mean())  # random play: ~22 steps either way
+
+
+@needs_envpool
+def test_envpool_atari_keeps_episodic_life_and_whole_game_statistics():
+    venv = make_vec_env("ALE/Breakout-v5", 2, vec_env="envpool", seed=0, frame_stack=4)
+    obs = venv.reset()
+    assert obs.shape == (2, 84, 84, 4) and obs.dtype == np.uint8  # as SB3's AtariWrapper + VecFrameStack give
+    life_losses, games = 0, []
+    rng = np.random.default_rng(0)
+    while len(games) < 2:
+        _, _, dones, infos = venv.step(rng.integers(0, 4, 2))
+        for info, done in zip(infos, dones, strict=False):
+            if done and "episode" in info:
+                games.append(info["episode"])
+            elif done:
+                life_losses += 1
+    assert life_losses >= 4 * len(games) - 4  # 5 lives: each game reports its life losses as dones first
+    assert all(g["l"] > 50 for g in games)
+    venv.close()
+
+
+@needs_envpool
+def test_envpool_refuses_what_it_cannot_stand_in_for():
+    with pytest.raises(ConfigError, match="no faithful twin of 'FrozenLake-v1'"):
+        make_vec_env("FrozenLake-v1", 2, vec_env="envpool")
+    with pytest.raises(ConfigError, match="needs a registered Gymnasium id without env kwargs"):
+        make_vec_env("CartPole-v1", 2, vec_env="envpool", env_kwargs={"sutton_barto_reward": True})
+
+
+def test_envpool_missing_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr("sb3_gpu.envs.envpool_vec.envpool_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"needs EnvPool: pip install 'sb3-gpu\[envpool\]'"):
+        make_vec_env("CartPole-v1", 2, vec_env="envpool")
+
+
+# --- learning ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vec_env", ["batched", pytest.param("envpool", marks=needs_envpool)])
+def test_ppo_learns_cartpole_on_each_backend(vec_env):
+    from stable_baselines3.common.evaluation import evaluate_policy
+
+    model = make_model("ppo", "CartPole-v1", device="cpu", vec_env=vec_env, seed=0).model
+    assert type(model.get_env().unwrapped).__name__ == {"batched": "BatchedSubprocVecEnv", "envpool": "EnvPoolVecEnv"}[vec_env]
+    model.learn(60_000)
+    eval_env = make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=123)
+    mean, _ = evaluate_policy(model, eval_env, n_eval_episodes=10)
+    model.get_env().close()
+    assert mean >= 400, f"PPO on {vec_env} reached only {mean:.0f}"
+
+
+def test_close_after_a_step_cut_short_does_not_hang():
+    # Ctrl-C while step_wait had read worker 0 but not worker 1: close() must collect only what is still owed.
+    venv = BatchedSubprocVecEnv([short_cartpole] * 4, n_workers=2)
+    pids = venv.pids
+    venv.reset()
+    venv.step_async(np.zeros(4, dtype=int))
+    venv._recv(0)
+    venv.close()
+    assert venv.closed and _gone(pids)
+
+
+def test_a_fallback_leaves_this_process_threads_alone():
+    import torch as th
+
+    from tests.envs.test_envs import fails_in_worker
+
+    threads = th.get_num_threads()
+    with pytest.warns(UserWarning, match="falling back to DummyVecEnv"):
+        venv = make_vec_env(fails_in_worker, 2, vec_env="batched")
+    assert isinstance(venv, DummyVecEnv) and th.get_num_threads() == threads
+
+
+@pytest.mark.parametrize(
+    "env_id, sticky",
+    [("ALE/Pong-v5", 0.25), ("PongNoFrameskip-v4", 0.0), ("PongNoFrameskip-v0", 0.25), ("Pong-v4", None), ("Pong-v0", None)],
+)
+def test_envpool_twins_only_atari_ids_that_leave_frame_skipping_to_sb3(env_id, sticky):
+    from sb3_gpu.envs.envpool_vec import envpool_task
+    from sb3_gpu.envs.spec import resolve_env
+
+    resolve_env(env_id)  # registers the ALE ids
+    task = envpool_task(env_id, True)
+    if sticky is None:
+        assert task is None  # frame skip 2-5 inside the env: no faithful twin
+    else:
+        assert task[0] == "Pong-v5" and task[1]["repeat_action_probability"] == sticky
+
+
+@needs_envpool
+def test_envpool_reseeding_restarts_the_same_episodes():
+    venv = EnvPoolVecEnv("CartPole-v1", 3, seed=5)
+    venv.seed(5)
+    first = venv.reset()  # the pool already holds seed 5: same start as a rebuilt one
+    for _ in range(10):
+        venv.step(np.ones(3, dtype=int))
+    venv.seed(5)
+    assert np.array_equal(venv.reset(), first)
+    venv.close()

@@ -1,0 +1,254 @@
+"""The training extensions: AMP (bf16 autocast, fp16 loss scaling, on the CPU), gradient accumulation, torch.compile;
+with all of them off, plain SB3 bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN, PPO
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.accumulate import GradAccumPPO
+from sb3_gpu.extensions.amp import amp_state, enable_amp
+from sb3_gpu.extensions.compile import compile_policy
+from sb3_gpu.extensions.stepping import LossScale, optimizer_step
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+
+SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
+
+
+def _params(model) -> list[th.Tensor]:
+    return [p.detach().clone() for p in model.policy.parameters()]
+
+
+# --------------------------------------------------------------------------- all switches off: plain SB3
+@pytest.mark.parametrize("algo", ["ppo", "dqn"])
+def test_switches_off_train_bit_identical_to_plain_sb3(algo):
+    overrides = {"amp": "off", "compile": False, "net_arch": [32, 32], "n_envs": 2}
+    overrides |= {"n_steps": 64, "batch_size": 32, "n_epochs": 2} if algo == "ppo" else {"learning_starts": 50, "per": False}
+    plan = make_plan(algo, "CartPole-v1", "cpu", seed=3, overrides=overrides, vec_env="dummy")
+    ours = build_model(plan, build_env(plan))
+    ours.learn(512)
+    kwargs = plan.preset.sb3_kwargs()
+    kwargs.pop("grad_accum_steps", None)
+    plain_class = PPO if algo == "ppo" else DQN
+    plain = plain_class(plan.preset.policy, build_env(plan), device="cpu", seed=3, **kwargs)
+    plain.learn(512)
+    assert type(ours) is plain_class
+    assert ours._n_updates == plain._n_updates > 0
+    for a, b in zip(_params(ours), _params(plain), strict=True):
+        assert th.equal(a, b)
+
+
+def test_grad_accum_of_one_is_plain_ppo():
+    models = []
+    for cls, extra in ((GradAccumPPO, {"grad_accum_steps": 1}), (PPO, {})):
+        model = cls("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **SMALL_PPO, **extra)
+        model.learn(128)
+        models.append(model)
+    for a, b in zip(_params(models[0]), _params(models[1]), strict=True):
+        assert th.equal(a, b)
+
+
+# --------------------------------------------------------------------------- PPO gradient accumulation
+def test_ppo_accumulating_two_half_batches_equals_one_full_batch():
+    # normalize_advantage normalises per minibatch, so it would differ between half and full batches; clipping is on.
+    common = {"n_steps": 64, "n_epochs": 3, "normalize_advantage": False, "max_grad_norm": 0.05, "seed": 2, "device": "cpu"}
+    accumulated = GradAccumPPO("MlpPolicy", "CartPole-v1", batch_size=16, grad_accum_steps=4, **common)
+    accumulated.learn(64)
+    full = PPO("MlpPolicy", "CartPole-v1", batch_size=64, **common)
+    full.learn(64)
+    for a, b in zip(_params(accumulated), _params(full), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    moved = sum(
+        (a - b).abs().sum().item()
+        for a, b in zip(_params(full), _params(PPO("MlpPolicy", "CartPole-v1", **common)), strict=True)
+    )
+    assert moved > 0, "training changed the parameters"
+
+
+def test_ppo_grad_accum_must_divide_the_minibatches():
+    with pytest.raises(ConfigError, match="must divide the 2 minibatches"):
+        GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, grad_accum_steps=3)
+
+
+def test_grad_accum_ppo_saves_and_loads(tmp_path):
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, grad_accum_steps=2, seed=0)
+    model.learn(64)
+    model.save(tmp_path / "m.zip")
+    loaded = GradAccumPPO.load(tmp_path / "m.zip", env=model.get_env())
+    assert loaded.grad_accum_steps == 2 and loaded._accumulator is not None
+    loaded.learn(64)  # its hooks are in place again
+
+
+def test_ppo_grad_accum_is_a_preset_key():
+    plan = make_plan("ppo", "CartPole-v1", "cpu", overrides={"grad_accum_steps": 2, "n_steps": 64, "batch_size": 32})
+    model = build_model(plan, build_env(plan))
+    assert isinstance(model, GradAccumPPO) and model.grad_accum_steps == 2
+
+
+# --------------------------------------------------------------------------- bf16 autocast
+def test_bf16_runs_the_networks_in_bf16_and_hands_back_float32():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    enable_amp(model, "bf16")
+    seen = []
+    model.policy.mlp_extractor.policy_net[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    obs = th.zeros(4, 4)
+    values, log_prob, entropy = model.policy.evaluate_actions(obs, th.zeros(4))
+    assert seen == [th.bfloat16]
+    assert values.dtype == log_prob.dtype == entropy.dtype == th.float32
+    assert amp_state(model).scaler is None, "bf16 needs no loss scaling"
+    with pytest.raises(ConfigError, match="already enabled"):
+        enable_amp(model, "bf16")
+
+
+@pytest.mark.parametrize("cls", [DQN, QRDQN])
+def test_bf16_dqn_family_trains(cls):
+    model = cls("MlpPolicy", "CartPole-v1", learning_starts=32, batch_size=16, policy_kwargs={"net_arch": [32]}, seed=0)
+    enable_amp(model, "bf16")
+    before = _params(model)
+    model.learn(200)
+    assert math.isfinite(model.logger.name_to_value["train/loss"])
+    assert any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True))
+
+
+def test_a_deep_copy_of_an_amp_policy_runs_its_own_weights():
+    model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [16]})
+    enable_amp(model, "bf16")
+    clone = copy.deepcopy(model.policy)
+    for p in clone.q_net.parameters():
+        p.data.zero_()
+    obs = th.ones(2, 4)
+    assert th.equal(clone.q_net(obs), th.zeros(2, 2)) and not th.equal(model.policy.q_net(obs), th.zeros(2, 2))
+    assert clone.q_net(obs).dtype == th.float32
+
+
+# --------------------------------------------------------------------------- fp16 loss scaling, on the CPU
+def _ppo_batch(model, n=32):
+    rng = np.random.default_rng(0)
+    return th.as_tensor(rng.normal(size=(n, 4)), dtype=th.float32), th.as_tensor(rng.integers(0, 2, n))
+
+
+def _sb3_step(model, obs, actions, inject_inf=False, max_grad_norm=0.5):
+    """What SB3's train() does around a loss: zero_grad, backward, clip, step."""
+    optimizer = model.policy.optimizer
+    optimizer.zero_grad()
+    values, log_prob, _ = model.policy.evaluate_actions(obs, actions)
+    (values.pow(2).mean() - log_prob.mean()).backward()
+    if inject_inf:
+        next(model.policy.parameters()).grad[0] = math.inf  # what an fp16 overflow leaves behind
+    norm = th.nn.utils.clip_grad_norm_(model.policy.parameters(), max_grad_norm)
+    optimizer.step()
+    return norm
+
+
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_grows_it_back():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    state = enable_amp(model, "fp16", init_scale=1024.0, growth_interval=2)
+    obs, actions = _ppo_batch(model)
+    before = _params(model)
+    _sb3_step(model, obs, actions, inject_inf=True)
+    assert all(th.equal(a, b) for a, b in zip(before, _params(model), strict=True)), "the overflowed step was skipped"
+    assert state.scaler.scale == 512.0 and state.scaler.skipped_steps == 1
+    _sb3_step(model, obs, actions)
+    assert any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True)), "a good step is taken"
+    assert state.scaler.scale == 512.0
+    _sb3_step(model, obs, actions)
+    assert state.scaler.scale == 1024.0, "after growth_interval good steps the scale doubles"
+
+
+def test_a_real_fp16_overflow_is_caught_and_the_scale_backs_off():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    state = enable_amp(model, "fp16", init_scale=2.0**40)  # gradients * 2^40 overflow fp16 (max 65504)
+    obs, actions = _ppo_batch(model)
+    before = _params(model)
+    for _ in range(40):
+        _sb3_step(model, obs, actions)
+        if state.scaler.skipped_steps and any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True)):
+            break
+    assert state.scaler.skipped_steps >= 1 and state.scaler.scale < 2.0**40
+    assert all(th.isfinite(p).all() for p in model.policy.parameters())
+
+
+def test_clipping_sees_unscaled_gradients():
+    fp32 = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0, **SMALL_PPO)
+    fp16 = copy.deepcopy(fp32)
+    enable_amp(fp16, "fp16", init_scale=2.0**12)
+    obs, actions = _ppo_batch(fp32)
+    norms = [_sb3_step(model, obs, actions, max_grad_norm=1e9).item() for model in (fp32, fp16)]
+    assert norms[1] == pytest.approx(norms[0], rel=0.05), "the norm clip_grad_norm_ saw is the true one, not 4096x it"
+
+
+def test_fp16_training_logs_scale_and_skipped_steps():
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=32, batch_size=16, policy_kwargs={"net_arch": [32]}, seed=0)
+    enable_amp(model, "fp16")
+    model.learn(200)
+    logged = model.logger.name_to_value
+    assert logged["amp/scale"] > 0 and logged["amp/skipped_steps"] >= 0 and math.isfinite(logged["train/loss"])
+
+
+def test_fp16_with_ppo_accumulation_counts_only_real_optimizer_steps():
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, n_epochs=1, grad_accum_steps=2, seed=0)
+    state = enable_amp(model, "fp16", init_scale=64.0, growth_interval=2)
+    model.learn(64)  # 4 micro-batches: 2 optimizer steps, so the scale doubles once (not twice)
+    assert state.scaler.skipped_steps == 0 and state.scaler.scale == 128.0
+
+
+def test_loss_scaler_never_steps_on_nan():
+    param = th.nn.Parameter(th.ones(3))
+    optimizer = th.optim.SGD([param], lr=1.0)
+    param.grad = th.tensor([1.0, math.nan, 1.0])
+    scaler = LossScale(init_scale=8.0)
+    optimizer_step(optimizer).scale_losses(scaler)
+    optimizer.step()
+    assert th.equal(param.detach(), th.ones(3)) and scaler.scale == 4.0
+
+
+# --------------------------------------------------------------------------- torch.compile
+def test_compile_failure_falls_back_with_the_reason(monkeypatch):
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        reason = compile_policy(model, "default", 32)
+    assert reason is not None and "RuntimeError: no C++ compiler found" in reason
+    assert all(m._compiled_call_impl is None for m in (model.policy.mlp_extractor, model.policy.action_net))
+    model.learn(64)  # trains uncompiled
+
+
+def test_compile_for_real_keeps_state_dict_keys_and_trains():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    keys = set(model.policy.state_dict())
+    assert compile_policy(model, "default", 32) is None
+    assert model.policy.mlp_extractor._compiled_call_impl is not None
+    assert set(model.policy.state_dict()) == keys, "saved models load in plain SB3"
+    model.learn(128)
+
+
+def test_a_real_compiler_failure_falls_back_and_training_goes_on(tmp_path):
+    # No working C++ compiler for inductor: compilation fails for real, in its own process and cache dir.
+    code = (
+        "from stable_baselines3 import PPO\n"
+        "from sb3_gpu.extensions.compile import compile_policy\n"
+        "m = PPO('MlpPolicy', 'CartPole-v1', n_steps=64, batch_size=32)\n"
+        "print('REASON', compile_policy(m, 'default', 32))\n"
+        "m.learn(128)\n"
+        "print('TRAINED', m.num_timesteps)\n"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/g++", "CC": "/nonexistent/gcc", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REASON torch.compile failed (" in result.stdout and "training uncompiled" in result.stdout
+    assert "TRAINED 128" in result.stdout

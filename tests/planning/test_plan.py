@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import gymnasium as gym
+import pytest
+import torch as th
+from stable_baselines3 import DQN, PPO
+
+from sb3_gpu import make_model, make_plan
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.planning.build import build_env
+from sb3_gpu.planning.table import plan_table
+
+
+def test_plan_for_cartpole_ppo_uses_its_entry_and_the_cpu(cpu_machine, monkeypatch):
+    monkeypatch.setattr("sb3_gpu.envs.choice.envpool_available", lambda: False)
+    plan = make_plan("ppo", "CartPole-v1", hardware=cpu_machine)
+    assert plan.preset.entry == "ppo.yaml:CartPole-v1"
+    assert plan.device.device == "cpu" and plan.preset.profile == "cpu"
+    assert plan.preset.n_envs == 8 and plan.preset.params.n_steps == 32
+    assert plan.vec_env == "dummy" and "env step" in plan.vec_env_reason
+
+
+def test_plan_takes_envpool_where_installed_and_says_why(cpu_machine, monkeypatch):
+    monkeypatch.setattr("sb3_gpu.envs.choice.envpool_available", lambda: True)
+    monkeypatch.setattr("sb3_gpu.planning.plan.measure_step_seconds", lambda env: 100e-6)  # 32 x 100 us: 3.2 ms a step
+    plan = make_plan("ppo", "LunarLander-v3", hardware=cpu_machine, n_envs=32)
+    assert plan.vec_env == "envpool" and "EnvPool" in plan.vec_env_reason
+    assert make_plan("ppo", "tests.envs.test_envs:cartpole", hardware=cpu_machine).vec_env != "envpool"
+
+
+def test_on_policy_mlp_stays_on_cpu_with_a_gpu_present(gpu_machine):
+    plan = make_plan("ppo", "Pendulum-v1", hardware=gpu_machine)
+    assert plan.device.device == "cpu" and plan.preset.profile == "cpu"
+    assert plan.preset.params.batch_size == 64 and plan.preset.net_arch == [128, 128]
+
+
+def test_off_policy_takes_the_gpu_profile_on_a_gpu_machine(gpu_machine):
+    plan = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine)
+    assert plan.device.device == "cuda:0" and plan.preset.profile == "gpu"
+    assert "off-policy" in plan.device.reason
+
+
+def test_unknown_env_takes_the_default_entry_and_its_gpu_profile(gpu_machine):
+    plan = make_plan("dqn", "gymnasium.envs.classic_control.acrobot:AcrobotEnv", hardware=gpu_machine)
+    assert plan.preset.entry == "dqn.yaml:default"
+    assert (plan.preset.params.batch_size, plan.preset.params.buffer_size, plan.preset.net_arch) == (
+        128,
+        50_000,
+        [256, 256, 256],
+    )
+    assert plan.preset.sources["batch_size"] == "dqn.yaml:default/gpu"
+
+
+def test_atari_takes_the_cnn_policy_and_the_gpu_when_there_is_one(gpu_machine):
+    plan = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine)
+    assert plan.preset.policy == "CnnPolicy" and plan.device.device == "cuda:0"
+    assert plan.preset.n_envs == 16 and plan.preset.frame_stack == 4
+    assert "CNN" in plan.device.reason
+
+
+def test_auto_policy_follows_the_observation_space(cpu_machine):
+    plan = make_plan("ppo", "Pendulum-v1", hardware=cpu_machine)
+    assert plan.preset.policy == "MlpPolicy" and plan.preset.sources["policy"] == "auto (observation space)"
+
+
+def test_overrides_and_cli_counts_win_with_their_sources(cpu_machine):
+    plan = make_plan(
+        "ppo",
+        "CartPole-v1",
+        n_envs=2,
+        n_timesteps=500,
+        hardware=cpu_machine,
+        overrides={"batch_size": 16},
+        override_source="--set",
+    )
+    assert (plan.preset.n_envs, plan.preset.n_timesteps, plan.preset.params.batch_size) == (2, 500, 16)
+    assert plan.preset.sources["n_envs"] == "--n-envs" and plan.preset.sources["batch_size"] == "--set"
+
+
+def test_dqn_refuses_continuous_actions(cpu_machine):
+    with pytest.raises(ConfigError, match="dqn needs a Discrete action space; Pendulum-v1 has Box"):
+        make_plan("dqn", "Pendulum-v1", hardware=cpu_machine)
+
+
+def test_unknown_algorithm_suggests_one():
+    with pytest.raises(ConfigError, match="unknown algorithm 'ppo2'; did you mean 'ppo'"):
+        make_plan("ppo2", "CartPole-v1")
+
+
+def test_cuda_request_without_a_gpu_fails_before_anything_is_built(cpu_machine):
+    with pytest.raises(ConfigError, match="CUDA GPU"):
+        make_plan("ppo", "CartPole-v1", "cuda", hardware=cpu_machine)
+
+
+def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
+    plan = make_plan("dqn", "CartPole-v1", hardware=cpu_machine)
+    table = plan_table(plan)
+    settings = list(table.columns[0].cells)
+    assert {"hardware", "device", "vec_env", "batch_size", "target_update_interval", "n_timesteps"} <= set(settings)
+
+
+def test_make_model_returns_a_plain_sb3_model_in_three_lines(tmp_path):
+    model, timesteps = make_model("ppo", "CartPole-v1", device="auto", n_steps=16, n_envs=2, batch_size=16, n_epochs=1, seed=0)
+    assert type(model) is PPO and timesteps == 100_000
+    model.learn(64)
+    model.save(tmp_path / "m.zip")
+    loaded = PPO.load(tmp_path / "m.zip")  # SB3's own load, no sb3_gpu class involved
+    assert loaded.n_steps == 16 and loaded.learning_rate(1.0) == pytest.approx(1e-3)
+
+
+def test_make_model_accepts_an_env_factory_and_nested_overrides():
+    model, _ = make_model(
+        "dqn", lambda: gym.make("CartPole-v1"), device="cpu", net_arch=[8], buffer_size=500, learning_starts=10
+    )
+    assert type(model) is DQN and model.buffer_size == 500
+    assert [m.out_features for m in model.q_net.q_net if isinstance(m, th.nn.Linear)] == [8, 2]
+
+
+def test_config_round_trip_reproduces_the_hyperparameters(tmp_path, cpu_machine):
+    from sb3_gpu.common.io import write_yaml
+
+    plan = make_plan("ppo", "Acrobot-v1", seed=3, hardware=cpu_machine, overrides={"n_epochs": 2})
+    write_yaml(tmp_path / "config.yaml", plan.to_config())
+    config = load_config(tmp_path)
+    again = make_plan(config.algo, config.env, config.device, seed=config.seed, config=config, hardware=cpu_machine)
+    assert again.preset.values() == plan.preset.values() and again.seed == 3
+    assert again.preset.normalize is True
+
+
+def test_normalized_envs_are_wrapped_and_eval_env_is_frozen(cpu_machine):
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    plan = make_plan("ppo", "Acrobot-v1", hardware=cpu_machine, n_envs=2)
+    train_env, eval_env = build_env(plan), build_env(plan, evaluation=True)
+    assert isinstance(train_env, VecNormalize) and train_env.training
+    assert isinstance(eval_env, VecNormalize) and not eval_env.training and not eval_env.norm_reward
+    assert train_env.gamma == plan.preset.params.gamma
+
+
+def test_config_with_unknown_keys_is_refused(tmp_path):
+    (tmp_path / "config.yaml").write_text("algo: ppo\nenv: CartPole-v1\nhyperparameters: {}\nextra: 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'extra'"):
+        load_config(tmp_path / "config.yaml")
+
+
+def test_config_of_a_newer_layout_is_refused_not_misread(tmp_path):
+    (tmp_path / "config.yaml").write_text("version: 2\nalgo: ppo\nenv: CartPole-v1\nhyperparameters: {}\n")
+    with pytest.raises(ConfigError, match="config version 2; this sb3_gpu reads version 1"):
+        load_config(tmp_path / "config.yaml")

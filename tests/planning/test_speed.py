@@ -1,0 +1,163 @@
+"""The speed switches' decisions on machines we do not have (faked hardware), applying them, and the CLI flags."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from stable_baselines3 import PPO
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.envs.spec import resolve_env
+from sb3_gpu.extensions.amp import amp_state
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.planning.speed import SpeedPlan, apply_speed, choose_speed
+from tests.conftest import machine
+
+SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
+
+
+# --------------------------------------------------------------------------- decisions, on faked machines
+def _speed(hw, device="cpu", policy="mlp", net_arch=(64, 64), batch=64, amp="auto", threads="auto", workers=0):
+    return choose_speed(
+        amp,
+        "false",
+        threads,
+        device=device,
+        policy=policy,
+        net_arch=list(net_arch),
+        batch_size=batch,
+        env_workers=workers,
+        hardware=hw,
+    )
+
+
+def test_amp_auto_on_cpus():
+    assert _speed(machine(cpu_bf16=True), net_arch=[256, 256], batch=256).amp == "off"  # AVX512-BF16 only
+    assert "no AMX" in _speed(machine(cpu_bf16=True)).amp_reason
+    assert _speed(machine(cpu_amx=True), net_arch=[256, 256], batch=256).amp == "bf16"
+    assert _speed(machine(cpu_amx=True), policy="cnn").amp == "bf16"
+    small = _speed(machine(cpu_amx=True), net_arch=[64, 64], batch=64)
+    assert small.amp == "off" and "too small" in small.amp_reason
+
+
+def test_amp_auto_on_gpus():
+    a100, t4, p100 = machine(gpus=1), machine(gpus=1, capability=(7, 5), gpu_name="T4"), machine(gpus=1, capability=(6, 0))
+    assert _speed(a100, "cuda:0", "cnn").amp == "bf16"
+    assert _speed(t4, "cuda:0", "cnn").amp == "fp16"
+    assert "loss scaling" in _speed(t4, "cuda:0", "cnn").amp_reason
+    assert _speed(p100, "cuda:0", "cnn").amp == "off"
+    assert _speed(a100, "cuda:0", "mlp", [64, 64], 64).amp == "off"
+    assert _speed(a100, "cuda:0", "mlp", [256, 256], 2048).amp == "bf16"
+
+
+def test_amp_requests_that_cannot_work_are_errors():
+    with pytest.raises(ConfigError, match="amp=fp16 needs a CUDA GPU"):
+        _speed(machine(), amp="fp16")
+    with pytest.raises(ConfigError, match=r"T4 .*no bf16 tensor cores; use fp16"):
+        _speed(machine(gpus=1, capability=(7, 5), gpu_name="T4"), "cuda:0", amp="bf16")
+    with pytest.raises(ConfigError, match="not supported on Apple MPS"):
+        _speed(machine(mps=True), "mps", amp="bf16")
+    assert "slower than fp32" in _speed(machine(), amp="bf16").amp_reason
+
+
+def test_threads_follow_the_policy_size_and_the_env_workers():
+    assert _speed(machine(cores=8)).threads == 1
+    assert _speed(machine(cores=8), policy="cnn", workers=3).threads == 5
+    assert _speed(machine(cores=8), net_arch=[512, 512], batch=512).threads == 8
+    assert _speed(machine(cores=8), net_arch=[256, 256], batch=64).threads == 8
+    assert _speed(machine(cores=16, gpus=1), "cuda:0", policy="cnn").threads == 4
+    assert _speed(machine(cores=2), policy="cnn", workers=8).threads == 1
+    assert _speed(machine(), threads=3).threads == 3
+
+
+def test_cuda_math_flags_follow_the_gpu():
+    a100 = _speed(machine(gpus=1), "cuda:0", "cnn")
+    assert a100.cudnn_benchmark and a100.tf32 and "TF32" in a100.cuda_reason
+    t4 = _speed(machine(gpus=1, capability=(7, 5)), "cuda:0", "mlp", [64], 64)
+    assert not t4.cudnn_benchmark and not t4.tf32
+    assert _speed(machine()).cuda_reason == "" and len(_speed(machine()).rows()) == 3
+
+
+def test_apply_speed_sets_threads_flags_and_amp():
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    plan = SpeedPlan("bf16", "test", "false", "test", 1, "test", cudnn_benchmark=True, tf32=True, cuda_reason="test")
+    assert apply_speed(model, plan, 32) is None
+    assert th.get_num_threads() == 1 and th.backends.cudnn.benchmark and th.backends.cuda.matmul.allow_tf32
+    assert amp_state(model).mode == "bf16"
+
+
+def test_plan_shows_and_saves_the_speed_decisions(cpu_machine):
+    plan = make_plan("ppo", "CartPole-v1", "cpu", hardware=cpu_machine, overrides={"threads": 2, "amp": "off"})
+    assert (plan.speed.amp, plan.speed.threads) == ("off", 2)
+    config = plan.to_config()
+    assert config["hyperparameters"]["threads"] == 2 and config["hyperparameters"]["amp"] == "off"
+    assert config["resolved"]["speed.threads"] == "2 (asked for)"
+
+
+# --------------------------------------------------------------------------- env workers and CLI
+class _ThreadsEnv(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        import os
+
+        self.threads = th.get_num_threads()
+        self.omp = os.environ.get("OMP_NUM_THREADS")
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, True, False, {}
+
+
+def test_subprocess_env_workers_run_one_thread():
+    venv = make_vec_env(resolve_env(_ThreadsEnv), 2, vec_env="subproc")
+    try:
+        assert venv.get_attr("threads") == [1, 1]
+        assert venv.get_attr("omp") == ["1", "1"]
+    finally:
+        venv.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["ppo", "--amp", "fp16", "--device", "cpu"], "amp=fp16 needs a CUDA GPU"),
+        (["ppo", "--threads", "0"], "--threads"),
+        (["ppo", "--compile", "fast"], "--compile"),
+        (["ppo", "--set", "amp=fp8"], "amp: unknown value 'fp8' (valid: auto, off, bf16, fp16)"),
+        (
+            ["ppo", "--n-envs", "1", "--set", "grad_accum_steps=3", "--set", "n_steps=64", "--set", "batch_size=32"],
+            "must divide",
+        ),
+    ],
+)
+def test_bad_speed_flags_exit_2_with_one_line(args, message, tmp_path, monkeypatch, call_main):
+    from sb3_gpu.train import main
+
+    monkeypatch.chdir(tmp_path)
+    result = call_main(main, *args, "--plan")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_run_trained_with_gpu_only_switches_evaluates_on_the_cpu(tmp_path):
+    import yaml
+
+    from sb3_gpu.runs.evaluation import evaluate_run
+    from sb3_gpu.runs.training import train_run
+
+    plan = make_plan(
+        "ppo", "CartPole-v1", "cpu", seed=0, overrides={"amp": "bf16", **SMALL_PPO, "n_envs": 1, "n_timesteps": 128}
+    )
+    train_run(plan, tmp_path / "run", eval_episodes=1, progress=False, eval_freq=64)
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    config["hyperparameters"]["amp"] = "fp16"  # as written on a CUDA machine
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    assert evaluate_run(tmp_path / "run", episodes=2)["episodes"] == 2

@@ -1,0 +1,573 @@
+"""Nothing lost: signals, resume, crashed envs and workers, NaN losses, writes killed midway, hostile model zips."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import psutil
+import pytest
+import torch as th
+from stable_baselines3.common.save_util import json_to_data
+
+from sb3_gpu import ConfigError
+from sb3_gpu.common.errors import StopNow, TrainingDiverged
+from sb3_gpu.common.io import atomic_write_bytes
+from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.extensions.stepping import LossScale, first_non_finite, optimizer_step
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.callbacks import NanGuard, StopOnSignal
+from sb3_gpu.runs.rundir import RunDir, zip_timesteps
+from sb3_gpu.runs.saving import load_model
+from sb3_gpu.runs.training import train_run
+from sb3_gpu.train import main as train_main
+from tests.conftest import REPO, run_cli
+
+FAULTY = "tests.fault_envs:faulty_cartpole"
+
+
+def _start(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "sb3_gpu.train", *args, "--no-progress"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"training ended before {path.name} appeared:\n{out[-3000:]}\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{path} did not appear in {timeout} s")
+        time.sleep(0.1)
+
+
+def _gone(pids: list[int], timeout: float = 15.0) -> bool:
+    """No process left, running or zombie (a zombie is a worker nobody reaped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not [p for p in pids if psutil.pid_exists(p)]:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _load(run_dir: Path, path: Path):
+    config = load_config(run_dir)
+    plan = make_plan(config.algo, config.env, "cpu", vec_env="dummy", config=config)
+    return _load_zip(plan, path, build_env(plan, evaluation=True))
+
+
+def _load_zip(plan, path: Path, env):
+    preset = plan.preset
+    return load_model(preset.model_class, path, policy=preset.policy, model_kwargs=preset.sb3_kwargs(), env=env, device="cpu")
+
+
+def _no_temp_files(run_dir: Path) -> bool:
+    return not [p for p in run_dir.rglob("*") if ".tmp-" in p.name]
+
+
+# --- signals and resume ----------------------------------------------------------------------------------------
+
+
+def test_sigint_saves_everything_and_resume_continues_schedules_buffer_and_tensorboard(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(
+        "dqn",
+        "--env",
+        "CartPole-v1",
+        "--per",
+        "--timesteps",
+        "100000",
+        "--seed",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--checkpoint-freq",
+        "1500",
+        "--eval-freq",
+        "1000",
+        "--eval-episodes",
+        "2",
+        "--save-replay-buffer",
+    )
+    _wait_for(run_dir / "checkpoints" / "model_1500_steps.zip", proc)
+    assert (run_dir / "checkpoints" / "model_replay_buffer_1500_steps.pkl").is_file()
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "SIGINT received: stopping after this step" in err
+    assert f"continue with: python -m sb3_gpu.train --resume {run_dir}" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped_at = summary["timesteps"]
+    assert summary["stopped_by"] == "SIGINT" and stopped_at >= 1500
+    assert zip_timesteps(run_dir / "model.zip") == stopped_at
+    assert (run_dir / "replay_buffer.pkl").is_file() and _no_temp_files(run_dir)
+    evals_before = np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist()
+    assert evals_before
+
+    resumed = run_cli("sb3_gpu.train", "--resume", str(run_dir), "--timesteps", str(stopped_at + 1200), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {run_dir / 'model.zip'} at {stopped_at:,} timesteps" in resumed.stdout
+    assert "replay buffer restored" in resumed.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    total = stopped_at + 1200
+    assert total <= summary["timesteps"] < total + 100 and summary["stopped_by"] is None
+    assert summary["final_eval_mean"] > 0
+
+    model = _load(run_dir, run_dir / "model.zip")
+    assert model.num_timesteps == summary["timesteps"]
+    # Schedules went on from where the run stopped, against the new total.
+    progress = 1 - model.num_timesteps / total
+    assert model._current_progress_remaining == pytest.approx(progress, abs=0.01)
+    assert model.exploration_rate == pytest.approx(model.exploration_schedule(progress), abs=0.01)
+    model.load_replay_buffer(run_dir / "replay_buffer.pkl")
+    buffer = model.replay_buffer
+    # The buffer came back: it holds every step but the one cut short by each stop.
+    assert buffer.size() * buffer.n_envs >= summary["timesteps"] - 2 * buffer.n_envs
+    assert buffer.beta == pytest.approx(model._anneal_beta(), abs=0.02) and buffer.beta > 0.4
+    # One TensorBoard run, holding steps from both sides of the stop.
+    assert [p.name for p in (run_dir / "tb").iterdir()] == ["run_1"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tb" / "run_1"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("rollout/exploration_rate")]
+    assert min(steps) < stopped_at < max(steps)
+    # The evaluation history goes on too, and the earlier episodes are kept beside the new ones.
+    evals = np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist()
+    assert evals[: len(evals_before)] == evals_before and len(evals) > len(evals_before)
+    assert sorted(p.name for p in (run_dir / "monitor").iterdir()) == ["0.monitor.csv", "0.seg1.monitor.csv"]
+
+    evaluation = run_cli("sb3_gpu.evaluate", str(run_dir), "--model", "final", "--episodes", "2", "--json")
+    assert evaluation.returncode == 0, evaluation.stderr
+    assert json.loads(evaluation.stdout)["episodes"] == 2
+
+
+def test_sigterm_exits_143_stops_workers_and_resume_restores_normalization(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(
+        "ppo",
+        "--env",
+        "Acrobot-v1",  # its preset normalises observations
+        "--n-envs",
+        "2",
+        "--vec-env",
+        "batched",
+        "--timesteps",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+        "--checkpoint-freq",
+        "1024",
+        "--eval-episodes",
+        "1",
+        "--set",
+        "n_steps=256",
+    )
+    _wait_for(run_dir / "checkpoints" / "model_1024_steps.zip", proc)
+    children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM: model saved to" in err
+    assert _gone(children), "env workers outlived the run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped_at = summary["timesteps"]
+    assert summary["stopped_by"] == "SIGTERM" and stopped_at >= 1024
+    count_before = _vecnormalize_count(run_dir / "vecnormalize.pkl")
+
+    resumed = run_cli("sb3_gpu.train", "--resume", str(run_dir), "--timesteps", str(stopped_at + 512), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["timesteps"] == stopped_at + 512
+    # The statistics were restored and updated further, not started afresh.
+    assert _vecnormalize_count(run_dir / "vecnormalize.pkl") > count_before + 500
+    assert [p.name for p in (run_dir / "tb").iterdir()] == ["run_1"]
+    evaluation = run_cli("sb3_gpu.evaluate", str(run_dir), "--model", "final", "--episodes", "1", "--json")
+    assert evaluation.returncode == 0, evaluation.stderr
+
+
+def _vecnormalize_count(path: Path) -> float:
+    import pickle
+
+    with open(path, "rb") as f:
+        return float(pickle.load(f).obs_rms.count)
+
+
+def test_a_second_signal_quits_at_once_and_keeps_the_last_good_files(tmp_path):
+    run_dir, marker = tmp_path / "run", tmp_path / "in-step-40"
+    # The env blocks in its 40th step (after the 32-step checkpoint), so that both signals land inside one env step.
+    proc = _start(
+        "ppo",
+        "--env",
+        FAULTY,
+        "--set",
+        f"env_kwargs={{block_at: 40, marker: '{marker}'}}",
+        "--vec-env",
+        "dummy",
+        "--n-envs",
+        "1",
+        "--set",
+        "n_steps=32",
+        "--set",
+        "batch_size=32",
+        "--timesteps",
+        "10000",
+        "--checkpoint-freq",
+        "32",
+        "--eval-freq",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+    )
+    stderr = _StderrReader(proc)
+    _wait_for(marker, proc)
+    proc.send_signal(signal.SIGINT)
+    stderr.wait_for("SIGINT received: stopping after this step")  # the first one was handled: now the second
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    err = stderr.text()
+    assert proc.returncode == 130, err
+    assert "stopped at once by a second signal; nothing more was saved" in err
+    assert "Traceback" not in err
+    states = RunDir(run_dir).saved_states()
+    checkpoint = run_dir / "checkpoints" / "model_32_steps.zip"
+    assert states and states[0].model == checkpoint and f"the last good model is {checkpoint}" in err
+    assert not (run_dir / "model.zip").exists() and _no_temp_files(run_dir)
+    assert _load(run_dir, checkpoint).num_timesteps == 32
+
+
+class _StderrReader:
+    """A process's stderr, read line by line as it comes, so that a test can wait for a line."""
+
+    def __init__(self, proc: subprocess.Popen[str]):
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 60.0) -> None:
+        with self._new:
+            if not self._new.wait_for(lambda: any(text in line for line in self.lines), timeout=timeout):
+                pytest.fail(f"{text!r} never appeared on stderr:\n{''.join(self.lines)[-3000:]}")
+
+    def text(self) -> str:
+        self._thread.join(timeout=30)
+        return "".join(self.lines)
+
+
+# --- crashed envs and workers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vec_env", ["batched", "subproc"])
+def test_a_killed_worker_stops_the_run_with_its_env_named_after_a_save(tmp_path, vec_env):
+    run_dir = tmp_path / "run"
+    proc = _start(
+        "ppo",
+        "--env",
+        "CartPole-v1",
+        "--n-envs",
+        "2",
+        "--vec-env",
+        vec_env,
+        "--timesteps",
+        "100000",
+        "--checkpoint-freq",
+        "512",
+        "--eval-freq",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+    )
+    _wait_for(run_dir / "checkpoints" / "model_512_steps.zip", proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    # The env workers are the forkserver's children (the main process's direct children are the forkserver
+    # and the resource tracker).
+    workers = [c for c in children if c.ppid() != proc.pid]
+    assert len(workers) == 2, [(c.pid, c.ppid(), c.cmdline()) for c in children]
+    os.kill(workers[1].pid, signal.SIGKILL)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert re.search(r"error: env (worker )?[01] .*was killed by SIGKILL", err), err
+    assert f"model saved to {run_dir / 'model.zip'}" in err and "--resume" in err
+    assert _gone([c.pid for c in children])
+    assert _load(run_dir, run_dir / "model.zip").num_timesteps >= 512
+
+
+@pytest.mark.parametrize("vec_env", ["batched", "subproc", "dummy"])
+def test_an_env_raising_at_step_n_stops_the_run_after_a_save(tmp_path, vec_env):
+    run_dir = tmp_path / "run"
+    proc = _start(
+        "ppo",
+        "--env",
+        FAULTY,
+        "--set",
+        "env_kwargs.raise_at=700",
+        "--n-envs",
+        "2",
+        "--vec-env",
+        vec_env,
+        "--set",
+        "n_steps=128",
+        "--timesteps",
+        "100000",
+        "--eval-freq",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+    )
+    _out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, err
+    if vec_env == "batched":
+        assert re.search(r"error: env [01] \(worker [01]\) raised RuntimeError: boom at step 700", err), err
+        assert "Traceback" not in err
+    elif vec_env == "subproc":  # SB3's worker prints its traceback and exits; the parent names it
+        assert re.search(r"error: env [01] \(SubprocVecEnv worker, pid \d+\) exited with code 1", err), err
+        assert "RuntimeError: boom at step 700" in err
+    else:
+        assert "RuntimeError: boom at step 700" in err and "Traceback" in err
+    assert f"model saved to {run_dir / 'model.zip'} at 1,39" in err  # 2 envs x 699 steps, in rollouts of 2 x 128
+    assert _load(run_dir, run_dir / "model.zip").num_timesteps == 1398
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert ("exited with code 1" if vec_env == "subproc" else "boom at step 700") in summary["error"]
+
+
+# --- NaN -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "algo, overrides",
+    [
+        ("ppo", {"n_steps": 128}),
+        ("dqn", {"per": False, "learning_starts": 200}),
+        ("dqn", {"per": True, "learning_starts": 200}),  # caught by the priority update, before the tree is touched
+    ],
+    ids=["ppo", "dqn", "dqn-per"],
+)
+def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, overrides):
+    plan = make_plan(
+        algo,
+        FAULTY,
+        "cpu",
+        n_envs=2,
+        n_timesteps=20_000,
+        vec_env="dummy",
+        overrides={**overrides, "env_kwargs": {"nan_at": 400}},
+    )
+    with pytest.raises(TrainingDiverged, match="NaN or inf"):
+        train_run(plan, tmp_path, eval_freq=100_000, checkpoint_freq=256, progress=False, report_s=None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["error"].startswith("TrainingDiverged") and summary["model"]
+    for state in RunDir(tmp_path).saved_states():  # model.zip and every checkpoint: all finite and loadable
+        assert first_non_finite(_load(tmp_path, state.model).policy) is None
+    assert zip_timesteps(tmp_path / "model.zip") <= 2 * 400 + 256
+    if overrides.get("per"):
+        # The priorities kept their finite values, so the saved buffer stays usable.
+        assert not (tmp_path / "replay_buffer.pkl").exists()
+
+
+def _model(algo: str = "ppo", **overrides):
+    plan = make_plan(algo, "CartPole-v1", "cpu", vec_env="dummy", overrides=overrides)
+    return build_model(plan, build_env(plan))
+
+
+def _guarded(model) -> NanGuard:
+    guard = NanGuard()
+    guard.init_callback(model)
+    guard.on_training_start({}, {})
+    return guard
+
+
+def test_nan_guard_refuses_a_nan_gradient_and_leaves_the_weights_alone():
+    model = _model()
+    guard = _guarded(model)
+    optimizer = model.policy.optimizer
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    for p in model.policy.parameters():
+        p.grad = th.zeros_like(p)
+    next(model.policy.parameters()).grad[0, 0] = float("nan")
+    with pytest.raises(TrainingDiverged, match=r"the gradient of mlp_extractor\.policy_net\.0\.weight is NaN or inf"):
+        optimizer.step()
+    assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
+    guard.close()
+    optimizer.step()  # the guard is off again
+
+
+def test_nan_guard_leaves_steps_that_the_amp_loss_scaler_skips_to_it():
+    # The CPU twin of fp16 AMP: the same loss scaler wrapped around the optimizer's step, as enable_amp does on CUDA.
+    model = _model()
+    scaler = LossScale()
+    optimizer_step(model.policy.optimizer, model.policy).scale_losses(scaler)
+    _guarded(model)
+    for p in model.policy.parameters():
+        p.grad = th.full_like(p, float("inf"))
+    model.policy.optimizer.step()  # an fp16 overflow: skipped by the scaler, not an error
+    assert scaler.skipped_steps == 1
+    for p in model.policy.parameters():
+        p.grad = th.ones_like(p)
+    model.policy.optimizer.step()
+    assert scaler.skipped_steps == 1 and first_non_finite(model.policy) is None
+
+
+def test_nan_guard_catches_nan_weights_at_the_next_rollout():
+    model = _model("dqn")
+    guard = _guarded(model)
+    guard.on_rollout_start()
+    with th.no_grad():
+        model.policy.q_net_target.q_net[0].bias[3] = float("inf")
+    with pytest.raises(TrainingDiverged, match=r"parameter q_net_target.q_net.0.bias is NaN or inf"):
+        guard.on_rollout_start()
+
+
+# --- atomic writes -------------------------------------------------------------------------------------------------
+
+WRITER = """
+import os, sys, time
+from sb3_gpu.common import io as _io
+
+def stall(fd):  # the new bytes are in the temp file; the rename has not happened
+    print("WRITING", flush=True)
+    time.sleep(120)
+
+os.fsync = stall
+_io.atomic_write_bytes(sys.argv[1], b"new" * 1_000_000)
+"""
+
+
+def test_a_writer_killed_midway_leaves_the_old_file_whole(tmp_path):
+    target = tmp_path / "model.zip"
+    target.write_bytes(b"the last good model")
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(target)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout.readline().strip() == "WRITING"
+    partial = [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert partial and partial[0].stat().st_size == 3_000_000  # the new bytes exist, beside the old file
+    proc.kill()
+    proc.wait()
+    assert target.read_bytes() == b"the last good model"
+
+
+def test_an_interrupted_write_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
+    target = tmp_path / "summary.json"
+    target.write_text("{}")
+
+    def interrupt(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_bytes(target, b'{"timesteps": 1}')
+    assert target.read_text() == "{}" and [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+# --- hostile model zips --------------------------------------------------------------------------------------------
+
+
+class _Payload:
+    """Unpickling this runs code: it creates a file."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def _tampered_zip(tmp_path: Path, extra_key: bool) -> tuple[Path, Path]:
+    model = _model()
+    clean = tmp_path / "clean.zip"
+    model.save(clean)
+    pwned = tmp_path / "pwned"
+    payload = {":type:": "<class 'x'>", ":serialized:": base64.b64encode(cloudpickle.dumps(_Payload(str(pwned)))).decode()}
+    tampered = tmp_path / "tampered.zip"
+    with zipfile.ZipFile(clean) as src, zipfile.ZipFile(tampered, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename == "data":
+                fields = json.loads(data)
+                fields["observation_space"] = payload
+                if extra_key:
+                    fields["evil"] = payload
+                data = json.dumps(fields).encode()
+            dst.writestr(item, data)
+    return tampered, pwned
+
+
+def test_a_pickled_entry_in_a_model_zip_is_never_unpickled(tmp_path):
+    tampered, pwned = _tampered_zip(tmp_path, extra_key=False)
+    plan = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy")
+    env = build_env(plan)
+    model = _load_zip(plan, tampered, env)
+    assert not pwned.exists() and model.observation_space == env.observation_space
+    # The control: SB3's own reading of the same entries runs the payload.
+    with zipfile.ZipFile(tampered) as archive:
+        json_to_data(archive.read("data").decode())
+    assert pwned.exists()
+
+
+def test_a_model_zip_with_a_pickled_entry_the_config_cannot_supply_is_refused(tmp_path):
+    tampered, pwned = _tampered_zip(tmp_path, extra_key=True)
+    plan = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy")
+    with pytest.raises(ConfigError, match="stores a pickled 'evil' that this run's config cannot supply"):
+        _load_zip(plan, tampered, build_env(plan))
+    assert not pwned.exists()
+
+
+# --- one process per run dir -----------------------------------------------------------------------------------------
+
+
+def test_a_run_dir_in_use_is_refused(tmp_path, capsys):
+    plan = make_plan(
+        "ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, vec_env="dummy", overrides={"n_steps": 32, "batch_size": 32}
+    )
+    train_run(plan, tmp_path, eval_episodes=1, progress=False, report_s=None)
+    with RunDir(tmp_path).locked():
+        assert train_main(["--resume", str(tmp_path), "--timesteps", "128"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} is in use by another sb3_gpu process (pid {os.getpid()})" in err.replace("\n", "")
+
+
+def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopOnSignal()
+    with stop:
+        assert stop._on_step() is True
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM and stop._on_step() is False
+        with pytest.raises(StopNow):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -1,0 +1,198 @@
+"""Throughput telemetry read back from TensorBoard's event files, the dashboard layout, pictures, and the plot CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch as th
+from stable_baselines3 import DQN, PPO
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.telemetry import DASHBOARD, ThroughputCallback
+from sb3_gpu.runs.training import train_run
+from tests.conftest import REPO, run_cli
+
+
+def _scalars(log_dir) -> dict[str, list[float]]:
+    (events,) = [p for p in log_dir.rglob("events.out.tfevents.*")]
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_dqn_throughput_tags_land_in_tensorboard_with_sane_values(tmp_path):
+    model = DQN(
+        "MlpPolicy",
+        "CartPole-v1",
+        learning_starts=0,
+        train_freq=4,
+        gradient_steps=1,
+        batch_size=32,
+        policy_kwargs={"net_arch": [32]},
+        tensorboard_log=str(tmp_path),
+        seed=0,
+    )
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    model.learn(3000, callback=callback, log_interval=5)
+    scalars = _scalars(tmp_path)
+    for key in ("env_steps_per_s", "episodes_per_s", "grad_steps_per_1k_env_steps", "buffer_fill", "rss_mib"):
+        assert f"throughput/{key}" in scalars, sorted(scalars)
+    last = {k.split("/")[1]: v[-1] for k, v in scalars.items() if k.startswith("throughput/")}
+    assert last["env_steps_per_s"] > 0 and last["episodes_per_s"] > 0 and last["rss_mib"] > 0
+    # train_freq 4, one gradient step each: 250 optimizer steps per 1,000 env steps.
+    assert last["grad_steps_per_1k_env_steps"] == pytest.approx(250, rel=0.02)
+    shares = [last[f"share_{k}"] for k in ("env", "policy", "train", "eval")]
+    assert all(0 <= s <= 1 for s in shares) and sum(shares) == pytest.approx(1.0, abs=0.02)
+    assert 0 < last["buffer_fill"] <= 1
+    assert not {"step_async", "step_wait", "reset"} & set(vars(model.env.unwrapped)), "the timer is removed after learn"
+
+
+def test_train_run_with_a_normalizing_preset_evaluates_and_times_the_env(tmp_path):
+    # Acrobot's PPO preset normalises observations: EvalCallback syncs the VecNormalize statistics through the env.
+    overrides = {"n_timesteps": 1024, "n_envs": 2, "n_steps": 128, "batch_size": 64}
+    plan = make_plan("ppo", "Acrobot-v1", "cpu", seed=0, overrides=overrides)
+    assert plan.preset.normalize
+    summary = train_run(plan, tmp_path / "run", eval_freq=256, eval_episodes=1, progress=False)
+    assert summary["timesteps"] >= 1024 and summary["best_eval_mean"] is not None
+
+
+def test_one_callback_measures_each_learn_afresh():
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    model.learn(256, callback=callback)
+    model.learn(256, callback=callback)  # counts restart; the idle time between the learns is not in the window
+    assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(1000 / 64)
+    assert 0.05 < callback.latest["share_env"] < 0.95
+
+
+def test_ppo_counts_optimizer_steps_of_every_minibatch(tmp_path):
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=128, batch_size=32, n_epochs=2, tensorboard_log=str(tmp_path))
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    model.learn(128 * 4, callback=callback)
+    # 2 epochs x 4 minibatches of 32 per rollout of 128 steps: 8 optimizer steps per 128 env steps.
+    assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(1000 * 8 / 128)
+
+
+def test_train_run_writes_the_dashboard_layout_and_curves(tmp_path):
+    plan = make_plan(
+        "ppo", "CartPole-v1", "cpu", seed=0, overrides={"n_timesteps": 2048, "n_envs": 2, "n_steps": 64, "batch_size": 64}
+    )
+    summary = train_run(plan, tmp_path / "run", eval_freq=512, eval_episodes=2, progress=False)
+    (events,) = list((tmp_path / "run" / "tb").rglob("events.out.tfevents.*"))
+    raw = events.read_bytes()  # the layout is a summary of the custom_scalars plugin (served: see the server test)
+    assert b"custom_scalars" in raw and b"Time split" in raw and b"Hardware" in raw
+    png = tmp_path / "run" / "curves.png"
+    assert summary["curves"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_cli_draws_several_runs_and_refuses_non_runs(tmp_path):
+    for seed in (0, 1):
+        plan = make_plan(
+            "ppo",
+            "CartPole-v1",
+            "cpu",
+            seed=seed,
+            overrides={"n_timesteps": 1024, "n_envs": 2, "n_steps": 64, "batch_size": 64},
+        )
+        train_run(plan, tmp_path / f"seed{seed}", eval_freq=512, eval_episodes=1, progress=False)
+    result = run_cli("sb3_gpu.plot", "seed0", "seed1", "-o", "both.png", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
+    bad = run_cli("sb3_gpu.plot", "nowhere", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "no monitor" in bad.stderr
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
+    from sb3_gpu.common.errors import ConfigError
+    from sb3_gpu.runs.curves import plot_runs
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ConfigError, match=r"pip install 'sb3-gpu\[plot\]'"):
+        plot_runs([tmp_path], tmp_path / "curves.png")
+
+
+def _screenshot_tool():
+    spec = importlib.util.spec_from_file_location("dashboard_screenshot", REPO / "tools" / "dashboard_screenshot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as response:  # a local server this test started
+        return response.read()
+
+
+def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path))
+    model.learn(1500, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0), tb_log_name="seed0")
+    tool = _screenshot_tool()
+    port = tool._free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}/data/plugin"
+        deadline, layout, series = time.monotonic() + 90, None, None
+        while time.monotonic() < deadline and series is None:
+            time.sleep(1)
+            try:
+                layout = json.loads(_get(f"{base}/custom_scalars/layout"))
+                runs = json.loads(_get(f"http://127.0.0.1:{port}/data/runs"))
+                if runs:
+                    data = _get(f"{base}/scalars/scalars?run={runs[0]}&tag=throughput/env_steps_per_s")
+                    series = json.loads(data)
+            except OSError:
+                continue
+        assert layout is not None and {c["title"] for c in layout["category"]} == set(DASHBOARD)
+        assert series and all(point[2] > 0 for point in series), series
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium (.ci/run installs Debian's where apt-get can)")
+def test_headless_chromium_renders_the_dashboard(tmp_path):
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path))
+    model.learn(1500, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0))
+    out = tmp_path / "dashboard.png"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "dashboard_screenshot.py"), str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000, "a rendered page, not a blank one"
+
+
+def test_cuda_memory_and_gpu_use_are_recorded_on_a_cuda_device(monkeypatch):
+    model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [8]})
+    callback = ThroughputCallback(warmup_s=0.0)
+    model.learn(10, callback=callback)  # sets the callback up; then pretend the model sits on a GPU
+    monkeypatch.setattr(model, "device", th.device("cuda", 0))
+    monkeypatch.setattr(th.cuda, "memory_allocated", lambda device: 300 * 2**20)
+    monkeypatch.setattr(th.cuda, "max_memory_allocated", lambda device: 512 * 2**20)
+    monkeypatch.setattr("sb3_gpu.runs.telemetry._gpu_util", lambda index: 87.0)
+    callback._record(time.perf_counter())
+    assert callback.latest["cuda_allocated_mib"] == 300 and callback.latest["cuda_peak_mib"] == 512
+    assert callback.latest["gpu_util_percent"] == 87.0 and "GPU mem 300 MiB" in callback.line()
+
+
+def test_a_live_line_is_printed_every_report_s():
+    lines: list[str] = []
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
+    model.learn(64 * 6, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=0.0, print_fn=lines.append))
+    assert len(lines) >= 4 and all("steps/s" in line and "env " in line and "train " in line for line in lines)
