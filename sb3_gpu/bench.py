@@ -130,9 +130,10 @@ def _main_per(args: argparse.Namespace) -> int:
 def _main_telemetry(args: argparse.Namespace) -> int:
     print(machine_line())
     rows = bench_telemetry(args.repeats, args.callback)
-    print(f"{'case':<22} {'without':>10} {'with':>10}  overhead (env steps/s of learn, medians)")
-    for label, without, with_ in rows:
-        print(f"{label:<22} {without:>10.0f} {with_:>10.0f}  {1 - with_ / without:+.1%}")
+    print(f"{'case':<22} {'without':>10} {'with':>10}  {'wall':>7} {'CPU':>7}")
+    for label, without, with_, wall, cpu in rows:
+        print(f"{label:<22} {without:>10.0f} {with_:>10.0f}  {wall:>+7.1%} {cpu:>+7.1%}")
+    print("env steps/s of learn (medians); overhead: median over rounds of the time ratio, by wall and by CPU time")
     return 0
 
 

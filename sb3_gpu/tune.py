@@ -8,6 +8,7 @@ default storage is an SQLite file in the study dir: nothing to start.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import signal
 import sys
@@ -122,13 +123,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"marked {dead} trial(s) of dead workers on this host as failed")
     done = finished_trials(study)
     console.print(f"study {name} in {mask_url(url)}: {done} of {args.trials} trials finished; this worker joins in")
-    optuna.logging.set_verbosity(optuna.logging.INFO)
+    if done < args.trials:
+        optuna.logging.set_verbosity(optuna.logging.INFO)
+    for handler in logging.getLogger("optuna").handlers:
+        handler.addFilter(_no_traceback_for_a_stop)
     try:
         run_trials(study, make_objective(settings_from_args(args), space), args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
-        print_error(f"{e or 'interrupted'}; the trial was marked failed. Run the same command to go on")
+        print_error(f"{str(e) or 'interrupted'}; a running trial was marked failed. Run the same command to go on")
         return 128 + int(signal.Signals[e.signal_name]) if isinstance(e, TrialInterrupted) else 130
     return _report(study, args, plan.env.name, folder, plan.preset.n_timesteps, console)
+
+
+def _no_traceback_for_a_stop(record: logging.LogRecord) -> bool:
+    """optuna logs a failed trial with its traceback; a stop asked for by a signal is no crash, so it gets one line."""
+    if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+        record.exc_info = None
+    return True
 
 
 def _report(study: Any, args: argparse.Namespace, env: str, folder: Path, timesteps: int, console: Console) -> int:

@@ -8,6 +8,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +17,49 @@ import torch as th
 from sb3_gpu.common.io import atomic_write_text
 
 
+@dataclass(frozen=True)
+class Paired:
+    """Seconds per call of a baseline and of ours, one pair per round, by one clock."""
+
+    baseline: list[float]
+    ours: list[float]
+
+    def medians(self) -> tuple[float, float]:
+        return statistics.median(self.baseline), statistics.median(self.ours)
+
+    def median_ratio(self) -> float:
+        """The median over rounds of ours / baseline: each round's two runs saw the same machine, so their ratio
+        is steadier than a ratio of medians when the machine's speed drifts."""
+        return statistics.median(o / b for o, b in zip(self.ours, self.baseline, strict=True))
+
+
+def paired_times(
+    baseline: Callable[[], object], ours: Callable[[], object], repeats: int, inner: int = 1
+) -> tuple[Paired, Paired]:
+    """Wall and CPU (this process) seconds per call of each, over ``repeats`` rounds in ABBA order, after a warm-up.
+
+    CPU time leaves out what the machine took away (other processes, a VM's stolen time), so for single-process
+    work it shows the cost of what was added more steadily than wall time.
+    """
+    baseline(), ours()  # warm-up
+    wall: tuple[list[float], list[float]] = ([], [])
+    cpu: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(repeats):
+        order = ((baseline, 0), (ours, 1)) if round_ % 2 == 0 else ((ours, 1), (baseline, 0))
+        for fn, side in order:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(inner):
+                fn()
+            wall[side].append((time.perf_counter() - start) / inner)
+            cpu[side].append((time.process_time() - start_cpu) / inner)
+    return Paired(*wall), Paired(*cpu)
+
+
 def paired_medians(
     baseline: Callable[[], object], ours: Callable[[], object], repeats: int, inner: int
 ) -> tuple[float, float]:
-    """Median seconds per call of each, over ``repeats`` rounds that alternate the two (so drift hits both alike)."""
-    baseline(), ours()  # warm-up
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((baseline, times[0]), (ours, times[1])):
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            out.append((time.perf_counter() - start) / inner)
-    return statistics.median(times[0]), statistics.median(times[1])
+    """Median wall seconds per call of each, over ``repeats`` rounds that alternate the two (drift hits both alike)."""
+    return paired_times(baseline, ours, repeats, inner)[0].medians()
 
 
 def machine_line() -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from stable_baselines3.common.callbacks import BaseCallback
 
-from sb3_gpu.benches.base import paired_medians
+from sb3_gpu.benches.base import paired_times
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.callbacks import NanGuard, StopOnSignal
@@ -28,11 +28,11 @@ def callbacks_for(which: str) -> list[BaseCallback]:
     return sets[which]
 
 
-def bench_telemetry(repeats: int, which: str = "telemetry") -> list[tuple[str, float, float]]:
-    """Rows of (case, env steps/s without the callbacks, with them).
+def bench_telemetry(repeats: int, which: str = "telemetry") -> list[tuple[str, float, float, float, float]]:
+    """Rows of (case, env steps/s without the callbacks, with them, wall-time overhead, CPU-time overhead).
 
     Two models built alike, one never given a callback (so that nothing sb3_gpu installs reaches it), train in
-    alternating ``learn`` segments.
+    alternating ``learn`` segments; the overheads are medians of the per-round ratios.
     """
     rows = []
     for label, algo, env, overrides in TELEMETRY_CASES:
@@ -46,7 +46,8 @@ def bench_telemetry(repeats: int, which: str = "telemetry") -> list[tuple[str, f
             m.learn(m.learning_starts + segment if algo != "ppo" else segment)
         plain = lambda m=plain_model, n=segment: m.learn(n, reset_num_timesteps=False)  # noqa: E731
         timed = lambda m=model, n=segment: m.learn(n, reset_num_timesteps=False, callback=callbacks_for(which))  # noqa: E731
-        without, with_ = paired_medians(plain, timed, repeats, 1)
-        rows.append((label, segment / without, segment / with_))
+        wall, cpu = paired_times(plain, timed, repeats)
+        without, with_ = wall.medians()
+        rows.append((label, segment / without, segment / with_, wall.median_ratio() - 1, cpu.median_ratio() - 1))
         print(f"  {label}: done", flush=True)
     return rows

@@ -32,11 +32,16 @@ from stable_baselines3.common.vec_env.patch_gym import _patch_env
 from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 
 from sb3_gpu.common.errors import EnvWorkerError
-from sb3_gpu.envs.choice import batched_workers
+from sb3_gpu.common.hardware import logical_cores
 
 # Preloaded by the forkserver, so that each worker forks with torch and SB3 already imported instead of importing
 # them itself (3.4 s per worker on a 2-core Xeon, which is most of SubprocVecEnv's start-up).
-_PRELOAD = ["sb3_gpu.envs.spec"]
+_PRELOAD = ["sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
+
+
+def batched_workers(n_envs: int, limit: int | None = None) -> int:
+    """Worker processes for ``n_envs`` envs: ``limit`` (default one per logical core), at most one per env."""
+    return max(1, min(n_envs, limit or logical_cores()))
 
 
 class _Layout:
@@ -91,6 +96,7 @@ class _Worker:
     def __init__(self, first: int):
         self.first = self.current = first
         self.envs: list[gym.Env] = []
+        self.handlers: dict[str, Callable[[Any], Any]] = {"step": self._step, "reset": self._reset, "call": self._call}
 
     def start(self, conn: Connection, payload: bytes) -> None:
         for fn in cloudpickle.loads(payload):
@@ -117,8 +123,7 @@ class _Worker:
             self._close()
             conn.send(("ok", None))
             return False
-        handlers: dict[str, Callable[[Any], Any]] = {"step": self._step, "reset": self._reset, "call": self._call}
-        conn.send(("ok", handlers[cmd](data)))
+        conn.send(("ok", self.handlers[cmd](data)))
         return True
 
     def _each(self, indices: Any) -> Any:

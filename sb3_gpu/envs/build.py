@@ -76,13 +76,20 @@ def make_vec_env(
     spec = resolve_env(env_id, env_kwargs)
     atari = (spec.is_atari and wrapper_class is None) if atari_wrapper is None else atari_wrapper
     kind = _kind(vec_env, vec_env_cls)
+    if vec_env_kwargs and kind in ("auto", "dummy"):
+        raise ConfigError(
+            f"vec_env_kwargs {sorted(vec_env_kwargs)} need a class that takes them: give vec_env_cls, or vec_env "
+            "'subproc', 'batched' or 'envpool' (auto may pick DummyVecEnv, which takes none)"
+        )
     if kind == "auto":
         plain = wrapper_class is None and atari == spec.is_atari and not monitor_kwargs
         kind = vec_env_choice("auto", spec, n_envs, envpool_allowed=plain).kind
     if monitor_dir is not None:
         os.makedirs(monitor_dir, exist_ok=True)
     if kind == "envpool":
-        venv: VecEnv = _envpool(spec, n_envs, seed, atari, monitor_dir, wrapper_class, vec_env_kwargs)
+        if wrapper_class is not None or monitor_kwargs:
+            raise ConfigError("vec_env 'envpool' runs C++ envs: a Python wrapper_class or monitor_kwargs cannot apply")
+        venv: VecEnv = _envpool(spec, n_envs, seed, atari, monitor_dir, start_index, vec_env_kwargs)
     else:
         factories = [
             EnvFactory(
@@ -115,7 +122,7 @@ def _envpool(
     seed: int | None,
     atari: bool,
     monitor_dir: str | None,
-    wrapper_class: Callable[..., gym.Env] | None,
+    start_index: int,
     vec_env_kwargs: dict[str, Any],
 ) -> VecEnv:
     if spec.env_id is None:
@@ -123,9 +130,9 @@ def _envpool(
         raise ConfigError(
             f"vec_env 'envpool' needs a registered Gymnasium id without env kwargs; got {spec.name!r}{with_kwargs}"
         )
-    if wrapper_class is not None:
-        raise ConfigError("vec_env 'envpool' runs C++ envs, which a Python wrapper_class cannot wrap")
-    return EnvPoolVecEnv(spec.env_id, n_envs, seed=seed, is_atari=atari, monitor_dir=monitor_dir, **vec_env_kwargs)
+    return EnvPoolVecEnv(
+        spec.env_id, n_envs, seed=seed, is_atari=atari, monitor_dir=monitor_dir, start_index=start_index, **vec_env_kwargs
+    )
 
 
 def _build(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.hardware import logical_cores
+from sb3_gpu.envs.batched import batched_workers
 from sb3_gpu.envs.envpool_vec import envpool_available, envpool_task
 from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
 
@@ -20,11 +21,6 @@ BATCHED_PER_ENV_S = 10e-6
 # only pays where a DummyVecEnv step (n_envs * one env step) is longer than this: CartPole from ~64 envs,
 # LunarLander from ~16, Atari always (bench envs: CartPole x32 on EnvPool measured 0.86x dummy).
 ENVPOOL_MIN_VEC_STEP_S = 1e-3
-
-
-def batched_workers(n_envs: int, limit: int | None = None) -> int:
-    """Worker processes of a batched subprocess VecEnv: ``limit`` (default one per logical core), at most one per env."""
-    return max(1, min(n_envs, limit or logical_cores()))
 
 
 def envpool_fits(spec: EnvSpec) -> bool:

@@ -77,6 +77,7 @@ class EnvPoolVecEnv(VecEnv):
     :param seed: seed of the first env (env ``i`` gets ``seed + i``); reseeding rebuilds the pool
     :param is_atari: apply SB3's Atari preprocessing inside EnvPool
     :param monitor_dir: write Monitor-format CSV files here, one per env
+    :param start_index: the index of the first env, which names its Monitor file (as in SB3's ``make_vec_env``)
     :param num_threads: EnvPool's thread count (default: EnvPool's, one per core)
     """
 
@@ -88,6 +89,7 @@ class EnvPoolVecEnv(VecEnv):
         seed: int | None = None,
         is_atari: bool = False,
         monitor_dir: str | None = None,
+        start_index: int = 0,
         num_threads: int = 0,
     ):
         task = envpool_task(env_id, is_atari)
@@ -112,14 +114,9 @@ class EnvPoolVecEnv(VecEnv):
         self._returns = np.zeros(n_envs, dtype=np.float64)
         self._lengths = np.zeros(n_envs, dtype=np.int64)
         self._start = time.time()
-        self._writers = (
-            [
-                ResultsWriter(os.path.join(monitor_dir, str(i)), header={"t_start": self._start, "env_id": env_id})
-                for i in range(n_envs)
-            ]
-            if monitor_dir
-            else []
-        )
+        header: dict[str, float | str] = {"t_start": self._start, "env_id": env_id}
+        names = [str(start_index + i) for i in range(n_envs)]
+        self._writers = [ResultsWriter(os.path.join(monitor_dir, n), header=header) for n in names] if monitor_dir else []
         self._actions: np.ndarray | None = None
 
     def _make_pool(self, n_envs: int, seed: int | None) -> Any:

@@ -12,8 +12,8 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step
 
 
-def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> None:
-    """PPO's minibatches per epoch must be a whole number of accumulation windows."""
+def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
+    """``grad_accum_steps`` as an int; PPO's minibatches per epoch must be a whole number of accumulation windows."""
     grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
     minibatches = -(-n_steps * n_envs // batch_size)
     if minibatches % grad_accum_steps:
@@ -21,6 +21,7 @@ def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_s
             f"grad_accum_steps={grad_accum_steps} must divide the {minibatches} minibatches per epoch"
             f" (n_steps * n_envs / batch_size = {n_steps} * {n_envs} / {batch_size})"
         )
+    return grad_accum_steps
 
 
 def accumulating_step(model: Any, grad_accum_steps: int) -> OptimizerStep | None:
@@ -44,7 +45,7 @@ class GradAccumPPO(PPO):
 
     def _setup_model(self) -> None:
         super()._setup_model()
-        check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
+        self.grad_accum_steps = check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
 
     def _excluded_save_params(self) -> list[str]:

@@ -11,7 +11,8 @@ switches its part on there:
 - fp16 loss scaling (:meth:`OptimizerStep.scale_losses`): the same hook divides by the loss scale, so that SB3's
   clipping sees true gradients; a step whose gradients overflowed is skipped and the scale updated with
   ``torch.amp.GradScaler``'s rules;
-- the NaN guard (``on_non_finite``): any other non-finite gradient stops training before it reaches the weights;
+- the NaN guard (``on_non_finite``): any other non-finite gradient (also one that persists down to a loss scale of
+  1) stops training before it reaches the weights;
 - counting: ``steps`` counts the steps the optimizer really took (not held-back or skipped ones).
 """
 
@@ -25,21 +26,26 @@ import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 
-def first_non_finite(module: th.nn.Module) -> str | None:
-    """The name of the first parameter of ``module`` holding a NaN or inf, or None."""
-    return non_finite_name(module.named_parameters())
+def all_finite(tensors: list[th.Tensor]) -> bool:
+    """Whether no element of ``tensors`` is NaN or inf (one device sync)."""
+    # The 2-norm is the cheapest reduction over them all (a max-abs norm costs several times more on the CPU). It is
+    # finite when every element is; when it is not, an element is NaN or inf, or the squares overflowed: look closer.
+    if not tensors or bool(th.nn.utils.get_total_norm(tensors, norm_type=2.0).isfinite()):
+        return True
+    return all(bool(t.isfinite().all()) for t in tensors)
 
 
 def non_finite_name(named: Iterable[tuple[str, th.Tensor]]) -> str | None:
-    """The name of the first tensor holding a NaN or inf, or None (one device sync when all are finite)."""
-    tensors = [(name, tensor.detach()) for name, tensor in named]
-    if not tensors:
+    """The name of the first tensor holding a NaN or inf, or None."""
+    pairs = list(named)
+    if all_finite([t.detach() for _, t in pairs]):
         return None
-    # The 2-norm is the cheapest reduction over all of them (a max-abs norm costs several times more on the CPU). It is
-    # finite when every element is; when it is not, an element is NaN or inf, or the squares overflowed: look closer.
-    if bool(th.nn.utils.get_total_norm([t for _, t in tensors], norm_type=2.0).isfinite()):
-        return None
-    return next((name for name, t in tensors if not bool(t.isfinite().all())), None)
+    return next((name for name, t in pairs if not bool(t.detach().isfinite().all())), None)
+
+
+def first_non_finite(module: th.nn.Module) -> str | None:
+    """The name of the first parameter of ``module`` holding a NaN or inf, or None."""
+    return non_finite_name(module.named_parameters())
 
 
 class LossScale:
@@ -127,13 +133,17 @@ class OptimizerStep:
             param.grad = self._unscaled(saved)
         self._saved.clear()
         bad = self._non_finite_gradient() if self.loss_scale is not None or self.on_non_finite is not None else None
+        # An fp16 overflow is expected now and then, and the scale handles it; at a scale of 1 or less nothing was
+        # scaled up to overflow, so the gradient itself is NaN or inf (GradScaler would skip such steps forever
+        # while its scale decays to zero).
+        overflow = self.loss_scale is not None and self.loss_scale.scale > 1.0
+        if bad is not None and self.on_non_finite is not None and not overflow:
+            raise self.on_non_finite(bad)
         if self.loss_scale is not None:
             self.loss_scale.update(found_inf=bad is not None)
-            if bad is not None:  # an fp16 overflow: expected now and then, and handled by the scale
+            if bad is not None:
                 self._notify()
                 return None
-        if bad is not None and self.on_non_finite is not None:
-            raise self.on_non_finite(bad)
         out = self._step() if closure is None else self._step(closure)
         self.steps += 1
         self._notify()
@@ -166,8 +176,10 @@ class OptimizerStep:
         return grad.div_(divisor) if divisor != 1.0 else grad
 
     def _non_finite_gradient(self) -> str | None:
-        params = (p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None)
-        return non_finite_name((self._names.get(id(p), "?"), p.grad) for p in params)
+        with_grads = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if all_finite([p.grad for p in with_grads]):
+            return None
+        return non_finite_name((self._names.get(id(p), "?"), p.grad) for p in with_grads)
 
     def _notify(self) -> None:
         for listener in self.listeners:

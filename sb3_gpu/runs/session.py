@@ -4,6 +4,7 @@ checkpoints, the best model, and a save at the end (after a stop or an error too
 
 from __future__ import annotations
 
+import copy
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -13,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
-from stable_baselines3.common.vec_env import VecEnv, sync_envs_normalization
+from stable_baselines3.common.vec_env import unwrap_vec_normalize
 
 from sb3_gpu.common.errors import StopNow
 from sb3_gpu.envs.build import explain_env_error
@@ -137,9 +138,10 @@ class Session:
     def evaluate(self, episodes: int, deterministic: bool = True) -> tuple[float, float]:
         """Mean and std of the return on the evaluator's env, with the training env's normalisation statistics."""
         assert self.evaluator is not None, "a session evaluates on its evaluator's env"
-        train_env: VecEnv | None = self.model.get_env()
-        if train_env is not None:
-            sync_envs_normalization(train_env, self.evaluator.eval_env)
+        train_norm, eval_norm = self.model.get_vec_normalize_env(), unwrap_vec_normalize(self.evaluator.eval_env)
+        # Only the statistics: SB3 wraps image envs in VecTransposeImage for training, so the two chains differ.
+        if train_norm is not None and eval_norm is not None:
+            eval_norm.obs_rms, eval_norm.ret_rms = copy.deepcopy(train_norm.obs_rms), copy.deepcopy(train_norm.ret_rms)
         return evaluate(self.model, self.evaluator.eval_env, episodes, deterministic)
 
     def _callbacks(self, total_timesteps: int) -> list[BaseCallback]:

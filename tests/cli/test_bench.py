@@ -42,7 +42,7 @@ def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys, callback):
     tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
     monkeypatch.setattr(telemetry, "TELEMETRY_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
     assert bench.main(["telemetry", "--repeats", "1", "--callback", callback]) == 0
-    assert re.search(r"tiny PPO\s+\d+\s+\d+\s+[+-]\d+\.\d%", capsys.readouterr().out)
+    assert re.search(r"tiny PPO\s+\d+\s+\d+\s+[+-]\d+\.\d%\s+[+-]\d+\.\d%", capsys.readouterr().out)
 
 
 def test_bench_envs_writes_json_and_markdown_with_ratios_to_the_better_sb3_class(tmp_path, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import shutil
 import signal
 import socket
@@ -137,6 +138,25 @@ def test_a_killed_worker_leaves_a_failed_trial_and_the_study_goes_on(tmp_path):
     assert out.returncode == 0, out.stderr
     states = [t.state for t in load(storage).trials]
     assert states.count(optuna.trial.TrialState.FAIL) == 1 and states.count(optuna.trial.TrialState.COMPLETE) == 1
+
+
+def test_sigint_stops_the_running_trial_marks_it_failed_and_ends_the_worker(tmp_path):
+    db = tmp_path / "study.db"
+    storage = f"sqlite:///{db}"
+    cmd = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", "1", *TINY, "--timesteps", "200000"]
+    cmd += ["--storage", storage, "--study-dir", str(tmp_path), "--heartbeat", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _poll(lambda: _heartbeat_ages(db), "the worker's first heartbeat")  # a trial is training
+    finally:
+        proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    # "stopped by SIGINT in trial 0" once training began; "interrupted" while the trial was still building its model.
+    assert re.search(r"error: (stopped by SIGINT in trial 0|interrupted); a running trial was marked failed\.", err), err
+    assert "Traceback" not in err
+    assert [t.state for t in load(storage).trials] == [optuna.trial.TrialState.FAIL]
 
 
 def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):

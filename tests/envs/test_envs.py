@@ -255,5 +255,23 @@ def test_a_wrapper_class_keeps_atari_preprocessing_off_and_envpool_out():
         assert venv.observation_space.shape == (84, 84, 1), "wrapped once, by the caller's AtariWrapper"
     finally:
         venv.close()
-    with pytest.raises(ConfigError, match="a Python wrapper_class cannot wrap"):
+    with pytest.raises(ConfigError, match="a Python wrapper_class or monitor_kwargs cannot apply"):
         make_vec_env("CartPole-v1", 2, wrapper_class=AtariWrapper, vec_env="envpool")
+
+
+def test_vec_env_kwargs_without_a_class_that_takes_them_are_refused():
+    for vec_env in ("auto", "dummy"):
+        with pytest.raises(ConfigError, match=r"vec_env_kwargs \['start_method'\] need a class that takes them"):
+            make_vec_env("CartPole-v1", 2, vec_env=vec_env, vec_env_kwargs={"start_method": "spawn"})
+
+
+def test_envpool_names_its_monitor_files_from_start_index(tmp_path):
+    from sb3_gpu.envs.envpool_vec import envpool_available
+
+    if not envpool_available():
+        pytest.skip("EnvPool is not installed (pip install 'sb3-gpu[envpool]')")
+    venv = make_vec_env("CartPole-v1", 2, start_index=5, monitor_dir=str(tmp_path), vec_env="envpool", seed=0)
+    venv.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5.monitor.csv", "6.monitor.csv"]
+    with pytest.raises(ConfigError, match="monitor_kwargs cannot apply"):
+        make_vec_env("CartPole-v1", 2, vec_env="envpool", monitor_kwargs={"info_keywords": ("x",)})

@@ -143,3 +143,25 @@ def test_plain_sb3_models_get_no_wrapper_until_something_asks():
     assert "step" not in vars(model.policy.optimizer), "an untouched SB3 optimizer steps as SB3 wrote it"
     optimizer_step(model.policy.optimizer)
     assert "step" in vars(model.policy.optimizer)
+
+
+def test_a_non_finite_gradient_at_a_loss_scale_of_one_is_divergence_not_overflow():
+    layer = th.nn.Linear(2, 1)
+    optimizer = th.optim.SGD(layer.parameters(), lr=LR)
+    step = optimizer_step(optimizer, layer)
+    scale = LossScale(init_scale=2.0)
+    step.scale_losses(scale)
+    step.on_non_finite = lambda name: TrainingDiverged(f"{name} diverged")
+    _sb3_micro_batch(layer, optimizer, 0, scale.scale, poison=True)  # at 2: an overflow, skipped
+    assert scale.skipped_steps == 1 and scale.scale == 1.0
+    with pytest.raises(TrainingDiverged, match="weight diverged"):  # at 1 nothing was scaled up to overflow
+        _sb3_micro_batch(layer, optimizer, 0, scale.scale, poison=True)
+    step.on_non_finite = None
+    _sb3_micro_batch(layer, optimizer, 0, scale.scale, poison=True)  # without the guard, GradScaler's rule: skip
+    assert scale.skipped_steps == 2 and scale.scale == 0.5
+
+
+def test_grad_accum_ppo_keeps_the_checked_value():
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=16, grad_accum_steps=2.0, device="cpu")
+    assert model.grad_accum_steps == 2 and isinstance(model.grad_accum_steps, int)
+    model.learn(64)

@@ -1,0 +1,40 @@
+"""The training Session that train, tune and bench share, on what it must not trip over."""
+
+from __future__ import annotations
+
+import json
+
+import gymnasium as gym
+import numpy as np
+from stable_baselines3.common.vec_env import VecTransposeImage
+
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.training import train_run
+
+
+class TinyImages(gym.Env):
+    """36x36 RGB frames (the smallest the Nature CNN takes), episodes of 8 steps."""
+
+    observation_space = gym.spaces.Box(0, 255, (36, 36, 3), np.uint8)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self.observation_space.sample(), float(action), False, self.t >= 8, {}
+
+
+def test_an_image_run_with_stacked_frames_ends_with_its_final_evaluation(tmp_path):
+    # SB3 wraps image envs in VecTransposeImage for training only, so the training and eval env chains differ.
+    overrides = {"frame_stack": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "n_envs": 2, "n_timesteps": 64}
+    plan = make_plan("ppo", TinyImages, "cpu", vec_env="dummy", overrides=overrides)
+    assert plan.preset.policy == "CnnPolicy"
+    assert isinstance(build_model(plan, build_env(plan)).get_env(), VecTransposeImage), "the chains do differ"
+    summary = train_run(plan, tmp_path / "run", eval_freq=32, eval_episodes=2, progress=False, report_s=None)
+    assert summary["interrupted"] is False and summary["final_eval_mean"] >= 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["eval_episodes"] == 2
