@@ -30,7 +30,9 @@ def all_finite(tensors: list[th.Tensor]) -> bool:
     """Whether no element of ``tensors`` is NaN or inf (one device sync)."""
     # The 2-norm is the cheapest reduction over them all (a max-abs norm costs several times more on the CPU). It is
     # finite when every element is; when it is not, an element is NaN or inf, or the squares overflowed: look closer.
-    if not tensors or bool(th.nn.utils.get_total_norm(tensors, norm_type=2.0).isfinite()):
+    # torch._foreach_norm (documented, beta) is what clip_grad_norm_ runs; this check runs at every optimizer step,
+    # and called directly it costs about half of get_total_norm's wrapping on the CPU.
+    if not tensors or bool(th.linalg.vector_norm(th.stack(th._foreach_norm(tensors))).isfinite()):
         return True
     return all(bool(t.isfinite().all()) for t in tensors)
 
