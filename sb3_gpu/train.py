@@ -33,7 +33,7 @@ DEFAULT_ENV = "CartPole-v1"
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.train", description="Train an SB3 model with presets that fit this machine.")
     p.add_argument("algo", nargs="?", type=str.lower, help=f"algorithm: {', '.join(ALGOS)} (taken from --config if omitted)")
-    p.add_argument("--env", help=f"Gymnasium id, 'package.module:EnvClass' or 'module:factory' (default {DEFAULT_ENV})")
+    p.add_argument("--env", help=f"Gymnasium id or 'package.module:EnvClass' (a gymnasium.Env) (default {DEFAULT_ENV})")
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N or mps")
     p.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's n_timesteps)")
     p.add_argument("--n-envs", type=positive_int, help="number of parallel envs (default: the preset's)")

@@ -58,7 +58,7 @@ def best_table(study: Any, top: int = 5) -> Table:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.tune", description="Tune a preset with optuna; share one storage across machines.")
     p.add_argument("algo", type=str.lower, choices=ALGOS, help=f"algorithm: {', '.join(ALGOS)}")
-    p.add_argument("--env", default="CartPole-v1", help="Gymnasium id or 'module:Attr' (default CartPole-v1)")
+    p.add_argument("--env", default="CartPole-v1", help="Gymnasium id or 'package.module:EnvClass' (default CartPole-v1)")
     p.add_argument("--trials", type=positive_int, default=20, help="finished trials the study should reach (default 20)")
     p.add_argument("--storage", help="optuna storage URL shared by all workers (default: sqlite in the study dir)")
     p.add_argument("--study-name", help="default: ALGO-ENV")

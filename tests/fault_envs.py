@@ -1,4 +1,4 @@
-"""Envs that fail on purpose, importable as ``tests.fault_envs:FaultyCartPole`` by the training CLI."""
+"""Envs that fail on purpose, named ``tests.fault_envs:FaultyCartPoleV1`` on the training CLI."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gymnasium.envs.classic_control import CartPoleEnv
+from gymnasium.wrappers import TimeLimit
 
 
 class FaultyCartPole(CartPoleEnv):
@@ -37,8 +38,8 @@ class FaultyCartPole(CartPoleEnv):
         return obs, reward, terminated, truncated, info
 
 
-def faulty_cartpole(**kwargs: Any) -> Any:
-    """:class:`FaultyCartPole` with CartPole-v1's 500-step limit."""
-    from gymnasium.wrappers import TimeLimit
+class FaultyCartPoleV1(TimeLimit):
+    """:class:`FaultyCartPole` with CartPole-v1's 500-step limit (a class: a name on the CLI may only be an env class)."""
 
-    return TimeLimit(FaultyCartPole(**kwargs), max_episode_steps=500)
+    def __init__(self, **kwargs: Any):
+        super().__init__(FaultyCartPole(**kwargs), max_episode_steps=500)

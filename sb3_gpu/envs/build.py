@@ -61,7 +61,7 @@ def make_vec_env(
     (an unpicklable factory, a notebook, a worker that dies on its first reset) fall back to DummyVecEnv with a
     :class:`VecEnvFallbackWarning` naming the cause.
 
-    :param env_id: a registered id, ``package.module:Attr`` or an env factory
+    :param env_id: a registered id, ``package.module:EnvClass`` or an env factory
     :param seed: seed of the first env; env ``i`` gets ``seed + i``
     :param start_index: index of the first env (names its Monitor file)
     :param vec_env_cls: a VecEnv class, as in SB3 (DummyVecEnv, SubprocVecEnv, BatchedSubprocVecEnv, ...)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import signal
 import time
@@ -86,13 +87,21 @@ def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
     target = getattr(imported, attr, None)
     if target is None:
         raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}")
-    if not callable(target):
-        raise ConfigError(f"env {path!r}: {attr!r} is not an env class or factory")
+    # Checked before anything is called: a name in a file (a run's config.yaml, say) must not run arbitrary code.
+    if not (inspect.isclass(target) and issubclass(target, gym.Env)):
+        raise ConfigError(
+            f"env {path!r}: {attr!r} is not a gymnasium.Env class; a name may only be an env class or a registered id "
+            "(to use a factory function, pass the function itself to make_plan, make_model or make_vec_env)"
+        )
     return EnvSpec(path, functools.partial(_make_from_path, path, kwargs))
 
 
 def resolve_env(env: str | Callable[[], gym.Env] | EnvSpec, env_kwargs: dict[str, Any] | None = None) -> EnvSpec:
-    """Turn a registered id, ``package.module:Attr`` or a zero-argument factory into an :class:`EnvSpec`."""
+    """Turn a registered id, ``package.module:EnvClass`` or a zero-argument factory into an :class:`EnvSpec`.
+
+    A name (a string) may only be a registered Gymnasium id (``package.module:EnvId`` registers it first) or a
+    ``gymnasium.Env`` subclass, so that nothing a file names runs as a function; a factory is passed as a callable.
+    """
     env_kwargs = dict(env_kwargs or {})
     if isinstance(env, EnvSpec):
         return env

@@ -92,7 +92,7 @@ def make_model(
         model.learn(timesteps)
 
     :param algo: ``ppo``, ``dqn`` or ``qrdqn``
-    :param env: a registered id, ``package.module:Attr`` or a zero-argument env factory
+    :param env: a registered id, ``package.module:EnvClass`` or a zero-argument env factory
     :param device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``
     :param profile: ``auto`` (by device), ``cpu``, ``gpu`` or ``large`` (a big workstation; DQN family)
     :param overrides: preset keys that win over the preset, e.g. ``batch_size=128, net_arch=[64, 64]``

@@ -20,7 +20,7 @@ from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.planning.build import build_env
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.saving import load_plan_model
+from sb3_gpu.runs.saving import load_plan_model, load_vecnormalize
 
 
 class TimedEvalCallback(EvalCallback):
@@ -116,7 +116,7 @@ def evaluate_run(
         stats = run.vecnormalize_for(model_path)
         if stats is None:
             raise ConfigError(f"{run} normalised its observations but holds no vecnormalize.pkl for {model_path.name}")
-        env = VecNormalize.load(str(stats), env.venv)
+        env = load_vecnormalize(stats, env.venv)
         env.training, env.norm_reward = False, False
     try:
         model = load_plan_model(plan, model_path, env)

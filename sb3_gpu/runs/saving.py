@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import save_model, save_pickle
+from sb3_gpu.common.io import load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
@@ -21,6 +22,58 @@ from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles
 
 # SB3 rebuilds these in ``_setup_model`` after loading, so the stored (pickled) values are never needed.
 _REBUILT_ON_LOAD = ("lr_schedule", "exploration_schedule")
+
+# What the pickles of a run dir may name: numpy arrays and generators, Gymnasium spaces, and the statistics and
+# buffer classes themselves. Nothing else is unpickled, so a run dir from elsewhere cannot run code through them.
+_DATA = {
+    "builtins": {"bytes", "slice"},
+    "__builtin__": {"bytes"},  # pickle protocol 2 spells builtins so, and writes bytes through _codecs.encode
+    "_codecs": {"encode"},
+    "collections": {"OrderedDict"},
+    "numpy": {"dtype", "ndarray"},
+    **{f"numpy.{core}.multiarray": {"_reconstruct", "scalar"} for core in ("core", "_core")},  # numpy 1 and 2
+    **{f"numpy.{core}.numeric": {"_frombuffer"} for core in ("core", "_core")},  # arrays in protocol 5
+    "numpy.random._pickle": {"__bit_generator_ctor", "__generator_ctor", "__randomstate_ctor"},
+    "numpy.random._pcg64": {"PCG64", "PCG64DXSM"},
+    "numpy.random._mt19937": {"MT19937"},
+    "numpy.random._philox": {"Philox"},
+    "numpy.random._sfc64": {"SFC64"},
+    "numpy.random.bit_generator": {"SeedSequence", "__pyx_unpickle_SeedSequence"},
+    **{f"gymnasium.spaces.{m}": {c} for m, c in (("box", "Box"), ("discrete", "Discrete"), ("dict", "Dict"))},
+    **{f"gymnasium.spaces.{m}": {c} for m, c in (("multi_discrete", "MultiDiscrete"), ("multi_binary", "MultiBinary"))},
+    "gymnasium.spaces.tuple": {"Tuple"},
+}
+VECNORMALIZE_PICKLE = {
+    **_DATA,
+    "stable_baselines3.common.vec_env.vec_normalize": {"VecNormalize"},
+    "stable_baselines3.common.running_mean_std": {"RunningMeanStd"},
+}
+REPLAY_BUFFER_PICKLE = {
+    **_DATA,
+    "torch": {"device"},
+    "stable_baselines3.common.buffers": {"ReplayBuffer", "DictReplayBuffer"},
+    "sb3_gpu.extensions.per.buffer": {"PrioritizedReplayBuffer"},
+    "sb3_gpu.extensions.per.tree": {"SumMinTree"},
+    "sb3_gpu.per": {"PrioritizedReplayBuffer", "SumMinTree"},  # saved by sb3_gpu 0.1
+}
+
+
+def load_vecnormalize(path: Path, venv: VecEnv) -> VecNormalize:
+    """VecNormalize statistics saved by a run, on ``venv`` (SB3's ``VecNormalize.load``, unpickling only data)."""
+    stats = load_pickle(path, VECNORMALIZE_PICKLE, "VecNormalize statistics file")
+    if not isinstance(stats, VecNormalize):
+        raise ConfigError(f"{path} holds a {type(stats).__name__}, not VecNormalize statistics")
+    stats.set_venv(venv)
+    return stats
+
+
+def load_replay_buffer(model: BaseAlgorithm, path: Path) -> None:
+    """Give ``model`` the replay buffer saved at ``path`` (SB3's ``load_replay_buffer``, unpickling only data)."""
+    buffer = load_pickle(path, REPLAY_BUFFER_PICKLE, "replay buffer")
+    if not isinstance(buffer, ReplayBuffer):
+        raise ConfigError(f"{path} holds a {type(buffer).__name__}, not a replay buffer")
+    buffer.device = model.device  # saved on another machine, maybe: it samples onto this model's device
+    model.replay_buffer = buffer  # type: ignore[attr-defined]
 
 
 def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) -> None:
@@ -96,7 +149,7 @@ def restore_vecnormalize(env: VecEnv, state: SavedState, run: RunDir) -> VecEnv:
         return env
     if state.vecnormalize is None:
         raise ConfigError(f"--resume: {run} normalised observations but holds no statistics saved with {state.model.name}")
-    restored = VecNormalize.load(str(state.vecnormalize), env.venv)
+    restored = load_vecnormalize(state.vecnormalize, env.venv)
     restored.training = True
     return restored
 
@@ -113,7 +166,7 @@ def restore_model(plan: Plan, env: VecEnv, state: SavedState, run: RunDir, say: 
     if get_algo(plan.algo).on_policy:
         return model
     if state.replay_buffer is not None:
-        model.load_replay_buffer(str(state.replay_buffer))  # type: ignore[attr-defined]
+        load_replay_buffer(model, state.replay_buffer)
         size = model.replay_buffer.size() * env.num_envs  # type: ignore[attr-defined]
         say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions)")
     else:

@@ -129,6 +129,9 @@ BAD_INPUTS = [
     (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
     (["--resume", "{run_zero}", "--timesteps", "128"], "eval_episodes must be a positive int, got 0"),
     (["--resume", "{tampered}", "--timesteps", "128"], "stores a pickled 'evil' that this run's config cannot supply"),
+    # A name in a file runs nothing: `env: os:system` with `env_kwargs: {command: ...}` is refused before any call.
+    (["--config", "{evil_config}", "--plan"], "'system' is not a gymnasium.Env class"),
+    (["--resume", "{evil_run}", "--timesteps", "128"], "'system' is not a gymnasium.Env class"),
 ]
 
 
@@ -144,11 +147,14 @@ def finished_run(tmp_path_factory):
     return run_dir
 
 
-def _variant(run_dir, dest, run_options=None, tamper=False):
+def _variant(run_dir, dest, run_options=None, tamper=False, env=None):
     shutil.copytree(run_dir, dest)
-    if run_options is not None:
+    if run_options is not None or env is not None:
         config = yaml.safe_load((dest / "config.yaml").read_text())
-        config["run"] = run_options
+        if run_options is not None:
+            config["run"] = run_options
+        if env is not None:
+            config["env"], config["hyperparameters"]["env_kwargs"] = env
         (dest / "config.yaml").write_text(yaml.safe_dump(config))
     if tamper:  # a pickled entry the config cannot supply, whose unpickling would create a file
         payload = base64.b64encode(b"cos\nsystem\n(S'touch pwned'\ntR.").decode()
@@ -192,6 +198,9 @@ def bad_files(tmp_path, finished_run):
     paths["run_typo"] = _variant(finished_run, tmp_path / "run_typo", {"eval_frek": 5})
     paths["run_zero"] = _variant(finished_run, tmp_path / "run_zero", {"eval_episodes": 0})
     paths["tampered"] = _variant(finished_run, tmp_path / "tampered", tamper=True)
+    evil = ("os:system", {"command": f"touch {tmp_path / 'pwned'}"})
+    paths["evil_run"] = _variant(finished_run, tmp_path / "evil_run", env=evil)
+    paths["evil_config"] = paths["evil_run"] / "config.yaml"
     return paths
 
 
@@ -215,10 +224,12 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, mon
         (["{missing}"], "no such run dir or model file"),
         (["{existing}"], "holds no best_model.zip or model.zip"),
         (["{existing}", "--episodes", "0"], "--episodes: expected a positive integer"),
+        (["{evil_run}"], "'system' is not a gymnasium.Env class"),
     ],
 )
-def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call_main):
+def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call_main, tmp_path):
     result = call_main(evaluate_main, *[a.format(**bad_files) for a in args])
+    assert not (tmp_path / "pwned").exists()
     assert result.returncode == 2
     assert [line for line in result.stderr.splitlines() if line.strip()] == [result.stderr.strip()]
     assert message in result.stderr

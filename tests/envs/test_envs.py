@@ -52,11 +52,15 @@ def test_gymnasium_module_colon_id_form_resolves_through_the_registry():
     assert resolve_env("gymnasium.envs.classic_control:CartPole-v1").name == "CartPole-v1"
 
 
-def test_module_attr_resolves_to_a_class_or_factory():
+def test_a_name_resolves_to_an_env_class_and_never_to_a_function(tmp_path):
     spec = resolve_env("gymnasium.envs.classic_control.cartpole:CartPoleEnv")
     assert spec.make().observation_space.shape == (4,)
-    spec = resolve_env("tests.envs.test_envs:cartpole")
-    assert spec.make().spec.id == "CartPole-v1"
+    marker = tmp_path / "ran"
+    for name, kwargs in (("tests.envs.test_envs:cartpole", {}), ("os:system", {"command": f"touch {marker}"})):
+        with pytest.raises(ConfigError, match=r"is not a gymnasium\.Env class; a name may only be an env class"):
+            resolve_env(name, kwargs)
+    assert not marker.exists(), "refused before anything was called"
+    assert resolve_env(cartpole).make().spec.id == "CartPole-v1", "a factory is passed as a callable"
 
 
 @pytest.mark.parametrize(
@@ -64,7 +68,7 @@ def test_module_attr_resolves_to_a_class_or_factory():
     [
         ("no_such_package.envs:Env", "cannot import module 'no_such_package.envs'"),
         ("gymnasium.envs.classic_control.cartpole:NoSuchEnv", "has no attribute 'NoSuchEnv'"),
-        ("gymnasium.envs.classic_control.cartpole:__name__", "is not an env class or factory"),
+        ("gymnasium.envs.classic_control.cartpole:__name__", "is not a gymnasium.Env class"),
         (":NoModule", "cannot import module ''"),
     ],
 )

@@ -10,6 +10,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.planning.build import build_env
 from sb3_gpu.planning.table import plan_table
+from tests.envs.test_envs import cartpole
 
 
 def test_plan_for_cartpole_ppo_uses_its_entry_and_the_cpu(cpu_machine, monkeypatch):
@@ -26,7 +27,7 @@ def test_plan_takes_envpool_where_installed_and_says_why(cpu_machine, monkeypatc
     monkeypatch.setattr("sb3_gpu.planning.plan.measure_step_seconds", lambda env: 100e-6)  # 32 x 100 us: 3.2 ms a step
     plan = make_plan("ppo", "LunarLander-v3", hardware=cpu_machine, n_envs=32)
     assert plan.vec_env == "envpool" and "EnvPool" in plan.vec_env_reason
-    assert make_plan("ppo", "tests.envs.test_envs:cartpole", hardware=cpu_machine).vec_env != "envpool"
+    assert make_plan("ppo", cartpole, hardware=cpu_machine).vec_env != "envpool"  # a factory: EnvPool never applies
 
 
 def test_on_policy_mlp_stays_on_cpu_with_a_gpu_present(gpu_machine):

@@ -35,7 +35,7 @@ from sb3_gpu.runs.training import train_run
 from sb3_gpu.train import main as train_main
 from tests.conftest import REPO, run_cli
 
-FAULTY = "tests.fault_envs:faulty_cartpole"
+FAULTY = "tests.fault_envs:FaultyCartPoleV1"
 
 
 def _start(*args: str) -> subprocess.Popen[str]:
@@ -537,6 +537,37 @@ def test_a_pickled_entry_in_a_model_zip_is_never_unpickled(tmp_path):
     with zipfile.ZipFile(tampered) as archive:
         json_to_data(archive.read("data").decode())
     assert pwned.exists()
+
+
+def test_the_pickles_of_a_run_dir_load_data_and_run_nothing(tmp_path):
+    import pickle
+
+    from sb3_gpu.runs.saving import load_replay_buffer, load_vecnormalize
+
+    plan = make_plan("ppo", "Acrobot-v1", "cpu", n_envs=2, vec_env="dummy")  # the Acrobot preset normalises
+    env = build_env(plan)
+    env.reset()
+    env.step(np.zeros(2, dtype=int))
+    for protocol in (2, 4, pickle.HIGHEST_PROTOCOL):  # SB3 saves with its own protocol, sb3_gpu with the highest
+        (tmp_path / "vecnormalize.pkl").write_bytes(pickle.dumps(env, protocol=protocol))
+        restored = load_vecnormalize(tmp_path / "vecnormalize.pkl", env.venv)
+        np.testing.assert_array_equal(restored.obs_rms.mean, env.obs_rms.mean)
+    model = _model("dqn", per=True, learning_starts=0)
+    model.learn(64)
+    saved = model.replay_buffer
+    (tmp_path / "buffer.pkl").write_bytes(pickle.dumps(saved))
+    load_replay_buffer(model, tmp_path / "buffer.pkl")
+    assert model.replay_buffer is not saved and model.replay_buffer.size() == saved.size() > 0
+    assert model.replay_buffer.tree.total == saved.tree.total
+    # A pickle that would create a file when loaded is refused by name, and the file is never created.
+    pwned = tmp_path / "pwned"
+    for name in ("vecnormalize.pkl", "buffer.pkl"):
+        (tmp_path / name).write_bytes(pickle.dumps(_Payload(str(pwned))))
+    with pytest.raises(ConfigError, match=r"names pathlib\.Path\.touch, which no VecNormalize statistics file holds"):
+        load_vecnormalize(tmp_path / "vecnormalize.pkl", env.venv)
+    with pytest.raises(ConfigError, match=r"names pathlib\.Path\.touch, which no replay buffer holds"):
+        load_replay_buffer(model, tmp_path / "buffer.pkl")
+    assert not pwned.exists()
 
 
 def test_a_model_zip_with_a_pickled_entry_the_config_cannot_supply_is_refused(tmp_path):
