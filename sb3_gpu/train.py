@@ -186,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(str(e).splitlines()[0])
         print_error(_saved_note(run))
         return 1
+    except OSError as e:  # a full or read-only disk while saving: the atomic writes kept the earlier files whole
+        print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
+        print_error(_saved_note(run))
+        return 1
     except Exception:
         traceback.print_exc()  # an unexpected error (an env raising in this process, say): its traceback matters
         print_error(_saved_note(run))
@@ -237,11 +241,13 @@ def _stopped_at_once(run: RunDir | None) -> int:
 
 
 def _saved_note(run: RunDir | None) -> str:
-    """What the emergency save wrote, as the run recorded it in summary.json."""
+    """What the emergency save wrote, as this run recorded it in summary.json; else what the run dir holds."""
+    if run is None:
+        return "no model was saved"
     try:
-        return str(json.loads((run or RunDir(".")).summary.read_text(encoding="utf-8"))["saved"])
+        return str(json.loads(run.summary.read_text(encoding="utf-8"))["saved"])
     except (OSError, ValueError, KeyError):
-        return f"no model was saved{f' in {run}' if run else ''}"
+        return run.last_good()
 
 
 if __name__ == "__main__":

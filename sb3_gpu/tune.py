@@ -21,6 +21,7 @@ from rich.table import Table
 
 from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import make_dir, refuse_links
 from sb3_gpu.config.schema import ALGOS
 from sb3_gpu.config.search import load_space
 from sb3_gpu.envs.choice import VEC_ENV_KINDS
@@ -101,8 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         space = load_space(args.algo, args.space)
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
         name = args.study_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.algo}-{plan.env.name}")
-        folder = Path(args.study_dir or Path("tune") / name)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = make_dir(args.study_dir or Path("tune") / name, "study dir")
+        refuse_links(folder, "study dir")
         url = args.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
         study = open_study(
             name,

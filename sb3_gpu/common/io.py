@@ -17,20 +17,69 @@ from sb3_gpu.common.errors import ConfigError
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to a temp file beside ``path``, fsync it, then rename it over ``path``."""
+    """Write ``data`` to a new temp file beside ``path``, fsync it, then rename it over ``path``.
+
+    Neither the temp file nor ``path`` is ever opened through a symbolic link: the temp file is created afresh
+    (``O_EXCL | O_NOFOLLOW``), and the rename replaces a link at ``path`` rather than writing to its target.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(_create_new(tmp), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk says so without a file name; name the file that was not written
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:
-        if tmp.exists():
+        if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
     return path
+
+
+def _create_new(path: Path) -> int:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:  # a temp file left by a killed writer of the same pid (or a link): remove it, once
+        path.unlink()
+        return os.open(path, flags, 0o644)
+
+
+def make_dir(path: str | Path, what: str, *, exist_ok: bool = True) -> Path:
+    """``mkdir -p``, with a one-line error naming the folder and the cause (a file in the way, a read-only disk)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=exist_ok)
+    except FileExistsError:
+        if path.is_dir() and not exist_ok:
+            raise
+        raise ConfigError(f"cannot create {what} {path}: a file is in the way") from None
+    except OSError as e:
+        raise ConfigError(f"cannot create {what} {path}: {e.strerror or e}") from None
+    return path
+
+
+def refuse_links(folder: str | Path, what: str) -> None:
+    """Refuse a folder that holds a symbolic link: files written inside it would be written through the link."""
+    for root, dirs, files in os.walk(folder):  # links to directories are listed, not entered
+        for name in (*dirs, *files):
+            if (Path(root) / name).is_symlink():
+                raise ConfigError(
+                    f"{Path(root) / name} is a symbolic link; sb3_gpu does not write through links in a {what} (remove it)"
+                )
+
+
+def open_no_follow(path: str | Path) -> int:
+    """Open ``path`` for reading and writing, creating it, but never through a symbolic link (one-line error)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if Path(path).is_symlink():
+            raise ConfigError(f"{path} is a symbolic link; sb3_gpu does not write through links (remove it)") from None
+        raise ConfigError(f"cannot open {path}: {e.strerror or e}") from None
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

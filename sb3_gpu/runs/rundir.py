@@ -8,12 +8,14 @@ import json
 import os
 import re
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import make_dir, open_no_follow, refuse_links
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,38 @@ class StateFiles:
     replay_buffer: Path
 
 
-def zip_timesteps(path: Path) -> int | None:
-    """``num_timesteps`` recorded in a model zip, read from its JSON without loading the model (None if unreadable)."""
+# SB3 keeps a model's hyperparameters as JSON in the zip's `data` member: kilobytes. A larger one is refused before
+# it is inflated (a zip can inflate a few bytes into gigabytes).
+MAX_ZIP_DATA_BYTES = 16 << 20
+
+
+def read_zip_data(path: Path) -> dict[str, Any]:
+    """A model zip's ``data`` JSON, after checking every member against its CRC; ConfigError when unreadable."""
     try:
         with zipfile.ZipFile(path) as archive:
-            value = json.loads(archive.read("data")).get("num_timesteps")
-    except (OSError, zipfile.BadZipFile, KeyError, ValueError):
+            damaged = archive.testzip()  # inflates each member in chunks: a directory that lies is caught here
+            with archive.open("data") as member:
+                raw = member.read(MAX_ZIP_DATA_BYTES + 1)
+    except Exception as e:  # a truncated, foreign or lying zip fails in many ways inside zipfile and zlib
+        raise ConfigError(f"{path} is not a readable SB3 model zip ({type(e).__name__}: {e})") from None
+    if damaged is not None:
+        raise ConfigError(f"{path} is damaged: its member {damaged!r} fails its CRC check")
+    if len(raw) > MAX_ZIP_DATA_BYTES:
+        raise ConfigError(f"{path}: its 'data' member inflates past {MAX_ZIP_DATA_BYTES >> 20} MiB; SB3 writes kilobytes")
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ConfigError(f"{path} is not an SB3 model zip (its 'data' entry is not JSON: {e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not an SB3 model zip (its 'data' entry is not a JSON object)")
+    return data
+
+
+def zip_timesteps(path: Path) -> int | None:
+    """``num_timesteps`` recorded in a model zip, read without loading the model (None if unreadable)."""
+    try:
+        value = read_zip_data(path).get("num_timesteps")
+    except ConfigError:
         return None
     return value if isinstance(value, int) else None
 
@@ -129,17 +157,15 @@ class RunDir:
         """A new run dir: ``requested``, which must not exist, or ``runs/ALGO-ENV-TIMESTAMP``. Never one in use."""
         if requested is not None:
             path = Path(requested)
-            if path.exists():
+            if path.exists() or path.is_symlink():
                 raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
-            path.mkdir(parents=True)
-            return cls(path)
+            return cls(make_dir(path, "run dir", exist_ok=False))
         env = re.sub(r"[^A-Za-z0-9_.-]+", "_", env_name)
         base = Path("runs") / f"{algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
         for i in range(1, 1000):
             path = base if i == 1 else base.with_name(f"{base.name}-{i}")
             try:
-                path.mkdir(parents=True)
-                return cls(path)
+                return cls(make_dir(path, "run dir", exist_ok=False))
             except FileExistsError:
                 continue
         raise ConfigError(f"could not find a free run dir name beside {base}")  # pragma: no cover
@@ -147,18 +173,21 @@ class RunDir:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """One process per run dir: a second ``--resume`` of a running run would interleave their files."""
-        with open(self.lock_file, "a+") as f:
+        self.refuse_links()
+        with os.fdopen(open_no_follow(self.lock_file), "r+") as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                f.seek(0)
                 pid = f.read().strip() or "?"
                 raise ConfigError(f"{self.path} is in use by another sb3_gpu process (pid {pid})") from None
-            f.seek(0)
             f.truncate()
             f.write(str(os.getpid()))
             f.flush()
             yield
+
+    def refuse_links(self) -> None:
+        """Refuse a run dir that holds a symbolic link: sb3_gpu and SB3 write inside it and would write through it."""
+        refuse_links(self.path, "run dir")
 
     def set_monitor_files_aside(self) -> None:
         """Keep the earlier segments' episodes (SB3's Monitor truncates its file); the plots read every segment."""
@@ -170,8 +199,11 @@ class RunDir:
                 path.rename(path.with_name(path.name.replace(".monitor.csv", f".seg{segment}.monitor.csv")))
 
     # ------------------------------------------------------------------ finding what was saved
-    def saved_states(self) -> list[SavedState]:
-        """Every readable model of the run (the final one and the checkpoints), newest first."""
+    def saved_states(self, on_skip: Callable[[str], None] | None = None) -> list[SavedState]:
+        """Every readable model of the run (the final one and the checkpoints), newest first.
+
+        :param on_skip: told why each unreadable model zip was passed over
+        """
         candidates = [self.final] if self.final.model.is_file() else []
         if self.checkpoints.is_dir():
             for path in self.checkpoints.glob("model_*_steps.zip"):
@@ -181,12 +213,27 @@ class RunDir:
         found = []
         for files in candidates:
             steps = zip_timesteps(files.model)
+            if steps is None and on_skip is not None:
+                try:
+                    read_zip_data(files.model)
+                    on_skip(f"skipped {files.model}: it records no num_timesteps")
+                except ConfigError as e:
+                    on_skip(f"skipped {e}")
             if steps is not None:
                 vecnormalize = files.vecnormalize if files.vecnormalize.is_file() else None
                 replay_buffer = files.replay_buffer if files.replay_buffer.is_file() else None
                 found.append(SavedState(files.model, steps, vecnormalize, replay_buffer))
         # Newest first; at equal timesteps the final model (written at the stop) wins over a checkpoint of that step.
         return sorted(found, key=lambda s: (s.timesteps, s.model == self.final.model), reverse=True)
+
+    def last_good(self) -> str:
+        """Which complete model the run holds, for messages after a save failed or was refused."""
+        newest = self.saved_states()
+        if newest:
+            return f"the last complete model is {newest[0].model} ({newest[0].timesteps:,} timesteps)"
+        if zip_timesteps(self.best_model) is not None:
+            return f"the last complete model is {self.best_model}"
+        return "no complete model was saved"
 
     def vecnormalize_for(self, model: Path) -> Path | None:
         """The VecNormalize statistics saved with ``model``, if the run normalised."""

@@ -3,8 +3,6 @@ models back without unpickling what is inside their zips."""
 
 from __future__ import annotations
 
-import json
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ from sb3_gpu.common.io import load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
-from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles
+from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles, read_zip_data
 
 # SB3 rebuilds these in ``_setup_model`` after loading, so the stored (pickled) values are never needed.
 _REBUILT_ON_LOAD = ("lr_schedule", "exploration_schedule")
@@ -89,17 +87,6 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
     save_model(model, files.model)
 
 
-def _zip_data(path: Path) -> dict[str, Any]:
-    try:
-        with zipfile.ZipFile(path) as archive:
-            data = json.loads(archive.read("data"))
-    except (OSError, zipfile.BadZipFile, KeyError, ValueError) as e:
-        raise ConfigError(f"{path} is not an SB3 model zip ({type(e).__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not an SB3 model zip (its 'data' entry is not a JSON object)")
-    return data
-
-
 def load_model(
     model_class: type[BaseAlgorithm],
     path: Path,
@@ -116,7 +103,7 @@ def load_model(
     arguments); a zip holding a pickled entry that the config cannot supply is refused. Weights are read with
     ``torch.load(weights_only=True)`` by SB3 itself.
     """
-    serialized = sorted(k for k, v in _zip_data(path).items() if isinstance(v, dict) and ":serialized:" in v)
+    serialized = sorted(k for k, v in read_zip_data(path).items() if isinstance(v, dict) and ":serialized:" in v)
     template = model_class(policy, env, device="cpu", _init_setup_model=False, **model_kwargs)  # type: ignore[call-arg]
     known = vars(template)
     custom: dict[str, Any] = {}

@@ -168,15 +168,15 @@ class Session:
         assert self.run_dir is not None
         run, model = self.run_dir, self.model
         bad = first_non_finite(model.policy)
-        if bad is None:
-            save_state(model, run.final, replay_buffer=self.save_replay_buffer)
-            outcome.model_path = run.final.model
-            outcome.saved = f"model saved to {run.final.model} at {model.num_timesteps:,} timesteps"
+        if bad is not None:
+            outcome.saved = f"the weights are NaN ({bad}), so no model was saved; {run.last_good()}"
         else:
-            newest = run.saved_states()
-            kept = "none (no checkpoint was written yet)"
-            if newest:
-                kept = f"{newest[0].model} ({newest[0].timesteps:,} timesteps)"
-            outcome.saved = f"the weights are NaN ({bad}), so no model was saved; the last good model is {kept}"
+            try:
+                save_state(model, run.final, replay_buffer=self.save_replay_buffer)
+                outcome.model_path = run.final.model
+                outcome.saved = f"model saved to {run.final.model} at {model.num_timesteps:,} timesteps"
+            except OSError as e:  # a full disk, say: the atomic writes kept every earlier file whole
+                outcome.saved = f"could not write {e.filename} ({e.strerror}); {run.last_good()}"
+                outcome.error = outcome.error or e
         if outcome.interrupted:
             outcome.saved += f"; continue with: python -m sb3_gpu.train --resume {run}"

@@ -12,7 +12,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_gpu.common.errors import ConfigError, closest
-from sb3_gpu.common.io import write_json, write_yaml
+from sb3_gpu.common.io import make_dir, write_json, write_yaml
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs
@@ -91,8 +91,7 @@ def train_run(
     """
     options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer)
     options.check(plan)
-    run = RunDir(run_dir)
-    run.path.mkdir(parents=True, exist_ok=True)
+    run = RunDir(make_dir(run_dir, "run dir"))
     return _train(plan, run, options, None, _Output(progress, console, report_s))
 
 
@@ -118,9 +117,14 @@ def resume_run(
         raise ConfigError(f"--resume: {run} holds no config.yaml; is it a run dir written by sb3_gpu.train?")
     config = load_config(run.config)
     options = RunOptions.from_config(config.run, config.path)
-    states = run.saved_states()
+    skipped: list[str] = []
+    states = run.saved_states(on_skip=skipped.append)
     if not states:
-        raise ConfigError(f"--resume: {run} holds no readable model.zip or checkpoint to continue from")
+        why = f" ({skipped[0]})" if skipped else ""
+        raise ConfigError(f"--resume: {run} holds no readable model.zip or checkpoint to continue from{why}")
+    output = _Output(progress, console, report_s)
+    for message in skipped:
+        output.warn(message)
     state = states[0]
     # Seeded runs continue on fresh seeds: replaying the first episodes' seeds would repeat them.
     seed = None if config.seed is None else (config.seed + state.timesteps) % 2**32
@@ -136,7 +140,7 @@ def resume_run(
     if save_replay_buffer is not None:
         options = dataclasses.replace(options, save_replay_buffer=save_replay_buffer)
     options.check(plan)
-    return _train(plan, run, options, state, _Output(progress, console, report_s))
+    return _train(plan, run, options, state, output)
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,9 @@ class _Output:
 
     def say(self, text: str) -> None:
         (self.console or Console()).print(text, highlight=False)
+
+    def warn(self, text: str) -> None:
+        Console(stderr=True).print(f"warning: {text}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, output: _Output) -> dict[str, Any]:

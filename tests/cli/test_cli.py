@@ -132,6 +132,11 @@ BAD_INPUTS = [
     # A name in a file runs nothing: `env: os:system` with `env_kwargs: {command: ...}` is refused before any call.
     (["--config", "{evil_config}", "--plan"], "'system' is not a gymnasium.Env class"),
     (["--resume", "{evil_run}", "--timesteps", "128"], "'system' is not a gymnasium.Env class"),
+    # Nothing is written through a symbolic link, and a run dir that cannot be made says why.
+    (["--resume", "{linked}", "--timesteps", "128"], "linked/.lock is a symbolic link; sb3_gpu does not write through"),
+    (["ppo", "--run-dir", "{a_file}/run"], "cannot create run dir"),
+    (["ppo", "--run-dir", "/sys/sb3_gpu_run"], "cannot create run dir /sys/sb3_gpu_run: Operation not permitted"),
+    (["--resume", "{damaged}", "--timesteps", "128"], "holds no readable model.zip or checkpoint to continue from (skipped"),
 ]
 
 
@@ -201,6 +206,16 @@ def bad_files(tmp_path, finished_run):
     evil = ("os:system", {"command": f"touch {tmp_path / 'pwned'}"})
     paths["evil_run"] = _variant(finished_run, tmp_path / "evil_run", env=evil)
     paths["evil_config"] = paths["evil_run"] / "config.yaml"
+    paths["linked"] = _variant(finished_run, tmp_path / "linked")
+    (tmp_path / "victim").write_text("precious")
+    (paths["linked"] / ".lock").unlink(missing_ok=True)
+    (paths["linked"] / ".lock").symlink_to(tmp_path / "victim")  # a resume would lock (and write its pid) through it
+    paths["a_file"] = tmp_path / "victim"
+    paths["damaged"] = _variant(finished_run, tmp_path / "damaged")
+    zip_bytes = bytearray((paths["damaged"] / "model.zip").read_bytes())
+    zip_bytes[len(zip_bytes) // 2] ^= 0xFF  # one flipped byte inside a member: its CRC no longer matches
+    (paths["damaged"] / "model.zip").write_bytes(bytes(zip_bytes))
+    shutil.rmtree(paths["damaged"] / "checkpoints")  # nothing else to continue from
     return paths
 
 
@@ -215,6 +230,7 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, mon
     assert message in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "pwned").exists()
+    assert (tmp_path / "victim").read_text() == "precious"
 
 
 @pytest.mark.parametrize(

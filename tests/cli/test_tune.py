@@ -194,6 +194,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, 
     assert "s3cret" not in out.stdout + out.stderr
 
 
+def test_a_study_dir_that_is_a_file_or_holds_a_link_is_refused_in_one_line(tmp_path, monkeypatch, call_main):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("keep")
+    out = call_main(tune.main, "ppo", "--study-dir", "notes.txt", *TINY)
+    assert out.returncode == 2 and out.stderr.strip() == "error: cannot create study dir notes.txt: a file is in the way"
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "study.db").symlink_to(tmp_path / "notes.txt")
+    out = call_main(tune.main, "ppo", "--study-dir", "study", *TINY)
+    assert out.returncode == 2 and "study/study.db is a symbolic link" in out.stderr
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

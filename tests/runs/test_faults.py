@@ -602,3 +602,59 @@ def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_t
         with pytest.raises(StopNow):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# --- symbolic links, full disks, damaged zips -------------------------------------------------------------------
+
+
+def test_an_atomic_write_replaces_a_link_and_never_writes_through_one(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "model.zip").symlink_to(victim)
+    (tmp_path / f".summary.json.tmp-{os.getpid()}").symlink_to(victim)  # a planted temp name
+    atomic_write_bytes(tmp_path / "model.zip", b"new")
+    atomic_write_bytes(tmp_path / "summary.json", b"{}")
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "model.zip").is_symlink() and (tmp_path / "model.zip").read_bytes() == b"new"
+    assert (tmp_path / "summary.json").read_bytes() == b"{}" and _no_temp_files(tmp_path)
+
+
+def test_a_full_disk_at_the_final_save_says_so_and_names_the_last_complete_model(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(model, files, replay_buffer):
+        raise OSError(errno.ENOSPC, "No space left on device", str(files.model))
+
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "128", "--n-envs", "1", "--set", "n_steps=32"]
+    args += ["--set", "batch_size=32", "--checkpoint-freq", "64", "--eval-freq", "64", "--eval-episodes", "1"]
+    monkeypatch.setattr("sb3_gpu.runs.session.save_state", full)  # checkpoints still save: they call it elsewhere
+    assert train_main([*args, "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    model = tmp_path / "run" / "model.zip"
+    assert err[0] == f"error: could not write {model}: No space left on device"
+    checkpoint = tmp_path / "run" / "checkpoints" / "model_128_steps.zip"
+    assert f"the last complete model is {checkpoint} (128 timesteps)" in err[1] and "Traceback" not in "".join(err)
+    assert not model.exists()
+
+
+def test_resume_passes_over_a_damaged_checkpoint_with_a_warning(tmp_path, capsys):
+    plan = make_plan(
+        "ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, vec_env="dummy", overrides={"n_steps": 32, "batch_size": 32}
+    )
+    train_run(plan, tmp_path, eval_episodes=1, progress=False, report_s=None)
+    damaged = bytearray((tmp_path / "model.zip").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (tmp_path / "checkpoints" / "model_9999_steps.zip").write_bytes(bytes(damaged))  # "newer" than model.zip
+    assert train_main(["--resume", str(tmp_path), "--timesteps", "96", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: skipped" in err and "model_9999_steps.zip is damaged" in err.replace("\n", "")
+    assert f"resuming from {tmp_path / 'model.zip'} at 64 timesteps" in out.replace("\n", "")
+
+
+def test_a_zip_whose_data_inflates_past_the_cap_is_refused_before_it_is_read(tmp_path):
+    from sb3_gpu.runs.rundir import read_zip_data
+
+    with zipfile.ZipFile(tmp_path / "bomb.zip", "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("data", b" " * (20 << 20))  # 20 MiB of spaces: a few kilobytes compressed
+    with pytest.raises(ConfigError, match="its 'data' member inflates past 16 MiB"):
+        read_zip_data(tmp_path / "bomb.zip")
