@@ -127,20 +127,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if done < args.trials:
         optuna.logging.set_verbosity(optuna.logging.INFO)
     for handler in logging.getLogger("optuna").handlers:
-        handler.addFilter(_no_traceback_for_a_stop)
+        handler.addFilter(_LogFilter(url))
     try:
         run_trials(study, make_objective(settings_from_args(args), space), args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
         print_error(f"{str(e) or 'interrupted'}; a running trial was marked failed. Run the same command to go on")
         return 128 + int(signal.Signals[e.signal_name]) if isinstance(e, TrialInterrupted) else 130
+    except Exception as e:  # the storage failing between trials, say; its message may hold the URL
+        print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
+        return 1
     return _report(study, args, plan.env.name, folder, plan.preset.n_timesteps, console)
 
 
-def _no_traceback_for_a_stop(record: logging.LogRecord) -> bool:
-    """optuna logs a failed trial with its traceback; a stop asked for by a signal is no crash, so it gets one line."""
-    if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
-        record.exc_info = None
-    return True
+class _LogFilter(logging.Filter):
+    """What optuna logs, with the storage's password masked, and no traceback for a stop asked for by a signal."""
+
+    def __init__(self, url: str):
+        super().__init__()
+        self.url = url
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            record.exc_info = None  # a stop is no crash: its one line is enough
+        if record.exc_info and not record.exc_text:
+            record.exc_text = mask_url(self.url, logging.Formatter().formatException(record.exc_info))
+        record.msg, record.args = mask_url(self.url, record.getMessage()), None
+        return True
 
 
 def _report(study: Any, args: argparse.Namespace, env: str, folder: Path, timesteps: int, console: Console) -> int:

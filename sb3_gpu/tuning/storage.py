@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import time
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,36 @@ def import_optuna() -> Any:
     return optuna
 
 
-def mask_url(url: str) -> str:
-    """The URL without its password, for messages."""
-    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+_SECRET_KEYS = ("password", "passwd", "pwd", "passfile", "sslpassword", "token", "secret")
+
+
+def _secrets(url: str) -> list[str]:
+    """The password and the secret query values of a database URL, as they appear in it."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+    except Exception:  # not a database URL (a journal file's path, a typo): nothing in it is a secret
+        return []
+    found = [parsed.password] if parsed.password else []
+    for key, value in parsed.query.items():
+        if any(secret in key.lower() for secret in _SECRET_KEYS):
+            found += [value] if isinstance(value, str) else list(value)
+    return [str(secret) for secret in found if secret]
+
+
+def mask_url(url: str, text: str | None = None) -> str:
+    """``text`` (by default the URL itself) with the URL's password and secret query values replaced by ``***``.
+
+    The URL is parsed by SQLAlchemy, as optuna's storage parses it, so a password holding ``/`` or ``@``, an empty
+    user name or ``?password=`` are all found; every occurrence of each secret in ``text`` is masked.
+    """
+    text = url if text is None else text
+    for secret in sorted(_secrets(url), key=len, reverse=True):
+        text = text.replace(secret, "***")
+        quoted = urllib.parse.quote(secret, safe="")
+        text = text.replace(quoted, "***") if quoted != secret else text
+    return text
 
 
 def make_storage(url: str, heartbeat_s: int) -> Any:
@@ -59,7 +86,7 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
                 time.sleep(0.5 * (attempt + 1))
                 continue
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"cannot open storage {mask_url(url)}: {mask_url(first)}") from None
+            raise ConfigError(f"cannot open storage {mask_url(url)}: {mask_url(url, first)}") from None
     raise AssertionError("unreachable")  # pragma: no cover
 
 

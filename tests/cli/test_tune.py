@@ -181,6 +181,15 @@ def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
             ["--storage", "postgresql://tuner:s3cret@127.0.0.1:1/optuna"],
             "cannot open storage postgresql://tuner:***@127.0.0.1:1/optuna",
         ),
+        (  # a password holding "/", an empty user name, a password in the query: none of them printed
+            ["--storage", "postgresql://tuner:s3cret/x@127.0.0.1:1/optuna"],
+            "cannot open storage postgresql://tuner:***@127.0.0.1:1/optuna",
+        ),
+        (["--storage", "postgresql://:s3cret@127.0.0.1:1/optuna"], "cannot open storage postgresql://:***@127.0.0.1:1"),
+        (
+            ["--storage", "postgresql://tuner@127.0.0.1:1/optuna?password=s3cret&sslmode=disable"],
+            "cannot open storage postgresql://tuner@127.0.0.1:1/optuna?password=***&sslmode=disable",
+        ),
         (["--storage", "study.db"], "storage 'study.db' is not a URL"),
         (["--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
     ],
