@@ -17,20 +17,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import gymnasium as gym
-import torch as th
-
-from sb3_gpu.benches.base import machine_line, write_results
-from sb3_gpu.benches.envs import bench_envs, bench_startup, envs_markdown
-from sb3_gpu.benches.per import bench_per, bench_per_learning
-from sb3_gpu.benches.speed import bench_speed, matmul_ratio
-from sb3_gpu.benches.telemetry import CALLBACK_SETS, bench_telemetry
-from sb3_gpu.benches.train import ZOO, bench_train, train_markdown
+from sb3_gpu.benches import CALLBACK_SETS
+from sb3_gpu.common.checks import ALGO_NAMES
 from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.hardware import detect_hardware, logical_cores
-from sb3_gpu.envs.spec import probe_env, resolve_env
-from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.common.hardware import logical_cores
+
+# The benches (torch, SB3, gymnasium) are imported by the subcommand that runs, so that --help is quick and a Ctrl-C
+# while they load is answered in one line.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +69,8 @@ def _envs_parser(envs: argparse.ArgumentParser) -> None:
 
 
 def _train_parser(train: argparse.ArgumentParser) -> None:
-    train.add_argument("--algo", choices=sorted({a for a, _ in ZOO}), default="ppo")
-    train.add_argument("--env", default="CartPole-v1", help=f"one of: {', '.join(sorted({e for _, e in ZOO}))}")
+    train.add_argument("--algo", choices=ALGO_NAMES, default="ppo")
+    train.add_argument("--env", default="CartPole-v1", help="an env with an rl-zoo3 baseline (default CartPole-v1)")
     train.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2])
     train.add_argument("--threshold", type=float, help="mean eval return to reach (default: the env's reward_threshold)")
     train.add_argument("--max-timesteps", type=positive_int, help="budget per run (default: the preset's n_timesteps)")
@@ -88,18 +82,26 @@ def _train_parser(train: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = "python -m sb3_gpu.bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.command == "envs":
-        return _main_envs(args, command)
-    if args.command == "train":
-        return _main_train(args, command)
-    if args.command == "speed":
-        return _main_speed(args)
-    if args.command == "telemetry":
-        return _main_telemetry(args)
-    return _main_per(args)
+    try:
+        if args.command == "envs":
+            return _main_envs(args, command)
+        if args.command == "train":
+            return _main_train(args, command)
+        if args.command == "speed":
+            return _main_speed(args)
+        if args.command == "telemetry":
+            return _main_telemetry(args)
+        return _main_per(args)
+    except KeyboardInterrupt:
+        print_error("interrupted; no results were written")
+        return 130
 
 
 def _main_per(args: argparse.Namespace) -> int:
+    from sb3_gpu.benches.base import machine_line
+    from sb3_gpu.benches.per import bench_per, bench_per_learning
+    from sb3_gpu.planning.plan import make_plan
+
     if args.learn:
         try:  # bad names fail now, not after the timings
             make_plan(args.algo, args.env, "auto", overrides={"per": True})
@@ -128,6 +130,9 @@ def _main_per(args: argparse.Namespace) -> int:
 
 
 def _main_telemetry(args: argparse.Namespace) -> int:
+    from sb3_gpu.benches.base import machine_line
+    from sb3_gpu.benches.telemetry import bench_telemetry
+
     print(machine_line())
     rows = bench_telemetry(args.repeats, args.callback)
     print(f"{'case':<22} {'without':>10} {'with':>10}  {'wall':>7} {'CPU':>7}")
@@ -138,6 +143,11 @@ def _main_telemetry(args: argparse.Namespace) -> int:
 
 
 def _main_speed(args: argparse.Namespace) -> int:
+    import torch as th
+
+    from sb3_gpu.benches.speed import bench_speed, matmul_ratio
+    from sb3_gpu.common.hardware import detect_hardware
+
     hw = detect_hardware()
     flags = ", ".join(f for f, on in (("AVX512-BF16", hw.cpu_bf16 and not hw.cpu_amx), ("AMX", hw.cpu_amx)) if on) or "none"
     print(f"machine: {hw.cpu_model}; {hw.describe()}; native bf16: {flags}; torch {th.__version__}")
@@ -156,6 +166,11 @@ def _main_speed(args: argparse.Namespace) -> int:
 
 
 def _main_envs(args: argparse.Namespace, command: str) -> int:
+    from sb3_gpu.benches.base import write_results
+    from sb3_gpu.benches.envs import bench_envs, bench_startup, envs_markdown
+    from sb3_gpu.common.hardware import detect_hardware
+    from sb3_gpu.envs.spec import probe_env, resolve_env
+
     if args.seconds <= 0 or args.startup_workers < 0:
         print_error("--seconds must be > 0 and --startup-workers >= 0")
         return 2
@@ -179,6 +194,12 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
 
 
 def _main_train(args: argparse.Namespace, command: str) -> int:
+    import gymnasium as gym
+
+    from sb3_gpu.benches.base import write_results
+    from sb3_gpu.benches.train import ZOO, bench_train, train_markdown
+    from sb3_gpu.common.hardware import detect_hardware
+
     if (args.algo, args.env) not in ZOO:
         have = ", ".join(f"{a} {e}" for a, e in sorted(ZOO))
         print_error(f"no rl-zoo3 baseline for {args.algo} {args.env} (have: {have})")

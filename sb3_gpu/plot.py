@@ -8,8 +8,6 @@ from pathlib import Path
 
 from sb3_gpu.common.cli import Parser, print_error
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.runs.curves import plot_runs
-from sb3_gpu.runs.rundir import RunDir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -17,12 +15,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", help="run dirs written by sb3_gpu.train")
     parser.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/curves.png for one run, curves.png)")
     args = parser.parse_args(argv)
-    out = args.out or (RunDir(args.run_dirs[0]).curves if len(args.run_dirs) == 1 else Path("curves.png"))
     try:
+        from sb3_gpu.runs.curves import plot_runs  # matplotlib and SB3: here, so that --help needs neither
+        from sb3_gpu.runs.rundir import RunDir
+
+        out = args.out or (RunDir(args.run_dirs[0]).curves if len(args.run_dirs) == 1 else Path("curves.png"))
         path = plot_runs(args.run_dirs, out)
     except ConfigError as e:
         print_error(str(e))
         return 2
+    except KeyboardInterrupt:
+        print_error("interrupted; no plot was written")
+        return 130
     print(f"wrote {path}")
     return 0
 

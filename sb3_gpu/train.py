@@ -9,30 +9,31 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from sb3_gpu import __version__
-from sb3_gpu.common.checks import AMP_MODES, COMPILE_MODES
+from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS
 from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
-from sb3_gpu.config.presets import parse_override
-from sb3_gpu.config.runconfig import load_config
-from sb3_gpu.config.schema import ALGOS
-from sb3_gpu.envs.choice import VEC_ENV_KINDS
-from sb3_gpu.planning.plan import Plan, make_plan
-from sb3_gpu.planning.table import plan_table
-from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.training import resume_run, train_run
+
+# Torch, SB3 and rich are imported inside main (below), so that --help is quick and a Ctrl-C while they load is
+# answered in one line, not a traceback.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from sb3_gpu.config.runconfig import RunConfig
+    from sb3_gpu.planning.plan import Plan
+    from sb3_gpu.runs.rundir import RunDir
 
 DEFAULT_ENV = "CartPole-v1"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.train", description="Train an SB3 model with presets that fit this machine.")
-    p.add_argument("algo", nargs="?", type=str.lower, help=f"algorithm: {', '.join(ALGOS)} (taken from --config if omitted)")
+    p.add_argument(
+        "algo", nargs="?", type=str.lower, help=f"algorithm: {', '.join(ALGO_NAMES)} (taken from --config if omitted)"
+    )
     p.add_argument("--env", help=f"Gymnasium id or 'package.module:EnvClass' (a gymnasium.Env) (default {DEFAULT_ENV})")
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N or mps")
     p.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's n_timesteps)")
@@ -80,6 +81,9 @@ def _threads(text: str) -> int | str:
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """Turn parsed arguments (and a --config file) into a Plan; the CLI's only decision logic is which wins."""
+    from sb3_gpu.config.presets import parse_override
+    from sb3_gpu.config.runconfig import load_config
+
     # --per first, so that --set per.alpha=... refines it rather than being replaced by it.
     overrides: dict[str, Any] = {} if args.per is None else {"per": args.per}
     overrides.update({k: v for k in ("amp", "compile", "threads") if (v := getattr(args, k)) is not None})
@@ -91,7 +95,18 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"algorithm {args.algo!r} differs from the config's {config.algo!r}; leave it out to replay")
     algo = args.algo or (config.algo if config else None)
     if algo is None:
-        raise ConfigError(f"give an algorithm ({', '.join(ALGOS)}) or --config RUN_DIR/config.yaml")
+        raise ConfigError(f"give an algorithm ({', '.join(ALGO_NAMES)}) or --config RUN_DIR/config.yaml")
+    try:
+        return _make_plan(args, algo, config, overrides)
+    except ConfigError as e:
+        if config is None:
+            raise
+        raise ConfigError(f"{e} (replaying {config.path})") from None
+
+
+def _make_plan(args: argparse.Namespace, algo: str, config: RunConfig | None, overrides: dict[str, Any]) -> Plan:
+    from sb3_gpu.planning.plan import make_plan
+
     return make_plan(
         algo,
         args.env or (config.env if config else DEFAULT_ENV),
@@ -109,6 +124,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 
 def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
+    from rich.table import Table
+
     table = Table(title="sb3_gpu summary", title_justify="left")
     table.add_column("", style="bold")
     table.add_column("")
@@ -152,9 +169,15 @@ _RESUME_FLAGS = {"resume", "timesteps", "save_replay_buffer", "no_progress"}
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    console = Console()
     run: RunDir | None = None  # once known, for the messages below
     try:
+        from rich.console import Console
+
+        from sb3_gpu.planning.table import plan_table
+        from sb3_gpu.runs.rundir import RunDir
+        from sb3_gpu.runs.training import resume_run
+
+        console = Console()
         if args.resume is not None:
             run = RunDir(args.resume)
             _check_resume_flags(parser, args, run)
@@ -176,10 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(str(e))
         return 2
     except StopNow:
-        return _stopped_at_once(run)
+        return _stopped_at_once(run, new=args.resume is None)
     except KeyboardInterrupt:  # before the signal handlers were in place: building envs, say
-        if run is not None and args.resume is None and not run.saved_states():
-            shutil.rmtree(run.path, ignore_errors=True)
+        _remove_if_empty(run, new=args.resume is None)
         print_error("interrupted before training began; nothing was saved")
         return 130
     except (EnvWorkerError, TrainingDiverged) as e:
@@ -213,6 +235,8 @@ def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 def _train_new(plan: Plan, run: RunDir, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from sb3_gpu.runs.training import train_run
+
     try:
         return train_run(
             plan,
@@ -224,20 +248,41 @@ def _train_new(plan: Plan, run: RunDir, args: argparse.Namespace, console: Conso
             progress=not args.no_progress,
             console=console,
         )
-    except ConfigError:
-        # Refused before training began: nothing in the new run dir is worth keeping, and keeping it would make
-        # the same --run-dir "already exist" on the next try.
-        shutil.rmtree(run.path, ignore_errors=True)
+    except ConfigError:  # refused before training began
+        _remove_if_empty(run, new=True)
         raise
 
 
-def _stopped_at_once(run: RunDir | None) -> int:
+def _stopped_at_once(run: RunDir | None, *, new: bool) -> int:
     states = run.saved_states() if run is not None else []
-    kept = f"the last good model is {states[0].model} ({states[0].timesteps:,} timesteps)" if states else "no model"
-    print_error(f"stopped at once by a second signal; nothing more was saved, {kept}")
-    if states:
-        print_error(f"continue with: python -m sb3_gpu.train --resume {run}")
+    if not states:
+        _remove_if_empty(run, new=new)
+        print_error("stopped at once by a second signal before any model was saved; nothing was kept")
+        return 130
+    assert run is not None
+    print_error(f"stopped at once by a second signal; nothing more was saved, the last good model is {states[0].model}")
+    if _trained_to_the_end(run, states[0].timesteps):
+        print_error(f"training was complete; to evaluate: python -m sb3_gpu.evaluate {run}")
+    else:
+        print_error(f"continue with: python -m sb3_gpu.train --resume {run} ({states[0].timesteps:,} timesteps done)")
     return 130
+
+
+def _trained_to_the_end(run: RunDir, timesteps: int) -> bool:
+    """Whether a model of ``timesteps`` completes the run (then --resume has nothing to continue)."""
+    from sb3_gpu.config.runconfig import load_config
+
+    try:
+        return timesteps >= int(load_config(run.config).hyperparameters["n_timesteps"])
+    except (ConfigError, KeyError):
+        return False
+
+
+def _remove_if_empty(run: RunDir | None, *, new: bool) -> None:
+    """A new run dir that holds no model is removed: it cannot be resumed, and keeping it would make the same
+    --run-dir "already exist" on the next try."""
+    if run is not None and new and not run.saved_states() and not run.best_model.exists():
+        shutil.rmtree(run.path, ignore_errors=True)
 
 
 def _saved_note(run: RunDir | None) -> str:

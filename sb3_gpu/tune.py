@@ -14,34 +14,26 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-
+from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS
 from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import make_dir, refuse_links
-from sb3_gpu.config.schema import ALGOS
-from sb3_gpu.config.search import load_space
-from sb3_gpu.envs.choice import VEC_ENV_KINDS
-from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, make_storage, mask_url
-from sb3_gpu.tuning.study import (
-    PRUNERS,
-    SAMPLERS,
-    TrialInterrupted,
-    TrialSettings,
-    export_preset,
-    finished_trials,
-    make_objective,
-    open_study,
-    run_trials,
-    write_plots,
-)
+from sb3_gpu.tuning import PRUNERS, SAMPLERS
+
+# optuna, torch and SB3 are imported inside main, so that --help is quick and a Ctrl-C while they load is one line.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from sb3_gpu.tuning.study import TrialSettings
 
 
 def best_table(study: Any, top: int = 5) -> Table:
+    from rich.table import Table
+
+    from sb3_gpu.tuning.storage import import_optuna
+
     optuna = import_optuna()
     done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     done.sort(key=lambda t: t.value, reverse=True)
@@ -58,7 +50,7 @@ def best_table(study: Any, top: int = 5) -> Table:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.tune", description="Tune a preset with optuna; share one storage across machines.")
-    p.add_argument("algo", type=str.lower, choices=ALGOS, help=f"algorithm: {', '.join(ALGOS)}")
+    p.add_argument("algo", type=str.lower, choices=ALGO_NAMES, help=f"algorithm: {', '.join(ALGO_NAMES)}")
     p.add_argument("--env", default="CartPole-v1", help="Gymnasium id or 'package.module:EnvClass' (default CartPole-v1)")
     p.add_argument("--trials", type=positive_int, default=20, help="finished trials the study should reach (default 20)")
     p.add_argument("--storage", help="optuna storage URL shared by all workers (default: sqlite in the study dir)")
@@ -81,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> TrialSettings:
+    from sb3_gpu.tuning.study import TrialSettings
+
     return TrialSettings(
         algo=args.algo,
         env=args.env,
@@ -96,8 +90,16 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
     try:
+        from rich.console import Console
+
+        from sb3_gpu.common.io import make_dir, refuse_links
+        from sb3_gpu.config.search import load_space
+        from sb3_gpu.planning.plan import make_plan
+        from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, make_storage, mask_url
+        from sb3_gpu.tuning.study import finished_trials, make_objective, open_study, run_trials
+
+        console = Console()
         optuna = import_optuna()
         space = load_space(args.algo, args.space)
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
@@ -119,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print_error(str(e))
         return 2
+    except KeyboardInterrupt:
+        print_error("interrupted before any trial began")
+        return 130
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if dead := fail_dead_local_trials(study):
         console.print(f"marked {dead} trial(s) of dead workers on this host as failed")
@@ -131,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_trials(study, make_objective(settings_from_args(args), space), args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
+        from sb3_gpu.tuning.study import TrialInterrupted
+
         print_error(f"{str(e) or 'interrupted'}; a running trial was marked failed. Run the same command to go on")
         return 128 + int(signal.Signals[e.signal_name]) if isinstance(e, TrialInterrupted) else 130
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
@@ -147,6 +154,8 @@ class _LogFilter(logging.Filter):
         self.url = url
 
     def filter(self, record: logging.LogRecord) -> bool:
+        from sb3_gpu.tuning.storage import mask_url
+
         if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
             record.exc_info = None  # a stop is no crash: its one line is enough
         if record.exc_info and not record.exc_text:
@@ -156,6 +165,9 @@ class _LogFilter(logging.Filter):
 
 
 def _report(study: Any, args: argparse.Namespace, env: str, folder: Path, timesteps: int, console: Console) -> int:
+    from sb3_gpu.tuning.storage import import_optuna
+    from sb3_gpu.tuning.study import export_preset, write_plots
+
     optuna = import_optuna()
     console.print(best_table(study))
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):

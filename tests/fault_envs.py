@@ -1,11 +1,16 @@
-"""Envs that fail on purpose, named ``tests.fault_envs:FaultyCartPoleV1`` on the training CLI."""
+"""Envs that fail on purpose, named ``tests.fault_envs:FaultyCartPoleV1`` (or ``:Endless``) on the training CLI."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
 from gymnasium.envs.classic_control import CartPoleEnv
 from gymnasium.wrappers import TimeLimit
 
@@ -43,3 +48,34 @@ class FaultyCartPoleV1(TimeLimit):
 
     def __init__(self, **kwargs: Any):
         super().__init__(FaultyCartPole(**kwargs), max_episode_steps=500)
+
+
+class Endless(gym.Env):
+    """An env with no time limit whose episodes never end, whatever the policy does (a corridor with no exit).
+
+    Every instance in a process counts into ``Endless.steps``; at the ``signal_at``-th of those steps the env sends
+    ``signum`` to its own process, so that a test can land a signal at a known point (training's first rollout, then
+    an evaluation). An episode of ``give_up`` steps raises: without an evaluation step cap, that is a hang.
+    """
+
+    steps = 0  # over all instances in this process
+    observation_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, signal_at: int = 0, signum: int = int(signal.SIGINT), give_up: int = 20_000):
+        self.signal_at, self.signum, self.give_up = signal_at, signum, give_up
+        self.episode_steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        super().reset(seed=seed)
+        self.episode_steps = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: Any) -> Any:
+        Endless.steps += 1
+        self.episode_steps += 1
+        if self.episode_steps >= self.give_up:
+            raise RuntimeError(f"an episode of {self.give_up:,} steps: nothing cut it")
+        if Endless.steps == self.signal_at:
+            os.kill(os.getpid(), self.signum)
+        return np.full(2, float(action) - 0.5, np.float32), 0.0, False, False, {}

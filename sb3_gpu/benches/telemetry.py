@@ -17,7 +17,6 @@ TELEMETRY_CASES = [
     ("PPO CartPole preset", "ppo", "CartPole-v1", {}),
     ("DQN CartPole preset", "dqn", "CartPole-v1", {"per": False}),
 ]
-CALLBACK_SETS = ("telemetry", "guard", "session")
 
 
 def callbacks_for(which: str) -> list[BaseCallback]:

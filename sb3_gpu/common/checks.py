@@ -9,8 +9,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stable_baselines3.common.utils import ConstantSchedule, LinearSchedule
-
 from sb3_gpu.common.errors import ConfigError, closest
 
 
@@ -28,6 +26,9 @@ class Schedule:
     end_fraction: float = 1.0
 
     def to_sb3(self) -> Callable[[float], float]:
+        # Imported here: the CLIs read this module before their main starts, and SB3 pulls in torch.
+        from stable_baselines3.common.utils import ConstantSchedule, LinearSchedule
+
         if self.kind == "constant":
             return ConstantSchedule(self.start)
         return LinearSchedule(self.start, self.end, self.end_fraction)
@@ -60,11 +61,21 @@ def _as_number(value: Any, where: str, what: str) -> float:
     return value
 
 
+# The algorithms and vec env kinds the CLIs accept, named here so that building a parser imports no torch or SB3.
+ALGO_NAMES = ("ppo", "dqn", "qrdqn")
+VEC_ENV_KINDS = ("auto", "dummy", "subproc", "batched", "envpool")
+
+# Counts (timesteps, envs, episodes, buffer sizes) above this are typos: they would overflow numpy and torch later.
+MAX_COUNT = 2**31 - 1
+
+
 def integer(low: int, what: str) -> Check:
     def check(value: Any, where: str) -> int:
         number = _as_number(value, where, what)
         if number != int(number) or number < low:
             raise ConfigError(f"{where}: expected {what}, got {value!r}")
+        if number > MAX_COUNT:
+            raise ConfigError(f"{where}: expected {what} up to {MAX_COUNT:,}, got {value!r}")
         return int(number)
 
     return check

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from typing import NoReturn
 
-from rich.console import Console
+from sb3_gpu.common.checks import MAX_COUNT
 
 
 class Parser(argparse.ArgumentParser):
@@ -16,13 +17,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _integer(text: str, low: int, what: str) -> int:
+def _integer(text: str, low: int, what: str, high: int = MAX_COUNT) -> int:
     try:
         value = float(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
     if not math.isfinite(value) or value < low or value != int(value):
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    if value > high:
+        raise argparse.ArgumentTypeError(f"expected {what} up to {high:,}, got {text!r}")
     return int(value)
 
 
@@ -33,11 +36,8 @@ def positive_int(text: str) -> int:
 
 def seed_int(text: str) -> int:
     """A seed: an integer in [0, 2**32)."""
-    value = _integer(text, 0, "a seed, an integer >= 0")
-    if value >= 2**32:
-        raise argparse.ArgumentTypeError(f"expected a seed below 2**32, got {text!r}")
-    return value
+    return _integer(text, 0, "a seed, an integer >= 0", high=2**32 - 1)
 
 
 def print_error(message: str) -> None:
-    Console(stderr=True).print(f"error: {message}", highlight=False, markup=False, soft_wrap=True)
+    print(f"error: {message}", file=sys.stderr, flush=True)

@@ -8,8 +8,6 @@ import re
 import sys
 from dataclasses import dataclass
 
-import torch as th
-
 
 @dataclass(frozen=True)
 class GPUInfo:
@@ -110,6 +108,8 @@ def _in_notebook() -> bool:
 
 def detect_hardware() -> HardwareProfile:
     """Query the machine; every GPU query goes through ``torch.cuda`` / ``torch.backends.mps`` so tests can fake it."""
+    import torch as th  # here, not at the top: the CLIs read this module before deciding they need torch
+
     logical = logical_cores()
     model, flags = _cpu_info()
     gpus: list[GPUInfo] = []

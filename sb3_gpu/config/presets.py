@@ -93,6 +93,7 @@ class Preset:
     normalize: bool | dict[str, Any]
     frame_stack: int | None
     env_kwargs: dict[str, Any]
+    eval_max_episode_steps: int | None
     amp: str
     compile: str
     threads: int | str

@@ -47,7 +47,10 @@ def load_config(path: str | Path) -> RunConfig:
     version = data.get("version", CONFIG_VERSION)
     if version != CONFIG_VERSION:
         raise ConfigError(f"{path}: config version {version!r}; this sb3_gpu reads version {CONFIG_VERSION}")
-    algo = get_algo(str(data["algo"]))
+    try:
+        algo = get_algo(str(data["algo"]))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     hyper = validate_flat(algo, data["hyperparameters"], f"{path}: hyperparameters")
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):

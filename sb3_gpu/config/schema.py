@@ -132,6 +132,9 @@ COMMON_KEYS: dict[str, Check] = {
     "normalize": c.normalize,
     "frame_stack": c.optional(c.POS_INT),
     "env_kwargs": c.mapping,
+    # Evaluation episodes are cut after this many steps (default: the env's own time limit, else 10,000), so that a
+    # deterministic policy that never ends an episode cannot hang an evaluation.
+    "eval_max_episode_steps": c.optional(c.POS_INT),
     # Speed switches (planning.speed): not SB3 arguments; `auto` is decided per machine with a reason in the plan.
     "amp": c.choice(AMP_MODES),
     "compile": c.compile_mode,
@@ -147,6 +150,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "normalize": False,
     "frame_stack": None,
     "env_kwargs": {},
+    "eval_max_episode_steps": None,
     "amp": "auto",
     "compile": "false",
     "threads": "auto",

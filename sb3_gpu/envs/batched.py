@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import itertools
 import multiprocessing as mp
+import operator
 import signal
 import sys
 import traceback
@@ -42,6 +43,23 @@ _PRELOAD = ["sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
 def batched_workers(n_envs: int, limit: int | None = None) -> int:
     """Worker processes for ``n_envs`` envs: ``limit`` (default one per logical core), at most one per env."""
     return max(1, min(n_envs, limit or logical_cores()))
+
+
+def env_indices(indices: VecEnvIndices, n_envs: int) -> list[int]:
+    """SB3's ``indices`` (None for all, an int, or ints) as non-negative ints, Python-style: ``-1`` is the last env.
+
+    :raises IndexError: for an index outside ``-n_envs .. n_envs - 1``, before the caller touches any env
+    """
+    if indices is None:
+        return list(range(n_envs))
+    wanted = [indices] if isinstance(indices, (int, np.integer)) else list(indices)
+    out = []
+    for raw in wanted:
+        i = operator.index(raw)
+        if not -n_envs <= i < n_envs:
+            raise IndexError(f"env index {i} is out of range for {n_envs} envs (valid: {-n_envs} to {n_envs - 1})")
+        out.append(i % n_envs)
+    return out
 
 
 class _Layout:
@@ -99,8 +117,18 @@ class _Worker:
         self.handlers: dict[str, Callable[[Any], Any]] = {"step": self._step, "reset": self._reset, "call": self._call}
 
     def start(self, conn: Connection, payload: bytes) -> None:
+        built: dict[int, int] = {}  # id of each env's unwrapped env -> its index
         for fn in cloudpickle.loads(payload):
-            self.envs.append(_patch_env(fn()))
+            env = _patch_env(fn())
+            # One object stepped as several envs corrupts every episode; DummyVecEnv refuses it, and so do we.
+            # (The factories of a worker are unpickled together, so an env they all close over is one object here.)
+            same = built.setdefault(id(env.unwrapped), self.current)
+            if same != self.current:
+                raise ValueError(
+                    f"the env factory returned the same env object for envs {same} and {self.current}; "
+                    "return a new env on each call (e.g. gym.make(...) inside the factory, not `lambda: env`)"
+                )
+            self.envs.append(env)
             self.current += 1
         conn.send(("ok", (self.envs[0].observation_space, self.envs[0].action_space)))
         _, (name, layout) = conn.recv()
@@ -366,18 +394,19 @@ class BatchedSubprocVecEnv(VecEnv):
 
     def _call(self, kind: str, indices: VecEnvIndices, *args: Any) -> list[Any]:
         self._check_open()
-        targets = list(self._get_indices(indices))
+        # All indices are checked before any worker is asked, so a bad one leaves every env as it was.
+        targets = env_indices(indices, self.num_envs)
         asked = []
         for w, (lo, hi) in enumerate(self.slices):
-            local = [i - lo for i in targets if lo <= i < hi]
-            if local:
-                self._send(w, ("call", (kind, local, args)))
-                asked.append((w, local))
-        by_index = {}
-        for w, local in asked:
-            lo = self.slices[w][0]
-            by_index.update({lo + j: value for j, value in zip(local, self._recv(w), strict=True)})
-        return [by_index[i] for i in targets]
+            positions = [p for p, i in enumerate(targets) if lo <= i < hi]
+            if positions:
+                self._send(w, ("call", (kind, [targets[p] - lo for p in positions], args)))
+                asked.append((w, positions))
+        results: list[Any] = [None] * len(targets)
+        for w, positions in asked:
+            for p, value in zip(positions, self._recv(w), strict=True):
+                results[p] = value
+        return results
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         if self.render_mode != "rgb_array":

@@ -20,7 +20,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv,
 
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv
-from sb3_gpu.envs.choice import check_vec_env_kind, vec_env_choice
+from sb3_gpu.envs.choice import check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
 from sb3_gpu.envs.spec import EnvFactory, EnvSpec, resolve_env
 
@@ -53,6 +53,7 @@ def make_vec_env(
     vec_env: str = "auto",
     atari_wrapper: bool | None = None,
     frame_stack: int | None = None,
+    max_episode_steps: int | None = None,
 ) -> VecEnv:
     """SB3's ``make_vec_env`` (same arguments, same meaning) that also picks the vec env class itself.
 
@@ -69,6 +70,7 @@ def make_vec_env(
     :param vec_env: ``auto``, ``dummy``, ``subproc`` (SB3's), ``batched`` or ``envpool``; use it or ``vec_env_cls``
     :param atari_wrapper: wrap with SB3's AtariWrapper (default: for Atari games when no ``wrapper_class`` is given)
     :param frame_stack: stack this many frames with VecFrameStack
+    :param max_episode_steps: cut episodes at this many steps (a line on stderr says when one is cut)
     """
     if isinstance(n_envs, bool) or not isinstance(n_envs, int) or n_envs < 1:
         raise ConfigError(f"n_envs must be a positive int, got {n_envs!r}")
@@ -84,11 +86,14 @@ def make_vec_env(
     if kind == "auto":
         plain = wrapper_class is None and atari == spec.is_atari and not monitor_kwargs
         kind = vec_env_choice("auto", spec, n_envs, envpool_allowed=plain).kind
+    check_env_resources(kind, n_envs, monitor=monitor_dir is not None)
     if monitor_dir is not None:
         os.makedirs(monitor_dir, exist_ok=True)
     if kind == "envpool":
         if wrapper_class is not None or monitor_kwargs:
             raise ConfigError("vec_env 'envpool' runs C++ envs: a Python wrapper_class or monitor_kwargs cannot apply")
+        if max_episode_steps is not None:
+            raise ConfigError("vec_env 'envpool' runs C++ envs: max_episode_steps cannot apply (use dummy or batched)")
         venv: VecEnv = _envpool(spec, n_envs, seed, atari, monitor_dir, start_index, vec_env_kwargs)
     else:
         factories = [
@@ -99,6 +104,7 @@ def make_vec_env(
                 monitor_kwargs=monitor_kwargs,
                 wrapper_class=wrapper_class,
                 wrapper_kwargs=wrapper_kwargs,
+                max_episode_steps=max_episode_steps,
             )
             for i in range(n_envs)
         ]

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass
 
+from sb3_gpu.common.checks import VEC_ENV_KINDS
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.envs.batched import batched_workers
 from sb3_gpu.envs.envpool_vec import envpool_available, envpool_task
 from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
-
-VEC_ENV_KINDS = ("auto", "dummy", "subproc", "batched", "envpool")
 
 # BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
 # pickling per env. Measured on a 2-core Firecracker VM, where waking an idle vCPU is slow: ~350 us per step and
@@ -64,6 +64,33 @@ def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int,
         f"batched ({workers} workers) est. {ratio:.2f}x dummy"
     )
     return ("batched" if ratio >= 1.2 else "dummy"), detail
+
+
+# More SB3 SubprocVecEnv workers than this per core only queue on the CPU (each is a process with its own torch).
+MAX_SUBPROC_PER_CORE = 8
+# File descriptors that a process needs besides its envs' (imports, logs, TensorBoard, the console).
+FD_MARGIN = 64
+
+
+def check_env_resources(kind: str, n_envs: int, *, monitor: bool, cores: int | None = None) -> None:
+    """Refuse, before anything is spawned or opened, a vec env that the process or machine limits cannot hold."""
+    cores = cores or logical_cores()
+    processes = {"subproc": n_envs, "batched": batched_workers(n_envs, cores)}.get(kind, 0)
+    if kind == "subproc" and n_envs > max(64, MAX_SUBPROC_PER_CORE * cores):
+        raise ConfigError(
+            f"n_envs={n_envs:,} with vec_env 'subproc' would start {n_envs:,} processes on {cores} cores; "
+            f"use vec_env 'batched' (one worker per core) or 'dummy'"
+        )
+    files = (n_envs if monitor else 0) + 2 * processes + FD_MARGIN  # a Monitor CSV per env, a pipe pair per worker
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and files > soft:
+        raise ConfigError(
+            f"n_envs={n_envs:,} needs about {files:,} open files (a Monitor CSV per env, pipes per worker); this "
+            f"process may open {soft:,} (ulimit -n): lower n_envs or raise the limit"
+        )
+    max_procs, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if processes and max_procs != resource.RLIM_INFINITY and processes > max_procs:
+        raise ConfigError(f"vec_env {kind!r} would start {processes:,} processes; this user may run {max_procs:,}")
 
 
 @dataclass(frozen=True)

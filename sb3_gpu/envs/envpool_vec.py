@@ -3,7 +3,8 @@
 EnvPool resets a finished env on the *next* step and ignores that step's action; SB3 expects the first observation
 of the new episode in the same step that reported ``done``. The adapter bridges the two by stepping the finished
 envs once more at once (EnvPool's own reset step, so Atari's episodic-life continues the game as SB3's
-EpisodicLifeEnv does), and keeps Monitor's episode statistics so that ``rollout/ep_rew_mean`` is right.
+EpisodicLifeEnv does), and keeps Monitor's episode statistics so that ``rollout/ep_rew_mean`` is right, also under
+an outer VecMonitor, whose per-life statistics it keeps out of the infos.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from stable_baselines3.common.monitor import Monitor, ResultsWriter
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.envs.batched import env_indices
 
 # Gymnasium ids whose EnvPool twin has the same spaces, dynamics and time limit. Atari games map separately.
 SUPPORTED_IDS = frozenset(
@@ -37,6 +39,38 @@ SUPPORTED_IDS = frozenset(
         "BipedalWalkerHardcore-v3",
     }
 )
+
+
+# EnvPool asserts that a seed fits an int32, while SB3's VecEnv.seed() draws seeds up to 2**32 (plus the env
+# index). Folding them into [0, 2**31) keeps every SB3 seed valid and deterministic; s and s + 2**31 share streams.
+_SEED_RANGE = 2**31
+
+
+class _GameInfo(dict):
+    """The info of a finished env, whose ``episode`` (present only when a whole game ended) no wrapper can replace.
+
+    SB3's VecMonitor writes its own ``episode`` into a copy of every finished env's info. Over EnvPool's episodic
+    life and clipped rewards those are per-life sums of clipped rewards, which SB3's ``rollout/ep_rew_mean`` and
+    ``evaluate_policy`` would then report instead of the game scores this adapter already measures.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key != "episode":
+            super().__setitem__(key, value)
+        else:  # shown once per calling line (the warnings registry), and it contradicts VecMonitor's own warning
+            warnings.warn(
+                "EnvPoolVecEnv keeps its whole-game statistics in info['episode']; an outer VecMonitor's "
+                "(per life, of clipped rewards) are dropped",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def copy(self) -> _GameInfo:
+        return _GameInfo(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickle and deepcopy would otherwise restore the items through __setitem__, which drops ``episode``.
+        return _GameInfo, (dict(self),)
 
 
 def envpool_available() -> bool:
@@ -74,7 +108,7 @@ class EnvPoolVecEnv(VecEnv):
 
     :param env_id: a Gymnasium id with an EnvPool twin (see :data:`SUPPORTED_IDS`) or an Atari game
     :param n_envs: number of envs
-    :param seed: seed of the first env (env ``i`` gets ``seed + i``); reseeding rebuilds the pool
+    :param seed: seed of the first env (env ``i`` gets ``seed + i``), any int; reseeding rebuilds the pool
     :param is_atari: apply SB3's Atari preprocessing inside EnvPool
     :param monitor_dir: write Monitor-format CSV files here, one per env
     :param start_index: the index of the first env, which names its Monitor file (as in SB3's ``make_vec_env``)
@@ -128,7 +162,7 @@ class EnvPoolVecEnv(VecEnv):
                 self.task,
                 env_type="gymnasium",
                 num_envs=n_envs,
-                seed=int(np.random.randint(2**31 - 1)) if seed is None else seed,
+                seed=int(np.random.randint(_SEED_RANGE)) if seed is None else seed % _SEED_RANGE,
                 num_threads=self.num_threads,
                 **self.config,
             )
@@ -171,17 +205,18 @@ class EnvPoolVecEnv(VecEnv):
         if done_ids.size:
             game_over = truncated | (info["terminated"].astype(bool) if "terminated" in info else terminated)
             for i in done_ids:
-                infos[i]["terminal_observation"] = obs[i].copy()
+                done_info = {**infos[i], "terminal_observation": obs[i].copy()}
                 if game_over[i]:
                     episode = {
                         "r": float(self._returns[i]),
                         "l": int(self._lengths[i]),
                         "t": round(time.time() - self._start, 6),
                     }
-                    infos[i]["episode"] = episode
+                    done_info["episode"] = episode
                     if self._writers:
                         self._writers[i].write_row(episode)
                     self._returns[i], self._lengths[i] = 0.0, 0
+                infos[i] = _GameInfo(done_info)
             # EnvPool's reset step for the finished envs (its action is ignored): the new episode's first obs.
             blank = np.zeros((done_ids.size, *self._actions.shape[1:]), dtype=self._actions.dtype)
             new_obs, _, _, _, new_info = self.pool.step(blank, done_ids.astype(np.int32))
@@ -194,11 +229,12 @@ class EnvPoolVecEnv(VecEnv):
             writer.close()
 
     def get_images(self) -> Sequence[np.ndarray | None]:
+        warnings.warn("The render mode is None (EnvPool does not render), but get_images() needs 'rgb_array'", stacklevel=2)
         return [None] * self.num_envs
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         if attr_name == "render_mode":
-            return [None] * len(list(self._get_indices(indices)))
+            return [None] * len(env_indices(indices, self.num_envs))
         raise AttributeError(f"EnvPoolVecEnv has no per-env Python objects, so no attribute {attr_name!r}")
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
@@ -210,5 +246,6 @@ class EnvPoolVecEnv(VecEnv):
         raise AttributeError(f"EnvPoolVecEnv cannot call {method_name!r}: its envs are C++ objects")
 
     def env_is_wrapped(self, wrapper_class: type[gym.Wrapper], indices: VecEnvIndices = None) -> list[bool]:
-        # The infos carry Monitor's episode statistics, which is what callers asking about Monitor want.
-        return [wrapper_class is Monitor] * len(list(self._get_indices(indices)))
+        # The infos carry Monitor's episode statistics, which is what callers asking about Monitor want (SB3's
+        # evaluate_policy counts whole games by them; VecMonitor warns, and its statistics are kept out: _GameInfo).
+        return [wrapper_class is Monitor] * len(env_indices(indices, self.num_envs))

@@ -9,6 +9,7 @@ import importlib
 import inspect
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,6 +127,7 @@ class EnvFactory:
     :param monitor_path: Monitor's CSV file (None: none written)
     :param atari: wrap with SB3's AtariWrapper
     :param wrapper_class: a wrapper applied last (SB3's ``make_vec_env`` argument of the same name)
+    :param max_episode_steps: cut episodes at this many steps, inside Monitor (so the cut episode is counted)
     """
 
     def __init__(
@@ -137,8 +139,10 @@ class EnvFactory:
         monitor_kwargs: dict[str, Any] | None = None,
         wrapper_class: Callable[..., gym.Env] | None = None,
         wrapper_kwargs: dict[str, Any] | None = None,
+        max_episode_steps: int | None = None,
     ):
         self.make, self.monitor_path, self.atari = make, monitor_path, atari
+        self.max_episode_steps = max_episode_steps
         self.monitor_kwargs = monitor_kwargs or {}
         self.wrapper_class, self.wrapper_kwargs = wrapper_class, wrapper_kwargs or {}
         # Set by the subprocess builder for the time its workers start (see envs.build).
@@ -154,13 +158,41 @@ class EnvFactory:
             # needs its workers alive to finish it (SB3's workers would otherwise exit on KeyboardInterrupt).
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            env: gym.Env = Monitor(self.make(), filename=self.monitor_path, **self.monitor_kwargs)
+            env: gym.Env = self.make()
+            if self.max_episode_steps is not None:
+                env = EpisodeStepCap(env, self.max_episode_steps)
+            env = Monitor(env, filename=self.monitor_path, **self.monitor_kwargs)
             env = AtariWrapper(env) if self.atari else env
             env = self.wrapper_class(env, **self.wrapper_kwargs) if self.wrapper_class is not None else env
         except BaseException as e:
             write_report(self.report, e)
             raise
         return _ReportResetErrors(env, self.report) if self.report else env
+
+
+class EpisodeStepCap(gym.wrappers.TimeLimit):
+    """Gymnasium's TimeLimit that says so on stderr when it cuts an episode the env did not end."""
+
+    def __init__(self, env: gym.Env, max_episode_steps: int):
+        super().__init__(env, max_episode_steps)
+        self.cap = max_episode_steps
+
+    def step(self, action: Any) -> Any:
+        obs, reward, terminated, truncated, info = super().step(action)
+        if truncated and not terminated and (self._elapsed_steps or 0) >= self.cap:
+            sys.stderr.write(f"warning: an episode was cut at {self.cap:,} steps; the env did not end it\n")
+        return obs, reward, terminated, truncated, info
+
+
+def episode_limit(env: gym.Env) -> str | None:
+    """The env's own bound on an episode's length, in words (None: it has none, and an episode may never end)."""
+    spec = env.spec
+    if spec is None:
+        return None
+    if spec.max_episode_steps is not None:
+        return f"{spec.max_episode_steps:,} steps"
+    frames = spec.kwargs.get("max_num_frames_per_episode")  # ALE's own bound, counted in emulator frames
+    return f"{frames:,} frames" if isinstance(frames, int) and frames > 0 else None
 
 
 def write_report(path: str | None, error: BaseException) -> None:

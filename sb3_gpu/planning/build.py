@@ -30,6 +30,7 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
         monitor_dir=monitor_dir,
         vec_env="dummy" if evaluation else plan.vec_env,
         frame_stack=preset.frame_stack,
+        max_episode_steps=plan.eval_step_cap if evaluation else None,
     )
     if not preset.normalize:
         return venv

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
+import psutil
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space
 
@@ -18,8 +20,8 @@ from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
 from sb3_gpu.config.schema import PROFILES, get_algo
-from sb3_gpu.envs.choice import vec_env_choice
-from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env, resolve_env
+from sb3_gpu.envs.choice import check_env_resources, vec_env_choice
+from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed
@@ -42,6 +44,9 @@ class Plan:
     seed: int | None = None
     # amp, compile, threads and CUDA math flags as decided for this machine (None: leave torch as it is).
     speed: SpeedPlan | None = None
+    # Evaluation episodes are cut after this many steps (None: the env bounds its episodes itself).
+    eval_step_cap: int | None = None
+    eval_step_cap_reason: str = ""
 
     def to_config(self) -> dict[str, Any]:
         """Plain data that :func:`~sb3_gpu.config.runconfig.load_config` turns back into the same hyperparameters."""
@@ -73,6 +78,7 @@ class _EnvFacts:
     observation_space: spaces.Space
     action_space: spaces.Space
     step_seconds: float | None  # measured only where the vec env kind is chosen automatically
+    episode_limit: str | None  # the env's own bound on an episode, in words; None: an episode may never end
 
 
 def make_plan(
@@ -119,8 +125,10 @@ def make_plan(
         resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
     check_policy_kwargs(algo_, resolved.policy, resolved.policy_kwargs, entry_label)
     _check_combinations(resolved, facts.observation_space)
+    _check_sizes(resolved, facts)
 
     vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
+    check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
     vec_reason = vec.reason
     if vec.kind in ("subproc", "batched") and hardware.in_notebook:
         vec_reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"
@@ -137,7 +145,25 @@ def make_plan(
         profile_reason=profile_reason,
         seed=seed,
         speed=_speed(resolved, choice.device, _policy_kind(resolved.policy, facts.observation_space), vec.workers, hardware),
+        **_eval_step_cap(resolved, facts),
     )
+
+
+# Where an env has no time limit of its own, a deterministic policy may never end an episode: evaluations would hang.
+DEFAULT_EVAL_STEP_CAP = 10_000
+
+
+def _eval_step_cap(preset: Preset, facts: _EnvFacts) -> dict[str, Any]:
+    if preset.eval_max_episode_steps is not None:
+        source = preset.sources.get("eval_max_episode_steps", "preset")
+        return {"eval_step_cap": preset.eval_max_episode_steps, "eval_step_cap_reason": f"eval_max_episode_steps ({source})"}
+    if facts.episode_limit is not None:
+        return {"eval_step_cap": None, "eval_step_cap_reason": f"the env ends episodes itself (after {facts.episode_limit})"}
+    return {
+        "eval_step_cap": DEFAULT_EVAL_STEP_CAP,
+        "eval_step_cap_reason": "warning: the env sets no time limit, so evaluation episodes are cut here "
+        "(set eval_max_episode_steps to change it)",
+    }
 
 
 def _speed(preset: Preset, device: str, policy: PolicyKind, env_workers: int, hardware: HardwareProfile) -> SpeedPlan:
@@ -181,7 +207,8 @@ def _entry(
 def _probe(spec: EnvSpec, measure: bool) -> _EnvFacts:
     one = probe_env(spec)
     try:
-        return _EnvFacts(one.observation_space, one.action_space, measure_step_seconds(one) if measure else None)
+        seconds = measure_step_seconds(one) if measure else None
+        return _EnvFacts(one.observation_space, one.action_space, seconds, episode_limit(one))
     finally:
         one.close()
 
@@ -211,6 +238,44 @@ def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
         subspaces = obs_space.spaces.values() if isinstance(obs_space, spaces.Dict) else []
         return "cnn" if any(is_image_space(s, check_channels=False) for s in subspaces) else "multi"
     return "mlp"
+
+
+def _check_sizes(preset: Preset, facts: _EnvFacts) -> None:
+    """Refuse, before anything is allocated, a run that would overshoot its length or outgrow the machine's memory."""
+    params: Any = preset.params
+    per_env = params.n_steps if preset.algo == "ppo" else _train_freq_steps(params.train_freq)
+    rollout = per_env * preset.n_envs
+    if per_env and rollout > preset.n_timesteps:
+        what = "n_steps" if preset.algo == "ppo" else "train_freq"
+        raise ConfigError(
+            f"one rollout is {what} * n_envs = {per_env:,} * {preset.n_envs:,} = {rollout:,} env steps, more than the "
+            f"{preset.n_timesteps:,} timesteps to train (SB3 always completes a rollout): lower n_envs or {what}, or "
+            "train longer"
+        )
+    if preset.algo != "ppo":
+        per_transition = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
+        needed = params.buffer_size * per_transition
+        available = psutil.virtual_memory().available
+        if needed > available:
+            raise ConfigError(
+                f"buffer_size={params.buffer_size:,} needs {needed / 2**30:.1f} GiB of memory for its transitions "
+                f"(observation and next observation each); {available / 2**30:.1f} GiB is available: lower buffer_size"
+            )
+
+
+def _train_freq_steps(train_freq: int | tuple[int, str]) -> int:
+    """Env steps per env in one off-policy rollout (0 where it is counted in episodes, whose length is unknown)."""
+    if isinstance(train_freq, tuple):
+        return train_freq[0] if train_freq[1] == "step" else 0
+    return train_freq
+
+
+def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame_stack: int) -> int:
+    """Bytes of one transition in SB3's replay buffer: two (stacked) observations, the action, reward, done, timeout."""
+    subspaces = obs_space.spaces.values() if isinstance(obs_space, spaces.Dict) else [obs_space]
+    obs = frame_stack * sum(int(np.prod(s.shape or (1,))) * np.dtype(s.dtype or np.float32).itemsize for s in subspaces)
+    action = int(np.prod(action_space.shape or (1,))) * 8  # SB3 keeps discrete actions as int64
+    return 2 * obs + action + 3 * 4
 
 
 def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:

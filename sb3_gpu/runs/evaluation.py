@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import load_plan_model, load_vecnormalize
 
 
+class EvaluationStopped(Exception):
+    """A signal arrived during an evaluation: it was abandoned at once, and nothing of it was recorded."""
+
+
 class TimedEvalCallback(EvalCallback):
     """SB3's EvalCallback (same arguments), adding up the seconds its evaluations take so that telemetry can split
     them out.
@@ -30,6 +35,9 @@ class TimedEvalCallback(EvalCallback):
     With ``run_dir``, the best model and ``evaluations.npz`` go there. SB3 writes them in place, where a crash
     mid-write would leave half a file; here it writes them into a scratch folder, and each complete file is renamed
     over the real one.
+
+    ``should_stop`` (set by the training Session) is asked after every evaluation step: when it answers True, the
+    evaluation is abandoned and training stops, so a signal never waits for the remaining episodes.
     """
 
     def __init__(self, eval_env: Any, *, run_dir: RunDir | None = None, **kwargs: Any):
@@ -39,15 +47,24 @@ class TimedEvalCallback(EvalCallback):
             kwargs["log_path"] = str(run_dir.eval / RunDir.SCRATCH)
         super().__init__(eval_env, **kwargs)
         self.seconds = 0.0
+        self.should_stop: Callable[[], bool] | None = None
 
     def _on_step(self) -> bool:
         start = time.perf_counter()
         try:
             return super()._on_step()
+        except EvaluationStopped:
+            return False  # ends learn(); the session then saves the model as for any stop
         finally:
             if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
                 self._publish()
             self.seconds += time.perf_counter() - start
+
+    def _log_success_callback(self, locals_: dict[str, Any], globals_: dict[str, Any]) -> None:
+        # evaluate_policy calls this after every step of the evaluation env: the one place to stop it midway.
+        if self.should_stop is not None and self.should_stop():
+            raise EvaluationStopped
+        super()._log_success_callback(locals_, globals_)
 
     def _scratch_files(self) -> list[tuple[Path, Path]]:
         run = self.run_dir
@@ -84,9 +101,20 @@ class TimedEvalCallback(EvalCallback):
         self.evaluations_length = [list(n) for n in lengths[keep]]
 
 
-def evaluate(model: BaseAlgorithm, env: VecEnv, episodes: int, deterministic: bool = True) -> tuple[float, float]:
-    """Mean and std of the episode return."""
-    mean, std = evaluate_policy(model, env, n_eval_episodes=episodes, deterministic=deterministic)
+def evaluate(
+    model: BaseAlgorithm,
+    env: VecEnv,
+    episodes: int,
+    deterministic: bool = True,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[float, float]:
+    """Mean and std of the episode return; :class:`EvaluationStopped` as soon as ``should_stop()`` is True."""
+
+    def check(locals_: dict[str, Any], globals_: dict[str, Any]) -> None:
+        if should_stop is not None and should_stop():
+            raise EvaluationStopped
+
+    mean, std = evaluate_policy(model, env, n_eval_episodes=episodes, deterministic=deterministic, callback=check)
     return float(mean), float(std)  # type: ignore[arg-type]
 
 

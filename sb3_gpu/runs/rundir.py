@@ -58,9 +58,9 @@ def read_zip_data(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(raw)
     except ValueError as e:
-        raise ConfigError(f"{path} is not an SB3 model zip (its 'data' entry is not JSON: {e})") from None
+        raise ConfigError(f"{path} is not a readable SB3 model zip (its 'data' entry is not JSON: {e})") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not an SB3 model zip (its 'data' entry is not a JSON object)")
+        raise ConfigError(f"{path} is not a readable SB3 model zip (its 'data' entry is not a JSON object)")
     return data
 
 

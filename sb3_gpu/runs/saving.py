@@ -13,7 +13,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import load_pickle, save_model, save_pickle
-from sb3_gpu.config.schema import get_algo
+from sb3_gpu.config.schema import ALGOS, get_algo
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
 from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles, read_zip_data
@@ -103,8 +103,10 @@ def load_model(
     arguments); a zip holding a pickled entry that the config cannot supply is refused. Weights are read with
     ``torch.load(weights_only=True)`` by SB3 itself.
     """
-    serialized = sorted(k for k, v in read_zip_data(path).items() if isinstance(v, dict) and ":serialized:" in v)
+    data = read_zip_data(path)
     template = model_class(policy, env, device="cpu", _init_setup_model=False, **model_kwargs)  # type: ignore[call-arg]
+    _check_same_algorithm(path, data, template)
+    serialized = sorted(k for k, v in data.items() if isinstance(v, dict) and ":serialized:" in v)
     known = vars(template)
     custom: dict[str, Any] = {}
     for key in serialized:
@@ -121,6 +123,20 @@ def load_model(
         return model_class.load(str(path), env=env, device=device, custom_objects=custom)
     except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
         raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {e})") from None
+
+
+def _check_same_algorithm(path: Path, data: dict[str, Any], template: BaseAlgorithm) -> None:
+    """Refuse a zip of another algorithm by its policy's module (SB3 keeps it in clear beside the pickle), before
+    any entry of the zip is compared with the config."""
+    stored = data.get("policy_class")
+    module = stored.get("__module__") if isinstance(stored, dict) else None
+    expected = template.policy_class.__module__
+    if not isinstance(module, str) or module == expected:
+        return
+    by_module = {algo.model_class.policy_aliases["MlpPolicy"].__module__: name for name, algo in ALGOS.items()}
+    holds = f"a {by_module[module]} model" if module in by_module else f"a model whose policy is from {module}"
+    want = by_module.get(expected, type(template).__name__)
+    raise ConfigError(f"{path} holds {holds}, and this run's config is for {want}; evaluate it with its own run dir")
 
 
 def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:

@@ -20,7 +20,7 @@ from sb3_gpu.common.errors import StopNow
 from sb3_gpu.envs.build import explain_env_error
 from sb3_gpu.extensions.stepping import first_non_finite
 from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, StopOnSignal
-from sb3_gpu.runs.evaluation import TimedEvalCallback, evaluate
+from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, evaluate
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import save_state
 from sb3_gpu.runs.telemetry import ThroughputCallback
@@ -97,6 +97,17 @@ class Session:
         self._progress: ProgressCallback | None = None
         self._checkpoint_freq = checkpoint_freq
         self._extra = list(callbacks)
+        if evaluator is not None:
+            evaluator.should_stop = self.stopping
+
+    def stopping(self) -> bool:
+        """Whether a signal asked the session to stop."""
+        return self.stop.received is not None
+
+    @property
+    def stopped_by(self) -> str | None:
+        """``SIGINT`` or ``SIGTERM`` once a signal asked the session to stop."""
+        return signal.Signals(self.stop.received).name if self.stop.received is not None else None
 
     def __enter__(self) -> Session:
         self.stop.__enter__()
@@ -127,7 +138,7 @@ class Session:
             timesteps=int(model.num_timesteps),
             steps=int(model.num_timesteps - start_steps),
             wall_s=time.perf_counter() - start,
-            stopped_by=signal.Signals(self.stop.received).name if self.stop.received is not None else None,
+            stopped_by=self.stopped_by,
             error=error,
             throughput={k: round(v, 4) for k, v in self.telemetry.latest.items()},
         )
@@ -136,13 +147,19 @@ class Session:
         return outcome
 
     def evaluate(self, episodes: int, deterministic: bool = True) -> tuple[float, float]:
-        """Mean and std of the return on the evaluator's env, with the training env's normalisation statistics."""
+        """Mean and std of the return on the evaluator's env, with the training env's normalisation statistics.
+
+        A signal abandons it at once with :class:`~sb3_gpu.runs.evaluation.EvaluationStopped` (``stopped_by`` names
+        the signal).
+        """
         assert self.evaluator is not None, "a session evaluates on its evaluator's env"
         train_norm, eval_norm = self.model.get_vec_normalize_env(), unwrap_vec_normalize(self.evaluator.eval_env)
         # Only the statistics: SB3 wraps image envs in VecTransposeImage for training, so the two chains differ.
         if train_norm is not None and eval_norm is not None:
             eval_norm.obs_rms, eval_norm.ret_rms = copy.deepcopy(train_norm.obs_rms), copy.deepcopy(train_norm.ret_rms)
-        return evaluate(self.model, self.evaluator.eval_env, episodes, deterministic)
+        if self.stopping():
+            raise EvaluationStopped
+        return evaluate(self.model, self.evaluator.eval_env, episodes, deterministic, should_stop=self.stopping)
 
     def _callbacks(self, total_timesteps: int) -> list[BaseCallback]:
         callbacks: list[BaseCallback] = [self.stop, self.guard]

@@ -20,7 +20,7 @@ from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
 from sb3_gpu.runs.curves import plot_runs
-from sb3_gpu.runs.evaluation import TimedEvalCallback
+from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback
 from sb3_gpu.runs.rundir import RunDir, SavedState
 from sb3_gpu.runs.saving import restore_model, restore_vecnormalize
 from sb3_gpu.runs.session import Outcome, Session
@@ -126,17 +126,17 @@ def resume_run(
     for message in skipped:
         output.warn(message)
     state = states[0]
-    # Seeded runs continue on fresh seeds: replaying the first episodes' seeds would repeat them.
-    seed = None if config.seed is None else (config.seed + state.timesteps) % 2**32
-    plan = make_plan(
-        config.algo, config.env, config.device, vec_env=config.vec_env, seed=seed, config=config, n_timesteps=timesteps
-    )
-    total = plan.preset.n_timesteps
+    total = timesteps if timesteps is not None else int(config.hyperparameters.get("n_timesteps", 0))
     if state.timesteps >= total:
         raise ConfigError(
             f"--resume: {run} already trained {state.timesteps:,} of {total:,} timesteps; "
             f"pass --timesteps with a larger total to train on"
         )
+    # Seeded runs continue on fresh seeds: replaying the first episodes' seeds would repeat them.
+    seed = None if config.seed is None else (config.seed + state.timesteps) % 2**32
+    plan = make_plan(
+        config.algo, config.env, config.device, vec_env=config.vec_env, seed=seed, config=config, n_timesteps=timesteps
+    )
     if save_replay_buffer is not None:
         options = dataclasses.replace(options, save_replay_buffer=save_replay_buffer)
     options.check(plan)
@@ -224,9 +224,17 @@ def _learn(
         outcome = session.learn(preset.n_timesteps - model.num_timesteps, reset_num_timesteps=state is None)
         summary = _summary(plan, model, outcome)
         if not outcome.interrupted:
-            mean, std = session.evaluate(options.eval_episodes)
+            try:
+                mean, std = session.evaluate(options.eval_episodes)
+            except EvaluationStopped:  # training is complete and saved: only the final evaluation is missing
+                summary.update(interrupted=True, stopped_by=session.stopped_by)
+                summary["saved"] = (
+                    f"{outcome.saved}; training was complete and its final evaluation was stopped "
+                    f"(to evaluate: python -m sb3_gpu.evaluate {run})"
+                )
+            else:
+                summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
             best = evaluator.best_mean_reward
-            summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
             summary["best_eval_mean"] = float(best) if best > -float("inf") else None
         if run.best_model.exists():
             summary["best_model"] = str(run.best_model)

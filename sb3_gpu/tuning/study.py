@@ -24,7 +24,7 @@ from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.envs.spec import resolve_env
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.evaluation import TimedEvalCallback
+from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback
 from sb3_gpu.runs.session import Session
 from sb3_gpu.tuning.storage import import_optuna
 
@@ -158,7 +158,10 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
                 raise outcome.error
             if evaluator.pruned:
                 raise optuna.TrialPruned(f"pruned at {outcome.timesteps} timesteps of seed {seed}")
-            mean, _ = session.evaluate(settings.eval_episodes)
+            try:
+                mean, _ = session.evaluate(settings.eval_episodes)
+            except EvaluationStopped:
+                raise TrialInterrupted(session.stopped_by or "SIGINT", trial.number) from None
         return mean
     finally:
         close_vec_envs(env, eval_env)
@@ -225,10 +228,6 @@ def write_plots(study: Any, folder: Path) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the study
-SAMPLERS = ("tpe", "random")
-PRUNERS = ("median", "halving", "none")
-
-
 def open_study(
     name: str,
     storage: Any,

@@ -67,7 +67,7 @@ def test_train_writes_a_complete_run_dir(tmp_path):
     assert evaluation.returncode == 0, evaluation.stderr
     assert json.loads(evaluation.stdout)["episodes"] == 2
 
-    again = run_cli("sb3_gpu.train", "ppo", "--run-dir", str(run_dir), "--timesteps", "10")
+    again = run_cli("sb3_gpu.train", "ppo", "--run-dir", str(run_dir), "--timesteps", "256")
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
@@ -137,6 +137,15 @@ BAD_INPUTS = [
     (["ppo", "--run-dir", "{a_file}/run"], "cannot create run dir"),
     (["ppo", "--run-dir", "/sys/sb3_gpu_run"], "cannot create run dir /sys/sb3_gpu_run: Operation not permitted"),
     (["--resume", "{damaged}", "--timesteps", "128"], "holds no readable model.zip or checkpoint to continue from (skipped"),
+    # Sizes the machine cannot hold are refused before anything is allocated or spawned.
+    (["dqn", "--env", "ALE/Pong-v5", "--set", "buffer_size=50000000"], "buffer_size=50,000,000 needs 2629.5 GiB"),
+    (["ppo", "--n-envs", "5000", "--vec-env", "subproc", "--timesteps", "1e6"], "would start 5,000 processes on"),
+    (["ppo", "--n-envs", "5000", "--timesteps", "2000"], "n_steps * n_envs = 32 * 5,000 = 160,000 env steps, more than"),
+    (["ppo", "--eval-episodes", "1e30"], "--eval-episodes: expected a positive integer up to 2,147,483,647"),
+    (["ppo", "--set", "n_timesteps=1e30"], "n_timesteps: expected a positive int up to 2,147,483,647"),
+    # A --config error names the file it came from.
+    (["--config", "{typo_env_config}", "--plan"], "typo_env/config.yaml)"),
+    (["--config", "{typo_algo_config}", "--plan"], "typo_algo/config.yaml: unknown algorithm 'ppo3'"),
 ]
 
 
@@ -152,14 +161,16 @@ def finished_run(tmp_path_factory):
     return run_dir
 
 
-def _variant(run_dir, dest, run_options=None, tamper=False, env=None):
+def _variant(run_dir, dest, run_options=None, tamper=False, env=None, algo=None):
     shutil.copytree(run_dir, dest)
-    if run_options is not None or env is not None:
+    if run_options is not None or env is not None or algo is not None:
         config = yaml.safe_load((dest / "config.yaml").read_text())
         if run_options is not None:
             config["run"] = run_options
         if env is not None:
             config["env"], config["hyperparameters"]["env_kwargs"] = env
+        if algo is not None:
+            config["algo"] = algo
         (dest / "config.yaml").write_text(yaml.safe_dump(config))
     if tamper:  # a pickled entry the config cannot supply, whose unpickling would create a file
         payload = base64.b64encode(b"cos\nsystem\n(S'touch pwned'\ntR.").decode()
@@ -216,6 +227,10 @@ def bad_files(tmp_path, finished_run):
     zip_bytes[len(zip_bytes) // 2] ^= 0xFF  # one flipped byte inside a member: its CRC no longer matches
     (paths["damaged"] / "model.zip").write_bytes(bytes(zip_bytes))
     shutil.rmtree(paths["damaged"] / "checkpoints")  # nothing else to continue from
+    paths["typo_env_config"] = _variant(finished_run, tmp_path / "typo_env", env=("CartPol-v1", {})) / "config.yaml"
+    paths["typo_algo_config"] = _variant(finished_run, tmp_path / "typo_algo", algo="ppo3") / "config.yaml"
+    paths["dqn_config"] = _variant(finished_run, tmp_path / "dqn_config")  # a PPO model beside a DQN config
+    (paths["dqn_config"] / "config.yaml").write_text("algo: dqn\nenv: CartPole-v1\nhyperparameters: {}\n")
     return paths
 
 
@@ -236,11 +251,13 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, mon
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["{broken}"], "is not an SB3 model zip"),
+        (["{broken}"], "is not a readable SB3 model zip"),
         (["{missing}"], "no such run dir or model file"),
         (["{existing}"], "holds no best_model.zip or model.zip"),
         (["{existing}", "--episodes", "0"], "--episodes: expected a positive integer"),
         (["{evil_run}"], "'system' is not a gymnasium.Env class"),
+        (["{existing}", "--episodes", "1e30"], "--episodes: expected a positive integer up to 2,147,483,647"),
+        (["{dqn_config}"], "holds a ppo model, and this run's config is for dqn"),
     ],
 )
 def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call_main, tmp_path):

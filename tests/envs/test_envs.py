@@ -279,3 +279,14 @@ def test_envpool_names_its_monitor_files_from_start_index(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["5.monitor.csv", "6.monitor.csv"]
     with pytest.raises(ConfigError, match="monitor_kwargs cannot apply"):
         make_vec_env("CartPole-v1", 2, vec_env="envpool", monitor_kwargs={"info_keywords": ("x",)})
+
+
+def test_more_envs_than_the_open_file_limit_allows_are_refused_before_any_is_built(monkeypatch, tmp_path):
+    import resource
+
+    real = resource.getrlimit
+    limited = lambda which: (1024, 1024) if which == resource.RLIMIT_NOFILE else real(which)  # noqa: E731
+    monkeypatch.setattr(resource, "getrlimit", limited)
+    with pytest.raises(ConfigError, match=r"n_envs=2,000 needs about 2,064 open files .* may open 1,024 \(ulimit -n\)"):
+        make_vec_env("CartPole-v1", 2000, vec_env="dummy", monitor_dir=str(tmp_path / "monitor"))
+    assert not (tmp_path / "monitor").exists(), "refused before a single Monitor file was opened"

@@ -258,6 +258,19 @@ def test_a_second_signal_quits_at_once_and_keeps_the_last_good_files(tmp_path):
     assert _load(run_dir, checkpoint).num_timesteps == 32
 
 
+def test_a_second_signal_before_any_save_removes_the_new_run_dir(tmp_path, monkeypatch, capsys):
+    def stopped_while_building(plan, run_dir, **kwargs):
+        (run_dir / "config.yaml").write_text("written before the stop")
+        raise StopNow
+
+    monkeypatch.setattr("sb3_gpu.runs.training.train_run", stopped_while_building)
+    run_dir = tmp_path / "run"
+    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err == "error: stopped at once by a second signal before any model was saved; nothing was kept\n"
+    assert not run_dir.exists()  # the same --run-dir works on the next try
+
+
 class _StderrReader:
     """A process's stderr, read line by line as it comes, so that a test can wait for a line."""
 

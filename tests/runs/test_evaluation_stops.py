@@ -1,0 +1,107 @@
+"""Evaluations end: episodes of an env with no time limit are cut (with a line saying so), and a signal during any
+evaluation (periodic, final, the evaluate CLI) stops it at once, keeps what training produced, and says what to do."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import yaml
+from rich.console import Console
+
+from sb3_gpu.evaluate import main as evaluate_main
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.planning.table import plan_table
+from sb3_gpu.runs.rundir import zip_timesteps
+from sb3_gpu.train import main as train_main
+from tests.conftest import run_cli
+from tests.fault_envs import Endless
+
+ENDLESS = "tests.fault_envs:Endless"
+TINY = ["--vec-env", "dummy", "--n-envs", "1", "--set", "n_steps=32", "--set", "batch_size=32", "--set", "n_epochs=1"]
+CUT = "warning: an episode was cut at {:,} steps; the env did not end it"
+
+
+@pytest.fixture(autouse=True)
+def _count_from_zero(monkeypatch):
+    monkeypatch.setattr(Endless, "steps", 0)
+
+
+def test_the_plan_caps_evaluation_episodes_where_the_env_sets_no_time_limit():
+    endless = make_plan("ppo", ENDLESS, "cpu", vec_env="dummy")
+    assert endless.eval_step_cap == 10_000
+    assert endless.eval_step_cap_reason.startswith("warning: the env sets no time limit")
+    console = Console(width=200, record=True)
+    console.print(plan_table(endless))
+    row = next(line for line in console.export_text().splitlines() if "eval episode cap" in line)
+    assert [cell.strip() for cell in row.split("│")][2:4] == ["10,000 steps", endless.eval_step_cap_reason]
+    chosen = make_plan("ppo", ENDLESS, "cpu", vec_env="dummy", overrides={"eval_max_episode_steps": 50})
+    assert chosen.eval_step_cap == 50 and chosen.eval_step_cap_reason == "eval_max_episode_steps (override)"
+    cartpole = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy")
+    assert cartpole.eval_step_cap is None and cartpole.eval_step_cap_reason == "the env ends episodes itself (after 500 steps)"
+
+
+@pytest.fixture
+def endless_run(tmp_path, call_main):
+    """A finished 64-step PPO run on an env whose episodes never end, evaluated with 20-step episodes."""
+    run_dir = tmp_path / "endless"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--timesteps", "64", "--eval-freq", "32", "--eval-episodes", "2"]
+    result = call_main(train_main, *args, "--set", "eval_max_episode_steps=20", "--run-dir", str(run_dir), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    return run_dir, result
+
+
+def test_training_and_evaluate_cut_the_episodes_of_an_env_without_time_limit(endless_run, call_main):
+    run_dir, trained = endless_run
+    # Two periodic evaluations and the final one, two episodes each: every episode cut, none hanging.
+    assert trained.stderr.count(CUT.format(20)) == 6, trained.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["final_eval_mean"] == 0.0
+    result = call_main(evaluate_main, str(run_dir), "--episodes", "3")
+    assert result.returncode == 0 and result.stderr.count(CUT.format(20)) == 3
+    assert "return 0.00 +/- 0.00 over 3 episodes" in result.stdout
+
+
+def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_path, call_main):
+    run_dir = tmp_path / "run"
+    # Training takes env steps 1-32, then evaluates from step 33 on: step 40 is inside the first evaluation.
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 40}", "--timesteps", "2048"]
+    args += ["--eval-freq", "32", "--eval-episodes", "1000000", "--run-dir", str(run_dir), "--no-progress"]
+    result = call_main(train_main, *args)
+    assert result.returncode == 130, result.stderr
+    assert Endless.steps == 40  # not one evaluation step after the signal
+    model = run_dir / "model.zip"
+    expected = f"stopped by SIGINT: model saved to {model} at 32 timesteps; continue with: python -m sb3_gpu.train --resume"
+    assert expected in result.stderr.replace("\n", "")
+    assert zip_timesteps(model) == 32
+
+
+def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_advises_evaluate(tmp_path, call_main):
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 40}", "--timesteps", "32"]
+    args += ["--eval-freq", "100000", "--eval-episodes", "1000000", "--run-dir", str(run_dir), "--no-progress"]
+    result = call_main(train_main, *args)
+    assert result.returncode == 130, result.stderr
+    assert Endless.steps == 40
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT" and "final_eval_mean" not in summary
+    advice = f"training was complete and its final evaluation was stopped (to evaluate: python -m sb3_gpu.evaluate {run_dir})"
+    assert advice in result.stderr.replace("\n", "") and zip_timesteps(run_dir / "model.zip") == 32
+
+
+@pytest.mark.parametrize(
+    "signum, code, message",
+    [
+        (signal.SIGTERM, 143, "stopped by SIGTERM; nothing was evaluated"),
+        (signal.SIGINT, 130, "interrupted; nothing was evaluated"),
+    ],
+)
+def test_a_signal_stops_the_evaluate_cli_at_once(endless_run, signum, code, message):
+    run_dir, _ = endless_run
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["hyperparameters"]["env_kwargs"] = {"signal_at": 25, "signum": int(signum)}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    # A process of its own: the signal goes to the whole process, and without a handler SIGTERM would end it.
+    result = run_cli("sb3_gpu.evaluate", str(run_dir), "--episodes", "1000000")
+    assert result.returncode == code, result.stderr
+    assert result.stderr.splitlines()[-1] == f"error: {message}" and "Traceback" not in result.stderr
