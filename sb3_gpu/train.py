@@ -257,7 +257,11 @@ def _stopped_at_once(run: RunDir | None, *, new: bool) -> int:
     states = run.saved_states() if run is not None else []
     if not states:
         _remove_if_empty(run, new=new)
-        print_error("stopped at once by a second signal before any model was saved; nothing was kept")
+        if run is not None and run.best_model.exists():
+            print_error(f"stopped at once by a second signal; the best model so far is {run.best_model}")
+            print_error(f"to evaluate it: python -m sb3_gpu.evaluate {run}")
+        else:
+            print_error("stopped at once by a second signal before any model was saved; nothing was kept")
         return 130
     assert run is not None
     print_error(f"stopped at once by a second signal; nothing more was saved, the last good model is {states[0].model}")

@@ -170,28 +170,38 @@ class EnvFactory:
         return _ReportResetErrors(env, self.report) if self.report else env
 
 
-class EpisodeStepCap(gym.wrappers.TimeLimit):
-    """Gymnasium's TimeLimit that says so on stderr when it cuts an episode the env did not end."""
+class EpisodeStepCap(gym.Wrapper):
+    """Truncate an episode after ``cap`` steps of the env itself (emulator frames under SB3's Atari frame skip), and
+    say so on stderr: where the env did not end it, a policy may be stuck."""
 
-    def __init__(self, env: gym.Env, max_episode_steps: int):
-        super().__init__(env, max_episode_steps)
-        self.cap = max_episode_steps
+    def __init__(self, env: gym.Env, cap: int):
+        super().__init__(env)
+        self.cap, self.steps = cap, 0
+
+    def reset(self, **kwargs: Any) -> Any:
+        self.steps = 0
+        return self.env.reset(**kwargs)
 
     def step(self, action: Any) -> Any:
-        obs, reward, terminated, truncated, info = super().step(action)
-        if truncated and not terminated and (self._elapsed_steps or 0) >= self.cap:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.steps += 1
+        if self.steps >= self.cap and not (terminated or truncated):
+            truncated = True
             sys.stderr.write(f"warning: an episode was cut at {self.cap:,} steps; the env did not end it\n")
         return obs, reward, terminated, truncated, info
 
 
 def episode_limit(env: gym.Env) -> str | None:
     """The env's own bound on an episode's length, in words (None: it has none, and an episode may never end)."""
+    layer: Any = env
+    while isinstance(layer, gym.Wrapper):  # a class may wrap itself in TimeLimit, with no registered spec
+        if isinstance(layer, gym.wrappers.TimeLimit):
+            return f"{layer._max_episode_steps:,} steps"
+        layer = layer.env
     spec = env.spec
-    if spec is None:
-        return None
-    if spec.max_episode_steps is not None:
+    if spec is not None and spec.max_episode_steps is not None:
         return f"{spec.max_episode_steps:,} steps"
-    frames = spec.kwargs.get("max_num_frames_per_episode")  # ALE's own bound, counted in emulator frames
+    frames = spec.kwargs.get("max_num_frames_per_episode") if spec is not None else None  # ALE's, in frames
     return f"{frames:,} frames" if isinstance(frames, int) and frames > 0 else None
 
 

@@ -96,6 +96,7 @@ def make_plan(
     override_source: str = "override",
     config: RunConfig | None = None,
     hardware: HardwareProfile | None = None,
+    training: bool = True,
 ) -> Plan:
     """Resolve hardware, preset, device and vec env for ``algo`` on ``env``.
 
@@ -104,6 +105,8 @@ def make_plan(
     :param overrides: hyperparameters that win over the preset (``{"batch_size": 128, "policy_kwargs.ortho_init": False}``)
     :param config: a run's config read by :func:`~sb3_gpu.config.runconfig.load_config`; its hyperparameters replace
         the preset
+    :param training: False for a plan that only evaluates a saved model: the training sizes (replay buffer memory,
+        rollout length, env workers) are not checked, since nothing of that size is made
     """
     algo_ = get_algo(algo)
     hardware = hardware or detect_hardware()
@@ -125,10 +128,12 @@ def make_plan(
         resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
     check_policy_kwargs(algo_, resolved.policy, resolved.policy_kwargs, entry_label)
     _check_combinations(resolved, facts.observation_space)
-    _check_sizes(resolved, facts)
+    if training:
+        _check_sizes(resolved, facts)
 
     vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
-    check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
+    if training:
+        check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
     vec_reason = vec.reason
     if vec.kind in ("subproc", "batched") and hardware.in_notebook:
         vec_reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"

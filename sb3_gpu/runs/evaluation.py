@@ -48,12 +48,14 @@ class TimedEvalCallback(EvalCallback):
         super().__init__(eval_env, **kwargs)
         self.seconds = 0.0
         self.should_stop: Callable[[], bool] | None = None
+        self.stopped = False  # an evaluation was abandoned: last_mean_reward is not its result
 
     def _on_step(self) -> bool:
         start = time.perf_counter()
         try:
             return super()._on_step()
         except EvaluationStopped:
+            self.stopped = True
             return False  # ends learn(); the session then saves the model as for any stop
         finally:
             if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
@@ -138,7 +140,9 @@ def evaluate_run(
     config = load_config(run.config)
     # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here.
     speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
-    plan = make_plan(config.algo, config.env, device, vec_env="dummy", seed=seed, config=config, overrides=speed_off)
+    plan = make_plan(
+        config.algo, config.env, device, vec_env="dummy", seed=seed, config=config, overrides=speed_off, training=False
+    )
     env = build_env(plan, evaluation=True)
     if isinstance(env, VecNormalize):
         stats = run.vecnormalize_for(model_path)

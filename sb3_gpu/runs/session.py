@@ -143,7 +143,7 @@ class Session:
             throughput={k: round(v, 4) for k, v in self.telemetry.latest.items()},
         )
         if self.run_dir is not None:
-            self._save(outcome)
+            self._save(outcome, complete=model.num_timesteps >= start_steps + timesteps)
         return outcome
 
     def evaluate(self, episodes: int, deterministic: bool = True) -> tuple[float, float]:
@@ -180,7 +180,7 @@ class Session:
         self.telemetry.close()
         self.guard.close()
 
-    def _save(self, outcome: Outcome) -> None:
+    def _save(self, outcome: Outcome, complete: bool) -> None:
         """Save the model (unless its weights are NaN) and say where, and how to go on if the run was cut short."""
         assert self.run_dir is not None
         run, model = self.run_dir, self.model
@@ -195,5 +195,7 @@ class Session:
             except OSError as e:  # a full disk, say: the atomic writes kept every earlier file whole
                 outcome.saved = f"could not write {e.filename} ({e.strerror}); {run.last_good()}"
                 outcome.error = outcome.error or e
-        if outcome.interrupted:
+        if outcome.interrupted and complete:  # a stop during the last update: nothing is left to resume
+            outcome.saved += f"; training was complete (to evaluate: python -m sb3_gpu.evaluate {run})"
+        elif outcome.interrupted:
             outcome.saved += f"; continue with: python -m sb3_gpu.train --resume {run}"

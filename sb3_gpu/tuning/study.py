@@ -97,7 +97,7 @@ class TrialEvalCallback(TimedEvalCallback):
 
     def _on_step(self) -> bool:
         keep_going = super()._on_step()
-        if self.n_calls % self.eval_freq == 0:
+        if self.n_calls % self.eval_freq == 0 and not self.stopped:
             self.trial.report(float(self.last_mean_reward), self.step_offset + self.num_timesteps)
             self.pruned = bool(self.trial.should_prune())
         return keep_going and not self.pruned

@@ -248,6 +248,17 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, mon
     assert (tmp_path / "victim").read_text() == "precious"
 
 
+def test_evaluate_does_not_check_what_only_training_allocates(finished_run, tmp_path, call_main):
+    # A run made before a size check, or on a bigger machine, must stay evaluable: evaluation allocates none of it.
+    run_dir = _variant(finished_run, tmp_path / "short")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["hyperparameters"]["n_timesteps"] = 16  # less than one rollout (n_steps * n_envs = 32)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    assert call_main(train_main, "--config", str(run_dir / "config.yaml"), "--plan").returncode == 2
+    result = call_main(evaluate_main, str(run_dir), "--episodes", "1")
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import signal
 
+import gymnasium as gym
 import pytest
 import yaml
 from rich.console import Console
 
+from sb3_gpu.envs.spec import EpisodeStepCap
 from sb3_gpu.evaluate import main as evaluate_main
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.planning.table import plan_table
@@ -40,6 +42,22 @@ def test_the_plan_caps_evaluation_episodes_where_the_env_sets_no_time_limit():
     assert chosen.eval_step_cap == 50 and chosen.eval_step_cap_reason == "eval_max_episode_steps (override)"
     cartpole = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy")
     assert cartpole.eval_step_cap is None and cartpole.eval_step_cap_reason == "the env ends episodes itself (after 500 steps)"
+    # A class that wraps itself in TimeLimit has no registered spec: its limit is found in the wrappers.
+    own = make_plan("ppo", "tests.fault_envs:FaultyCartPoleV1", "cpu", vec_env="dummy")
+    assert own.eval_step_cap is None and own.eval_step_cap_reason == "the env ends episodes itself (after 500 steps)"
+    pong = make_plan("dqn", "ALE/Pong-v5", "cpu", vec_env="dummy", overrides={"buffer_size": 1000})
+    assert pong.eval_step_cap is None and pong.eval_step_cap_reason == "the env ends episodes itself (after 108,000 frames)"
+
+
+@pytest.mark.parametrize("own_limit, lines", [(None, 1), (20, 0)])
+def test_the_cap_cuts_only_episodes_nothing_else_ended_and_says_so(own_limit, lines, capsys):
+    env = Endless() if own_limit is None else gym.wrappers.TimeLimit(Endless(), own_limit)
+    capped = EpisodeStepCap(env, 20)
+    for _ in range(2):
+        capped.reset()
+        ends = [capped.step(0)[2:4] for _ in range(20)]
+        assert ends[:-1] == [(False, False)] * 19 and ends[-1] == (False, True)
+    assert capsys.readouterr().err.count(CUT.format(20)) == 2 * lines
 
 
 @pytest.fixture
@@ -87,6 +105,16 @@ def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_adv
     assert summary["stopped_by"] == "SIGINT" and "final_eval_mean" not in summary
     advice = f"training was complete and its final evaluation was stopped (to evaluate: python -m sb3_gpu.evaluate {run_dir})"
     assert advice in result.stderr.replace("\n", "") and zip_timesteps(run_dir / "model.zip") == 32
+
+
+def test_a_signal_at_the_last_step_of_training_advises_evaluate_not_resume(tmp_path, call_main):
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 32}", "--timesteps", "32"]
+    result = call_main(train_main, *args, "--eval-freq", "100000", "--run-dir", str(run_dir), "--no-progress")
+    assert result.returncode == 130, result.stderr
+    assert zip_timesteps(run_dir / "model.zip") == 32  # all of the run: --resume would refuse
+    stderr = result.stderr.replace("\n", "")
+    assert f"training was complete (to evaluate: python -m sb3_gpu.evaluate {run_dir})" in stderr and "--resume" not in stderr
 
 
 @pytest.mark.parametrize(

@@ -271,6 +271,21 @@ def test_a_second_signal_before_any_save_removes_the_new_run_dir(tmp_path, monke
     assert not run_dir.exists()  # the same --run-dir works on the next try
 
 
+def test_a_second_signal_with_only_a_best_model_names_it(tmp_path, monkeypatch, capsys):
+    def stopped_after_an_evaluation(plan, run_dir, **kwargs):
+        (run_dir / "best_model.zip").write_bytes(b"the first evaluation's best model")
+        raise StopNow
+
+    monkeypatch.setattr("sb3_gpu.runs.training.train_run", stopped_after_an_evaluation)
+    run_dir = tmp_path / "run"
+    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: stopped at once by a second signal; the best model so far is {run_dir / 'best_model.zip'}",
+        f"error: to evaluate it: python -m sb3_gpu.evaluate {run_dir}",
+    ]
+    assert (run_dir / "best_model.zip").exists()
+
+
 class _StderrReader:
     """A process's stderr, read line by line as it comes, so that a test can wait for a line."""
 
