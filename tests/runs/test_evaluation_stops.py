@@ -80,12 +80,17 @@ def test_training_and_evaluate_cut_the_episodes_of_an_env_without_time_limit(end
     assert "return 0.00 +/- 0.00 over 3 episodes" in result.stdout
 
 
-def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_path, call_main):
+def _train_signalled(tmp_path, call_main, *, signal_at: int, timesteps: int, eval_freq: int):
+    """Train PPO on Endless, which sends SIGINT to this process at its ``signal_at``-th step, with endless evaluations."""
     run_dir = tmp_path / "run"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", f"env_kwargs={{signal_at: {signal_at}}}"]
+    args += ["--timesteps", str(timesteps), "--eval-freq", str(eval_freq), "--eval-episodes", "1000000"]
+    return run_dir, call_main(train_main, *args, "--run-dir", str(run_dir), "--no-progress")
+
+
+def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_path, call_main):
     # Training takes env steps 1-32, then evaluates from step 33 on: step 40 is inside the first evaluation.
-    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 40}", "--timesteps", "2048"]
-    args += ["--eval-freq", "32", "--eval-episodes", "1000000", "--run-dir", str(run_dir), "--no-progress"]
-    result = call_main(train_main, *args)
+    run_dir, result = _train_signalled(tmp_path, call_main, signal_at=40, timesteps=2048, eval_freq=32)
     assert result.returncode == 130, result.stderr
     assert Endless.steps == 40  # not one evaluation step after the signal
     model = run_dir / "model.zip"
@@ -95,10 +100,7 @@ def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_pa
 
 
 def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_advises_evaluate(tmp_path, call_main):
-    run_dir = tmp_path / "run"
-    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 40}", "--timesteps", "32"]
-    args += ["--eval-freq", "100000", "--eval-episodes", "1000000", "--run-dir", str(run_dir), "--no-progress"]
-    result = call_main(train_main, *args)
+    run_dir, result = _train_signalled(tmp_path, call_main, signal_at=40, timesteps=32, eval_freq=100_000)
     assert result.returncode == 130, result.stderr
     assert Endless.steps == 40
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -108,9 +110,7 @@ def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_adv
 
 
 def test_a_signal_at_the_last_step_of_training_advises_evaluate_not_resume(tmp_path, call_main):
-    run_dir = tmp_path / "run"
-    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 32}", "--timesteps", "32"]
-    result = call_main(train_main, *args, "--eval-freq", "100000", "--run-dir", str(run_dir), "--no-progress")
+    run_dir, result = _train_signalled(tmp_path, call_main, signal_at=32, timesteps=32, eval_freq=100_000)
     assert result.returncode == 130, result.stderr
     assert zip_timesteps(run_dir / "model.zip") == 32  # all of the run: --resume would refuse
     stderr = result.stderr.replace("\n", "")
