@@ -20,7 +20,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv,
 
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv
-from sb3_gpu.envs.choice import check_env_resources, check_vec_env_kind, vec_env_choice
+from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
 from sb3_gpu.envs.spec import EnvFactory, EnvSpec, resolve_env
 
@@ -31,10 +31,6 @@ _KIND_OF_CLASS: dict[type[VecEnv], str] = {
     BatchedSubprocVecEnv: "batched",
     EnvPoolVecEnv: "envpool",
 }
-
-
-class VecEnvFallbackWarning(UserWarning):
-    """Subprocess workers could not start, so the envs step in this process (DummyVecEnv)."""
 
 
 def make_vec_env(

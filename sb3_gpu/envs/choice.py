@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import resource
+import warnings
 from dataclasses import dataclass
 
 from sb3_gpu.common.checks import VEC_ENV_KINDS
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.envs.batched import batched_workers
-from sb3_gpu.envs.envpool_vec import envpool_available, envpool_task
+from sb3_gpu.envs.envpool_vec import envpool_available, envpool_failure, envpool_task
 from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
 
 # BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
@@ -21,6 +22,11 @@ BATCHED_PER_ENV_S = 10e-6
 # only pays where a DummyVecEnv step (n_envs * one env step) is longer than this: CartPole from ~64 envs,
 # LunarLander from ~16, Atari always (bench envs: CartPole x32 on EnvPool measured 0.86x dummy).
 ENVPOOL_MIN_VEC_STEP_S = 1e-3
+
+
+class VecEnvFallbackWarning(UserWarning):
+    """The vec env kind chosen could not run here (workers that cannot start, an EnvPool that cannot make the env),
+    so another one steps the envs; the warning names the cause."""
 
 
 def envpool_fits(spec: EnvSpec) -> bool:
@@ -122,5 +128,15 @@ def vec_env_choice(
             probe.close()
     pool = requested == "auto" and envpool_allowed and envpool_fits(spec)
     kind, reason = choose_vec_env(requested, n_envs, step_seconds or 0.0, cores, envpool=pool)
+    if kind == "envpool" and requested == "auto":
+        # Installed is not enough (a missing dependency such as dm_env only shows on import): auto takes EnvPool
+        # only once it has made the env.
+        assert spec.env_id is not None  # envpool_fits checked it
+        failure = envpool_failure(spec.env_id, spec.is_atari)
+        if failure is not None:
+            message = f"EnvPool cannot make {spec.name} here ({failure}); choosing another vec env"
+            warnings.warn(message, VecEnvFallbackWarning, stacklevel=2)
+            kind, reason = choose_vec_env(requested, n_envs, step_seconds or 0.0, cores, envpool=False)
+            reason += f"; EnvPool could not make the env ({failure})"
     workers = {"subproc": n_envs, "batched": batched_workers(n_envs, cores)}.get(kind, 0)
     return VecEnvChoice(kind, reason, workers)

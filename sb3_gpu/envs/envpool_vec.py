@@ -9,6 +9,7 @@ an outer VecMonitor, whose per-life statistics it keeps out of the infos.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -75,6 +76,17 @@ class _GameInfo(dict):
 
 def envpool_available() -> bool:
     return importlib.util.find_spec("envpool") is not None
+
+
+@functools.cache
+def envpool_failure(env_id: str, is_atari: bool) -> str | None:
+    """Why EnvPool cannot make this env here, in one line (None: a one-env pool was made and closed). Asked once
+    per env and process: a one-env Atari pool takes about a second."""
+    try:
+        EnvPoolVecEnv(env_id, 1, is_atari=is_atari).close()
+    except Exception as e:  # an import of envpool's own dependencies, a missing ROM, ...: any failure disqualifies it
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
 
 
 def envpool_task(env_id: str, is_atari: bool) -> tuple[str, dict[str, Any]] | None:

@@ -290,3 +290,22 @@ def test_more_envs_than_the_open_file_limit_allows_are_refused_before_any_is_bui
     with pytest.raises(ConfigError, match=r"n_envs=2,000 needs about 2,064 open files .* may open 1,024 \(ulimit -n\)"):
         make_vec_env("CartPole-v1", 2000, vec_env="dummy", monitor_dir=str(tmp_path / "monitor"))
     assert not (tmp_path / "monitor").exists(), "refused before a single Monitor file was opened"
+
+
+def test_auto_takes_envpool_only_once_it_has_made_the_env(monkeypatch):
+    pytest.importorskip("envpool")
+    from sb3_gpu.envs.choice import vec_env_choice
+    from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv, envpool_failure
+
+    def missing_dependency(self, n_envs, seed):
+        raise ModuleNotFoundError("No module named 'dm_env'")  # installed, but its import fails
+
+    monkeypatch.setattr(EnvPoolVecEnv, "_make_pool", missing_dependency)
+    envpool_failure.cache_clear()
+    try:
+        cause = r"EnvPool cannot make ALE/Pong-v5 here \(ModuleNotFoundError: No module named 'dm_env'\)"
+        with pytest.warns(VecEnvFallbackWarning, match=cause):
+            choice = vec_env_choice("auto", resolve_env("ALE/Pong-v5"), 8, cores=2, step_seconds=1e-3)
+    finally:
+        envpool_failure.cache_clear()
+    assert choice.kind in ("dummy", "batched") and "EnvPool could not make the env" in choice.reason

@@ -122,7 +122,7 @@ def test_bf16_dqn_family_trains(cls):
 
 
 def test_a_deep_copy_of_an_amp_policy_runs_its_own_weights():
-    model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [16]})
+    model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [16]}, device="cpu")  # bf16 autocast on the CPU
     enable_amp(model, "bf16")
     clone = copy.deepcopy(model.policy)
     for p in clone.q_net.parameters():
@@ -242,7 +242,8 @@ def test_a_real_compiler_failure_falls_back_and_training_goes_on(tmp_path):
     code = (
         "from stable_baselines3 import PPO\n"
         "from sb3_gpu.extensions.compile import compile_policy\n"
-        "m = PPO('MlpPolicy', 'CartPole-v1', n_steps=64, batch_size=32)\n"
+        # On the CPU: on a GPU, inductor's kernels need no C++ compiler, so nothing would fail.
+        "m = PPO('MlpPolicy', 'CartPole-v1', n_steps=64, batch_size=32, device='cpu')\n"
         "print('REASON', compile_policy(m, 'default', 32))\n"
         "m.learn(128)\n"
         "print('TRAINED', m.num_timesteps)\n"
