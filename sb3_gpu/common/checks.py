@@ -228,6 +228,13 @@ def compile_mode(value: Any, where: str) -> str:
     return choice(COMPILE_MODES)(value, where)
 
 
+def auto_or_bool(value: Any, where: str) -> str:
+    """``auto``, ``true`` or ``false`` (YAML bools or strings), as a string."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return choice(("auto", "true", "false"))(value.strip().lower() if isinstance(value, str) else value, where)
+
+
 def threads(value: Any, where: str) -> int | str:
     """``auto`` or a positive int."""
     if isinstance(value, str) and value.strip().lower() == "auto":

@@ -97,6 +97,7 @@ class Preset:
     amp: str
     compile: str
     threads: int | str
+    device_buffers: str
     params: AlgoParams
     sources: dict[str, str]
 

@@ -139,6 +139,8 @@ COMMON_KEYS: dict[str, Check] = {
     "amp": c.choice(AMP_MODES),
     "compile": c.compile_mode,
     "threads": c.threads,
+    # Replay or rollout data on the model's device (auto: on CUDA; planning.buffers says why).
+    "device_buffers": c.auto_or_bool,
 }
 COMMON_DEFAULTS: dict[str, Any] = {
     "n_timesteps": 100_000,
@@ -154,6 +156,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "amp": "auto",
     "compile": "false",
     "threads": "auto",
+    "device_buffers": "auto",
 }
 
 

@@ -12,6 +12,8 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.planning.speed import apply_speed
 
@@ -42,6 +44,18 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
     return VecNormalize(venv, gamma=gamma, **kwargs)
 
 
+def model_kwargs(plan: Plan) -> dict[str, Any]:
+    """The SB3 keyword arguments of the plan's model: the preset's, and the device buffers where the plan chose them."""
+    preset = plan.preset
+    kwargs = preset.sb3_kwargs()
+    if plan.buffers == "device":
+        if preset.algo == "ppo":
+            kwargs["rollout_buffer_class"] = DeviceRolloutBuffer
+        else:
+            kwargs["replay_buffer_class"] = DeviceReplayBuffer
+    return kwargs
+
+
 def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:
     """An SB3 model for the plan (sb3_gpu's subclass only where PER or gradient accumulation is on), with the plan's
     speed settings applied (AMP, compile, torch threads; ``torch.set_num_threads`` is process-wide).
@@ -57,7 +71,7 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
             seed=plan.seed,
             tensorboard_log=tensorboard_log,
             verbose=verbose,
-            **preset.sb3_kwargs(),
+            **model_kwargs(plan),
         )
     except (ValueError, AssertionError, TypeError) as e:  # SB3's own checks of combinations we do not know
         raise ConfigError(f"{preset.model_class.__name__} refused the plan's hyperparameters: {e}") from None

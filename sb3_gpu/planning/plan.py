@@ -23,6 +23,7 @@ from sb3_gpu.config.schema import PROFILES, get_algo
 from sb3_gpu.envs.choice import check_env_resources, vec_env_choice
 from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
+from sb3_gpu.planning.buffers import choose_buffers
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed
 
@@ -47,6 +48,9 @@ class Plan:
     # Evaluation episodes are cut after this many steps (None: the env bounds its episodes itself).
     eval_step_cap: int | None = None
     eval_step_cap_reason: str = ""
+    # Where replay or rollout data live: "device" (sb3_gpu's device buffers) or "host" (SB3's).
+    buffers: str = "host"
+    buffers_reason: str = ""
 
     def to_config(self) -> dict[str, Any]:
         """Plain data that :func:`~sb3_gpu.config.runconfig.load_config` turns back into the same hyperparameters."""
@@ -64,6 +68,7 @@ class Plan:
                 "device": f"{self.device.device} ({self.device.reason})",
                 "profile": f"{self.preset.profile} ({self.profile_reason})",
                 "vec_env": f"{self.vec_env} ({self.vec_env_reason})",
+                "buffers": f"{self.buffers} ({self.buffers_reason})",
                 "hardware": self.hardware.describe(),
                 **{f"speed.{name}": f"{value} ({why})" for name, value, why in speed_rows},
                 "sources": dict(self.preset.sources),
@@ -151,7 +156,18 @@ def make_plan(
         seed=seed,
         speed=_speed(resolved, choice.device, _policy_kind(resolved.policy, facts.observation_space), vec.workers, hardware),
         **_eval_step_cap(resolved, facts),
+        **_buffers(resolved, choice.device, facts),
     )
+
+
+def _buffers(preset: Preset, device: str, facts: _EnvFacts) -> dict[str, Any]:
+    params: Any = preset.params
+    per_step = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
+    # A rollout holds one observation (not two) and a few floats per step; a replay buffer whole transitions.
+    rollout = params.n_steps * preset.n_envs * (per_step // 2 + 32) if preset.algo == "ppo" else 0
+    data = rollout or params.buffer_size * per_step
+    chosen = choose_buffers(preset, device, facts.observation_space, data)
+    return {"buffers": chosen.kind, "buffers_reason": chosen.reason}
 
 
 # Where an env has no time limit of its own, a deterministic policy may never end an episode: evaluations would hang.

@@ -20,6 +20,7 @@ def plan_table(plan: Plan) -> Table:
     table.add_row("profile", plan.preset.profile, f"{plan.preset.entry}: {plan.profile_reason}")
     table.add_row("vec_env", plan.vec_env, plan.vec_env_reason)
     table.add_row("seed", str(plan.seed), "")
+    table.add_row("buffers", plan.buffers, plan.buffers_reason)
     cap = f"{plan.eval_step_cap:,} steps" if plan.eval_step_cap is not None else "none"
     warn = plan.eval_step_cap_reason.startswith("warning")
     table.add_row("eval episode cap", cap, plan.eval_step_cap_reason, style="yellow" if warn else None)

@@ -14,6 +14,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
+from sb3_gpu.planning.build import model_kwargs
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
 from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles, read_zip_data
@@ -51,6 +52,7 @@ REPLAY_BUFFER_PICKLE = {
     "torch": {"device"},
     "stable_baselines3.common.buffers": {"ReplayBuffer", "DictReplayBuffer"},
     "sb3_gpu.extensions.per.buffer": {"PrioritizedReplayBuffer"},
+    "sb3_gpu.extensions.replay": {"DeviceReplayBuffer"},
     "sb3_gpu.extensions.per.tree": {"SumMinTree"},
     "sb3_gpu.per": {"PrioritizedReplayBuffer", "SumMinTree"},  # saved by sb3_gpu 0.1
 }
@@ -142,7 +144,7 @@ def _check_same_algorithm(path: Path, data: dict[str, Any], template: BaseAlgori
 def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:
     """:func:`load_model` with the plan's class, policy and hyperparameters."""
     preset = plan.preset
-    kwargs = preset.sb3_kwargs()
+    kwargs = model_kwargs(plan)
     return load_model(preset.model_class, path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
 
 

@@ -1,0 +1,320 @@
+"""A replay buffer whose storage, sampling and normalisation stay on the model's device, behind SB3's ReplayBuffer API."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import psutil
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.common.utils import get_device
+from stable_baselines3.common.vec_env import VecNormalize
+
+from sb3_gpu.common.errors import ConfigError
+
+# The tensors a buffer owns (None where its layout has none); the rewards, dones and timeouts are views of _scalars.
+_STORAGE = ("observations", "next_observations", "actions", "_scalars", "_terminal_obs", "_terminal_row")
+_VIEWS = ("rewards", "dones", "timeouts")
+_TERMINAL_ROWS = 64  # first size of the memory-optimised layout's store of episode-ending next observations
+
+
+def _free_bytes(device: th.device) -> int | None:
+    """Bytes free for new tensors on ``device``: CUDA's free memory, or the host's available RAM; None if unknown."""
+    if device.type == "cuda":
+        return th.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        return psutil.virtual_memory().available
+    return None
+
+
+def _size_text(n: float) -> str:
+    for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.1f} {name}"
+    return f"{int(n)} bytes"
+
+
+def _torch_dtype(dtype: Any) -> th.dtype:
+    return th.from_numpy(np.zeros(0, dtype=dtype)).dtype
+
+
+def _resolve(device: th.device | str) -> th.device:
+    device = get_device(device)
+    if device.type == "cuda" and device.index is None:
+        return th.device("cuda", th.cuda.current_device())  # so that equal devices compare equal
+    return device
+
+
+class DeviceReplayBuffer(ReplayBuffer):
+    """SB3's ReplayBuffer with its storage as tensors on ``device``, sampled and normalised there (no host round trip).
+
+    Pass it as ``replay_buffer_class=DeviceReplayBuffer`` to DQN or QR-DQN. Observations keep their space's dtype
+    (uint8 frames cross to the device once, as uint8) and samples have the dtypes SB3's buffer gives. Indices come from
+    the buffer's own torch generator, seeded from numpy's global RNG on first use, so ``set_random_seed`` repeats a run.
+    Unlike SB3's, ``optimize_memory_usage`` works with ``handle_timeout_termination``: the next observation of each
+    transition that ended an episode is kept aside, so sampled next observations are always exact.
+
+    :raises ConfigError: when the storage does not fit in the device's free memory, or for Dict observations
+    """
+
+    # The base class declares numpy arrays; here the same names hold tensors (and None where a layout has none).
+    observations: th.Tensor  # type: ignore[assignment]
+    next_observations: th.Tensor | None  # type: ignore[assignment]
+    actions: th.Tensor  # type: ignore[assignment]
+    rewards: th.Tensor  # type: ignore[assignment]
+    dones: th.Tensor  # type: ignore[assignment]
+    timeouts: th.Tensor  # type: ignore[assignment]
+    _device: th.device
+    _scalars: th.Tensor  # (slot, env, [reward, done, timeout])
+    # The memory-optimised layout's only (None in the other): next observations of episode ends, and each slot's row.
+    _terminal_obs: th.Tensor
+    _terminal_row: th.Tensor
+
+    def __init__(
+        self,
+        buffer_size: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        device: th.device | str = "auto",
+        n_envs: int = 1,
+        optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True,
+    ):
+        if isinstance(observation_space, spaces.Dict):
+            raise ConfigError("DeviceReplayBuffer does not take Dict observations; use SB3's (replay_buffer_class=None)")
+        # BaseBuffer's __init__, not ReplayBuffer's: that one allocates numpy arrays of the full size.
+        BaseBuffer.__init__(self, buffer_size, observation_space, action_space, device, n_envs=n_envs)
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.optimize_memory_usage = optimize_memory_usage
+        self.handle_timeout_termination = handle_timeout_termination
+        self._generator: th.Generator | None = None
+        self._allocate()
+
+    # -- storage and device ---------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> th.device:
+        """The device of the storage and the samples; setting it moves the storage (as SB3's load_replay_buffer does)."""
+        return self._device
+
+    @device.setter
+    def device(self, device: th.device | str) -> None:
+        device = _resolve(device)
+        if getattr(self, "_scalars", None) is not None and device != self._device:
+            self._check_fits(self._storage_bytes(), device)
+            self._place({name: getattr(self, name) for name in _STORAGE}, device)
+        self._device = device
+
+    def _specs(self) -> dict[str, tuple[tuple[int, ...], th.dtype]]:
+        steps, envs = self.buffer_size, self.n_envs
+        obs = ((steps, envs, *self.obs_shape), _torch_dtype(self.observation_space.dtype))
+        specs = {
+            "observations": obs,
+            "actions": ((steps, envs, self.action_dim), _torch_dtype(self._maybe_cast_dtype(self.action_space.dtype))),
+            "_scalars": ((steps, envs, 3), th.float32),  # rewards, dones, timeouts: one copy to the device per step
+        }
+        if self.optimize_memory_usage:
+            specs["_terminal_obs"] = ((min(_TERMINAL_ROWS, steps * envs), *self.obs_shape), obs[1])
+            specs["_terminal_row"] = ((steps, envs), th.int64)
+        else:
+            specs["next_observations"] = obs
+        return specs
+
+    def _allocate(self) -> None:
+        specs = self._specs()
+        needed = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
+        self._check_fits(needed, self.device)
+        arrays = {name: th.zeros(shape, dtype=dtype, device=self.device) for name, (shape, dtype) in specs.items()}
+        self._place({name: arrays.get(name) for name in _STORAGE}, self.device)
+        # The host's copy of _terminal_row and the store's free rows: adding reads them without asking the device.
+        self._terminal_row_host = np.full((self.buffer_size if self.optimize_memory_usage else 0, self.n_envs), -1)
+        self._free_rows: list[int] = []
+        self.reset()
+
+    def _check_fits(self, needed: int, device: th.device) -> None:
+        free = _free_bytes(device)
+        if free is not None and needed > free:
+            raise ConfigError(
+                f"a device replay buffer of {self.buffer_size * self.n_envs:,} transitions needs {_size_text(needed)} on "
+                f"{device}; {_size_text(free)} is free: lower buffer_size or use SB3's host buffer (replay_buffer_class=None)"
+            )
+
+    def _storage_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for name in _STORAGE if (t := getattr(self, name)) is not None)
+
+    def _place(self, arrays: dict[str, th.Tensor | np.ndarray | None], device: th.device) -> None:
+        """Set the storage from tensors or arrays, on ``device``, and bind the views of ``_scalars``."""
+        for name, array in arrays.items():
+            if isinstance(array, np.ndarray):
+                array = th.from_numpy(array if array.flags.writeable else array.copy())
+            setattr(self, name, None if array is None else array.to(device))
+        self.rewards, self.dones, self.timeouts = self._scalars.unbind(dim=2)
+        self._generator = None  # a generator belongs to one device; the next sample seeds a new one
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The pickle holds numpy arrays, which load anywhere (and through sb3_gpu's allowlist unpickler), not tensors.
+        state = self.__dict__.copy()
+        for name in _STORAGE:
+            state[name] = None if state[name] is None else state[name].cpu().numpy()
+        for name in (*_VIEWS, "_generator"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        arrays = {name: state.pop(name) for name in _STORAGE}
+        self.__dict__.update(state)
+        device = self._device
+        if device.type == "cuda" and not th.cuda.is_available():
+            # Saved on a GPU machine: build on the CPU; the loaders then move it to the model's device.
+            device = self._device = th.device("cpu")
+        if device.type != "cpu":  # on the CPU the unpickled arrays become the storage, taking no more memory
+            self._check_fits(sum(a.nbytes for a in arrays.values() if a is not None), device)
+        self._place(arrays, device)
+
+    # -- adding ---------------------------------------------------------------------------------------------------
+
+    def _to_device(self, array: Any, dtype: th.dtype) -> th.Tensor:
+        tensor = th.as_tensor(np.asarray(array), dtype=dtype)
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        # From pageable memory a copy waits for the GPU to finish its queue; from pinned memory it need not.
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def add(
+        self,
+        obs: np.ndarray,
+        next_obs: np.ndarray,
+        action: np.ndarray,
+        reward: np.ndarray,
+        done: np.ndarray,
+        infos: list[dict[str, Any]],
+    ) -> None:
+        if isinstance(self.observation_space, spaces.Discrete):
+            obs = obs.reshape((self.n_envs, *self.obs_shape))
+            next_obs = next_obs.reshape((self.n_envs, *self.obs_shape))
+        action = action.reshape((self.n_envs, self.action_dim))
+        timeouts = [info.get("TimeLimit.truncated", False) for info in infos] if self.handle_timeout_termination else 0.0
+        scalars = np.empty((self.n_envs, 3), dtype=np.float32)
+        scalars[:, 0], scalars[:, 1], scalars[:, 2] = reward, done, timeouts
+        pos = self.pos
+
+        self.observations[pos] = self._to_device(obs, self.observations.dtype)
+        next_t = self._to_device(next_obs, self.observations.dtype)
+        if self.next_observations is not None:
+            self.next_observations[pos] = next_t
+        else:
+            self.observations[(pos + 1) % self.buffer_size] = next_t
+            self._keep_episode_ends(pos, next_t, np.asarray(done))
+        self.actions[pos] = self._to_device(action, self.actions.dtype)
+        self._scalars[pos] = self._to_device(scalars, th.float32)
+
+        self.pos += 1
+        if self.pos == self.buffer_size:
+            self.full = True
+            self.pos = 0
+
+    def _keep_episode_ends(self, pos: int, next_t: th.Tensor, done: np.ndarray) -> None:
+        # In one-copy storage slot pos + 1 holds the next step's observation, which is the reset one where an episode
+        # ended; so the true next observation of such a transition is stored aside, in a row that slot pos points to.
+        old = self._terminal_row_host[pos]
+        self._free_rows += old[old >= 0].tolist()
+        ended = np.flatnonzero(done)
+        if len(ended) == 0 and (old < 0).all():
+            return  # nothing to write, so no copy to the device
+        while len(self._free_rows) < len(ended):
+            self._grow_terminal_store()
+        rows = np.full(self.n_envs, -1, dtype=np.int64)
+        for env in ended:
+            rows[env] = row = self._free_rows.pop()
+            self._terminal_obs[row] = next_t[int(env)]
+        self._terminal_row_host[pos] = rows
+        self._terminal_row[pos] = self._to_device(rows, th.int64)
+
+    def _grow_terminal_store(self) -> None:
+        old = self._terminal_obs
+        grown = th.empty((2 * len(old), *old.shape[1:]), dtype=old.dtype, device=old.device)
+        grown[: len(old)] = old
+        self._free_rows += range(len(old), len(grown))
+        self._terminal_obs = grown
+
+    def reset(self) -> None:
+        super().reset()
+        if self.optimize_memory_usage:
+            self._terminal_row.fill_(-1)
+            self._terminal_row_host.fill(-1)
+            self._free_rows = list(range(len(self._terminal_obs)))
+
+    # -- sampling -------------------------------------------------------------------------------------------------
+
+    def _rng(self) -> th.Generator:
+        if self._generator is None:
+            # Seeded from numpy's global RNG, which SB3's set_random_seed seeds: a seeded run repeats its samples.
+            self._generator = th.Generator(device=self.device)
+            self._generator.manual_seed(int(np.random.randint(0, 2**63 - 1, dtype=np.int64)))
+        return self._generator
+
+    def _randint(self, low: int, high: int, n: int) -> th.Tensor:
+        return th.randint(low, high, (n,), generator=self._rng(), device=self.device)
+
+    def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
+        """``batch_size`` transitions drawn uniformly over filled slots and envs, as tensors on the buffer's device.
+
+        As SB3's, with ``optimize_memory_usage`` a full buffer never draws slot ``pos``, whose observation was replaced.
+        """
+        if self.optimize_memory_usage and self.full:
+            batch_inds = (self._randint(1, self.buffer_size, batch_size) + self.pos) % self.buffer_size
+        else:
+            batch_inds = self._randint(0, self.buffer_size if self.full else self.pos, batch_size)
+        return self._get_samples(batch_inds, env)
+
+    def _get_samples(self, batch_inds: np.ndarray | th.Tensor, env: VecNormalize | None = None) -> ReplayBufferSamples:
+        env_inds = self._randint(0, self.n_envs, len(batch_inds)) if self.n_envs > 1 else 0
+        return self._get_samples_at(batch_inds, env_inds, env)
+
+    def _get_samples_at(
+        self, batch_inds: np.ndarray | th.Tensor, env_inds: np.ndarray | th.Tensor | int, env: VecNormalize | None = None
+    ) -> ReplayBufferSamples:
+        """The transitions at slots ``batch_inds`` of envs ``env_inds``, gathered on the device."""
+        batch = th.as_tensor(batch_inds, device=self.device)  # no copy for sample()'s indices, already there
+        env_t = env_inds if isinstance(env_inds, int) else th.as_tensor(env_inds, device=self.device)
+        flat = batch * self.n_envs + env_t
+
+        def gather(storage: th.Tensor, rows: th.Tensor) -> th.Tensor:
+            # index_select, not storage[rows]: on the CPU it copies whole rows, about ten times faster for frames.
+            return storage.view(-1, *storage.shape[2:]).index_select(0, rows)
+
+        if self.next_observations is not None:
+            next_obs = gather(self.next_observations, flat)
+        else:
+            next_obs = gather(self.observations, (batch + 1) % self.buffer_size * self.n_envs + env_t)
+            rows = gather(self._terminal_row.unsqueeze(-1), flat).view(-1)
+            kept = self._terminal_obs.index_select(0, rows.clamp(min=0))
+            next_obs = th.where((rows >= 0).view(-1, *[1] * (next_obs.dim() - 1)), kept, next_obs)
+        rewards, dones, timeouts = gather(self._scalars, flat).unbind(dim=1)
+        return ReplayBufferSamples(
+            observations=self._device_normalize_obs(gather(self.observations, flat), env),
+            actions=gather(self.actions, flat),
+            next_observations=self._device_normalize_obs(next_obs, env),
+            # Only dones that are not timeouts end the bootstrap (timeouts stay zero unless handle_timeout_termination).
+            dones=(dones * (1 - timeouts)).view(-1, 1),
+            rewards=self._device_normalize_reward(rewards.unsqueeze(1).contiguous(), env),
+        )
+
+    def _device_normalize_obs(self, obs: th.Tensor, env: VecNormalize | None) -> th.Tensor:
+        # VecNormalize.normalize_obs on the device: the same float64 arithmetic, then float32.
+        if env is None or not env.norm_obs:
+            return obs
+        stats = env.obs_rms
+        assert not isinstance(stats, dict)  # Dict observations are refused in __init__
+        mean, std = self._to_device(np.stack([stats.mean, np.sqrt(stats.var + env.epsilon)]), th.float64)
+        return ((obs.double() - mean) / std).clamp(-env.clip_obs, env.clip_obs).float()
+
+    def _device_normalize_reward(self, reward: th.Tensor, env: VecNormalize | None) -> th.Tensor:
+        if env is None or not env.norm_reward:
+            return reward
+        std = float(np.sqrt(env.ret_rms.var + env.epsilon))
+        return (reward.double() / std).clamp(-env.clip_reward, env.clip_reward).float()

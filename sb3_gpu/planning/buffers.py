@@ -1,0 +1,54 @@
+"""Where replay and rollout data live: on the model's device (sb3_gpu's device buffers) or in SB3's host buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gymnasium import spaces
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.presets import Preset
+
+
+@dataclass(frozen=True)
+class BufferChoice:
+    """``device``: DeviceRolloutBuffer (PPO) or DeviceReplayBuffer (DQN family); ``host``: SB3's own buffers."""
+
+    kind: str
+    reason: str
+
+
+def _size(n: float) -> str:
+    for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.1f} {name}"
+    return f"{int(n)} bytes"
+
+
+def choose_buffers(preset: Preset, device: str, observation_space: spaces.Space, data_bytes: int) -> BufferChoice:
+    """Resolve ``device_buffers`` (auto, true, false) for a plan on ``device``; ``data_bytes`` is what the buffer holds."""
+    request, source = preset.device_buffers, preset.sources.get("device_buffers", "sb3_gpu default")
+    per: Any = getattr(preset.params, "per", False)
+    # Reasons a device buffer cannot be used at all: asked for, they are errors; under auto, SB3's buffer is kept.
+    blocker = None
+    if isinstance(observation_space, spaces.Dict):
+        blocker = "Dict observations take SB3's Dict buffers"
+    elif per:
+        blocker = "prioritized replay keeps its sum trees on the host"
+    if request == "false":
+        return BufferChoice("host", f"SB3's buffers: device_buffers=false ({source})")
+    if request == "true":
+        if blocker is not None:
+            raise ConfigError(f"device_buffers=true ({source}): {blocker}; set device_buffers to auto or false")
+        return BufferChoice("device", f"asked for ({source}); {_size(data_bytes)} on {device}")
+    if blocker is not None:
+        return BufferChoice("host", f"SB3's buffers: {blocker}")
+    if device.startswith("cuda"):
+        return BufferChoice(
+            "device",
+            f"on {device}: {_size(data_bytes)} of rollout/replay data stays there (frames cross once, in their own "
+            "dtype; sampling and advantages on the GPU)",
+        )
+    # Measured on a 2-core VM: PPO CartPole 3,084 vs 3,085 env steps/s (DeviceRolloutBuffer vs SB3's): no gain here.
+    return BufferChoice("host", f"SB3's buffers: on {device} a device buffer is no faster (device_buffers=true to use one)")

@@ -1,0 +1,284 @@
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN
+from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import save_pickle
+from sb3_gpu.extensions import replay
+from sb3_gpu.extensions.per import PrioritizedDQN
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.runs.saving import load_replay_buffer
+
+SPACES = {
+    "vector-discrete": (gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(3)),
+    "frames-discrete": (gym.spaces.Box(0, 255, (4, 12, 12), np.uint8), gym.spaces.Discrete(4)),
+    # float64 actions are stored as float32, as SB3 stores them
+    "vector-box": (gym.spaces.Box(-1, 1, (2,), np.float64), gym.spaces.Box(-1, 1, (2,), np.float64)),
+}
+FIELDS = ("observations", "actions", "next_observations", "dones", "rewards")
+
+
+def record(obs_space, action_space, n_envs, steps, seed=0, p_done=0.25):
+    """Transitions as SB3's _store_transition passes them: next_obs is the terminal observation where an episode
+    ended (some by timeout), and the next step's obs is then a fresh reset observation."""
+    rng = np.random.default_rng(seed)
+    obs_space.seed(seed)
+    action_space.seed(seed)
+
+    def observations():
+        return np.stack([obs_space.sample() for _ in range(n_envs)])
+
+    obs, transitions = observations(), []
+    for _ in range(steps):
+        next_obs = observations()
+        action = np.stack([action_space.sample() for _ in range(n_envs)])
+        reward = rng.normal(size=n_envs).astype(np.float32)
+        done = rng.random(n_envs) < p_done
+        truncated = done & (rng.random(n_envs) < 0.5)
+        infos = [{"TimeLimit.truncated": True} if t else {} for t in truncated]
+        transitions.append((obs.copy(), next_obs.copy(), action, reward, done, infos))
+        obs = np.where(done.reshape(-1, *[1] * (obs.ndim - 1)), observations(), next_obs)
+    return transitions
+
+
+def fill(buffers, transitions):
+    for transition in transitions:
+        for buffer in buffers:
+            buffer.add(*transition)
+
+
+def assert_samples_equal(ours, theirs):
+    for field in FIELDS:
+        a, b = getattr(ours, field), getattr(theirs, field)
+        assert a.dtype == b.dtype and a.device == b.device, field
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=field)
+
+
+def valid_slots(buffer):
+    """Every (slot, env) a sample may return: all filled slots, less slot pos of a full one-copy buffer."""
+    slots = np.arange(buffer.buffer_size if buffer.full else buffer.pos)
+    if buffer.optimize_memory_usage and buffer.full:
+        slots = slots[slots != buffer.pos]
+    return np.repeat(slots, buffer.n_envs), np.tile(np.arange(buffer.n_envs), len(slots))
+
+
+@pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_stores_the_same_data_as_sb3_at_every_slot_through_wrap_around(spaces, n_envs):
+    ours, theirs = (cls(30, *spaces, device="cpu", n_envs=n_envs) for cls in (DeviceReplayBuffer, ReplayBuffer))
+    assert ours.buffer_size == theirs.buffer_size == 30 // n_envs
+    for transition in record(*spaces, n_envs, steps=75 // n_envs):
+        ours.add(*transition)
+        theirs.add(*transition)
+        assert (ours.pos, ours.full, ours.size()) == (theirs.pos, theirs.full, theirs.size())
+    assert ours.full
+    for name in ("observations", "next_observations", "actions", "rewards", "dones", "timeouts"):
+        assert getattr(ours, name).device == th.device("cpu")
+        np.testing.assert_array_equal(getattr(ours, name).numpy(), getattr(theirs, name), err_msg=name)
+    assert ours.observations.dtype == th.from_numpy(theirs.observations).dtype  # uint8 frames stay uint8
+
+
+@pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_samples_at_given_indices_equal_sb3s_in_values_and_dtypes(spaces, n_envs):
+    ours, theirs = (cls(24, *spaces, device="cpu", n_envs=n_envs) for cls in (DeviceReplayBuffer, ReplayBuffer))
+    fill([ours, theirs], record(*spaces, n_envs, steps=60 // n_envs))
+    batch_inds = np.random.default_rng(1).integers(0, ours.size(), 64)
+    np.random.seed(7)  # SB3's _get_samples draws the env indices from numpy's global RNG
+    expected = theirs._get_samples(batch_inds)
+    np.random.seed(7)
+    env_inds = np.random.randint(0, n_envs, size=len(batch_inds))
+    assert_samples_equal(ours._get_samples_at(batch_inds, env_inds), expected)
+
+
+@pytest.mark.parametrize("optimize_memory_usage", [False, True])
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_sample_draws_every_valid_transition_and_nothing_else(optimize_memory_usage, n_envs):
+    buffer = DeviceReplayBuffer(
+        10 * n_envs, gym.spaces.Box(0, 1e6, (1,), np.float32), gym.spaces.Discrete(2), "cpu", n_envs, optimize_memory_usage
+    )
+    for step in range(23):  # each observation is its own (step, env) number
+        obs = np.arange(step * n_envs, (step + 1) * n_envs, dtype=np.float32).reshape(-1, 1)
+        buffer.add(obs, obs + n_envs, np.zeros(n_envs), np.zeros(n_envs), np.zeros(n_envs), [{}] * n_envs)
+    slots, envs = valid_slots(buffer)
+    expected = buffer.observations[slots, envs, 0]
+    drawn = buffer.sample(4000).observations[:, 0]
+    assert set(drawn.tolist()) == set(expected.tolist())
+    assert buffer.sample(8).observations.device == th.device("cpu")
+
+
+@pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_one_copy_layout_samples_exactly_what_the_plain_one_does_with_timeouts(spaces, n_envs):
+    # Short episodes, many of them timeouts, through several wrap-arounds: the store of episode ends grows and
+    # frees its rows, and every next observation (a timeout's terminal one included) stays exact.
+    plain, one_copy = (DeviceReplayBuffer(120, *spaces, "cpu", n_envs, optimize) for optimize in (False, True))
+    for step, transition in enumerate(record(*spaces, n_envs, steps=300 // n_envs, p_done=0.6)):
+        plain.add(*transition)
+        one_copy.add(*transition)
+        slots, envs = valid_slots(one_copy)
+        if step % 5 == 1 or step == 300 // n_envs - 1:
+            assert_samples_equal(one_copy._get_samples_at(slots, envs), plain._get_samples_at(slots, envs))
+    live_rows = (one_copy._terminal_row_host >= 0).sum()
+    assert live_rows > replay._TERMINAL_ROWS  # the store grew
+    assert live_rows + len(one_copy._free_rows) == len(one_copy._terminal_obs)  # and leaked no row
+
+
+def test_one_copy_layout_stores_observations_as_sb3s_does():
+    spaces = SPACES["frames-discrete"]
+    ours, theirs = (
+        cls(20, *spaces, device="cpu", n_envs=2, optimize_memory_usage=True, handle_timeout_termination=False)
+        for cls in (DeviceReplayBuffer, ReplayBuffer)
+    )
+    fill([ours, theirs], record(*spaces, n_envs=2, steps=27))
+    for name in ("observations", "actions", "rewards", "dones", "timeouts"):
+        np.testing.assert_array_equal(getattr(ours, name).numpy(), getattr(theirs, name), err_msg=name)
+    assert ours.next_observations is None
+
+
+def test_reset_empties_it_as_sb3s_does_and_frees_the_store_of_episode_ends():
+    spaces = SPACES["vector-discrete"]
+    plain, one_copy = (DeviceReplayBuffer(12, *spaces, "cpu", 2, optimize) for optimize in (False, True))
+    theirs = ReplayBuffer(12, *spaces, "cpu", 2)
+    fill([plain, one_copy, theirs], record(*spaces, 2, steps=9, p_done=0.5))
+    for buffer in (plain, one_copy, theirs):
+        buffer.reset()
+        assert (buffer.pos, buffer.full, buffer.size()) == (0, False, 0)
+    assert len(one_copy._free_rows) == len(one_copy._terminal_obs)
+    fill([plain, one_copy], record(*spaces, 2, steps=4, seed=2, p_done=0.5))
+    slots, envs = valid_slots(one_copy)
+    assert_samples_equal(one_copy._get_samples_at(slots, envs), plain._get_samples_at(slots, envs))
+
+
+def test_normalises_with_vecnormalize_statistics_as_sb3s_numpy_path_does():
+    venv = VecNormalize(DummyVecEnv([lambda: gym.make("CartPole-v1")] * 2), clip_obs=1.0, clip_reward=0.5)
+    venv.seed(0)
+    venv.reset()
+    for _ in range(60):  # running statistics of observations and returns
+        venv.step(np.array([venv.action_space.sample() for _ in range(2)]))
+    ours, theirs = (cls(40, venv.observation_space, venv.action_space, "cpu", 2) for cls in (DeviceReplayBuffer, ReplayBuffer))
+    fill([ours, theirs], record(venv.observation_space, venv.action_space, 2, steps=20))
+    batch_inds = np.arange(20).repeat(3)
+    np.random.seed(3)
+    expected = theirs._get_samples(batch_inds, env=venv)
+    np.random.seed(3)
+    got = ours._get_samples_at(batch_inds, np.random.randint(0, 2, size=len(batch_inds)), env=venv)
+    assert_samples_equal(got, expected)
+    assert got.observations.dtype == th.float32 and got.observations.abs().max() == 1.0  # clipped
+
+
+def test_refuses_a_buffer_larger_than_the_free_memory_before_allocating(monkeypatch):
+    frames = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    with pytest.raises(ConfigError, match=r"of 1,000,000,000 transitions needs [\d.]+ GiB on cpu; [\d.]+ GiB is free"):
+        DeviceReplayBuffer(10**9, frames, gym.spaces.Discrete(4), "cpu")  # the real query of the host's memory
+    monkeypatch.setattr(replay, "_free_bytes", lambda device: 1000)
+    message = r"a device replay buffer of 1,000 transitions needs 27.3 KiB on cpu; 1000 bytes is free: lower buffer_size"
+    with pytest.raises(ConfigError, match=message):
+        DeviceReplayBuffer(1000, gym.spaces.Box(-1, 1, (1,), np.float32), gym.spaces.Discrete(2), "cpu")
+
+
+def test_the_free_memory_query_asks_cuda_on_a_gpu_and_the_host_on_the_cpu(monkeypatch):
+    asked = []
+    monkeypatch.setattr(th.cuda, "mem_get_info", lambda device: asked.append(device) or (123, 456))
+    assert replay._free_bytes(th.device("cuda", 1)) == 123 and asked == [th.device("cuda", 1)]
+    assert 0 < replay._free_bytes(th.device("cpu")) <= __import__("psutil").virtual_memory().total
+
+
+def test_setting_the_device_moves_the_storage():
+    buffer = DeviceReplayBuffer(20, *SPACES["vector-discrete"], "cpu", optimize_memory_usage=True)
+    buffer.device = "meta"  # a device with no memory: the CPU twin of a move to the GPU
+    assert buffer.device == th.device("meta")
+    assert {t.device.type for t in (buffer.observations, buffer.actions, buffer.dones, buffer._terminal_obs)} == {"meta"}
+
+
+@pytest.mark.parametrize("optimize_memory_usage", [False, True])
+def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist(tmp_path, optimize_memory_usage):
+    spaces = SPACES["vector-discrete"]
+    buffer = DeviceReplayBuffer(30, *spaces, "cpu", 3, optimize_memory_usage)
+    fill([buffer], record(*spaces, 3, steps=14, p_done=0.5))
+    # The allowlist admits no torch tensor, so loading proves the pickle holds numpy arrays.
+    path = save_pickle(tmp_path / "replay_buffer.pkl", buffer)
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=30, device="cpu", policy_kwargs=dict(net_arch=[8]))
+    model.replay_buffer = None
+    load_replay_buffer(model, path)
+    loaded = model.replay_buffer
+    assert isinstance(loaded, DeviceReplayBuffer) and loaded.device == th.device("cpu")
+    assert (loaded.pos, loaded.full, loaded.optimize_memory_usage) == (buffer.pos, buffer.full, optimize_memory_usage)
+    slots, envs = valid_slots(buffer)
+    assert_samples_equal(loaded._get_samples_at(slots, envs), buffer._get_samples_at(slots, envs))
+    # Its views and generator were rebuilt: it adds and samples as the original does.
+    more = record(*spaces, 3, steps=5, seed=1)
+    fill([buffer, loaded], more)
+    np.testing.assert_array_equal(loaded.dones.numpy(), buffer.dones.numpy())
+    loaded.sample(4)
+
+
+def test_sb3s_save_and_load_replay_buffer_round_trip(tmp_path):
+    kwargs = dict(replay_buffer_class=DeviceReplayBuffer, learning_starts=50, device="cpu", policy_kwargs=dict(net_arch=[8]))
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=500, seed=0, **kwargs).learn(200)
+    model.save_replay_buffer(tmp_path / "buffer.pkl")
+    other = DQN("MlpPolicy", "CartPole-v1", buffer_size=500, seed=1, **kwargs)
+    other.load_replay_buffer(tmp_path / "buffer.pkl")
+    assert isinstance(other.replay_buffer, DeviceReplayBuffer) and other.replay_buffer.pos == 200
+    for name in ("observations", "next_observations", "actions", "rewards", "dones", "timeouts"):
+        np.testing.assert_array_equal(getattr(other.replay_buffer, name), getattr(model.replay_buffer, name))
+    other.learn(100, reset_num_timesteps=False)
+
+
+class RecordingBuffer(DeviceReplayBuffer):
+    def sample(self, batch_size, env=None):
+        samples = super().sample(batch_size, env)
+        self.drawn = [*getattr(self, "drawn", []), samples]
+        return samples
+
+
+def test_dqn_trains_on_it_and_a_seed_repeats_the_sampled_batches():
+    def train():
+        model = DQN(
+            "MlpPolicy",
+            "CartPole-v1",
+            replay_buffer_class=RecordingBuffer,
+            learning_starts=100,
+            train_freq=4,
+            batch_size=32,
+            seed=5,
+            device="cpu",
+            policy_kwargs=dict(net_arch=[16]),
+        )
+        return model.learn(2000)
+
+    first, second = train(), train()
+    assert first.replay_buffer.size() == 2000 and len(first.replay_buffer.drawn) == (2000 - 100) // 4
+    for a, b in zip(first.replay_buffer.drawn[:5], second.replay_buffer.drawn[:5], strict=True):
+        assert_samples_equal(a, b)
+    for p, q in zip(first.policy.parameters(), second.policy.parameters(), strict=True):
+        assert th.equal(p, q)
+
+
+@pytest.mark.filterwarnings("ignore:The last trajectory in the replay buffer will be truncated")
+@pytest.mark.parametrize(
+    "algo, policy_kwargs", [(PrioritizedDQN, {}), (QRDQN, dict(n_quantiles=5))], ids=["PrioritizedDQN", "QRDQN"]
+)
+@pytest.mark.parametrize("optimize_memory_usage", [False, True])
+def test_prioritized_dqn_and_qrdqn_train_on_it_in_both_layouts(algo, policy_kwargs, optimize_memory_usage):
+    model = algo(
+        "MlpPolicy",
+        "CartPole-v1",
+        replay_buffer_class=DeviceReplayBuffer,
+        optimize_memory_usage=optimize_memory_usage,
+        learning_starts=50,
+        buffer_size=300,
+        device="cpu",
+        policy_kwargs=dict(net_arch=[8], **policy_kwargs),
+    )
+    model.learn(400)
+    # A second learn() truncates the last episode of a one-copy buffer (SB3 writes through the dones view).
+    model.learn(100)
+    assert isinstance(model.replay_buffer, DeviceReplayBuffer) and model.replay_buffer.full
