@@ -44,7 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
     _envs_parser(sub.add_parser("envs", help="env steps/s per vec env backend vs SB3's two; worker start-up"))
     _train_parser(sub.add_parser("train", help="a preset vs plain SB3 with rl-zoo3's values: time to a reward threshold"))
+    _gpu_parser(sub.add_parser("gpu", help="device buffers vs SB3's: sample() of Atari frames, PPO and DQN env steps/s"))
     return parser
+
+
+def _gpu_parser(gpu: argparse.ArgumentParser) -> None:
+    gpu.add_argument("--device", default="auto", help="auto (default: cuda if there is one, else cpu), cpu, cuda, cuda:N")
+    gpu.add_argument("--capacity", type=positive_int, help="frames in the sampled buffer (default 100,000 on CUDA, 10,000)")
+    gpu.add_argument("--batch", type=positive_int, default=1024, help="sample() batch size (default 1024)")
+    gpu.add_argument("--envs", nargs="+", help="envs to train on (default ALE/Pong-v5 on CUDA, CartPole-v1 on the CPU)")
+    gpu.add_argument("--algos", nargs="+", choices=("ppo", "dqn"), default=["ppo", "dqn"])
+    gpu.add_argument("--steps", type=positive_int, help="env steps per training (default 50,000 on CUDA, 10,000)")
+    gpu.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are printed (default 3)")
+    gpu.add_argument("--out", default="bench-results", help="folder for gpu.json and gpu.md")
 
 
 def _per_parser(per: argparse.ArgumentParser) -> None:
@@ -91,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_speed(args)
         if args.command == "telemetry":
             return _main_telemetry(args)
+        if args.command == "gpu":
+            return _main_gpu(args, command)
         return _main_per(args)
     except KeyboardInterrupt:
         print_error("interrupted; no results were written")
@@ -189,6 +203,36 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
     markdown = envs_markdown(rows, startup, command)
     print(markdown)
     paths = write_results(Path(args.out), "envs", {"command": command, "rows": rows, "startup": startup}, markdown)
+    print("written:", *paths)
+    return 0
+
+
+def _main_gpu(args: argparse.Namespace, command: str) -> int:
+    import torch as th
+
+    from sb3_gpu.benches.base import machine_line, write_results
+    from sb3_gpu.benches.gpu import bench_sample, bench_training, gpu_markdown
+
+    device = ("cuda" if th.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if not (device == "cpu" or device.startswith("cuda")):
+        print_error(f"--device: expected auto, cpu, cuda or cuda:N, got {args.device!r}")
+        return 2
+    if device.startswith("cuda") and not th.cuda.is_available():
+        print_error(f"--device {device}: this machine has no CUDA device")
+        return 2
+    on_gpu = device.startswith("cuda")
+    print(machine_line())
+    sample = bench_sample(device, args.capacity or (100_000 if on_gpu else 10_000), args.batch, max(args.repeats, 5) * 4)
+    envs = args.envs or (["ALE/Pong-v5"] if on_gpu else ["CartPole-v1"])
+    cases = [(algo, env) for env in envs for algo in args.algos]
+    try:
+        training = bench_training(cases, device, args.steps or (50_000 if on_gpu else 10_000), args.repeats)
+    except ConfigError as exc:
+        print_error(str(exc))
+        return 2
+    markdown = gpu_markdown(device, sample, training, command)
+    print(markdown)
+    paths = write_results(Path(args.out), "gpu", {"command": command, "sample": sample, "training": training}, markdown)
     print("written:", *paths)
     return 0
 

@@ -81,3 +81,24 @@ def test_bench_envs_and_train_refuse_bad_names(capsys):
     assert bench.main(["train", "--env", "Pong-v5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no rl-zoo3 baseline for ppo Pong-v5 (have: dqn CartPole-v1" in err[0]
+
+
+def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp_path, capsys):
+    import json
+
+    args = ["gpu", "--device", "cpu", "--capacity", "256", "--batch", "32", "--envs", "CartPole-v1", "--steps", "512"]
+    assert bench.main([*args, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["sample"]["capacity"] == 256 and data["sample"]["speedup"] > 0
+    rows = {row["algo"]: row for row in data["training"]}
+    assert rows.keys() == {"ppo", "dqn"}
+    for row in rows.values():
+        assert row["sb3_steps_per_s"] > 0 and row["device_steps_per_s"] > 0 and row["ratio"] > 0
+        assert row["sb3_gpu_utilisation"] is None and row["device_peak_memory_mib"] is None  # no GPU figures on a CPU
+    assert "| ppo CartPole-v1 | device |" in (tmp_path / "gpu.md").read_text()
+
+
+def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert bench.main(["gpu", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == "error: --device cuda: this machine has no CUDA device\n"

@@ -1,0 +1,180 @@
+"""``bench gpu``: the device data path against SB3's host buffers on one device, side by side in one process.
+
+Two parts: ``sample(batch)`` of Atari-shaped uint8 frames (SB3's ReplayBuffer, which gathers on the host and copies
+the batch over, against DeviceReplayBuffer, which gathers where the frames live), and env steps/s of the PPO and DQN
+presets trained with SB3's buffers and with the device buffers (``device_buffers`` false and true), in alternating
+rounds. On CUDA it adds the peak device memory of each training and, with ``pynvml``, the GPU utilisation.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch as th
+from stable_baselines3.common.buffers import ReplayBuffer
+
+from sb3_gpu.benches.base import paired_times
+from sb3_gpu.envs.build import close_vec_envs
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+
+FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)  # what SB3's Atari preprocessing and a 4-frame stack give
+
+
+def _sync(device: th.device) -> None:
+    if device.type == "cuda":
+        th.cuda.synchronize(device)
+
+
+def _filled(buffer: ReplayBuffer, capacity: int) -> ReplayBuffer:
+    """Every slot written, with frames that differ (a repeated random block: random bytes for a million frames would
+    take longer than the bench)."""
+    block = np.random.default_rng(0).integers(0, 256, (min(capacity, 256), 1, *FRAMES.shape), dtype=np.uint8)
+    reps = -(-capacity // len(block))
+    frames = np.tile(block, (reps, 1, 1, 1, 1))[:capacity]
+    if isinstance(buffer, DeviceReplayBuffer):
+        for start in range(0, capacity, 4096):  # in chunks: the host copy of a whole buffer may not fit twice
+            chunk = th.from_numpy(frames[start : start + 4096]).to(buffer.device)
+            buffer.observations[start : start + 4096] = chunk
+            if buffer.next_observations is not None:
+                buffer.next_observations[start : start + 4096] = chunk
+    else:
+        buffer.observations[:] = frames
+        buffer.next_observations[:] = frames
+    buffer.pos, buffer.full = 0, True
+    return buffer
+
+
+def bench_sample(device: str, capacity: int, batch: int, repeats: int) -> dict[str, Any]:
+    """Median seconds of ``sample(batch)``: SB3's host buffer (samples copied to ``device``) and the device buffer."""
+    dev = th.device(device)
+    sb3 = _filled(ReplayBuffer(capacity, FRAMES, gym.spaces.Discrete(6), dev), capacity)
+    ours = _filled(DeviceReplayBuffer(capacity, FRAMES, gym.spaces.Discrete(6), dev), capacity)
+
+    def sample(buffer: ReplayBuffer) -> Callable[[], None]:
+        def run() -> None:
+            buffer.sample(batch)
+            _sync(dev)  # a CUDA copy or gather is asynchronous: time it to its end
+
+        return run
+
+    wall, _ = paired_times(sample(sb3), sample(ours), repeats)
+    base, mine = wall.medians()
+    return {"capacity": capacity, "batch": batch, "sb3_s": base, "device_s": mine, "speedup": base / mine}
+
+
+class _Utilisation:
+    """Mean GPU utilisation over a block, sampled by NVML every 50 ms (None where pynvml or a GPU is missing)."""
+
+    def __init__(self, device: th.device):
+        self.device, self.samples = device, []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Utilisation:
+        if self.device.type == "cuda":
+            try:
+                th.cuda.utilization(self.device)  # needs pynvml
+            except Exception:
+                return self
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.05):
+            self.samples.append(th.cuda.utilization(self.device))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.mean(self.samples) / 100 if self.samples else None
+
+
+def _train_once(algo: str, env: str, device: str, steps: int, device_buffers: bool) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"device_buffers": device_buffers}
+    if algo != "ppo":
+        overrides["per"] = False  # the device path of prioritized replay is compared by its own bench
+    plan = make_plan(algo, env, device, n_timesteps=steps, overrides=overrides)
+    venv = build_env(plan)
+    try:
+        model = build_model(plan, venv)
+        dev = th.device(plan.device.device)
+        if dev.type == "cuda":
+            th.cuda.reset_peak_memory_stats(dev)
+        with _Utilisation(dev) as gpu:
+            start = time.perf_counter()
+            model.learn(steps)
+            _sync(dev)
+            seconds = time.perf_counter() - start
+        updates = int(getattr(model, "_n_updates", 0))
+        return {
+            "steps_per_s": model.num_timesteps / seconds,
+            # SB3's n_updates: gradient steps for the DQN family, epochs for PPO.
+            "grad_steps_per_1k": 1000 * updates / max(model.num_timesteps, 1),
+            "gpu_utilisation": gpu.mean,
+            "peak_memory_mib": th.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
+            "buffers": plan.buffers,
+        }
+    finally:
+        close_vec_envs(venv)
+
+
+def bench_training(cases: Sequence[tuple[str, str]], device: str, steps: int, repeats: int) -> list[dict[str, Any]]:
+    """Per (algo, env): env steps/s with SB3's buffers and with the device buffers, in alternating rounds."""
+    rows = []
+    for algo, env in cases:
+        runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        for round_ in range(repeats):
+            for device_buffers in (False, True) if round_ % 2 == 0 else (True, False):
+                runs[device_buffers].append(_train_once(algo, env, device, steps, device_buffers))
+        row: dict[str, Any] = {"algo": algo, "env": env, "steps": steps}
+        for device_buffers, label in ((False, "sb3"), (True, "device")):
+            for key in ("steps_per_s", "grad_steps_per_1k"):
+                row[f"{label}_{key}"] = statistics.median(r[key] for r in runs[device_buffers])
+            for key in ("gpu_utilisation", "peak_memory_mib"):
+                values = [r[key] for r in runs[device_buffers] if r[key] is not None]
+                row[f"{label}_{key}"] = statistics.median(values) if values else None
+        ratios = [d["steps_per_s"] / s["steps_per_s"] for s, d in zip(runs[False], runs[True], strict=True)]
+        row["ratio"] = statistics.median(ratios)
+        rows.append(row)
+    return rows
+
+
+def gpu_markdown(device: str, sample: dict[str, Any], training: list[dict[str, Any]], command: str) -> str:
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0%}"
+
+    def mib(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.0f} MiB"
+
+    lines = [
+        f"`{command}` on {device}",
+        "",
+        f"sample({sample['batch']}) of 4x84x84 uint8 frames from {sample['capacity']:,} transitions (median):",
+        f"SB3's ReplayBuffer {sample['sb3_s'] * 1e3:.2f} ms, DeviceReplayBuffer {sample['device_s'] * 1e3:.2f} ms "
+        f"({sample['speedup']:.1f}x)",
+        "",
+        "| preset | buffers | env steps/s | updates / 1k env steps | GPU utilisation | peak memory |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in training:
+        for label, name in (("sb3", "SB3's"), ("device", "device")):
+            lines.append(
+                f"| {r['algo']} {r['env']} | {name} | {r[f'{label}_steps_per_s']:,.0f} | "
+                f"{r[f'{label}_grad_steps_per_1k']:.0f} | {pct(r[f'{label}_gpu_utilisation'])} | "
+                f"{mib(r[f'{label}_peak_memory_mib'])} |"
+            )
+        lines.append(f"| | device / SB3's (median of paired rounds) | {r['ratio']:.2f}x | | | |")
+    return "\n".join(lines) + "\n"
