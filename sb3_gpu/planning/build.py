@@ -12,6 +12,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.planning.plan import Plan, make_plan
@@ -51,6 +52,8 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
     if plan.buffers == "device":
         if preset.algo == "ppo":
             kwargs["rollout_buffer_class"] = DeviceRolloutBuffer
+        elif kwargs.get("replay_buffer_class") is PrioritizedReplayBuffer:  # same arguments, trees on the device
+            kwargs["replay_buffer_class"] = DevicePrioritizedReplayBuffer
         else:
             kwargs["replay_buffer_class"] = DeviceReplayBuffer
     return kwargs

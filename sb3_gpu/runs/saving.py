@@ -54,6 +54,7 @@ REPLAY_BUFFER_PICKLE = {
     "sb3_gpu.extensions.per.buffer": {"PrioritizedReplayBuffer"},
     "sb3_gpu.extensions.replay": {"DeviceReplayBuffer"},
     "sb3_gpu.extensions.per.tree": {"SumMinTree"},
+    "sb3_gpu.extensions.per.device": {"DevicePrioritizedReplayBuffer", "DeviceSumMinTree"},
     "sb3_gpu.per": {"PrioritizedReplayBuffer", "SumMinTree"},  # saved by sb3_gpu 0.1
 }
 

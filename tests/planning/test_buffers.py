@@ -6,9 +6,10 @@ import pytest
 from stable_baselines3.common.buffers import ReplayBuffer, RolloutBuffer
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
-from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.build import build_env, build_model, model_kwargs
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.train import main as train_main
 
@@ -21,17 +22,15 @@ def test_on_a_gpu_the_data_stays_there_and_the_plan_says_how_much(gpu_machine):
     assert dqn.buffers_reason.startswith("on cuda:0: ") and "MiB of rollout/replay data stays there" in dqn.buffers_reason
     pong = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy")
     assert pong.device.device == "cuda:0" and pong.buffers == "device"
+    per = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": True})
+    assert per.buffers == "device" and model_kwargs(per)["replay_buffer_class"] is DevicePrioritizedReplayBuffer
 
 
 def test_where_a_device_buffer_cannot_or_need_not_serve_sb3s_is_kept_with_the_reason(gpu_machine, cpu_machine):
-    per = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": True})
-    assert (per.buffers, per.buffers_reason) == ("host", "SB3's buffers: prioritized replay keeps its sum trees on the host")
     off = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": False, "device_buffers": False})
     assert (off.buffers, off.buffers_reason) == ("host", "SB3's buffers: device_buffers=false (override)")
     cpu = make_plan("ppo", "CartPole-v1", hardware=cpu_machine)
     assert cpu.buffers == "host" and "no faster" in cpu.buffers_reason
-    with pytest.raises(ConfigError, match="device_buffers=true \\(override\\): prioritized replay keeps its sum trees"):
-        make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": True, "device_buffers": True})
     with pytest.raises(ConfigError, match="device_buffers: unknown value 'sometimes'"):
         make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"device_buffers": "sometimes"})
 
@@ -51,8 +50,9 @@ def test_the_model_gets_the_buffers_the_plan_chose(request_, rollout, replay):
     [
         ["ppo", "--set", "n_steps=32", "--set", "batch_size=32", "--set", "n_epochs=1"],
         ["dqn", "--no-per", *TINY_DQN, "--save-replay-buffer"],
+        ["dqn", "--per", *TINY_DQN, "--save-replay-buffer"],
     ],
-    ids=["ppo", "dqn"],
+    ids=["ppo", "dqn", "dqn-per"],
 )
 def test_a_run_on_device_buffers_saves_resumes_and_evaluates(args, tmp_path, call_main):
     from sb3_gpu.evaluate import main as evaluate_main

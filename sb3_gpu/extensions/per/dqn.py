@@ -13,6 +13,9 @@ from stable_baselines3 import DQN
 from sb3_gpu.common.checks import PER_CHECKS, POS_INT
 from sb3_gpu.extensions.accumulate import accumulating_step
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
+from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
+
+_PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
 
 class _PrioritizedTraining:
@@ -57,7 +60,7 @@ class _PrioritizedTraining:
         optimizer = self.policy.optimizer  # type: ignore[attr-defined]
         self._update_learning_rate(optimizer)  # type: ignore[attr-defined]
         buffer = self.replay_buffer  # type: ignore[attr-defined]
-        per = buffer if isinstance(buffer, PrioritizedReplayBuffer) else None
+        per = buffer if isinstance(buffer, _PRIORITIZED) else None
         if per is not None:
             per.beta = self._anneal_beta()
         if self._accumulator is not None:
@@ -69,7 +72,10 @@ class _PrioritizedTraining:
             per_sample, td_errors = self._per_sample_loss(data, discounts)
             if per is not None:
                 # Before the backward pass: a NaN TD error is refused before anything reaches the tree or the weights.
-                per.update_priorities(data.indices, td_errors.detach().cpu().numpy())
+                if isinstance(per, DevicePrioritizedReplayBuffer):  # takes the tensor where it is: no copy to the host
+                    per.update_priorities(data.indices, td_errors.detach())
+                else:
+                    per.update_priorities(data.indices, td_errors.detach().cpu().numpy())
             loss = (per_sample * data.weights.flatten()).mean() if per is not None else per_sample.mean()
             losses.append(loss.item())
             optimizer.zero_grad()
@@ -80,16 +86,17 @@ class _PrioritizedTraining:
         self._n_updates += gradient_steps  # type: ignore[attr-defined]
         self._log(losses, per)
 
-    def _log(self, losses: list[float], per: PrioritizedReplayBuffer | None) -> None:
+    def _log(self, losses: list[float], per: PrioritizedReplayBuffer | DevicePrioritizedReplayBuffer | None) -> None:
         logger = self.logger  # type: ignore[attr-defined]
         logger.record("train/n_updates", self._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
         logger.record("train/loss", np.mean(losses))
         if per is not None:
-            # Leaves hold priority ** alpha; O(1) figures, since train() may run every env step.
+            # Leaves hold priority ** alpha; O(1) figures, since train() may run every env step. The device buffer's
+            # are 0-dim tensors, read here after train() has waited for the device (loss.item()) anyway.
             logger.record("per/beta", per.beta)
-            logger.record("per/mean_priority", per.tree.total / (per.size() * per.n_envs))
-            logger.record("per/max_priority", per.max_priority**per.alpha)
-            logger.record("per/max_weight_unnormalized", per.last_max_weight)
+            logger.record("per/mean_priority", float(per.tree.total) / (per.size() * per.n_envs))
+            logger.record("per/max_priority", float(per.max_priority**per.alpha))
+            logger.record("per/max_weight_unnormalized", float(per.last_max_weight))
 
 
 class PrioritizedDQN(_PrioritizedTraining, DQN):
