@@ -21,6 +21,7 @@ from stable_baselines3.common.buffers import ReplayBuffer
 
 from sb3_gpu.benches.base import paired_times
 from sb3_gpu.envs.build import close_vec_envs
+from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
@@ -49,25 +50,43 @@ def _filled(buffer: ReplayBuffer, capacity: int) -> ReplayBuffer:
         buffer.observations[:] = frames
         buffer.next_observations[:] = frames
     buffer.pos, buffer.full = 0, True
+    priorities = np.random.default_rng(1).uniform(0.01, 2.0, capacity)  # unequal, so the prefix search has work
+    if isinstance(buffer, PrioritizedReplayBuffer):
+        buffer.tree.update(np.arange(capacity), priorities**buffer.alpha)
+    elif isinstance(buffer, DevicePrioritizedReplayBuffer):
+        leaves = th.arange(capacity, device=buffer.device)
+        buffer.tree.update(leaves, th.as_tensor(priorities**buffer.alpha, device=buffer.device))
     return buffer
 
 
 def bench_sample(device: str, capacity: int, batch: int, repeats: int) -> dict[str, Any]:
-    """Median seconds of ``sample(batch)``: SB3's host buffer (samples copied to ``device``) and the device buffer."""
+    """Median seconds of ``sample(batch)``: SB3's host buffer (samples copied to ``device``) against the device
+    buffer, then prioritized replay's sample and priority update, host trees against device trees."""
     dev = th.device(device)
-    sb3 = _filled(ReplayBuffer(capacity, FRAMES, gym.spaces.Discrete(6), dev), capacity)
-    ours = _filled(DeviceReplayBuffer(capacity, FRAMES, gym.spaces.Discrete(6), dev), capacity)
+    actions = gym.spaces.Discrete(6)
 
-    def sample(buffer: ReplayBuffer) -> Callable[[], None]:
+    def sample(buffer: ReplayBuffer, update: bool = False) -> Callable[[], None]:
+        td = th.rand(batch, device=dev) if isinstance(buffer, DevicePrioritizedReplayBuffer) else np.random.rand(batch)
+
         def run() -> None:
-            buffer.sample(batch)
+            data: Any = buffer.sample(batch)
+            if update:
+                buffer.update_priorities(data.indices, td)  # type: ignore[attr-defined]
             _sync(dev)  # a CUDA copy or gather is asynchronous: time it to its end
 
         return run
 
-    wall, _ = paired_times(sample(sb3), sample(ours), repeats)
-    base, mine = wall.medians()
-    return {"capacity": capacity, "batch": batch, "sb3_s": base, "device_s": mine, "speedup": base / mine}
+    out: dict[str, Any] = {"capacity": capacity, "batch": batch}
+    sb3 = _filled(ReplayBuffer(capacity, FRAMES, actions, dev), capacity)
+    ours = _filled(DeviceReplayBuffer(capacity, FRAMES, actions, dev), capacity)
+    out["sb3_s"], out["device_s"] = paired_times(sample(sb3), sample(ours), repeats)[0].medians()
+    del sb3, ours  # two frame buffers at a time at most
+    host_per = _filled(PrioritizedReplayBuffer(capacity, FRAMES, actions, dev), capacity)
+    device_per = _filled(DevicePrioritizedReplayBuffer(capacity, FRAMES, actions, dev), capacity)
+    wall = paired_times(sample(host_per, update=True), sample(device_per, update=True), repeats)[0]
+    out["per_host_s"], out["per_device_s"] = wall.medians()
+    out["speedup"], out["per_speedup"] = out["sb3_s"] / out["device_s"], out["per_host_s"] / out["per_device_s"]
+    return out
 
 
 class _Utilisation:
@@ -165,6 +184,8 @@ def gpu_markdown(device: str, sample: dict[str, Any], training: list[dict[str, A
         f"sample({sample['batch']}) of 4x84x84 uint8 frames from {sample['capacity']:,} transitions (median):",
         f"SB3's ReplayBuffer {sample['sb3_s'] * 1e3:.2f} ms, DeviceReplayBuffer {sample['device_s'] * 1e3:.2f} ms "
         f"({sample['speedup']:.1f}x)",
+        f"prioritized sample + priority update: host trees {sample['per_host_s'] * 1e3:.2f} ms, device trees "
+        f"{sample['per_device_s'] * 1e3:.2f} ms ({sample['per_speedup']:.1f}x)",
         "",
         "| preset | buffers | env steps/s | updates / 1k env steps | GPU utilisation | peak memory |",
         "|---|---|---|---|---|---|",

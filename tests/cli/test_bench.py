@@ -89,7 +89,7 @@ def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp
     args = ["gpu", "--device", "cpu", "--capacity", "256", "--batch", "32", "--envs", "CartPole-v1", "--steps", "512"]
     assert bench.main([*args, "--repeats", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "gpu.json").read_text())
-    assert data["sample"]["capacity"] == 256 and data["sample"]["speedup"] > 0
+    assert data["sample"]["capacity"] == 256 and data["sample"]["speedup"] > 0 and data["sample"]["per_speedup"] > 0
     rows = {row["algo"]: row for row in data["training"]}
     assert rows.keys() == {"ppo", "dqn"}
     for row in rows.values():
