@@ -31,7 +31,8 @@ def _free_bytes(device: th.device) -> int | None:
     return None
 
 
-def _size_text(n: float) -> str:
+def size_text(n: float) -> str:
+    """Bytes as the plan and the memory checks print them: GiB, MiB, KiB or bytes."""
     for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if n >= unit:
             return f"{n / unit:.1f} {name}"
@@ -139,8 +140,8 @@ class DeviceReplayBuffer(ReplayBuffer):
         free = _free_bytes(device)
         if free is not None and needed > free:
             raise ConfigError(
-                f"a device replay buffer of {self.buffer_size * self.n_envs:,} transitions needs {_size_text(needed)} on "
-                f"{device}; {_size_text(free)} is free: lower buffer_size or use SB3's host buffer (replay_buffer_class=None)"
+                f"a device replay buffer of {self.buffer_size * self.n_envs:,} transitions needs {size_text(needed)} on "
+                f"{device}; {size_text(free)} is free: lower buffer_size or use SB3's host buffer (replay_buffer_class=None)"
             )
 
     def _storage_bytes(self) -> int:

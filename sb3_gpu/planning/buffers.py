@@ -8,6 +8,7 @@ from gymnasium import spaces
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.config.presets import Preset
+from sb3_gpu.extensions.replay import size_text
 
 
 @dataclass(frozen=True)
@@ -17,13 +18,6 @@ class BufferChoice:
 
     kind: str
     reason: str
-
-
-def _size(n: float) -> str:
-    for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= unit:
-            return f"{n / unit:.1f} {name}"
-    return f"{int(n)} bytes"
 
 
 def choose_buffers(preset: Preset, device: str, observation_space: spaces.Space, data_bytes: int) -> BufferChoice:
@@ -36,13 +30,13 @@ def choose_buffers(preset: Preset, device: str, observation_space: spaces.Space,
     if request == "true":
         if blocker is not None:
             raise ConfigError(f"device_buffers=true ({source}): {blocker}; set device_buffers to auto or false")
-        return BufferChoice("device", f"asked for ({source}); {_size(data_bytes)} on {device}")
+        return BufferChoice("device", f"asked for ({source}); {size_text(data_bytes)} on {device}")
     if blocker is not None:
         return BufferChoice("host", f"SB3's buffers: {blocker}")
     if device.startswith("cuda"):
         return BufferChoice(
             "device",
-            f"on {device}: {_size(data_bytes)} of rollout/replay data stays there (frames cross once, in their own "
+            f"on {device}: {size_text(data_bytes)} of rollout/replay data stays there (frames cross once, in their own "
             "dtype; sampling and advantages on the GPU)",
         )
     # Measured on a 2-core VM (bench gpu): PPO and DQN CartPole 0.98x SB3's buffers; PER 0.63x the host sum trees.

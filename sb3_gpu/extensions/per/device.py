@@ -151,10 +151,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
     ``update_priorities`` takes them back with the TD errors as tensors. Nothing waits for the device except the
     finiteness check of each update's TD errors (one boolean read) and reading the statistics as numbers. Unlike the
     host buffer it takes ``optimize_memory_usage``: the slot whose observation the next step overwrote has priority 0.
-
-    :param alpha: how much prioritization is used (0: uniform)
-    :param beta: importance-sampling correction (0: none, 1: full); the algorithm anneals it to 1
-    :param eps: added to ``|td|`` so that no transition's probability reaches zero
+    ``alpha``, ``beta`` and ``eps`` mean what they mean for :class:`PrioritizedReplayBuffer`.
     """
 
     def __init__(
