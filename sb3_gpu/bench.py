@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
     _envs_parser(sub.add_parser("envs", help="env steps/s per vec env backend vs SB3's two; worker start-up"))
     _train_parser(sub.add_parser("train", help="a preset vs plain SB3 with rl-zoo3's values: time to a reward threshold"))
-    _gpu_parser(sub.add_parser("gpu", help="device buffers vs SB3's: sample() of Atari frames, PPO and DQN env steps/s"))
+    _gpu_parser(sub.add_parser("gpu", help="the device data path vs SB3's: sample() of Atari frames, PPO and DQN env steps/s"))
     return parser
 
 
@@ -54,6 +54,8 @@ def _gpu_parser(gpu: argparse.ArgumentParser) -> None:
     gpu.add_argument("--batch", type=positive_int, default=1024, help="sample() batch size (default 1024)")
     gpu.add_argument("--envs", nargs="+", help="envs to train on (default ALE/Pong-v5 on CUDA, CartPole-v1 on the CPU)")
     gpu.add_argument("--algos", nargs="+", choices=("ppo", "dqn"), default=["ppo", "dqn"])
+    gpu.add_argument("--dqn-profiles", nargs="+", help="dqn preset profiles (default auto and large on CUDA, auto)")
+    gpu.add_argument("--no-zoo", action="store_true", help="skip the plain SB3 + rl-zoo3 baseline (SubprocVecEnv)")
     gpu.add_argument("--steps", type=positive_int, help="env steps per training (default 50,000 on CUDA, 10,000)")
     gpu.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are printed (default 3)")
     gpu.add_argument("--out", default="bench-results", help="folder for gpu.json and gpu.md")
@@ -224,9 +226,11 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
     print(machine_line())
     sample = bench_sample(device, args.capacity or (100_000 if on_gpu else 10_000), args.batch, max(args.repeats, 5) * 4)
     envs = args.envs or (["ALE/Pong-v5"] if on_gpu else ["CartPole-v1"])
-    cases = [(algo, env) for env in envs for algo in args.algos]
+    profiles = args.dqn_profiles or (["auto", "large"] if on_gpu else ["auto"])
+    cases = [(algo, env, p) for env in envs for algo in args.algos for p in (profiles if algo == "dqn" else ["auto"])]
     try:
-        training = bench_training(cases, device, args.steps or (50_000 if on_gpu else 10_000), args.repeats)
+        steps = args.steps or (50_000 if on_gpu else 10_000)
+        training = bench_training(cases, device, steps, args.repeats, zoo=not args.no_zoo)
     except ConfigError as exc:
         print_error(str(exc))
         return 2

@@ -18,8 +18,10 @@ import gymnasium as gym
 import numpy as np
 import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.vec_env import SubprocVecEnv
 
 from sb3_gpu.benches.base import paired_times
+from sb3_gpu.benches.train import has_zoo_baseline, zoo_model
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -121,52 +123,84 @@ class _Utilisation:
         return statistics.mean(self.samples) / 100 if self.samples else None
 
 
-def _train_once(algo: str, env: str, device: str, steps: int, device_buffers: bool) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"device_buffers": device_buffers}
+# What each preset is trained with, in this order in the table; ratios are to the first. "zoo" is plain SB3 with
+# rl-zoo3's values on SubprocVecEnv, for the envs that have them.
+VARIANTS: dict[str, tuple[tuple[str, dict[str, Any] | None], ...]] = {
+    "ppo": (("sb3", {"device_buffers": False}), ("device", {"device_buffers": True}), ("zoo", None)),
+    "dqn": (
+        ("sb3", {"device_buffers": False, "overlap_training": False}),
+        ("device", {"device_buffers": True, "overlap_training": False}),
+        ("device+overlap", {"device_buffers": True, "overlap_training": True}),
+    ),
+}
+LABELS = {
+    "sb3": "SB3's buffers",
+    "device": "device buffers",
+    "device+overlap": "device buffers, overlapped training",
+    "zoo": "plain SB3, rl-zoo3 values, SubprocVecEnv",
+}
+
+
+def _timed_learn(model: Any, steps: int, device: th.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        th.cuda.reset_peak_memory_stats(device)
+    with _Utilisation(device) as gpu:
+        start = time.perf_counter()
+        model.learn(steps)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    updates = int(getattr(model, "_n_updates", 0))
+    return {
+        "steps_per_s": model.num_timesteps / seconds,
+        # SB3's n_updates: gradient steps for the DQN family, epochs for PPO.
+        "grad_steps_per_1k": 1000 * updates / max(model.num_timesteps, 1),
+        "gpu_utilisation": gpu.mean,
+        "peak_memory_mib": th.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+    }
+
+
+def _train_once(case: tuple[str, str, str], device: str, steps: int, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    algo, env, profile = case
+    if overrides is None:
+        model = zoo_model(algo, env, seed=0, vec_env_cls=SubprocVecEnv, device=device)
+        try:
+            return _timed_learn(model, steps, model.device)
+        finally:
+            close_vec_envs(model.get_env())
+    overrides = dict(overrides)
     if algo != "ppo":
         overrides["per"] = False  # the device path of prioritized replay is compared by its own bench
-    plan = make_plan(algo, env, device, n_timesteps=steps, overrides=overrides)
+    plan = make_plan(algo, env, device, n_timesteps=steps, profile=profile, overrides=overrides)
     venv = build_env(plan)
     try:
-        model = build_model(plan, venv)
-        dev = th.device(plan.device.device)
-        if dev.type == "cuda":
-            th.cuda.reset_peak_memory_stats(dev)
-        with _Utilisation(dev) as gpu:
-            start = time.perf_counter()
-            model.learn(steps)
-            _sync(dev)
-            seconds = time.perf_counter() - start
-        updates = int(getattr(model, "_n_updates", 0))
-        return {
-            "steps_per_s": model.num_timesteps / seconds,
-            # SB3's n_updates: gradient steps for the DQN family, epochs for PPO.
-            "grad_steps_per_1k": 1000 * updates / max(model.num_timesteps, 1),
-            "gpu_utilisation": gpu.mean,
-            "peak_memory_mib": th.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None,
-            "buffers": plan.buffers,
-        }
+        return _timed_learn(build_model(plan, venv), steps, th.device(plan.device.device))
     finally:
         close_vec_envs(venv)
 
 
-def bench_training(cases: Sequence[tuple[str, str]], device: str, steps: int, repeats: int) -> list[dict[str, Any]]:
-    """Per (algo, env): env steps/s with SB3's buffers and with the device buffers, in alternating rounds."""
+def bench_training(
+    cases: Sequence[tuple[str, str, str]], device: str, steps: int, repeats: int, zoo: bool = True
+) -> list[dict[str, Any]]:
+    """Per (algo, env, profile): env steps/s of each of the algorithm's VARIANTS, in rounds whose order rotates."""
     rows = []
-    for algo, env in cases:
-        runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for case in cases:
+        algo, env, profile = case
+        variants = [(label, o) for label, o in VARIANTS[algo] if o is not None or (zoo and has_zoo_baseline(algo, env))]
+        runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in variants}
         for round_ in range(repeats):
-            for device_buffers in (False, True) if round_ % 2 == 0 else (True, False):
-                runs[device_buffers].append(_train_once(algo, env, device, steps, device_buffers))
-        row: dict[str, Any] = {"algo": algo, "env": env, "steps": steps}
-        for device_buffers, label in ((False, "sb3"), (True, "device")):
-            for key in ("steps_per_s", "grad_steps_per_1k"):
-                row[f"{label}_{key}"] = statistics.median(r[key] for r in runs[device_buffers])
-            for key in ("gpu_utilisation", "peak_memory_mib"):
-                values = [r[key] for r in runs[device_buffers] if r[key] is not None]
-                row[f"{label}_{key}"] = statistics.median(values) if values else None
-        ratios = [d["steps_per_s"] / s["steps_per_s"] for s, d in zip(runs[False], runs[True], strict=True)]
-        row["ratio"] = statistics.median(ratios)
+            shift = round_ % len(variants)
+            for label, overrides in variants[shift:] + variants[:shift]:
+                runs[label].append(_train_once(case, device, steps, overrides))
+        base = variants[0][0]
+        row: dict[str, Any] = {"algo": algo, "env": env, "profile": profile, "steps": steps, "variants": {}}
+        for label, results in runs.items():
+            figures: dict[str, Any] = {}
+            for key in ("steps_per_s", "grad_steps_per_1k", "gpu_utilisation", "peak_memory_mib"):
+                values = [r[key] for r in results if r[key] is not None]
+                figures[key] = statistics.median(values) if values else None
+            ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(results, runs[base], strict=True)]
+            figures["ratio"] = statistics.median(ratios)  # to the first variant, round by round
+            row["variants"][label] = figures
         rows.append(row)
     return rows
 
@@ -187,15 +221,16 @@ def gpu_markdown(device: str, sample: dict[str, Any], training: list[dict[str, A
         f"prioritized sample + priority update: host trees {sample['per_host_s'] * 1e3:.2f} ms, device trees "
         f"{sample['per_device_s'] * 1e3:.2f} ms ({sample['per_speedup']:.1f}x)",
         "",
-        "| preset | buffers | env steps/s | updates / 1k env steps | GPU utilisation | peak memory |",
-        "|---|---|---|---|---|---|",
+        "| preset | data path | env steps/s | ratio | updates / 1k env steps | GPU utilisation | peak memory |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in training:
-        for label, name in (("sb3", "SB3's"), ("device", "device")):
+        name = f"{r['algo']} {r['env']}" + ("" if r["profile"] == "auto" else f" ({r['profile']})")
+        for label, f in r["variants"].items():
             lines.append(
-                f"| {r['algo']} {r['env']} | {name} | {r[f'{label}_steps_per_s']:,.0f} | "
-                f"{r[f'{label}_grad_steps_per_1k']:.0f} | {pct(r[f'{label}_gpu_utilisation'])} | "
-                f"{mib(r[f'{label}_peak_memory_mib'])} |"
+                f"| {name} | {LABELS[label]} | {f['steps_per_s']:,.0f} | {f['ratio']:.2f}x | {f['grad_steps_per_1k']:.0f} | "
+                f"{pct(f['gpu_utilisation'])} | {mib(f['peak_memory_mib'])} |"
             )
-        lines.append(f"| | device / SB3's (median of paired rounds) | {r['ratio']:.2f}x | | | |")
+    lines.append("")
+    lines.append("Ratios: env steps/s to the first row of each preset, median of the rounds (each round runs all rows).")
     return "\n".join(lines) + "\n"

@@ -10,8 +10,10 @@ from typing import Any
 from stable_baselines3 import DQN, PPO
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import StopTrainingOnRewardThreshold
+from stable_baselines3.common.env_util import make_atari_env
 from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
 from stable_baselines3.common.utils import LinearSchedule
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model
@@ -59,15 +61,47 @@ ZOO: dict[tuple[str, str], dict[str, Any]] = {
 }
 
 
-def zoo_model(algo: str, env_id: str, seed: int) -> Any:
-    """Plain SB3 as an rl-zoo3 user runs it: the published hyperparameters, DummyVecEnv, SB3's default device."""
-    kwargs = dict(ZOO[(algo, env_id)])
+# rl-zoo3's values for every Atari game (its `atari` entries), run with its AtariWrapper and a 4-frame stack.
+ZOO_ATARI: dict[str, dict[str, Any]] = {
+    "ppo": dict(
+        n_envs=8,
+        n_steps=128,
+        n_epochs=4,
+        batch_size=256,
+        learning_rate=("lin", 2.5e-4),
+        clip_range=("lin", 0.1),
+        vf_coef=0.5,
+        ent_coef=0.01,
+    ),
+}
+
+
+def _is_atari(env_id: str) -> bool:
+    return env_id.startswith("ALE/") or env_id.endswith("NoFrameskip-v4")
+
+
+def has_zoo_baseline(algo: str, env_id: str) -> bool:
+    return (algo, env_id) in ZOO or (_is_atari(env_id) and algo in ZOO_ATARI)
+
+
+def zoo_model(
+    algo: str, env_id: str, seed: int, vec_env_cls: type[DummyVecEnv | SubprocVecEnv] = DummyVecEnv, device: str = "auto"
+) -> BaseAlgorithm:
+    """Plain SB3 as an rl-zoo3 user runs it: the published hyperparameters, DummyVecEnv (or ``vec_env_cls``) and
+    SB3's default device."""
+    atari = (algo, env_id) not in ZOO and _is_atari(env_id)
+    kwargs = dict(ZOO_ATARI[algo] if atari else ZOO[(algo, env_id)])
     n_envs = kwargs.pop("n_envs")
     for key, value in list(kwargs.items()):
         if isinstance(value, tuple):
             kwargs[key] = LinearSchedule(value[1], 0.0, 1.0)
-    env = sb3_make_vec_env(env_id, n_envs=n_envs, seed=seed)
-    return (PPO if algo == "ppo" else DQN)("MlpPolicy", env, seed=seed, verbose=0, **kwargs)
+    env: VecEnv
+    if atari:
+        env = VecFrameStack(make_atari_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls), n_stack=4)
+    else:
+        env = sb3_make_vec_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls)
+    policy = "CnnPolicy" if atari else "MlpPolicy"
+    return (PPO if algo == "ppo" else DQN)(policy, env, seed=seed, verbose=0, device=device, **kwargs)
 
 
 def train_once(

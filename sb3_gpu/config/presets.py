@@ -132,6 +132,7 @@ class Preset:
         per: Any = self._params().get("per", False)
         grad_accum_steps = kwargs.pop("grad_accum_steps", 1)
         kwargs.pop("per", None)
+        kwargs.pop("overlap_training", None)  # auto, true or false: the plan decides (planning.buffers)
         if self.model_class is not get_algo(self.algo).model_class:
             kwargs["grad_accum_steps"] = grad_accum_steps
         if per:

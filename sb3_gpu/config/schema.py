@@ -79,6 +79,8 @@ class DQNParams:
     # sb3_gpu extensions (extensions.per): prioritized replay and gradient accumulation; SB3 has neither.
     per: dict[str, float] | bool = c.param(False, c.per_config)
     grad_accum_steps: int = c.param(1, c.POS_INT)
+    # sb3_gpu extension (extensions.overlap): train on a thread of its own while the envs step (auto: on CUDA).
+    overlap_training: str = c.param("auto", c.auto_or_bool)
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,8 @@ ALGOS: dict[str, Algo] = {
     "dqn": Algo("dqn", DQN, DQNParams, on_policy=False, extended_class=PrioritizedDQN),
     "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, on_policy=False, extended_class=PrioritizedQRDQN),
 }
-EXTENSION_KEYS = ("per", "grad_accum_steps")  # sb3_gpu's own, not SB3 arguments
-OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval")
+EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training")  # sb3_gpu's own, not SB3 arguments
+OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval", "overlap_training")
 
 
 def get_algo(name: str) -> Algo:

@@ -11,6 +11,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -45,10 +46,19 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
     return VecNormalize(venv, gamma=gamma, **kwargs)
 
 
+def model_class(plan: Plan) -> type[BaseAlgorithm]:
+    """The preset's class, or sb3_gpu's subclass where the plan overlaps training with collection."""
+    extended = get_algo(plan.algo).extended_class
+    return extended if plan.training == "overlapped" and extended is not None else plan.preset.model_class
+
+
 def model_kwargs(plan: Plan) -> dict[str, Any]:
-    """The SB3 keyword arguments of the plan's model: the preset's, and the device buffers where the plan chose them."""
+    """The keyword arguments of :func:`model_class`: the preset's, the device buffers and the overlapped training
+    where the plan chose them."""
     preset = plan.preset
     kwargs = preset.sb3_kwargs()
+    if plan.training == "overlapped":
+        kwargs["overlap_training"] = True
     if plan.buffers == "device":
         if preset.algo == "ppo":
             kwargs["rollout_buffer_class"] = DeviceRolloutBuffer
@@ -65,9 +75,9 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
 
     If torch.compile fails, the model trains uncompiled and a ``CompileFallbackWarning`` says why.
     """
-    preset = plan.preset
+    preset, cls = plan.preset, model_class(plan)
     try:
-        model = preset.model_class(
+        model = cls(
             preset.policy,
             env,
             device=plan.device.device,
@@ -77,7 +87,7 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
             **model_kwargs(plan),
         )
     except (ValueError, AssertionError, TypeError) as e:  # SB3's own checks of combinations we do not know
-        raise ConfigError(f"{preset.model_class.__name__} refused the plan's hyperparameters: {e}") from None
+        raise ConfigError(f"{cls.__name__} refused the plan's hyperparameters: {e}") from None
     if plan.speed is not None:
         apply_speed(model, plan.speed, preset.params.batch_size)
     return model

@@ -23,7 +23,7 @@ from sb3_gpu.config.schema import PROFILES, get_algo
 from sb3_gpu.envs.choice import check_env_resources, vec_env_choice
 from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
-from sb3_gpu.planning.buffers import choose_buffers
+from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed
 
@@ -51,6 +51,9 @@ class Plan:
     # Where replay or rollout data live: "device" (sb3_gpu's device buffers) or "host" (SB3's).
     buffers: str = "host"
     buffers_reason: str = ""
+    # Off-policy training: "overlapped" with collection (on a trainer thread) or "sync" (SB3's schedule).
+    training: str = "sync"
+    training_reason: str = ""
 
     def to_config(self) -> dict[str, Any]:
         """Plain data that :func:`~sb3_gpu.config.runconfig.load_config` turns back into the same hyperparameters."""
@@ -69,6 +72,7 @@ class Plan:
                 "profile": f"{self.preset.profile} ({self.profile_reason})",
                 "vec_env": f"{self.vec_env} ({self.vec_env_reason})",
                 "buffers": f"{self.buffers} ({self.buffers_reason})",
+                "training": f"{self.training} ({self.training_reason})",
                 "hardware": self.hardware.describe(),
                 **{f"speed.{name}": f"{value} ({why})" for name, value, why in speed_rows},
                 "sources": dict(self.preset.sources),
@@ -167,7 +171,13 @@ def _buffers(preset: Preset, device: str, facts: _EnvFacts) -> dict[str, Any]:
     rollout = params.n_steps * preset.n_envs * (per_step // 2 + 32) if preset.algo == "ppo" else 0
     data = rollout or params.buffer_size * per_step
     chosen = choose_buffers(preset, device, facts.observation_space, data)
-    return {"buffers": chosen.kind, "buffers_reason": chosen.reason}
+    overlap = choose_overlap(preset, device)
+    return {
+        "buffers": chosen.kind,
+        "buffers_reason": chosen.reason,
+        "training": overlap.kind,
+        "training_reason": overlap.reason,
+    }
 
 
 # Where an env has no time limit of its own, a deterministic policy may never end an episode: evaluations would hang.

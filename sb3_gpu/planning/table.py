@@ -6,6 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
+from sb3_gpu.config.schema import get_algo
 from sb3_gpu.planning.plan import Plan
 
 
@@ -21,6 +22,8 @@ def plan_table(plan: Plan) -> Table:
     table.add_row("vec_env", plan.vec_env, plan.vec_env_reason)
     table.add_row("seed", str(plan.seed), "")
     table.add_row("buffers", plan.buffers, plan.buffers_reason)
+    if not get_algo(plan.algo).on_policy:
+        table.add_row("training", plan.training, plan.training_reason)
     cap = f"{plan.eval_step_cap:,} steps" if plan.eval_step_cap is not None else "none"
     warn = plan.eval_step_cap_reason.startswith("warning")
     table.add_row("eval episode cap", cap, plan.eval_step_cap_reason, style="yellow" if warn else None)

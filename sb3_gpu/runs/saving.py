@@ -14,7 +14,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
-from sb3_gpu.planning.build import model_kwargs
+from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
 from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles, read_zip_data
@@ -146,7 +146,7 @@ def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:
     """:func:`load_model` with the plan's class, policy and hyperparameters."""
     preset = plan.preset
     kwargs = model_kwargs(plan)
-    return load_model(preset.model_class, path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
+    return load_model(model_class(plan), path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
 
 
 def restore_vecnormalize(env: VecEnv, state: SavedState, run: RunDir) -> VecEnv:

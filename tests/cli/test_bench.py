@@ -86,16 +86,24 @@ def test_bench_envs_and_train_refuse_bad_names(capsys):
 def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp_path, capsys):
     import json
 
-    args = ["gpu", "--device", "cpu", "--capacity", "256", "--batch", "32", "--envs", "CartPole-v1", "--steps", "512"]
-    assert bench.main([*args, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    args = ["gpu", "--device", "cpu", "--capacity", "256", "--batch", "32", "--envs", "CartPole-v1", "--steps", "1536"]
+    assert bench.main([*args, "--repeats", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["sample"]["capacity"] == 256 and data["sample"]["speedup"] > 0 and data["sample"]["per_speedup"] > 0
     rows = {row["algo"]: row for row in data["training"]}
     assert rows.keys() == {"ppo", "dqn"}
+    # PPO CartPole has an rl-zoo3 baseline (plain SB3 on SubprocVecEnv); every DQN row ran SB3's count of updates.
+    assert list(rows["ppo"]["variants"]) == ["sb3", "device", "zoo"]
+    assert list(rows["dqn"]["variants"]) == ["sb3", "device", "device+overlap"]
+    assert {f["grad_steps_per_1k"] for f in rows["dqn"]["variants"].values()} == {1000 * 3 * 128 / 1536}
     for row in rows.values():
-        assert row["sb3_steps_per_s"] > 0 and row["device_steps_per_s"] > 0 and row["ratio"] > 0
-        assert row["sb3_gpu_utilisation"] is None and row["device_peak_memory_mib"] is None  # no GPU figures on a CPU
-    assert "| ppo CartPole-v1 | device |" in (tmp_path / "gpu.md").read_text()
+        assert row["variants"]["sb3"]["ratio"] == 1.0
+        for f in row["variants"].values():
+            assert f["steps_per_s"] > 0 and f["ratio"] > 0
+            assert f["gpu_utilisation"] is None and f["peak_memory_mib"] is None  # no GPU figures on a CPU
+    markdown = (tmp_path / "gpu.md").read_text()
+    assert "| ppo CartPole-v1 | plain SB3, rl-zoo3 values, SubprocVecEnv |" in markdown
+    assert "| dqn CartPole-v1 | device buffers, overlapped training |" in markdown
 
 
 def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys):

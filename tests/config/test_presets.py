@@ -38,8 +38,8 @@ def test_dataclass_defaults_equal_sb3_defaults(algo):
     spec = get_algo(algo)
     signature = inspect.signature(spec.model_class.__init__).parameters
     for f in dataclasses.fields(spec.params_class):
-        if f.name in EXTENSION_KEYS:  # sb3_gpu's own extensions, off by default
-            assert f.default in (False, 1)
+        if f.name in EXTENSION_KEYS:  # sb3_gpu's own extensions: off by default, or auto (decided by the plan)
+            assert f.default in (False, 1, "auto")
             continue
         assert f.name in signature, f"{f.name} is not an argument of {spec.model_class.__name__}"
         assert f.default == signature[f.name].default, f.name

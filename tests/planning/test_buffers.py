@@ -1,15 +1,17 @@
-"""Where replay and rollout data live: the plan's choice with its reason, and models built and reloaded with it."""
+"""The data path: where replay and rollout data live and whether training overlaps collection; the plan's choice with
+its reason, and models built, saved, resumed and reloaded with it."""
 
 from __future__ import annotations
 
 import pytest
+from sb3_contrib import QRDQN
 from stable_baselines3.common.buffers import ReplayBuffer, RolloutBuffer
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer
+from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedDQN, PrioritizedQRDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
-from sb3_gpu.planning.build import build_env, build_model, model_kwargs
+from sb3_gpu.planning.build import build_env, build_model, model_class, model_kwargs
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.train import main as train_main
 
@@ -64,4 +66,35 @@ def test_a_run_on_device_buffers_saves_resumes_and_evaluates(args, tmp_path, cal
     resumed = call_main(train_main, "--resume", run_dir, "--timesteps", "128", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout.replace("\n", "")
+    assert call_main(evaluate_main, run_dir, "--episodes", "1").returncode == 0
+
+
+def test_off_policy_training_overlaps_collection_on_a_gpu_and_keeps_sb3s_schedule_on_the_cpu(gpu_machine, cpu_machine):
+    gpu = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": False})
+    assert gpu.training == "overlapped" and gpu.training_reason.startswith("on cuda:0: the GPU trains on a thread")
+    assert model_class(gpu) is PrioritizedDQN and model_kwargs(gpu)["overlap_training"] is True
+    cpu = make_plan("qrdqn", "CartPole-v1", hardware=cpu_machine)
+    assert cpu.training == "sync" and "compete with the envs" in cpu.training_reason
+    assert model_class(cpu) is QRDQN and "overlap_training" not in model_kwargs(cpu)
+    off = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"overlap_training": False})
+    assert (off.training, off.training_reason) == ("sync", "SB3's schedule: overlap_training=false (override)")
+    forced = make_plan("qrdqn", "CartPole-v1", "cpu", vec_env="dummy", overrides={"overlap_training": True})
+    model = build_model(forced, build_env(forced))
+    assert type(model) is PrioritizedQRDQN and model.overlap_training is True
+    assert make_plan("ppo", "CartPole-v1", hardware=cpu_machine).training == "sync"
+    with pytest.raises(ConfigError, match="'overlap_training' is for off-policy algorithms"):
+        make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"overlap_training": True})
+
+
+def test_an_overlapped_run_saves_resumes_and_evaluates(tmp_path, call_main):
+    from sb3_gpu.evaluate import main as evaluate_main
+
+    run_dir = str(tmp_path / "run")
+    common = ["--n-envs", "2", "--vec-env", "dummy", "--eval-episodes", "1", "--no-progress", "--save-replay-buffer"]
+    args = ["dqn", *TINY_DQN, "--set", "overlap_training=true", *common]
+    first = call_main(train_main, *args, "--timesteps", "256", "--checkpoint-freq", "64", "--run-dir", run_dir)
+    assert first.returncode == 0, first.stderr
+    assert "overlapped" in first.stdout
+    resumed = call_main(train_main, "--resume", run_dir, "--timesteps", "512", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
     assert call_main(evaluate_main, run_dir, "--episodes", "1").returncode == 0

@@ -1,4 +1,4 @@
-"""DQN and QR-DQN with prioritized replay and gradient accumulation, each of which may be off."""
+"""DQN and QR-DQN with prioritized replay, gradient accumulation and overlapped training, each of which may be off."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN
 
-from sb3_gpu.common.checks import PER_CHECKS, POS_INT
+from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
+from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
 
@@ -30,10 +31,11 @@ class _PrioritizedTraining:
     per_beta_fraction: float
     replay_buffer_kwargs: dict[str, Any]
 
-    def _set_extensions(self, grad_accum_steps: int, per_beta_fraction: float) -> None:
+    def _set_extensions(self, grad_accum_steps: int, per_beta_fraction: float, overlap_training: bool) -> None:
         # Before SB3's __init__, which calls _setup_model (as load does, after restoring the saved attributes).
         self.grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
         self.per_beta_fraction = PER_CHECKS["beta_fraction"](per_beta_fraction, "per.beta_fraction")
+        self.overlap_training = boolean(overlap_training, "overlap_training")
 
     def _setup_model(self) -> None:
         super()._setup_model()  # type: ignore[misc]
@@ -99,15 +101,23 @@ class _PrioritizedTraining:
             logger.record("per/max_weight_unnormalized", float(per.last_max_weight))
 
 
-class PrioritizedDQN(_PrioritizedTraining, DQN):
-    """SB3's DQN trained with prioritized replay and/or gradient accumulation (each may be off).
+class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
+    """SB3's DQN trained with prioritized replay, gradient accumulation and/or overlapped training (each may be off).
 
     :param grad_accum_steps: micro-batches of ``batch_size`` whose gradients make one optimizer step
     :param per_beta_fraction: share of training over which beta rises from its start to 1
+    :param overlap_training: train on a thread of its own while the envs step (``extensions.overlap``)
     """
 
-    def __init__(self, *args: Any, grad_accum_steps: int = 1, per_beta_fraction: float = 1.0, **kwargs: Any):
-        self._set_extensions(grad_accum_steps, per_beta_fraction)
+    def __init__(
+        self,
+        *args: Any,
+        grad_accum_steps: int = 1,
+        per_beta_fraction: float = 1.0,
+        overlap_training: bool = False,
+        **kwargs: Any,
+    ):
+        self._set_extensions(grad_accum_steps, per_beta_fraction, overlap_training)
         super().__init__(*args, **kwargs)
 
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
@@ -118,11 +128,18 @@ class PrioritizedDQN(_PrioritizedTraining, DQN):
         return F.smooth_l1_loss(current, target, reduction="none").flatten(), (target - current).flatten()
 
 
-class PrioritizedQRDQN(_PrioritizedTraining, QRDQN):
-    """sb3-contrib's QR-DQN trained with prioritized replay and/or gradient accumulation (each may be off)."""
+class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
+    """sb3-contrib's QR-DQN with PrioritizedDQN's extensions (each may be off)."""
 
-    def __init__(self, *args: Any, grad_accum_steps: int = 1, per_beta_fraction: float = 1.0, **kwargs: Any):
-        self._set_extensions(grad_accum_steps, per_beta_fraction)
+    def __init__(
+        self,
+        *args: Any,
+        grad_accum_steps: int = 1,
+        per_beta_fraction: float = 1.0,
+        overlap_training: bool = False,
+        **kwargs: Any,
+    ):
+        self._set_extensions(grad_accum_steps, per_beta_fraction, overlap_training)
         super().__init__(*args, **kwargs)
 
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:

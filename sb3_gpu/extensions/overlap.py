@@ -1,0 +1,260 @@
+"""Off-policy training overlapped with collection: the gradient steps of one rollout run on a trainer thread while
+the envs step the next one, so the device trains while Python steps the envs.
+
+The schedule keeps SB3's counts: the ``gradient_steps`` earned by rollout k run while rollout k+1 is collected, and
+``learn`` waits for the last of them before it returns. What the overlap changes, and how it is kept exact:
+
+- The envs act with a copy of the policy taken when the previous training finished, so a training never changes the
+  weights under an inference (the "actor"; refreshed after every wait).
+- Transitions collected while a training runs are staged and added to the replay buffer when it has finished: a
+  training samples exactly the buffer SB3's schedule would give it, and the buffer is never read and written at once.
+- ``_on_step`` (the DQN family's target-network copies and exploration rate) is deferred the same way, so a target
+  never changes under a training; it runs, in order, when the training has finished.
+- The trainer's log records are kept and written by the collecting thread.
+
+The one departure from SB3's schedule: the policy that acts lags one rollout (``train_freq`` steps) behind, and so do
+the exploration rate and target copies. Runs are not bit-for-bit reproducible, since thread timing orders the draws
+of NumPy's global generator. ``overlap_training=False`` (the default) is SB3's exact schedule.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import numpy as np
+import torch as th
+
+
+class _DeferredLogger:
+    """What the trainer thread records, kept for the collecting thread to write (SB3's Logger is not thread-safe)."""
+
+    def __init__(self, logger: Any):
+        self._logger = logger
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(("record", args, kwargs))
+
+    def record_mean(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(("record_mean", args, kwargs))
+
+    def __getattr__(self, name: str) -> Any:  # read-only attributes (level, dir, ...) are the real logger's
+        return getattr(self._logger, name)
+
+    def replay(self, logger: Any) -> None:
+        calls, self.calls = self.calls, []
+        for method, args, kwargs in calls:
+            getattr(logger, method)(*args, **kwargs)
+
+
+class _StagedBuffer:
+    """Stands in for the replay buffer while a training runs: ``add`` keeps a private copy of each transition."""
+
+    def __init__(self) -> None:
+        self.adds: list[tuple[Any, ...]] = []
+
+    def add(self, *args: Any) -> None:
+        self.adds.append(tuple(_copied(a) for a in args))
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value  # infos: read, never written, by the buffers
+
+
+class _Overlap:
+    """The state of one overlapped ``learn``: the trainer thread, the actor, and what waits for the training."""
+
+    def __init__(self, learner: th.nn.Module, logger: Any):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sb3_gpu-trainer")
+        self.pending: Future[None] | None = None
+        self.local = threading.local()  # `acting` on the collecting thread, `training` on the trainer thread
+        self.logger = _DeferredLogger(logger)
+        self.staged = _StagedBuffer()
+        self.deferred_steps = 0
+        self.actor = _actor_copy(learner)
+
+    def role(self, name: str) -> bool:
+        return bool(getattr(self.local, name, False))
+
+
+def _actor_copy(policy: th.nn.Module) -> th.nn.Module:
+    """A copy of ``policy`` for acting: no optimizer, no gradients, not compiled (a compiled module's call would still
+    run the original's weights)."""
+    optimizers = {id(o): None for m in policy.modules() if isinstance(o := getattr(m, "optimizer", None), th.optim.Optimizer)}
+    actor = copy.deepcopy(policy, memo=optimizers)
+    for module in actor.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+    for p in actor.parameters():
+        p.grad = None
+    return actor.requires_grad_(False)
+
+
+class OverlappedTraining:
+    """Mixin for SB3's off-policy algorithms: with ``overlap_training`` on, ``learn`` trains on a thread of its own
+    while collection goes on (see the module docstring for what that keeps and what it changes)."""
+
+    overlap_training: bool
+
+    # ------------------------------------------------------------------ who sees what
+    @property
+    def policy(self) -> Any:
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is not None and state.role("acting"):
+            return state.actor
+        return self.__dict__["policy"]
+
+    @policy.setter
+    def policy(self, value: Any) -> None:
+        self.__dict__["policy"] = value
+
+    @property
+    def logger(self) -> Any:
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is not None and state.role("training"):
+            return state.logger
+        return self._logger  # type: ignore[attr-defined]
+
+    @contextmanager
+    def _as(self, role: str, on: bool = True) -> Iterator[None]:
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is None:
+            yield
+            return
+        before = state.role(role)
+        setattr(state.local, role, on)
+        try:
+            yield
+        finally:
+            setattr(state.local, role, before)
+
+    def _excluded_save_params(self) -> list[str]:
+        return [*super()._excluded_save_params(), "_overlap"]  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ the loop
+    def learn(
+        self,
+        total_timesteps: int,
+        callback: Any = None,
+        log_interval: int = 4,
+        tb_log_name: str = "run",
+        reset_num_timesteps: bool = True,
+        progress_bar: bool = False,
+    ) -> Any:
+        sup: Any = super()
+        if not self.overlap_training:
+            return sup.learn(total_timesteps, callback, log_interval, tb_log_name, reset_num_timesteps, progress_bar)
+        s: Any = self
+        # SB3's OffPolicyAlgorithm.learn, with the training started on the trainer thread and waited for one rollout on.
+        total_timesteps, callback = s._setup_learn(total_timesteps, callback, reset_num_timesteps, tb_log_name, progress_bar)
+        callback.on_training_start(locals(), globals())
+        assert s.env is not None, "You must set the environment before calling learn()"
+        self.__dict__["_overlap"] = state = _Overlap(self.__dict__["policy"], s._logger)
+        try:
+            while s.num_timesteps < total_timesteps:
+                with self._as("acting"):
+                    rollout = s.collect_rollouts(
+                        s.env,
+                        train_freq=s.train_freq,
+                        action_noise=s.action_noise,
+                        callback=callback,
+                        learning_starts=s.learning_starts,
+                        replay_buffer=s.replay_buffer,
+                        log_interval=log_interval,
+                    )
+                self.sync_training()
+                if not rollout.continue_training:
+                    break
+                if s.num_timesteps > 0 and s.num_timesteps > s.learning_starts:
+                    gradient_steps = s.gradient_steps if s.gradient_steps >= 0 else rollout.episode_timesteps
+                    if gradient_steps > 0:
+                        state.pending = state.pool.submit(self._train_on_thread, gradient_steps)
+            self.sync_training()
+        except BaseException:
+            self._drain(state)  # the error raised here is the one to report; a training error after it is not
+            raise
+        finally:
+            state.pool.shutdown(wait=True)
+            self.__dict__["_overlap"] = None
+        callback.on_training_end()
+        return self
+
+    def _train_on_thread(self, gradient_steps: int) -> None:
+        with self._as("training"):
+            self.train(batch_size=self.batch_size, gradient_steps=gradient_steps)  # type: ignore[attr-defined]
+
+    def sync_training(self) -> None:
+        """Wait for the training that runs in the background (if any), then add the transitions, target updates and
+        log records it held back. ``save`` and ``save_replay_buffer`` call it; a callback that reads the weights
+        of a model in ``learn`` may too. A training error is raised here."""
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is None or state.pending is None:
+            return
+        future, state.pending = state.pending, None
+        try:
+            future.result()
+        finally:
+            self._release(state)
+        state.actor.load_state_dict(self.__dict__["policy"].state_dict())
+
+    def _drain(self, state: _Overlap) -> None:
+        future, state.pending = state.pending, None
+        if future is not None:
+            with suppress(BaseException):
+                future.result()
+            self._release(state)
+
+    def _release(self, state: _Overlap) -> None:
+        state.logger.replay(self._logger)  # type: ignore[attr-defined]
+        adds, state.staged.adds = state.staged.adds, []
+        for args in adds:
+            self.replay_buffer.add(*args)  # type: ignore[attr-defined]
+        steps, state.deferred_steps = state.deferred_steps, 0
+        for _ in range(steps):
+            super()._on_step()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ held back while a training runs
+    def _store_transition(self, replay_buffer: Any, *args: Any) -> None:
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is not None and state.pending is not None:
+            replay_buffer = state.staged
+        super()._store_transition(replay_buffer, *args)  # type: ignore[misc]
+
+    def _on_step(self) -> None:
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is not None and state.pending is not None:
+            state.deferred_steps += 1
+        else:
+            super()._on_step()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ the learner's weights, whole
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        self.sync_training()
+        with self._as("acting", False):
+            super().save(*args, **kwargs)  # type: ignore[misc]
+
+    def get_parameters(self) -> dict[str, dict]:
+        self.sync_training()
+        with self._as("acting", False):
+            return super().get_parameters()  # type: ignore[misc]
+
+    def set_parameters(self, *args: Any, **kwargs: Any) -> None:
+        self.sync_training()
+        with self._as("acting", False):
+            super().set_parameters(*args, **kwargs)  # type: ignore[misc]
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is not None:
+            state.actor.load_state_dict(self.__dict__["policy"].state_dict())
+
+    def save_replay_buffer(self, *args: Any, **kwargs: Any) -> None:
+        self.sync_training()
+        super().save_replay_buffer(*args, **kwargs)  # type: ignore[misc]

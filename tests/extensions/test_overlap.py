@@ -1,0 +1,200 @@
+"""Training overlapped with collection (extensions.overlap), on the CPU: the same tensor code and thread hand-offs a
+GPU run takes. What must hold: SB3's counts, a training that sees the buffer and target network as SB3's schedule
+would give them, an actor that a training never changes under an inference, and errors and saves that lose nothing."""
+
+from __future__ import annotations
+
+import csv
+import threading
+
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import configure
+
+from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+
+SMALL = {"learning_starts": 64, "train_freq": 4, "batch_size": 16, "buffer_size": 2_000, "target_update_interval": 40}
+POLICY = {"net_arch": [16]}
+
+
+def dqn(cls=PrioritizedDQN, n_envs=1, seed=0, **kwargs):
+    env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=seed)
+    kwargs = {**SMALL, "policy_kwargs": POLICY, **kwargs}
+    return cls("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
+
+
+def trainer_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("sb3_gpu-trainer")]
+
+
+def test_off_is_sb3s_exact_schedule():
+    ours, theirs = dqn(overlap_training=False).learn(600), dqn(DQN).learn(600)
+    for a, b in zip(ours.policy.state_dict().values(), theirs.policy.state_dict().values(), strict=True):
+        assert th.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (PrioritizedDQN, {}),
+        (PrioritizedDQN, {"replay_buffer_class": PrioritizedReplayBuffer}),
+        (PrioritizedDQN, {"replay_buffer_class": DeviceReplayBuffer, "n_envs": 3}),
+        (PrioritizedDQN, {"replay_buffer_class": DevicePrioritizedReplayBuffer, "grad_accum_steps": 2}),
+        (PrioritizedQRDQN, {"gradient_steps": -1}),
+    ],
+    ids=["dqn", "host-per", "device-buffer-3-envs", "device-per-accumulated", "qrdqn-one-step-per-env-step"],
+)
+def test_the_same_steps_gradient_steps_transitions_and_target_updates_as_sb3s_schedule(cls, kwargs):
+    n_envs = kwargs.pop("n_envs", 1)
+    sync = dqn(cls, n_envs=n_envs, **kwargs).learn(800)
+    overlapped = dqn(cls, n_envs=n_envs, overlap_training=True, **kwargs).learn(800)
+    for attr in ("num_timesteps", "_n_updates", "_n_calls", "exploration_rate"):
+        assert getattr(overlapped, attr) == getattr(sync, attr), attr
+    assert overlapped.replay_buffer.size() == sync.replay_buffer.size()
+    assert overlapped.policy is overlapped.__dict__["policy"] and overlapped.__dict__.get("_overlap") is None
+    assert trainer_threads() == []
+
+
+class Watch(BaseCallback):
+    """Notes, on the collecting thread, each env step and which policy acts."""
+
+    def __init__(self):
+        super().__init__()
+        self.stepped = threading.Event()
+        self.actors: set[bool] = set()
+        self.rollout_ends: list[int] = []
+
+    def _on_step(self):
+        self.actors.add(self.model.policy is self.model.__dict__["policy"])
+        self.stepped.set()
+        return True
+
+    def _on_rollout_end(self):
+        self.rollout_ends.append(self.num_timesteps)
+
+
+def test_a_training_sees_the_buffer_and_targets_as_they_were_when_it_started_while_the_envs_step_on():
+    model, watch, seen = dqn(overlap_training=True), Watch(), []
+    train = model.train
+
+    def held_train(gradient_steps, batch_size):
+        # The training of the n-th rollout after learning_starts: `at` is where that rollout ended.
+        at = [end for end in watch.rollout_ends if end > SMALL["learning_starts"]][len(seen)]
+        size, calls = model.replay_buffer.size(), model._n_calls
+        while at + 8 <= 600 and model.num_timesteps < at + 2:  # another rollout follows: hold this training
+            watch.stepped.clear()  # until the envs have stepped twice
+            if model.num_timesteps < at + 2:
+                assert watch.stepped.wait(30)
+        seen.append((at, size, calls, model.num_timesteps, model.replay_buffer.size(), model._n_calls))
+        train(gradient_steps, batch_size)
+
+    model.train = held_train
+    model.learn(600, callback=watch)
+    assert len(seen) == model._n_updates  # one gradient step per rollout here
+    held = [(at, after) for at, _, _, after, _, _ in seen if at + 8 <= 600]
+    assert len(held) > 100 and all(after > at for at, after in held)  # the envs stepped while it trained ...
+    assert all(size == at == size_after for at, size, _, _, size_after, _ in seen)  # ... into the staging area
+    assert all(calls == calls_after for _, _, calls, _, _, calls_after in seen)  # targets untouched meanwhile
+    assert model._n_calls == model.num_timesteps and model.replay_buffer.size() == 600
+    assert watch.actors == {False}  # the envs always acted with the actor copy
+
+
+def test_the_actor_is_a_frozen_copy_that_catches_up_after_each_training():
+    model, checks = dqn(overlap_training=True), []
+
+    class Check(BaseCallback):
+        def _on_step(self):
+            if self.num_timesteps == 300:
+                actor, learner = self.model.policy, self.model.__dict__["policy"]
+                model.sync_training()
+                checks.append(actor is not learner and actor.optimizer is None)
+                checks.append(not any(p.requires_grad for p in actor.parameters()))
+                checks.append(
+                    all(
+                        th.equal(a, b) for a, b in zip(actor.state_dict().values(), learner.state_dict().values(), strict=True)
+                    )
+                )
+                with th.no_grad():  # a change to the learner does not reach the actor until the next wait
+                    next(learner.parameters()).add_(1.0)
+                checks.append(not th.equal(next(actor.parameters()), next(learner.parameters())))
+            return True
+
+    model.learn(400, callback=Check())
+    assert checks == [True] * 4
+
+
+def test_the_trainers_log_records_are_written_by_the_collecting_thread(tmp_path):
+    model = dqn(overlap_training=True)
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    model.learn(1_000, log_interval=1)
+    with open(tmp_path / "progress.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) >= 3 and all(np.isfinite(losses))
+    assert int(rows[-1]["train/n_updates"]) <= model._n_updates
+
+
+def test_a_training_error_is_raised_by_learn_and_the_model_saves_and_loads(tmp_path):
+    model, calls = dqn(overlap_training=True), []
+    train = model.train
+
+    def failing_train(gradient_steps, batch_size):
+        calls.append(1)
+        if len(calls) == 5:
+            raise FloatingPointError("the loss is NaN")
+        train(gradient_steps, batch_size)
+
+    model.train = failing_train
+    with pytest.raises(FloatingPointError, match="the loss is NaN"):
+        model.learn(2_000)
+    assert trainer_threads() == [] and model.__dict__.get("_overlap") is None
+    assert model.replay_buffer.size() == model.num_timesteps  # the staged transitions were kept
+    model.save(tmp_path / "model.zip")
+    loaded = PrioritizedDQN.load(tmp_path / "model.zip", device="cpu")
+    assert loaded.overlap_training is True and loaded.num_timesteps == model.num_timesteps
+
+
+def test_a_collection_error_is_the_one_reported_and_the_training_is_waited_for():
+    model = dqn(overlap_training=True)
+
+    class Crash(BaseCallback):
+        def _on_step(self):
+            if self.num_timesteps == 200:
+                raise ConnectionError("env worker died")
+            return True
+
+    with pytest.raises(ConnectionError, match="env worker died"):
+        model.learn(1_000, callback=Crash())
+    assert trainer_threads() == []
+    # Every step before the crash was stored and counted (the crashing step's callback ran first, as in SB3).
+    assert model._n_calls == model.replay_buffer.size() == model.num_timesteps - 1
+
+
+def test_a_save_during_learn_holds_the_learners_weights_as_they_are_then(tmp_path):
+    model, saved = dqn(overlap_training=True), {}
+
+    class SaveAt(BaseCallback):
+        def _on_step(self):
+            if self.num_timesteps == 300:
+                self.model.save(tmp_path / "mid.zip")
+                saved.update({k: v.clone() for k, v in self.model.__dict__["policy"].state_dict().items()})
+            return True
+
+    model.learn(500, callback=SaveAt())
+    loaded = PrioritizedDQN.load(tmp_path / "mid.zip", device="cpu")
+    for key, value in loaded.policy.state_dict().items():
+        assert th.equal(value, saved[key]), key
+    assert not th.equal(loaded.policy.state_dict()["q_net.q_net.0.weight"], model.policy.state_dict()["q_net.q_net.0.weight"])
+
+
+def test_qrdqn_overlapped_learns_as_its_plain_class_is_built():
+    model = dqn(PrioritizedQRDQN, overlap_training=True, policy_kwargs={"net_arch": [16], "n_quantiles": 5})
+    assert isinstance(model, QRDQN)
+    model.learn(300)
+    assert model._n_updates == (300 - 64) // 4
