@@ -85,12 +85,17 @@ def make_vec_env(
     check_env_resources(kind, n_envs, monitor=monitor_dir is not None)
     if monitor_dir is not None:
         os.makedirs(monitor_dir, exist_ok=True)
+    stack_order: str | None = None  # VecFrameStack's own guess: channel-last for SB3's AtariWrapper frames
     if kind == "envpool":
         if wrapper_class is not None or monitor_kwargs:
             raise ConfigError("vec_env 'envpool' runs C++ envs: a Python wrapper_class or monitor_kwargs cannot apply")
         if max_episode_steps is not None:
             raise ConfigError("vec_env 'envpool' runs C++ envs: max_episode_steps cannot apply (use dummy or batched)")
-        venv: VecEnv = _envpool(spec, n_envs, seed, atari, monitor_dir, start_index, vec_env_kwargs)
+        # Atari frames stay channel-first from EnvPool to the policy: stacked along the channel axis, they are what
+        # SB3's CNN takes, so no transpose wrapper copies them (and the stack reaches the device in one piece).
+        channels_first = atari and bool(frame_stack)
+        stack_order = "first" if channels_first else None
+        venv: VecEnv = _envpool(spec, n_envs, seed, atari, monitor_dir, start_index, vec_env_kwargs, channels_first)
     else:
         factories = [
             EnvFactory(
@@ -106,7 +111,7 @@ def make_vec_env(
         ]
         venv = _build(kind, factories, vec_env_cls, vec_env_kwargs, seed)
     _seed(venv, seed)  # after a subprocess probe reset used the seeds up, the model's first reset gets them again
-    return VecFrameStack(venv, frame_stack) if frame_stack else venv
+    return VecFrameStack(venv, frame_stack, channels_order=stack_order) if frame_stack else venv
 
 
 def _kind(vec_env: str, vec_env_cls: type[VecEnv] | None) -> str:
@@ -126,6 +131,7 @@ def _envpool(
     monitor_dir: str | None,
     start_index: int,
     vec_env_kwargs: dict[str, Any],
+    channels_first: bool = False,
 ) -> VecEnv:
     if spec.env_id is None:
         with_kwargs = " with env kwargs" if ":" not in spec.name and spec.name in gym.registry else ""
@@ -133,7 +139,14 @@ def _envpool(
             f"vec_env 'envpool' needs a registered Gymnasium id without env kwargs; got {spec.name!r}{with_kwargs}"
         )
     return EnvPoolVecEnv(
-        spec.env_id, n_envs, seed=seed, is_atari=atari, monitor_dir=monitor_dir, start_index=start_index, **vec_env_kwargs
+        spec.env_id,
+        n_envs,
+        seed=seed,
+        is_atari=atari,
+        monitor_dir=monitor_dir,
+        start_index=start_index,
+        channels_first=channels_first,
+        **vec_env_kwargs,
     )
 
 

@@ -125,6 +125,8 @@ class EnvPoolVecEnv(VecEnv):
     :param monitor_dir: write Monitor-format CSV files here, one per env
     :param start_index: the index of the first env, which names its Monitor file (as in SB3's ``make_vec_env``)
     :param num_threads: EnvPool's thread count (default: EnvPool's, one per core)
+    :param channels_first: Atari frames as EnvPool makes them, (1, 84, 84), for a channel-first frame stack that
+        SB3 then takes as it is (no transposes); otherwise (84, 84, 1), as SB3's AtariWrapper gives them
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class EnvPoolVecEnv(VecEnv):
         monitor_dir: str | None = None,
         start_index: int = 0,
         num_threads: int = 0,
+        channels_first: bool = False,
     ):
         task = envpool_task(env_id, is_atari)
         if task is None:
@@ -148,12 +151,13 @@ class EnvPoolVecEnv(VecEnv):
             raise ConfigError("vec_env 'envpool' needs EnvPool: pip install 'sb3-gpu[envpool]'")
         self.env_id, (self.task, self.config) = env_id, task
         self.is_atari, self.num_threads = is_atari, num_threads
+        self._channels_last = is_atari and not channels_first
         self.pool = self._make_pool(n_envs, seed)
         self._pool_seed, self._fresh = seed, True  # a fresh pool already holds the seed: no rebuild on first reset
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # EnvPool's Box bounds are float64; gymnasium warns on cast
             space, action_space = self.pool.observation_space, self.pool.action_space
-        if is_atari:  # EnvPool is channel-first; SB3's AtariWrapper gives (84, 84, 1), so match it
+        if self._channels_last:  # EnvPool is channel-first; SB3's AtariWrapper gives (84, 84, 1), so match it
             space = gym.spaces.Box(0, 255, (*space.shape[1:], space.shape[0]), np.uint8)
         super().__init__(n_envs, space, action_space)
         self._frames_per_step = int(self.config.get("frame_skip", 1))
@@ -180,7 +184,7 @@ class EnvPoolVecEnv(VecEnv):
             )
 
     def _obs(self, obs: np.ndarray) -> np.ndarray:
-        return np.moveaxis(obs, 1, -1) if self.is_atari else obs
+        return np.moveaxis(obs, 1, -1) if self._channels_last else obs
 
     def reset(self) -> VecEnvObs:
         seed = self._seeds[0]

@@ -61,6 +61,6 @@ def choose_overlap(preset: Preset, device: str) -> BufferChoice:
             f"on {device}: the GPU trains on a thread of its own while the envs step, the same gradient steps per env "
             "step (overlap_training=false for SB3's exact schedule)",
         )
-    # Measured on a 2-core VM (bench gpu): the DQN CartPole preset 0.8x with its training on a thread; the CPU cores
-    # that would train are the ones that step the envs.
+    # Measured on a 2-core VM (bench gpu --device cpu): the DQN CartPole preset at 0.71x with its training on a
+    # thread; the cores that would train are the ones that step the envs, and the GIL serialises the rest.
     return BufferChoice("sync", f"SB3's schedule: on {device} the training thread would compete with the envs for the cores")

@@ -343,3 +343,31 @@ def test_envpool_atari_observations_match_sb3_atari_wrapper():
     finally:
         pool.close()
         reference.close()
+
+
+@needs_envpool
+def test_envpool_atari_frames_stay_channel_first_and_match_the_transposed_dummy_stack():
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import VecTransposeImage, is_vecenv_wrapped
+
+    try:
+        pool = make_vec_env("ALE/Breakout-v5", 2, vec_env="envpool", seed=0, frame_stack=4)
+    except Exception as e:  # an EnvPool build without its Atari games
+        pytest.skip(f"EnvPool cannot make Breakout here ({type(e).__name__}: {e})")
+    reference = make_vec_env("ALE/Breakout-v5", 2, vec_env="dummy", seed=0, frame_stack=4)
+    try:
+        models = [PPO("CnnPolicy", venv, n_steps=8, batch_size=16, device="cpu") for venv in (pool, reference)]
+        # SB3 takes EnvPool's stack as it is and transposes the dummy one: the policy sees one layout from both.
+        assert not is_vecenv_wrapped(models[0].get_env(), VecTransposeImage)
+        assert is_vecenv_wrapped(models[1].get_env(), VecTransposeImage)
+        assert models[0].observation_space == models[1].observation_space == gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        for model in models:
+            obs = model.get_env().reset()
+            assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8
+            assert not obs[:, :3].any() and obs[:, 3].any()  # zeros before the first frame, which is the newest
+            obs = model.get_env().step(np.ones(2, dtype=np.int64))[0]
+            assert not obs[:, :2].any() and obs[:, 2:].any(axis=(2, 3)).all()  # one frame more
+        assert models[0].get_env().reset().flags.c_contiguous  # one block: one copy to the device
+    finally:
+        pool.close()
+        reference.close()

@@ -18,15 +18,34 @@ from sb3_gpu.runs.training import train_run
 pytestmark = pytest.mark.slow
 
 
-# bf16 autocast on the CPU (AMP's CPU twin of the GPU path): the presets still learn in lower precision.
-@pytest.mark.parametrize(("algo", "amp"), [("ppo", "auto"), ("dqn", "auto"), ("ppo", "bf16"), ("dqn", "bf16")])
-def test_cartpole_preset_reaches_475(algo, amp, tmp_path):
-    plan = make_plan(algo, "CartPole-v1", device="cpu" if amp == "bf16" else "auto", seed=0, overrides={"amp": amp})
+# bf16 autocast on the CPU (AMP's CPU twin of the GPU path): the presets still learn in lower precision. The device
+# data path on the CPU (the same tensor code as on a GPU): device buffers (DQN's with its PER trees on the device),
+# and DQN's training overlapped with collection.
+CASES = {
+    "ppo": ("ppo", "auto", {}),
+    "dqn": ("dqn", "auto", {}),
+    "ppo-bf16": ("ppo", "bf16", {}),
+    "dqn-bf16": ("dqn", "bf16", {}),
+    "ppo-device-buffers": ("ppo", "auto", {"device_buffers": True}),
+    "dqn-device-buffers": ("dqn", "auto", {"device_buffers": True}),
+    "dqn-overlapped": ("dqn", "auto", {"overlap_training": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cartpole_preset_reaches_475(case, tmp_path):
+    algo, amp, overrides = CASES[case]
+    device = "auto" if amp == "auto" and not overrides else "cpu"
+    plan = make_plan(algo, "CartPole-v1", device=device, seed=0, overrides={"amp": amp, **overrides})
     assert plan.speed is not None and (amp == "auto" or plan.speed.amp == amp)
+    if "device_buffers" in overrides:
+        assert plan.buffers == "device"
+    if "overlap_training" in overrides:
+        assert plan.training == "overlapped"
     summary = train_run(plan, tmp_path / "run", eval_episodes=5, progress=False)
     assert summary["timesteps"] >= plan.preset.n_timesteps
     best = evaluate_run(tmp_path / "run", episodes=20, seed=123)
     assert best["model"].endswith("best_model.zip")
-    assert best["mean"] >= 475, f"{algo}: best model {best['mean']:.1f} +/- {best['std']:.1f}; {json.dumps(summary)}"
+    assert best["mean"] >= 475, f"{case}: best model {best['mean']:.1f} +/- {best['std']:.1f}; {json.dumps(summary)}"
     if algo == "ppo":  # PPO's final model is reliable too: the quick start promises it
         assert summary["final_eval_mean"] >= 475, summary
