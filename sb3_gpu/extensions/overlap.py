@@ -5,7 +5,8 @@ The schedule keeps SB3's counts: the ``gradient_steps`` earned by rollout k run 
 ``learn`` waits for the last of them before it returns. What the overlap changes, and how it is kept exact:
 
 - The envs act with a copy of the policy taken when the previous training finished, so a training never changes the
-  weights under an inference (the "actor"; refreshed after every wait).
+  weights under an inference (the "actor"; refreshed after every wait). Any other ``predict`` (an evaluation
+  callback) first waits for the training and uses the learner's weights: the ones a save writes.
 - Transitions collected while a training runs are staged and added to the replay buffer when it has finished: a
   training samples exactly the buffer SB3's schedule would give it, and the buffer is never read and written at once.
 - ``_on_step`` (the DQN family's target-network copies and exploration rate) is deferred the same way, so a target
@@ -237,6 +238,20 @@ class OverlappedTraining:
             super()._on_step()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ the learner's weights, whole
+    def _sample_action(self, *args: Any, **kwargs: Any) -> Any:
+        with self._as("sampling"):
+            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        state: _Overlap | None = self.__dict__.get("_overlap")
+        if state is None or state.role("sampling"):
+            return super().predict(*args, **kwargs)  # type: ignore[misc]
+        # Anything but the envs' own actions (an evaluation callback, say) sees the weights a save would write, so that
+        # a best model is the model that was evaluated.
+        self.sync_training()
+        with self._as("acting", False):
+            return super().predict(*args, **kwargs)  # type: ignore[misc]
+
     def save(self, *args: Any, **kwargs: Any) -> None:
         self.sync_training()
         with self._as("acting", False):

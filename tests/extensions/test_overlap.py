@@ -129,6 +129,29 @@ def test_the_actor_is_a_frozen_copy_that_catches_up_after_each_training():
     assert checks == [True] * 4
 
 
+def test_an_evaluation_during_learn_sees_the_weights_a_save_writes():
+    model, checks = dqn(overlap_training=True), []
+    obs = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+
+    class Evaluate(BaseCallback):
+        def _on_step(self):
+            if self.num_timesteps == 300:
+                state = self.model.__dict__["_overlap"]
+                checks.append(state.pending is not None)  # a training runs now
+                with th.no_grad():
+                    for p in state.actor.parameters():
+                        p.zero_()  # an actor that answers differently from the learner
+                actions, _ = self.model.predict(obs, deterministic=True)
+                checks.append(state.pending is None)  # predict waited for the training ...
+                learner = self.model.__dict__["policy"]
+                checks.append(np.array_equal(actions, learner.predict(obs, deterministic=True)[0]))  # ... and used it
+                checks.append(actions.any())  # not the zeroed actor's answer (action 0 everywhere)
+            return True
+
+    model.learn(400, callback=Evaluate())
+    assert checks == [True] * 4
+
+
 def test_the_trainers_log_records_are_written_by_the_collecting_thread(tmp_path):
     model = dqn(overlap_training=True)
     model.set_logger(configure(str(tmp_path), ["csv"]))
