@@ -45,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     _envs_parser(sub.add_parser("envs", help="env steps/s per vec env backend vs SB3's two; worker start-up"))
     _train_parser(sub.add_parser("train", help="a preset vs plain SB3 with rl-zoo3's values: time to a reward threshold"))
     _gpu_parser(sub.add_parser("gpu", help="the device data path vs SB3's: sample() of Atari frames, PPO and DQN env steps/s"))
+    auto = sub.add_parser("auto", help="auto's device, amp and threads against every alternative, idle and beside busy work")
+    auto.add_argument("--cases", nargs="+", metavar="ALGO:ENV", help="default: PPO and DQN CartPole, PPO LunarLander, Pong")
+    auto.add_argument("--steps", type=positive_int, default=5_000, help="env steps per run (default 5,000)")
+    auto.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are printed (default 3)")
+    auto.add_argument(
+        "--compete",
+        type=int,
+        default=logical_cores(),
+        help="busy processes beside the second phase (default: one per core; 0 skips that phase)",
+    )
+    auto.add_argument("--out", default="bench-results", help="folder for auto.json and auto.md")
     return parser
 
 
@@ -107,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_telemetry(args)
         if args.command == "gpu":
             return _main_gpu(args, command)
+        if args.command == "auto":
+            return _main_auto(args, command)
         return _main_per(args)
     except KeyboardInterrupt:
         print_error("interrupted; no results were written")
@@ -238,6 +251,35 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
     print(markdown)
     paths = write_results(Path(args.out), "gpu", {"command": command, "sample": sample, "training": training}, markdown)
     print("written:", *paths)
+    return 0
+
+
+def _main_auto(args: argparse.Namespace, command: str) -> int:
+    from sb3_gpu.benches.auto import auto_markdown, bench_auto, default_cases
+    from sb3_gpu.benches.base import machine_line, write_results
+    from sb3_gpu.common.checks import ALGO_NAMES
+
+    cases = default_cases()
+    if args.cases:
+        cases = []
+        for text in args.cases:
+            algo, _, env = text.partition(":")
+            if algo not in ALGO_NAMES or not env:
+                print_error(f"--cases: expected ALGO:ENV with ALGO one of {', '.join(ALGO_NAMES)}, got {text!r}")
+                return 2
+            cases.append((algo, env))
+    if args.compete < 0:
+        print_error(f"--compete: expected a count >= 0, got {args.compete}")
+        return 2
+    print(machine_line())
+    try:
+        rows = bench_auto(cases, args.steps, args.repeats, args.compete)
+    except ConfigError as exc:
+        print_error(str(exc))
+        return 2
+    markdown = auto_markdown(rows, command, machine_line())
+    print(markdown)
+    print("written:", *write_results(Path(args.out), "auto", {"command": command, "rows": rows}, markdown))
     return 0
 
 

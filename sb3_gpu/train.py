@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=AMP_MODES, help="mixed precision: auto (the plan says why), off, bf16, fp16 (CUDA)")
     p.add_argument("--compile", choices=COMPILE_MODES, help="torch.compile the policy: false (default) or a mode")
     p.add_argument("--threads", type=_threads, help="torch CPU threads: auto (default; chosen by policy size) or N")
+    p.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="decide auto device, amp and threads by the fixed rules, without timing the policy (preset key probe)",
+    )
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override a preset key (repeatable)")
     p.add_argument("--config", metavar="CONFIG", help="repeat a run: its run_dir/config.yaml (or the run dir)")
     p.add_argument("--run-dir", help="where to write the run (default: runs/ALGO-ENV-TIMESTAMP); must not exist")
@@ -87,6 +92,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     # --per first, so that --set per.alpha=... refines it rather than being replaced by it.
     overrides: dict[str, Any] = {} if args.per is None else {"per": args.per}
     overrides.update({k: v for k in ("amp", "compile", "threads") if (v := getattr(args, k)) is not None})
+    if args.no_probe:
+        overrides["probe"] = False
     overrides.update(parse_override(item) for item in args.set)
     config = load_config(args.config) if args.config else None
     if config is not None and args.preset:

@@ -42,6 +42,14 @@ def machine(
     )
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _probe_cache(tmp_path_factory):
+    """Plans time their policies and cache the figures: in a folder of this test session, never the user's cache."""
+    os.environ["SB3_GPU_CACHE_DIR"] = str(tmp_path_factory.mktemp("sb3_gpu-cache"))
+    yield
+    os.environ.pop("SB3_GPU_CACHE_DIR", None)
+
+
 @pytest.fixture(autouse=True)
 def _keep_torch_settings():
     """Building a model applies its plan's thread count and CUDA math flags process-wide: put them back after each test."""

@@ -44,6 +44,8 @@ class HardwareProfile:
     in_colab: bool
     # AMX tiles: bf16 matrix units (Sapphire Rapids and newer), where CPU bf16 training pays.
     cpu_amx: bool = False
+    # Cores busy with other work when the machine was queried (other trainings, say): not free for torch threads.
+    busy_cores: int = 0
 
     @property
     def has_cuda(self) -> bool:
@@ -130,4 +132,15 @@ def detect_hardware() -> HardwareProfile:
         in_notebook=_in_notebook(),
         in_colab="google.colab" in sys.modules,
         cpu_amx="amx_bf16" in flags,
+        busy_cores=busy_cores(),
     )
+
+
+def busy_cores(interval: float = 0.1) -> int:
+    """Cores more than half busy over ``interval`` seconds, while this process sleeps: other processes' work."""
+    import psutil
+
+    try:
+        return sum(load > 50.0 for load in psutil.cpu_percent(interval=interval, percpu=True))
+    except Exception:  # pragma: no cover - an unusual /proc: assume the cores are free
+        return 0

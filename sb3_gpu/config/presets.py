@@ -98,6 +98,7 @@ class Preset:
     compile: str
     threads: int | str
     device_buffers: str
+    probe: bool
     params: AlgoParams
     sources: dict[str, str]
 

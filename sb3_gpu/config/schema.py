@@ -143,6 +143,9 @@ COMMON_KEYS: dict[str, Check] = {
     "threads": c.threads,
     # Replay or rollout data on the model's device (auto: on CUDA; planning.buffers says why).
     "device_buffers": c.auto_or_bool,
+    # Time the policy on each candidate of the auto choices (device, amp, threads) and take the fastest (planning.probe);
+    # false: the fixed rules decide.
+    "probe": c.boolean,
 }
 COMMON_DEFAULTS: dict[str, Any] = {
     "n_timesteps": 100_000,
@@ -159,6 +162,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "compile": "false",
     "threads": "auto",
     "device_buffers": "auto",
+    "probe": True,
 }
 
 

@@ -7,24 +7,25 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
 import psutil
 from gymnasium import spaces
-from stable_baselines3.common.preprocessing import is_image_space
+from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
 from sb3_gpu.config.schema import PROFILES, get_algo
-from sb3_gpu.envs.choice import check_env_resources, vec_env_choice
+from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choice
 from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
+from sb3_gpu.planning.probe import Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed
 
 
@@ -54,6 +55,8 @@ class Plan:
     # Off-policy training: "overlapped" with collection (on a trainer thread) or "sync" (SB3's schedule).
     training: str = "sync"
     training_reason: str = ""
+    # The timings behind the auto choices (None: nothing was probed; the rules decided).
+    probe: ProbeResult | None = None
 
     def to_config(self) -> dict[str, Any]:
         """Plain data that :func:`~sb3_gpu.config.runconfig.load_config` turns back into the same hyperparameters."""
@@ -75,6 +78,11 @@ class Plan:
                 "training": f"{self.training} ({self.training_reason})",
                 "hardware": self.hardware.describe(),
                 **{f"speed.{name}": f"{value} ({why})" for name, value, why in speed_rows},
+                **(
+                    {"probe": [self.probe.summary(), *map(self.probe.line, range(len(self.probe.options)))]}
+                    if self.probe
+                    else {}
+                ),
                 "sources": dict(self.preset.sources),
             },
         }
@@ -106,6 +114,7 @@ def make_plan(
     config: RunConfig | None = None,
     hardware: HardwareProfile | None = None,
     training: bool = True,
+    prober: Prober | None = None,
 ) -> Plan:
     """Resolve hardware, preset, device and vec env for ``algo`` on ``env``.
 
@@ -115,9 +124,12 @@ def make_plan(
     :param config: a run's config read by :func:`~sb3_gpu.config.runconfig.load_config`; its hyperparameters replace
         the preset
     :param training: False for a plan that only evaluates a saved model: the training sizes (replay buffer memory,
-        rollout length, env workers) are not checked, since nothing of that size is made
+        rollout length, env workers) are not checked, since nothing of that size is made, and nothing is probed
+    :param prober: times the candidates of ``auto`` choices (default: a real one with the user's probe cache, where
+        ``hardware`` is detected rather than given; the preset key ``probe: false`` turns it off)
     """
     algo_ = get_algo(algo)
+    hardware_detected = hardware is None  # an injected profile is a what-if: nothing on it can be timed
     hardware = hardware or detect_hardware()
     entry, entry_label = _entry(algo_.name, env, preset, config)
     layered = _layered(overrides, override_source, n_envs, n_timesteps)
@@ -129,19 +141,30 @@ def make_plan(
         raise ConfigError(f"{algo_.name} needs a Discrete action space; {spec.name} has {facts.action_space}")
 
     policy = provisional.policy if provisional.policy != "auto" else _policy_for(facts.observation_space)
-    choice = choose_device(device, _policy_kind(policy, facts.observation_space), algo_.on_policy, hardware)
-    profile, profile_reason = _profile(profile, choice, entry, entry_label)
-    resolved = resolve_preset(algo_, entry, entry_label, profile, layered)
-    if resolved.policy == "auto":
-        sources = {**resolved.sources, "policy": "auto (observation space)"}
-        resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
+    kind = _policy_kind(policy, facts.observation_space)
+
+    def variant(choice: DeviceChoice) -> _Variant:
+        chosen_profile, profile_reason = _profile(profile, choice, entry, entry_label)
+        resolved = resolve_preset(algo_, entry, entry_label, chosen_profile, layered)
+        if resolved.policy == "auto":
+            sources = {**resolved.sources, "policy": "auto (observation space)"}
+            resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
+        vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
+        speed = _speed(resolved, choice.device, kind, vec.workers, hardware)
+        return _Variant(choice, profile_reason, resolved, vec, speed)
+
+    chosen = variant(choose_device(device, kind, algo_.on_policy, hardware))
+    probed: ProbeResult | None = None
+    if prober is None and hardware_detected:
+        prober = Prober(context=hardware.describe() + f", {hardware.busy_cores} busy cores")
+    if training and prober is not None and chosen.resolved.probe:
+        chosen, probed = _probed(chosen, variant, device, hardware, prober, facts)
+
+    resolved, vec = chosen.resolved, chosen.vec
     check_policy_kwargs(algo_, resolved.policy, resolved.policy_kwargs, entry_label)
     _check_combinations(resolved, facts.observation_space)
     if training:
         _check_sizes(resolved, facts)
-
-    vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
-    if training:
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
     vec_reason = vec.reason
     if vec.kind in ("subproc", "batched") and hardware.in_notebook:
@@ -150,18 +173,123 @@ def make_plan(
         algo=algo_.name,
         env=spec,
         device_request=device,
-        device=choice,
+        device=chosen.device,
         vec_env_request=vec_env,
         vec_env=vec.kind,
         vec_env_reason=vec_reason,
         preset=resolved,
         hardware=hardware,
-        profile_reason=profile_reason,
+        profile_reason=chosen.profile_reason,
         seed=seed,
-        speed=_speed(resolved, choice.device, _policy_kind(resolved.policy, facts.observation_space), vec.workers, hardware),
+        speed=chosen.speed,
+        probe=probed,
         **_eval_step_cap(resolved, facts),
-        **_buffers(resolved, choice.device, facts),
+        **_buffers(resolved, chosen.device.device, facts),
     )
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """The plan's decisions for one device: its profile, the preset resolved with it, the vec env and speed."""
+
+    device: DeviceChoice
+    profile_reason: str
+    resolved: Preset
+    vec: VecEnvChoice
+    speed: SpeedPlan
+
+
+def _probed(
+    rules: _Variant,
+    variant: Callable[[DeviceChoice], _Variant],
+    device_request: str,
+    hardware: HardwareProfile,
+    prober: Prober,
+    facts: _EnvFacts,
+) -> tuple[_Variant, ProbeResult | None]:
+    """Time the candidates of every ``auto`` choice (device, amp, threads) and take the fastest; the rules' variant
+    and None where nothing is auto or only one candidate is left."""
+    variants = [rules]
+    if device_request == "auto":
+        for other in ("cpu", "cuda:0", "mps"):
+            usable = other != rules.device.device and prober.usable(other)
+            if usable and (other != "cuda:0" or hardware.has_cuda) and (other != "mps" or hardware.mps):
+                try:
+                    variants.append(variant(DeviceChoice(other, "")))
+                except ConfigError:  # a profile this device would take does not resolve: not a candidate
+                    continue
+    options: list[Option] = []
+    owners: list[_Variant] = []
+    for v in variants:
+        for amp in _amp_candidates(v, hardware):
+            for threads in _thread_candidates(v):
+                options.append(Option(Candidate(v.device.device, amp, threads), _workload(v, facts)))
+                owners.append(v)
+    if len(options) < 2:
+        return rules, None
+    result = prober.probe(options, rule=0, env_s=facts.step_seconds or 0.0)
+    winner, pick = owners[result.chosen], result.options[result.chosen].candidate
+    # Each reason gives the figures where the probe compared something for it; otherwise the rules' reason stands.
+    speed = dataclasses.replace(winner.speed, amp=pick.amp, threads=pick.threads)
+    amp_vs = result.versus(lambda c: c.device == pick.device and c.amp != pick.amp)
+    if amp_vs is not None:
+        speed = dataclasses.replace(speed, amp_reason=amp_vs)
+    threads_vs = result.versus(lambda c: c.device == pick.device and c.amp == pick.amp and c.threads != pick.threads)
+    if threads_vs is not None:
+        busy = f"; {hardware.busy_cores} cores busy with other work" if hardware.busy_cores else ""
+        speed = dataclasses.replace(speed, threads_reason=threads_vs + busy)
+    device_vs = result.versus(lambda c: c.device != pick.device)
+    choice = winner.device if device_vs is None else DeviceChoice(pick.device, device_vs)
+    return dataclasses.replace(winner, device=choice, speed=speed), result
+
+
+def _amp_candidates(v: _Variant, hardware: HardwareProfile) -> list[str]:
+    if v.resolved.amp != "auto":
+        return [v.speed.amp]
+    device = v.device.device
+    if device == "cpu":
+        modes = ["off", "bf16"] if hardware.cpu_bf16 else ["off"]  # emulated bf16 is slower than fp32 everywhere
+    elif device.startswith("cuda"):
+        gpu = hardware.gpus[int(device.split(":")[1])]
+        modes = ["off", *(["bf16"] if gpu.bf16 else []), *(["fp16"] if gpu.fp16 else [])]
+    else:
+        modes = ["off"]
+    return sorted(modes, key=lambda m: m != v.speed.amp)  # the rules' choice first
+
+
+def _thread_candidates(v: _Variant) -> list[int]:
+    if v.resolved.threads != "auto" or v.device.device != "cpu":
+        return [v.speed.threads]
+    return sorted({v.speed.threads, 1}, key=lambda n: n != v.speed.threads)  # the rules' count first
+
+
+def _workload(v: _Variant, facts: _EnvFacts) -> Workload:
+    preset, params = v.resolved, cast(Any, v.resolved.params)
+    algo = get_algo(preset.algo)
+    policy_class = algo.model_class.policy_aliases[preset.policy]
+    rollout = max(params.n_steps * preset.n_envs, 1) if preset.algo == "ppo" else 0
+    if preset.algo == "ppo":  # n_epochs passes over the rollout in minibatches of batch_size
+        grads = params.n_epochs * -(-rollout // params.batch_size) / rollout
+    else:
+        per_rollout = _train_freq_steps(params.train_freq) * preset.n_envs or preset.n_envs
+        steps = params.gradient_steps if params.gradient_steps >= 0 else per_rollout
+        grads = steps * params.grad_accum_steps / per_rollout
+    kwargs = preset.policy_kwargs_for_sb3()
+    obs_space = _policy_space(facts.observation_space, preset.frame_stack or 1)
+    return Workload(preset.algo, policy_class, obs_space, facts.action_space, kwargs, params.batch_size, preset.n_envs, grads)
+
+
+def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
+    """The observation space the policy sees: frames stacked, images channel-first (as SB3 transposes them)."""
+    if not isinstance(space, spaces.Box):
+        return space
+    low, high = space.low, space.high
+    if is_image_space(space, check_channels=False) and not is_image_space_channels_first(space):
+        low, high = np.moveaxis(low, -1, 0), np.moveaxis(high, -1, 0)
+    if frame_stack > 1:
+        axis = 0 if low.ndim == 3 else -1
+        low, high = np.concatenate([low] * frame_stack, axis=axis), np.concatenate([high] * frame_stack, axis=axis)
+    return spaces.Box(low, high, dtype=space.dtype)
 
 
 def _buffers(preset: Preset, device: str, facts: _EnvFacts) -> dict[str, Any]:

@@ -106,8 +106,9 @@ def choose_threads(
     """``auto`` or a count -> (torch intra-op threads, reason)."""
     if request != "auto":
         return int(request), "asked for"
-    free = max(1, hardware.physical_cores - env_workers)
+    free = max(1, hardware.physical_cores - env_workers - hardware.busy_cores)
     left = f"{hardware.physical_cores} physical cores" + (f" minus {env_workers} env workers" if env_workers else "")
+    left += f" minus {hardware.busy_cores} busy with other work" if hardware.busy_cores else ""
     if device.startswith("cuda"):
         return min(free, 4), f"the GPU does the math; {left}, at most 4 to feed it"
     if policy == "mlp" and width < LARGE_MLP_WIDTH:

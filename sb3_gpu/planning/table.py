@@ -29,6 +29,8 @@ def plan_table(plan: Plan) -> Table:
     table.add_row("eval episode cap", cap, plan.eval_step_cap_reason, style="yellow" if warn else None)
     for name, value, why in plan.speed.rows() if plan.speed else []:
         table.add_row(name, value, why)
+    if plan.probe is not None:
+        table.add_row("probe", plan.probe.summary(), "; ".join(plan.probe.lines()[1:]))
     table.add_section()
     values = plan.preset.values()
     for key, value in values.items():

@@ -110,3 +110,21 @@ def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert bench.main(["gpu", "--device", "cuda"]) == 2
     assert capsys.readouterr().err == "error: --device cuda: this machine has no CUDA device\n"
+
+
+def test_bench_auto_times_auto_against_every_alternative_idle_and_beside_busy_work(tmp_path):
+    import json
+
+    args = ["auto", "--cases", "ppo:CartPole-v1", "--steps", "512", "--repeats", "1", "--compete", "1"]
+    assert bench.main([*args, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "auto.json").read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["idle", "beside 1 busy processes"]
+    for row in rows:
+        assert row["auto"] in row["steps_per_s"] and row["best"] in row["steps_per_s"]
+        assert all(v > 0 for v in row["steps_per_s"].values()) and 0 < row["ratio"] <= 1
+    assert "| ppo CartPole-v1 | idle |" in (tmp_path / "auto.md").read_text()
+
+
+def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
+    assert bench.main(["auto", "--cases", "CartPole-v1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --cases: expected ALGO:ENV with ALGO one of ppo")

@@ -1,0 +1,138 @@
+"""``bench auto``: the plan's automatic device, precision and thread choices against every alternative it passed
+over, each trained for a short run in rotating rounds in one process: once on an idle machine and once beside
+competing CPU-bound processes (as when a user trains several seeds at once)."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch as th
+
+from sb3_gpu.envs.build import close_vec_envs
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import Plan, make_plan
+
+# (algo, env): the cases `bench auto` runs by default; the Atari ones where ale-py is installed.
+AUTO_CASES: list[tuple[str, str]] = [
+    ("ppo", "CartPole-v1"),
+    ("dqn", "CartPole-v1"),
+    ("ppo", "LunarLander-v3"),
+    ("ppo", "ALE/Pong-v5"),
+    ("dqn", "ALE/Pong-v5"),
+]
+
+
+def default_cases() -> list[tuple[str, str]]:
+    have_atari = importlib.util.find_spec("ale_py") is not None
+    have_box2d = importlib.util.find_spec("Box2D") is not None
+    return [(a, e) for a, e in AUTO_CASES if (have_atari or not e.startswith("ALE/")) and (have_box2d or "Lunar" not in e)]
+
+
+@contextmanager
+def competing(processes: int) -> Iterator[None]:
+    """``processes`` CPU-bound Python processes (busy loops) running beside the block."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        if spinners:
+            time.sleep(0.5)  # running before the plan looks at the cores
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
+    """(label, device, overrides) of every candidate the plan's probe timed (or, unprobed, the plan's own choice)."""
+    if plan.probe is None:
+        assert plan.speed is not None
+        return [("auto (nothing to probe)", plan.device.device, {"amp": plan.speed.amp, "threads": plan.speed.threads})]
+    return [
+        (o.candidate.label, o.candidate.device, {"amp": o.candidate.amp, "threads": o.candidate.threads})
+        for o in plan.probe.options
+    ]
+
+
+def _short(algo: str, steps: int) -> dict[str, Any]:
+    """A short run trains as a long one does: off-policy training starts within it, on a buffer no larger than it."""
+    return {} if algo == "ppo" else {"learning_starts": steps // 5, "buffer_size": steps}
+
+
+def _run(algo: str, env: str, device: str, overrides: dict[str, Any], steps: int) -> float:
+    overrides = {**_short(algo, steps), **overrides, "probe": False}
+    plan = make_plan(algo, env, device, n_timesteps=steps, seed=0, overrides=overrides)
+    venv = build_env(plan)
+    try:
+        model = build_model(plan, venv)
+        start = time.perf_counter()
+        model.learn(steps)
+        if model.device.type == "cuda":
+            th.cuda.synchronize(model.device)
+        return model.num_timesteps / (time.perf_counter() - start)
+    finally:
+        close_vec_envs(venv)
+
+
+def bench_auto(
+    cases: Sequence[tuple[str, str]], steps: int, repeats: int, competitors: int, print_fn: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """Per case and phase (idle, then beside ``competitors`` busy processes): auto's choice and env steps/s of every
+    alternative, medians of rotating rounds, and auto's steps/s over the best alternative's."""
+    rows = []
+    phases = [("idle", 0)] + ([(f"beside {competitors} busy processes", competitors)] if competitors else [])
+    for algo, env in cases:
+        for phase, n in phases:
+            with competing(n):
+                plan = make_plan(algo, env, "auto", seed=0, overrides=_short(algo, steps))
+                assert plan.speed is not None
+                params: Any = plan.preset.params
+                # At least two PPO rollouts, so that every run trains.
+                case_steps = max(steps, 2 * params.n_steps * plan.preset.n_envs) if algo == "ppo" else steps
+                auto = (plan.device.device, plan.speed.amp, plan.speed.threads)
+                alternatives = _alternatives(plan)
+                runs: dict[str, list[float]] = {label: [] for label, _, _ in alternatives}
+                for round_ in range(repeats):
+                    shift = round_ % len(alternatives)
+                    for label, device, overrides in alternatives[shift:] + alternatives[:shift]:
+                        runs[label].append(_run(algo, env, device, overrides, case_steps))
+            medians = {label: statistics.median(v) for label, v in runs.items()}
+            chosen = next(
+                label
+                for label, device, o in alternatives
+                if (device, o["amp"], o["threads"]) == auto or label.startswith("auto")
+            )
+            best = max(medians, key=lambda k: medians[k])
+            row = {
+                "algo": algo,
+                "env": env,
+                "steps": case_steps,
+                "phase": phase,
+                "busy_cores": plan.hardware.busy_cores,
+                "auto": chosen,
+                "steps_per_s": medians,
+                "best": best,
+                "ratio": medians[chosen] / medians[best],
+            }
+            print_fn(f"  {algo} {env}, {phase}: auto {chosen} {row['ratio']:.2f}x the best ({best})")
+            rows.append(row)
+    return rows
+
+
+def auto_markdown(rows: list[dict[str, Any]], command: str, machine: str) -> str:
+    lines = [
+        f"`{command}` ({machine})",
+        "",
+        "| case | phase | auto's choice | env steps/s of each candidate (median) | auto / best |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        figures = ", ".join(f"{label} {v:,.0f}" for label, v in r["steps_per_s"].items())
+        lines.append(f"| {r['algo']} {r['env']} | {r['phase']} | {r['auto']} | {figures} | {r['ratio']:.2f}x |")
+    return "\n".join(lines) + "\n"

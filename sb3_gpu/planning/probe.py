@@ -1,0 +1,370 @@
+"""Measured automatic choices: where the device, precision or thread count is ``auto``, the plan times the preset's
+own policy on each candidate and takes the one predicted fastest per env step.
+
+Per candidate (device, precision, torch threads) it times one gradient step at the preset's batch size (forward,
+backward, optimizer) and one inference at ``n_envs`` with its observation and action copies, and predicts
+
+    seconds per env step = env step + inference / n_envs + gradient steps per env step * gradient step
+
+from the preset's schedule. The rules' choice is probed first and kept unless another candidate is predicted at
+least ``1 - MARGIN`` faster (probe noise must not flip a choice); among candidates that close to the best, the rules'
+device and precision and the fewest threads win. Probing is bounded (``budget_s`` per plan) and its figures are
+cached per machine, torch version, policy shape and free cores in the user's cache directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch as th
+from gymnasium import spaces
+
+from sb3_gpu.common.io import atomic_write_text
+
+PROBE_BUDGET_S = 3.0
+MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
+CACHE_VERSION = 1
+
+
+class ProbeCacheWarning(UserWarning):
+    """The probe cache could not be read; it is ignored (and rewritten) rather than trusted."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the policy: a device, a precision (``off`` is fp32) and a torch thread count."""
+
+    device: str
+    amp: str
+    threads: int
+
+    @property
+    def label(self) -> str:
+        precision = "fp32" if self.amp == "off" else self.amp
+        return f"{self.device} {precision}" + (
+            f" {self.threads} thread{'s' * (self.threads > 1)}" if self.device == "cpu" else ""
+        )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one env step asks of the policy under a resolved preset."""
+
+    algo: str
+    policy_class: type
+    observation_space: spaces.Space
+    action_space: spaces.Space
+    policy_kwargs: dict[str, Any]
+    batch_size: int
+    n_envs: int
+    grads_per_env_step: float  # micro-batches of batch_size per env step
+
+    @property
+    def key(self) -> str:
+        parts = [
+            self.algo,
+            self.policy_class.__name__,
+            repr(self.observation_space),
+            repr(self.action_space),
+            repr(sorted((k, _named(v)) for k, v in self.policy_kwargs.items())),
+            f"batch {self.batch_size}",
+            f"envs {self.n_envs}",
+        ]
+        return " | ".join(parts)
+
+
+def _named(value: Any) -> Any:
+    return value.__name__ if isinstance(value, type) else value
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds of one gradient step and of one inference at ``n_envs``."""
+
+    train_s: float
+    infer_s: float
+    cached: bool = False
+
+    def per_env_step(self, workload: Workload, env_s: float) -> float:
+        return env_s + self.infer_s / workload.n_envs + workload.grads_per_env_step * self.train_s
+
+
+@dataclass(frozen=True)
+class Option:
+    """A candidate and the workload it would run (a device's own profile may size the preset differently)."""
+
+    candidate: Candidate
+    workload: Workload
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Every option with its figures (None: not probed within the budget), the rules' choice and the one taken."""
+
+    options: tuple[Option, ...]
+    timings: tuple[Timing | None, ...]
+    rule: int
+    chosen: int
+    env_s: float
+    seconds: float  # spent probing (cached figures cost nothing)
+
+    def predicted(self, i: int) -> float | None:
+        timing = self.timings[i]
+        return None if timing is None else timing.per_env_step(self.options[i].workload, self.env_s)
+
+    def line(self, i: int) -> str:
+        option, timing = self.options[i], self.timings[i]
+        if timing is None:
+            return f"{option.candidate.label}: not probed (budget spent)"
+        w = option.workload
+        return (
+            f"{option.candidate.label}: {_ms(self.predicted(i))}/env step (train {_ms(timing.train_s)} x "
+            f"{w.grads_per_env_step:.3g} + infer {_ms(timing.infer_s)} / {w.n_envs})"
+        )
+
+    def versus(self, differs: Callable[[Candidate], bool]) -> str | None:
+        """The chosen option against the best timed option that differs from it as ``differs`` says, in one phrase
+        (None: no such option)."""
+        mine = self.predicted(self.chosen)
+        others = [i for i, t in enumerate(self.timings) if t is not None and differs(self.options[i].candidate)]
+        if not others:
+            return None
+        best = min(others, key=lambda i: self.predicted(i) or float("inf"))
+        return (
+            f"probe: {_ms(mine)}/env step vs {self.options[best].candidate.label} {_ms(self.predicted(best))}"
+            f" (env {_ms(self.env_s)})"
+        )
+
+    def lines(self) -> list[str]:
+        return [self.summary(), *map(self.line, range(len(self.options)))]
+
+    def summary(self) -> str:
+        probed = sum(t is not None for t in self.timings)
+        cached = sum(t is not None and t.cached for t in self.timings)
+        return f"{probed} of {len(self.options)} candidates timed in {self.seconds:.1f} s ({cached} from the cache)"
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3g} ms"
+
+
+# --------------------------------------------------------------------------- measuring one option
+Measure = Callable[[Option, float], Timing]
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = th.get_num_threads()
+    th.set_num_threads(n)
+    try:
+        yield
+    finally:
+        th.set_num_threads(before)
+
+
+def _autocast(device: th.device, amp: str) -> contextlib.AbstractContextManager[Any]:
+    if amp == "off":
+        return contextlib.nullcontext()
+    return th.autocast(device_type=device.type, dtype=th.bfloat16 if amp == "bf16" else th.float16)
+
+
+def _batch(space: spaces.Space, n: int) -> Any:
+    if isinstance(space, spaces.Dict):
+        return {k: _batch(s, n) for k, s in space.spaces.items()}
+    return np.stack([space.sample() for _ in range(n)])
+
+
+def _sync(device: th.device) -> None:
+    if device.type == "cuda":
+        th.cuda.synchronize(device)
+
+
+def measure_option(option: Option, seconds: float) -> Timing:
+    """Time ``option`` for about ``seconds``: the policy built at the preset's sizes on the candidate's device."""
+    w, c = option.workload, option.candidate
+    device = th.device(c.device)
+    with _threads(c.threads):
+        policy: Any = w.policy_class(w.observation_space, w.action_space, lambda _: 1e-4, **w.policy_kwargs).to(device)
+        obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
+        rollout_obs = _batch(w.observation_space, w.n_envs)
+        step = _train_step(policy, w, obs, device, c.amp)
+
+        def infer() -> None:
+            with _autocast(device, c.amp):
+                policy.predict(rollout_obs)  # the observation copy in, the forward pass, the action copy out
+
+        def train() -> None:
+            step()
+            _sync(device)
+
+        return Timing(_median_time(train, seconds / 2), _median_time(infer, seconds / 2))
+
+
+def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str) -> Callable[[], None]:
+    optimizer = policy.optimizer
+    if w.algo == "ppo":
+        actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device)
+
+        def loss() -> th.Tensor:
+            values, log_prob, entropy = policy.evaluate_actions(obs, actions)
+            entropy = entropy if entropy is not None else -log_prob
+            return (values.float() ** 2).mean() - log_prob.float().mean() - 0.01 * entropy.float().mean()
+    else:  # the DQN family: the online net with gradients, the target net without
+        online = getattr(policy, "q_net", None) or policy.quantile_net
+        target = getattr(policy, "q_net_target", None) or policy.quantile_net_target
+
+        def loss() -> th.Tensor:
+            with th.no_grad():
+                goal = target(obs).float().amax(dim=-1, keepdim=True)
+            return ((online(obs).float() - goal) ** 2).mean()
+
+    def step() -> None:
+        with _autocast(device, amp):
+            value = loss()
+        optimizer.zero_grad()
+        value.backward()
+        th.nn.utils.clip_grad_norm_(policy.parameters(), 10.0)
+        optimizer.step()
+
+    return step
+
+
+def _median_time(fn: Callable[[], None], seconds: float, warmup: int = 2, max_repeats: int = 15) -> float:
+    """Median seconds of ``fn`` after ``warmup`` calls, repeated until ``seconds`` are spent (at least once)."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while not times or (len(times) < max_repeats and time.perf_counter() < end):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- the cache
+def cache_dir() -> Path:
+    """``$SB3_GPU_CACHE_DIR``, else ``$XDG_CACHE_HOME/sb3_gpu``, else ``~/.cache/sb3_gpu``."""
+    if os.environ.get("SB3_GPU_CACHE_DIR"):
+        return Path(os.environ["SB3_GPU_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sb3_gpu"
+
+
+@dataclass
+class ProbeCache:
+    """Probe figures in one JSON file, keyed by machine, torch version, workload, candidate and free cores. A file
+    that cannot be read is ignored with a :class:`ProbeCacheWarning` and replaced on the next write."""
+
+    path: Path = field(default_factory=lambda: cache_dir() / "probes.json")
+    _entries: dict[str, dict[str, float]] | None = None
+
+    def _load(self) -> dict[str, dict[str, float]]:
+        if self._entries is None:
+            self._entries = {}
+            try:
+                data = json.loads(self.path.read_text())
+                if not (isinstance(data, dict) and data.get("version") == CACHE_VERSION):
+                    raise ValueError(f"not a version {CACHE_VERSION} probe cache")
+                entries = data["entries"]
+                for key, value in entries.items():
+                    if not (isinstance(value, dict) and all(isinstance(value.get(k), float) for k in ("train_s", "infer_s"))):
+                        raise ValueError(f"entry {key[:60]!r} is malformed")
+                self._entries = entries
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                warnings.warn(f"ignoring the probe cache {self.path} ({e}); probing again", ProbeCacheWarning, stacklevel=3)
+        return self._entries
+
+    def get(self, key: str) -> Timing | None:
+        entry = self._load().get(_digest(key))
+        return None if entry is None else Timing(entry["train_s"], entry["infer_s"], cached=True)
+
+    def put(self, key: str, timing: Timing) -> None:
+        self._load()[_digest(key)] = {"train_s": float(timing.train_s), "infer_s": float(timing.infer_s)}
+        try:
+            atomic_write_text(self.path, json.dumps({"version": CACHE_VERSION, "entries": self._entries}))
+        except OSError as e:  # a read-only home, say: the figures still serve this plan
+            warnings.warn(f"could not write the probe cache {self.path} ({e})", ProbeCacheWarning, stacklevel=3)
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+# --------------------------------------------------------------------------- choosing
+def device_usable(device: str) -> bool:
+    """Whether torch can run on ``device`` in this process."""
+    if device.startswith("cuda"):
+        return th.cuda.is_available()
+    if device == "mps":
+        return bool(getattr(th.backends, "mps", None) and th.backends.mps.is_available())
+    return device == "cpu"
+
+
+@dataclass
+class Prober:
+    """Times options (``measure``), within ``budget_s`` per plan, through ``cache`` (None: no cache); ``usable`` says
+    which devices can be timed here."""
+
+    measure: Measure = measure_option
+    cache: ProbeCache | None = field(default_factory=ProbeCache)
+    budget_s: float = PROBE_BUDGET_S
+    context: str = ""  # the machine and its free cores: part of every cache key
+    usable: Callable[[str], bool] = device_usable
+
+    def probe(self, options: Sequence[Option], rule: int, env_s: float) -> ProbeResult:
+        """Time ``options`` (the rules' choice, ``options[rule]``, first) and choose among them."""
+        start = time.perf_counter()
+        order = [rule, *(i for i in range(len(options)) if i != rule)]
+        timings: list[Timing | None] = [None] * len(options)
+        fresh = [i for i in order if not self._cached(options[i], timings, i)]
+        for n, i in enumerate(fresh):
+            left = self.budget_s - (time.perf_counter() - start)
+            if left <= 0 and i != rule:
+                continue  # the rules' choice is always timed, so that there is something to compare with
+            timing = self.measure(options[i], max(left, 0.02) / (len(fresh) - n))
+            timings[i] = timing
+            if self.cache is not None:
+                self.cache.put(self._key(options[i]), timing)
+        result = ProbeResult(tuple(options), tuple(timings), rule, rule, env_s, time.perf_counter() - start)
+        return ProbeResult(result.options, result.timings, rule, _choose(result), env_s, result.seconds)
+
+    def _cached(self, option: Option, timings: list[Timing | None], i: int) -> bool:
+        timing = self.cache.get(self._key(option)) if self.cache is not None else None
+        timings[i] = timing
+        return timing is not None
+
+    def _key(self, option: Option) -> str:
+        return f"{self.context} | torch {th.__version__} | {option.workload.key} | {option.candidate.label}"
+
+
+def _choose(result: ProbeResult) -> int:
+    """The rules' choice unless another is predicted faster than MARGIN x it; in doubt (within MARGIN of the best),
+    the rules' device and precision first, then the fewest threads."""
+    predicted = {i: p for i in range(len(result.options)) if (p := result.predicted(i)) is not None}
+    best = min(predicted.values())
+    rule = result.options[result.rule].candidate
+
+    def preference(i: int) -> tuple[bool, bool, int, float]:
+        c = result.options[i].candidate
+        return c.device != rule.device, c.amp != rule.amp, c.threads, predicted[i]
+
+    close = [i for i, p in predicted.items() if p * MARGIN <= best]
+    if predicted[result.rule] * MARGIN <= best:  # the rules' choice is as fast as any: keep its device and precision
+        close = [i for i in close if not any(preference(i)[:2])]
+    return min(close, key=preference)

@@ -1,0 +1,175 @@
+"""Measured auto choices (planning.probe): fake timings drive every branch of the choice on machines we do not have;
+real probes run on this one, through a cache that survives what it should and nothing else."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch as th
+from gymnasium import spaces
+from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticPolicy
+from stable_baselines3.dqn.policies import DQNPolicy
+
+from sb3_gpu.planning import probe as probe_module
+from sb3_gpu.planning.plan import _policy_space, make_plan
+from sb3_gpu.planning.probe import Option, ProbeCache, ProbeCacheWarning, Prober, Timing, Workload, measure_option
+from sb3_gpu.train import main as train_main
+
+
+class FakeTimes:
+    """Timings per candidate label prefix (``cuda:0 fp32``, ``cpu bf16 1``, ...); records what it was asked."""
+
+    def __init__(self, by_label: dict[str, tuple[float, float]] | None = None):
+        self.by_label = by_label or {}
+        self.asked: list[str] = []
+
+    def __call__(self, option: Option, seconds: float) -> Timing:
+        label = option.candidate.label
+        self.asked.append(label)
+        for prefix, (train_ms, infer_ms) in self.by_label.items():
+            if label.startswith(prefix):
+                return Timing(train_ms / 1e3, infer_ms / 1e3)
+        return Timing(1.0, 1.0)  # anything not named is slow
+
+
+def fake_prober(times: FakeTimes, **kwargs) -> Prober:
+    return Prober(measure=times, cache=None, usable=lambda device: True, **kwargs)
+
+
+def test_a_gpu_slower_than_the_cpu_loses_the_rules_choice(gpu_machine):
+    # The rules give an off-policy MLP the GPU; here the GPU's train step is twice the CPU's.
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.8), "cpu fp32": (1.0, 0.2)})
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"per": False})
+    assert plan.device.device == "cpu" and plan.preset.profile == "cpu"
+    assert plan.device.reason.startswith("probe: ") and "vs cuda:0 fp32" in plan.device.reason
+    assert times.asked[0] == "cuda:0 fp32"  # the rules' choice is timed first
+    assert plan.probe is not None and plan.probe.options[plan.probe.chosen].candidate.device == "cpu"
+    config = plan.to_config()["resolved"]
+    assert config["probe"][0].startswith(f"{len(plan.probe.options)} of {len(plan.probe.options)} candidates timed")
+    assert any(line.startswith("cuda:0 fp32: ") and "ms/env step (train 2 ms x " in line for line in config["probe"])
+
+
+def test_amp_slower_than_fp32_is_not_taken_and_faster_amp_is(gpu_machine):
+    # The rules give a CNN bf16 on an A100; a bf16 step slower than fp32 is refused, a much faster one taken.
+    slower = FakeTimes({"cuda:0 fp32": (2.8, 0.7), "cuda:0 bf16": (3.7, 0.8), "cuda:0 fp16": (3.9, 0.8)})
+    plan = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy", prober=fake_prober(slower))
+    assert plan.device.device == "cuda:0" and plan.speed.amp == "off"
+    assert plan.speed.amp_reason.startswith("probe: ") and "vs cuda:0 bf16" in plan.speed.amp_reason
+    faster = FakeTimes({"cuda:0 fp32": (5.1, 0.7), "cuda:0 bf16": (4.1, 0.7), "cuda:0 fp16": (4.3, 0.7)})
+    plan = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy", prober=fake_prober(faster))
+    assert plan.speed.amp == "bf16"
+
+
+def test_in_doubt_the_rules_device_and_precision_stay_with_the_fewest_threads():
+    machine_ = __import__("tests.conftest", fromlist=["machine"]).machine(cores=4, cpu_bf16=True)
+    # Within 10% of each other: no reason to leave the rules' fp32, and one thread is as good as four.
+    times = FakeTimes({"cpu fp32 4": (1.00, 0.1), "cpu fp32 1": (1.05, 0.1), "cpu bf16": (0.97, 0.1)})
+    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides={"per": False})
+    assert (plan.speed.amp, plan.speed.threads) == ("off", 1)
+    assert plan.speed.threads_reason.startswith("probe: ") and "vs cpu fp32 4 threads" in plan.speed.threads_reason
+    # Clearly faster with four threads: four.
+    times = FakeTimes({"cpu fp32 4": (0.5, 0.1), "cpu fp32 1": (1.05, 0.1), "cpu bf16": (0.97, 0.1)})
+    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides={"per": False})
+    assert (plan.speed.amp, plan.speed.threads) == ("off", 4)
+
+
+def test_a_spent_budget_times_only_the_rules_choice_which_then_stands(gpu_machine):
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.8), "cpu fp32": (0.1, 0.1)})
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(times, budget_s=0.0))
+    assert times.asked == ["cuda:0 fp32"] and plan.device.device == "cuda:0"
+    assert plan.probe is not None and "not probed (budget spent)" in "\n".join(plan.probe.lines())
+
+
+def test_choices_that_are_not_auto_are_not_probed(gpu_machine):
+    times = FakeTimes()
+    overrides = {"amp": "off", "threads": 2, "per": False}
+    plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine, prober=fake_prober(times), overrides=overrides)
+    assert times.asked == [] and plan.probe is None and plan.speed.amp_reason == "asked for"
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"probe": False})
+    assert times.asked == [] and plan.probe is None and plan.device.reason.startswith("off-policy MLP policy")
+
+
+def test_the_cache_serves_the_same_machine_and_torch_and_is_stale_after_an_upgrade(tmp_path, monkeypatch, gpu_machine):
+    cache_file = tmp_path / "probes.json"
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.8), "cpu fp32": (1.0, 0.2)})
+
+    def plan():
+        prober = Prober(measure=times, cache=ProbeCache(cache_file), usable=lambda device: True, context="fake A100")
+        return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober, overrides={"per": False})
+
+    first = plan()
+    n = len(times.asked)
+    assert n == len(first.probe.options) and json.loads(cache_file.read_text())["version"] == 1
+    second = plan()
+    assert len(times.asked) == n and second.device.device == first.device.device  # every figure from the cache
+    assert second.probe.summary().endswith(f"({n} from the cache)")
+    monkeypatch.setattr(th, "__version__", "99.0.0")  # a torch upgrade: the old figures no longer apply
+    plan()
+    assert len(times.asked) == 2 * n
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", json.dumps({"version": 1, "entries": {"k": {"train_s": "fast"}}}), json.dumps([1, 2])],
+    ids=["not-json", "bad-entry", "not-a-mapping"],
+)
+def test_a_corrupt_cache_is_ignored_with_a_warning_and_replaced(tmp_path, content, gpu_machine):
+    cache_file = tmp_path / "probes.json"
+    cache_file.write_text(content)
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.8), "cpu fp32": (1.0, 0.2)})
+    prober = Prober(measure=times, cache=ProbeCache(cache_file), usable=lambda device: True)
+    with pytest.warns(ProbeCacheWarning, match=r"ignoring the probe cache .*probes.json \(.*\); probing again"):
+        plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober, overrides={"per": False})
+    assert plan.device.device == "cpu" and len(times.asked) == len(plan.probe.options)
+    assert len(json.loads(cache_file.read_text())["entries"]) == len(plan.probe.options)
+
+
+def test_this_machine_is_really_timed_once_and_then_served_from_the_cache(tmp_path):
+    workload = Workload("ppo", ActorCriticPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(2), {}, 32, 4, 0.3)
+    options = [Option(probe_module.Candidate("cpu", "off", n), workload) for n in (1, 2)]
+    first = Prober(cache=ProbeCache(tmp_path / "probes.json")).probe(options, rule=0, env_s=1e-5)
+    assert all(t is not None and t.train_s > 0 and t.infer_s > 0 and not t.cached for t in first.timings)
+    again = Prober(cache=ProbeCache(tmp_path / "probes.json")).probe(options, rule=0, env_s=1e-5)
+    assert again.timings == tuple(Timing(t.train_s, t.infer_s, cached=True) for t in first.timings)
+    assert again.summary().endswith("(2 from the cache)") and again.chosen == first.chosen
+
+
+def test_a_plan_on_this_machine_records_what_it_timed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SB3_GPU_CACHE_DIR", str(tmp_path))
+    plan = make_plan("dqn", "CartPole-v1", "cpu", overrides={"per": False, "threads": "auto", "amp": "auto"})
+    if plan.probe is None:  # one candidate only (one core, no bf16): nothing to compare, and the rules decided
+        assert "probe" not in plan.to_config()["resolved"]
+        return
+    assert plan.to_config()["resolved"]["probe"] == plan.probe.lines()
+    assert (tmp_path / "probes.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("algo", "policy_class", "space", "policy_kwargs"),
+    [
+        ("ppo", ActorCriticCnnPolicy, spaces.Box(0, 255, (4, 84, 84), np.uint8), {}),
+        ("ppo", ActorCriticPolicy, spaces.Box(-1, 1, (4,), np.float32), {"net_arch": [8]}),
+        ("dqn", DQNPolicy, spaces.Box(-1, 1, (4,), np.float32), {"net_arch": [8]}),
+    ],
+    ids=["ppo-cnn", "ppo-mlp", "dqn-mlp"],
+)
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_measuring_runs_the_real_train_step_and_inference(algo, policy_class, space, policy_kwargs, amp):
+    workload = Workload(algo, policy_class, space, spaces.Discrete(3), policy_kwargs, 8, 2, 0.5)
+    threads = th.get_num_threads()
+    timing = measure_option(Option(probe_module.Candidate("cpu", amp, 1), workload), 0.01)
+    assert timing.train_s > 0 and timing.infer_s > 0 and th.get_num_threads() == threads
+
+
+def test_the_policy_sees_stacked_channel_first_frames():
+    frames = _policy_space(spaces.Box(0, 255, (84, 84, 1), np.uint8), 4)
+    assert frames.shape == (4, 84, 84) and frames.dtype == np.uint8
+    assert _policy_space(spaces.Box(-1, 1, (4,), np.float32), 3).shape == (12,)
+
+
+def test_no_probe_on_the_command_line_keeps_the_rules(call_main):
+    result = call_main(train_main, "dqn", "--env", "CartPole-v1", "--device", "cpu", "--no-probe", "--plan")
+    assert result.returncode == 0, result.stderr
+    assert "candidates timed" not in result.stdout and "probe: " not in result.stdout
