@@ -271,13 +271,14 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
     if args.compete < 0:
         print_error(f"--compete: expected a count >= 0, got {args.compete}")
         return 2
-    print(machine_line())
+    machine = machine_line()  # before the runs set torch's thread count
+    print(machine)
     try:
         rows = bench_auto(cases, args.steps, args.repeats, args.compete)
     except ConfigError as exc:
         print_error(str(exc))
         return 2
-    markdown = auto_markdown(rows, command, machine_line())
+    markdown = auto_markdown(rows, command, machine)
     print(markdown)
     print("written:", *write_results(Path(args.out), "auto", {"command": command, "rows": rows}, markdown))
     return 0

@@ -18,6 +18,7 @@ import torch as th
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import Plan, make_plan
+from sb3_gpu.planning.probe import Candidate
 
 # (algo, env): the cases `bench auto` runs by default; the Atari ones where ale-py is installed.
 AUTO_CASES: list[tuple[str, str]] = [
@@ -50,14 +51,17 @@ def competing(processes: int) -> Iterator[None]:
 
 
 def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
-    """(label, device, overrides) of every candidate the plan's probe timed (or, unprobed, the plan's own choice)."""
-    if plan.probe is None:
-        assert plan.speed is not None
-        return [("auto (nothing to probe)", plan.device.device, {"amp": plan.speed.amp, "threads": plan.speed.threads})]
-    return [
-        (o.candidate.label, o.candidate.device, {"amp": o.candidate.amp, "threads": o.candidate.threads})
-        for o in plan.probe.options
-    ]
+    """(label, device, overrides) of every candidate of the plan's probe, and on the CPU each of them with one thread
+    and with every physical core, whether the probe took that count into account or not."""
+    assert plan.speed is not None
+    options = plan.probe.options if plan.probe else ()
+    auto = (plan.device.device, plan.speed.amp, plan.speed.threads)
+    candidates = {(o.candidate.device, o.candidate.amp, o.candidate.threads) for o in options} | {auto}
+    for device, amp, _ in list(candidates):
+        if device == "cpu":
+            candidates |= {(device, amp, 1), (device, amp, plan.hardware.physical_cores)}
+    ordered = sorted(candidates, key=lambda c: (c != auto, c))
+    return [(Candidate(d, a, t).label, d, {"amp": a, "threads": t}) for d, a, t in ordered]
 
 
 def _short(algo: str, steps: int) -> dict[str, Any]:
@@ -95,7 +99,6 @@ def bench_auto(
                 params: Any = plan.preset.params
                 # At least two PPO rollouts, so that every run trains.
                 case_steps = max(steps, 2 * params.n_steps * plan.preset.n_envs) if algo == "ppo" else steps
-                auto = (plan.device.device, plan.speed.amp, plan.speed.threads)
                 alternatives = _alternatives(plan)
                 runs: dict[str, list[float]] = {label: [] for label, _, _ in alternatives}
                 for round_ in range(repeats):
@@ -103,11 +106,7 @@ def bench_auto(
                     for label, device, overrides in alternatives[shift:] + alternatives[:shift]:
                         runs[label].append(_run(algo, env, device, overrides, case_steps))
             medians = {label: statistics.median(v) for label, v in runs.items()}
-            chosen = next(
-                label
-                for label, device, o in alternatives
-                if (device, o["amp"], o["threads"]) == auto or label.startswith("auto")
-            )
+            chosen = alternatives[0][0]  # auto's own choice comes first
             best = max(medians, key=lambda k: medians[k])
             row = {
                 "algo": algo,
