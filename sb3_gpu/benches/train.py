@@ -97,7 +97,10 @@ def zoo_model(
             kwargs[key] = LinearSchedule(value[1], 0.0, 1.0)
     env: VecEnv
     if atari:
-        env = VecFrameStack(make_atari_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls), n_stack=4)
+        # AtariWrapper skips frames itself: a v5 id's own frame skip is turned off, as sb3_gpu's own Atari path does.
+        env_kwargs = {"frameskip": 1} if env_id.startswith("ALE/") else None
+        venv = make_atari_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls, env_kwargs=env_kwargs)
+        env = VecFrameStack(venv, n_stack=4)
     else:
         env = sb3_make_vec_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls)
     policy = "CnnPolicy" if atari else "MlpPolicy"

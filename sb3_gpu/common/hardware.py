@@ -51,6 +51,15 @@ class HardwareProfile:
     def has_cuda(self) -> bool:
         return len(self.gpus) > 0
 
+    def gpu(self, device: str) -> GPUInfo:
+        """The GPU of a ``cuda`` or ``cuda:N`` device string."""
+        return self.gpus[int(device.split(":")[1]) if ":" in device else 0]
+
+    @property
+    def busy_physical_cores(self) -> int:
+        """:attr:`busy_cores` (logical CPUs) as physical cores, as the thread counts count them."""
+        return -(-self.busy_cores * self.physical_cores // max(self.logical_cores, 1))
+
     def describe(self) -> str:
         """One line, e.g. ``2 cores (2 physical), 23.4 GiB RAM, no GPU``."""
         cpu = f"{self.logical_cores} cores ({self.physical_cores} physical), {self.ram_gb:.1f} GiB RAM"

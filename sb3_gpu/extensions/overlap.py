@@ -24,11 +24,13 @@ import copy
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch as th
+
+from sb3_gpu.extensions.stepping import policy_optimizers
 
 
 class _DeferredLogger:
@@ -90,14 +92,39 @@ class _Overlap:
 def _actor_copy(policy: th.nn.Module) -> th.nn.Module:
     """A copy of ``policy`` for acting: no optimizer, no gradients, not compiled (a compiled module's call would still
     run the original's weights)."""
-    optimizers = {id(o): None for m in policy.modules() if isinstance(o := getattr(m, "optimizer", None), th.optim.Optimizer)}
-    actor = copy.deepcopy(policy, memo=optimizers)
+    actor = copy.deepcopy(policy, memo={id(o): None for o in policy_optimizers(policy)})
     for module in actor.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
     for p in actor.parameters():
         p.grad = None
     return actor.requires_grad_(False)
+
+
+class _LearnerCallbacks:
+    """The callback of ``collect_rollouts``, called with the learner as ``model.policy`` (not the actor): a NaN
+    check or a checkpoint in a callback sees the weights that a save writes."""
+
+    def __init__(self, callback: Any, model: OverlappedTraining):
+        self.callback, self.model = callback, model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.callback, name)
+
+    def update_locals(self, locals_: dict[str, Any]) -> None:
+        self.callback.update_locals(locals_)
+
+    def on_step(self) -> bool:
+        with self.model._as("acting", False):
+            return bool(self.callback.on_step())
+
+    def on_rollout_start(self) -> None:
+        with self.model._as("acting", False):
+            self.callback.on_rollout_start()
+
+    def on_rollout_end(self) -> None:
+        with self.model._as("acting", False):
+            self.callback.on_rollout_end()
 
 
 class OverlappedTraining:
@@ -107,9 +134,13 @@ class OverlappedTraining:
     overlap_training: bool
 
     # ------------------------------------------------------------------ who sees what
+    def _state(self) -> _Overlap | None:
+        """The running overlapped ``learn``'s state (None outside one)."""
+        return self.__dict__.get("_overlap")
+
     @property
     def policy(self) -> Any:
-        state: _Overlap | None = self.__dict__.get("_overlap")
+        state = self._state()
         if state is not None and state.role("acting"):
             return state.actor
         return self.__dict__["policy"]
@@ -120,14 +151,14 @@ class OverlappedTraining:
 
     @property
     def logger(self) -> Any:
-        state: _Overlap | None = self.__dict__.get("_overlap")
+        state = self._state()
         if state is not None and state.role("training"):
             return state.logger
         return self._logger  # type: ignore[attr-defined]
 
     @contextmanager
     def _as(self, role: str, on: bool = True) -> Iterator[None]:
-        state: _Overlap | None = self.__dict__.get("_overlap")
+        state = self._state()
         if state is None:
             yield
             return
@@ -160,6 +191,7 @@ class OverlappedTraining:
         callback.on_training_start(locals(), globals())
         assert s.env is not None, "You must set the environment before calling learn()"
         self.__dict__["_overlap"] = state = _Overlap(self.__dict__["policy"], s._logger)
+        in_collection = _LearnerCallbacks(callback, self)
         try:
             while s.num_timesteps < total_timesteps:
                 with self._as("acting"):
@@ -167,7 +199,7 @@ class OverlappedTraining:
                         s.env,
                         train_freq=s.train_freq,
                         action_noise=s.action_noise,
-                        callback=callback,
+                        callback=in_collection,
                         learning_starts=s.learning_starts,
                         replay_buffer=s.replay_buffer,
                         log_interval=log_interval,
@@ -180,11 +212,11 @@ class OverlappedTraining:
                     if gradient_steps > 0:
                         state.pending = state.pool.submit(self._train_on_thread, gradient_steps)
             self.sync_training()
-        except BaseException:
-            self._drain(state)  # the error raised here is the one to report; a training error after it is not
-            raise
         finally:
+            # After an error here, the training still running is finished (a thread cannot be stopped) and what it
+            # held back is applied; its own error, if any, is not the one to report.
             state.pool.shutdown(wait=True)
+            self._drain(state)
             self.__dict__["_overlap"] = None
         callback.on_training_end()
         return self
@@ -195,23 +227,27 @@ class OverlappedTraining:
 
     def sync_training(self) -> None:
         """Wait for the training that runs in the background (if any), then add the transitions, target updates and
-        log records it held back. ``save`` and ``save_replay_buffer`` call it; a callback that reads the weights
-        of a model in ``learn`` may too. A training error is raised here."""
-        state: _Overlap | None = self.__dict__.get("_overlap")
-        if state is None or state.pending is None:
+        log records it held back. ``save``, ``save_replay_buffer`` and ``predict`` call it; a callback that reads
+        the weights of a model in ``learn`` may too. A training error is raised here."""
+        state = self._state()
+        future = state.pending if state is not None else None
+        if state is None or future is None:
             return
-        future, state.pending = state.pending, None
         try:
             future.result()
-        finally:
-            self._release(state)
+        except BaseException:
+            if not future.done():  # a signal while waiting: the training still runs, and stays pending
+                raise
+            self._drain(state)
+            raise
+        self._drain(state)
         state.actor.load_state_dict(self.__dict__["policy"].state_dict())
 
     def _drain(self, state: _Overlap) -> None:
+        """Apply what a finished training held back (its error, if any, is its caller's to raise)."""
         future, state.pending = state.pending, None
         if future is not None:
-            with suppress(BaseException):
-                future.result()
+            assert future.done(), "drained while training"
             self._release(state)
 
     def _release(self, state: _Overlap) -> None:
@@ -225,13 +261,13 @@ class OverlappedTraining:
 
     # ------------------------------------------------------------------ held back while a training runs
     def _store_transition(self, replay_buffer: Any, *args: Any) -> None:
-        state: _Overlap | None = self.__dict__.get("_overlap")
+        state = self._state()
         if state is not None and state.pending is not None:
             replay_buffer = state.staged
         super()._store_transition(replay_buffer, *args)  # type: ignore[misc]
 
     def _on_step(self) -> None:
-        state: _Overlap | None = self.__dict__.get("_overlap")
+        state = self._state()
         if state is not None and state.pending is not None:
             state.deferred_steps += 1
         else:
@@ -243,7 +279,7 @@ class OverlappedTraining:
             return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        state: _Overlap | None = self.__dict__.get("_overlap")
+        state = self._state()
         if state is None or state.role("sampling"):
             return super().predict(*args, **kwargs)  # type: ignore[misc]
         # Anything but the envs' own actions (an evaluation callback, say) sees the weights a save would write, so that
@@ -266,7 +302,7 @@ class OverlappedTraining:
         self.sync_training()
         with self._as("acting", False):
             super().set_parameters(*args, **kwargs)  # type: ignore[misc]
-        state: _Overlap | None = self.__dict__.get("_overlap")
+        state = self._state()
         if state is not None:
             state.actor.load_state_dict(self.__dict__["policy"].state_dict())
 

@@ -200,8 +200,12 @@ def optimizer_step(optimizer: th.optim.Optimizer, module: th.nn.Module | None = 
     return OptimizerStep(optimizer, names)
 
 
+def policy_optimizers(policy: th.nn.Module) -> list[th.optim.Optimizer]:
+    """Every optimizer a policy's modules hold, once each (SAC-like policies hold one per network)."""
+    found = {id(o): o for m in policy.modules() if isinstance(o := getattr(m, "optimizer", None), th.optim.Optimizer)}
+    return list(found.values())
+
+
 def optimizer_steps(model: BaseAlgorithm) -> list[OptimizerStep]:
-    """The :class:`OptimizerStep` of every optimizer of ``model``'s policy (SAC-like policies hold one per network)."""
-    policy = model.policy
-    optimizers = {id(o): o for m in policy.modules() if isinstance(o := getattr(m, "optimizer", None), th.optim.Optimizer)}
-    return [optimizer_step(o, policy) for o in optimizers.values()]
+    """The :class:`OptimizerStep` of every optimizer of ``model``'s policy."""
+    return [optimizer_step(o, model.policy) for o in policy_optimizers(model.policy)]

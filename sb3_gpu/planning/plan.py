@@ -153,16 +153,20 @@ def make_plan(
         speed = _speed(resolved, choice.device, kind, vec.workers, hardware)
         return _Variant(choice, profile_reason, resolved, vec, speed)
 
-    chosen = variant(choose_device(device, kind, algo_.on_policy, hardware))
+    def check(v: _Variant) -> _Variant:
+        check_policy_kwargs(algo_, v.resolved.policy, v.resolved.policy_kwargs, entry_label)
+        _check_combinations(v.resolved, facts.observation_space)
+        return v
+
+    chosen = check(variant(choose_device(device, kind, algo_.on_policy, hardware)))
     probed: ProbeResult | None = None
     if prober is None and hardware_detected:
         prober = Prober(context=hardware.describe() + f", {hardware.busy_cores} busy cores")
     if training and prober is not None and chosen.resolved.probe:
         chosen, probed = _probed(chosen, variant, device, hardware, prober, facts)
+        check(chosen)
 
     resolved, vec = chosen.resolved, chosen.vec
-    check_policy_kwargs(algo_, resolved.policy, resolved.policy_kwargs, entry_label)
-    _check_combinations(resolved, facts.observation_space)
     if training:
         _check_sizes(resolved, facts)
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
@@ -221,9 +225,13 @@ def _probed(
     options: list[Option] = []
     owners: list[_Variant] = []
     for v in variants:
+        workload = _workload(v, facts)
+        if workload is None:
+            return rules, None
         for amp in _amp_candidates(v, hardware):
             for threads in _thread_candidates(v):
-                options.append(Option(Candidate(v.device.device, amp, threads), _workload(v, facts)))
+                candidate = Candidate(v.device.device, amp, threads)
+                options.append(Option(candidate, workload, v.speed.cudnn_benchmark, v.speed.tf32))
                 owners.append(v)
     if len(options) < 2:
         return rules, None
@@ -236,7 +244,8 @@ def _probed(
         speed = dataclasses.replace(speed, amp_reason=amp_vs)
     threads_vs = result.versus(lambda c: c.device == pick.device and c.amp == pick.amp and c.threads != pick.threads)
     if threads_vs is not None:
-        busy = f"; {hardware.busy_cores} cores busy with other work" if hardware.busy_cores else ""
+        n_busy = hardware.busy_physical_cores
+        busy = f"; {n_busy} cores busy with other work" if n_busy else ""
         speed = dataclasses.replace(speed, threads_reason=threads_vs + busy)
     device_vs = result.versus(lambda c: c.device != pick.device)
     choice = winner.device if device_vs is None else DeviceChoice(pick.device, device_vs)
@@ -250,7 +259,7 @@ def _amp_candidates(v: _Variant, hardware: HardwareProfile) -> list[str]:
     if device == "cpu":
         modes = ["off", "bf16"] if hardware.cpu_bf16 else ["off"]  # emulated bf16 is slower than fp32 everywhere
     elif device.startswith("cuda"):
-        gpu = hardware.gpus[int(device.split(":")[1])]
+        gpu = hardware.gpu(device)
         modes = ["off", *(["bf16"] if gpu.bf16 else []), *(["fp16"] if gpu.fp16 else [])]
     else:
         modes = ["off"]
@@ -263,7 +272,9 @@ def _thread_candidates(v: _Variant) -> list[int]:
     return sorted({v.speed.threads, 1}, key=lambda n: n != v.speed.threads)  # the rules' count first
 
 
-def _workload(v: _Variant, facts: _EnvFacts) -> Workload:
+def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:
+    """What one env step asks of the policy under ``v`` (None where the schedule counts episodes, whose length is not
+    known before training)."""
     preset, params = v.resolved, cast(Any, v.resolved.params)
     algo = get_algo(preset.algo)
     policy_class = algo.model_class.policy_aliases[preset.policy]
@@ -271,12 +282,17 @@ def _workload(v: _Variant, facts: _EnvFacts) -> Workload:
     if preset.algo == "ppo":  # n_epochs passes over the rollout in minibatches of batch_size
         grads = params.n_epochs * -(-rollout // params.batch_size) / rollout
     else:
-        per_rollout = _train_freq_steps(params.train_freq) * preset.n_envs or preset.n_envs
+        per_rollout = _train_freq_steps(params.train_freq) * preset.n_envs
+        if per_rollout == 0:
+            return None
         steps = params.gradient_steps if params.gradient_steps >= 0 else per_rollout
         grads = steps * params.grad_accum_steps / per_rollout
     kwargs = preset.policy_kwargs_for_sb3()
     obs_space = _policy_space(facts.observation_space, preset.frame_stack or 1)
-    return Workload(preset.algo, policy_class, obs_space, facts.action_space, kwargs, params.batch_size, preset.n_envs, grads)
+    overlapped = choose_overlap(preset, v.device.device).kind == "overlapped"
+    return Workload(
+        preset.algo, policy_class, obs_space, facts.action_space, kwargs, params.batch_size, preset.n_envs, grads, overlapped
+    )
 
 
 def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:

@@ -15,6 +15,7 @@ cached per machine, torch version, policy shape and free cores in the user's cac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from gymnasium import spaces
 from sb3_gpu.common.io import atomic_write_text
 
 PROBE_BUDGET_S = 3.0
+MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
 MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
 CACHE_VERSION = 1
 
@@ -69,6 +71,7 @@ class Workload:
     batch_size: int
     n_envs: int
     grads_per_env_step: float  # micro-batches of batch_size per env step
+    overlapped: bool = False  # off-policy training on a thread of its own, beside collection
 
     @property
     def key(self) -> str:
@@ -97,15 +100,19 @@ class Timing:
     cached: bool = False
 
     def per_env_step(self, workload: Workload, env_s: float) -> float:
-        return env_s + self.infer_s / workload.n_envs + workload.grads_per_env_step * self.train_s
+        collect, train = env_s + self.infer_s / workload.n_envs, workload.grads_per_env_step * self.train_s
+        return max(collect, train) if workload.overlapped else collect + train
 
 
 @dataclass(frozen=True)
 class Option:
-    """A candidate and the workload it would run (a device's own profile may size the preset differently)."""
+    """A candidate and the workload it would run (a device's own profile may size the preset differently), with the
+    CUDA math flags the plan would set for it."""
 
     candidate: Candidate
     workload: Workload
+    cudnn_benchmark: bool = False
+    tf32: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,7 @@ class ProbeResult:
     chosen: int
     env_s: float
     seconds: float  # spent probing (cached figures cost nothing)
+    failures: tuple[str | None, ...] = ()  # why an option could not be timed (an unsupported op, out of memory)
 
     def predicted(self, i: int) -> float | None:
         timing = self.timings[i]
@@ -125,12 +133,16 @@ class ProbeResult:
 
     def line(self, i: int) -> str:
         option, timing = self.options[i], self.timings[i]
+        failure = self.failures[i] if i < len(self.failures) else None
+        if failure is not None:
+            return f"{option.candidate.label}: failed ({failure})"
         if timing is None:
             return f"{option.candidate.label}: not probed (budget spent)"
         w = option.workload
+        plus = " beside " if w.overlapped else " + "
         return (
             f"{option.candidate.label}: {_ms(self.predicted(i))}/env step (train {_ms(timing.train_s)} x "
-            f"{w.grads_per_env_step:.3g} + infer {_ms(timing.infer_s)} / {w.n_envs})"
+            f"{w.grads_per_env_step:.3g}{plus}infer {_ms(timing.infer_s)} / {w.n_envs})"
         )
 
     def versus(self, differs: Callable[[Candidate], bool]) -> str | None:
@@ -175,6 +187,20 @@ def _threads(n: int) -> Iterator[None]:
         th.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def _cuda_flags(device: th.device, cudnn_benchmark: bool, tf32: bool) -> Iterator[None]:
+    """The CUDA math flags the plan would set for the run (process-wide, so put back afterwards)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32, th.backends.cudnn.allow_tf32
+    th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32, th.backends.cudnn.allow_tf32 = cudnn_benchmark, tf32, tf32
+    try:
+        yield
+    finally:
+        th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32, th.backends.cudnn.allow_tf32 = before
+
+
 def _autocast(device: th.device, amp: str) -> contextlib.AbstractContextManager[Any]:
     if amp == "off":
         return contextlib.nullcontext()
@@ -196,7 +222,7 @@ def measure_option(option: Option, seconds: float) -> Timing:
     """Time ``option`` for about ``seconds``: the policy built at the preset's sizes on the candidate's device."""
     w, c = option.workload, option.candidate
     device = th.device(c.device)
-    with _threads(c.threads):
+    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32):
         policy: Any = w.policy_class(w.observation_space, w.action_space, lambda _: 1e-4, **w.policy_kwargs).to(device)
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
         rollout_obs = _batch(w.observation_space, w.n_envs)
@@ -332,17 +358,22 @@ class Prober:
         start = time.perf_counter()
         order = [rule, *(i for i in range(len(options)) if i != rule)]
         timings: list[Timing | None] = [None] * len(options)
+        failures: list[str | None] = [None] * len(options)
         fresh = [i for i in order if not self._cached(options[i], timings, i)]
         for n, i in enumerate(fresh):
             left = self.budget_s - (time.perf_counter() - start)
             if left <= 0 and i != rule:
                 continue  # the rules' choice is always timed, so that there is something to compare with
-            timing = self.measure(options[i], max(left, 0.02) / (len(fresh) - n))
-            timings[i] = timing
-            if self.cache is not None:
-                self.cache.put(self._key(options[i]), timing)
-        result = ProbeResult(tuple(options), tuple(timings), rule, rule, env_s, time.perf_counter() - start)
-        return ProbeResult(result.options, result.timings, rule, _choose(result), env_s, result.seconds)
+            seconds = max(left, 0.0) / (len(fresh) - n)
+            try:
+                timings[i] = self.measure(options[i], max(seconds, 0.02))
+            except Exception as e:  # an op the precision lacks, out of memory, ...: not a candidate, and said why
+                failures[i] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+                continue
+            if self.cache is not None and seconds >= MIN_CACHED_S:  # figures from a starved budget are not kept
+                self.cache.put(self._key(options[i]), timings[i])  # type: ignore[arg-type]
+        result = ProbeResult(tuple(options), tuple(timings), rule, rule, env_s, time.perf_counter() - start, tuple(failures))
+        return dataclasses.replace(result, chosen=_choose(result))
 
     def _cached(self, option: Option, timings: list[Timing | None], i: int) -> bool:
         timing = self.cache.get(self._key(option)) if self.cache is not None else None
@@ -354,17 +385,20 @@ class Prober:
 
 
 def _choose(result: ProbeResult) -> int:
-    """The rules' choice unless another is predicted faster than MARGIN x it; in doubt (within MARGIN of the best),
-    the rules' device and precision first, then the fewest threads."""
+    """The rules' choice unless another is predicted faster than MARGIN x it, then the fastest of those (the rules'
+    device and precision first among near-ties); in doubt, the rules' device and precision with the fewest threads
+    that are as fast as the best within MARGIN."""
     predicted = {i: p for i in range(len(result.options)) if (p := result.predicted(i)) is not None}
-    best = min(predicted.values())
-    rule = result.options[result.rule].candidate
+    if result.rule not in predicted:  # nothing to compare with: the rules decide
+        return result.rule
+    rule, rule_p, best = result.options[result.rule].candidate, predicted[result.rule], min(predicted.values())
 
     def preference(i: int) -> tuple[bool, bool, int, float]:
         c = result.options[i].candidate
         return c.device != rule.device, c.amp != rule.amp, c.threads, predicted[i]
 
-    close = [i for i, p in predicted.items() if p * MARGIN <= best]
-    if predicted[result.rule] * MARGIN <= best:  # the rules' choice is as fast as any: keep its device and precision
-        close = [i for i in close if not any(preference(i)[:2])]
+    if rule_p * MARGIN > best:  # clearly beaten: among the clear winners, those close to the best
+        close = [i for i, p in predicted.items() if p <= rule_p * MARGIN and p * MARGIN <= best]
+    else:
+        close = [i for i, p in predicted.items() if p * MARGIN <= best and not any(preference(i)[:2])]
     return min(close, key=preference)

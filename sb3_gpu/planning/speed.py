@@ -60,7 +60,7 @@ def choose_amp(
 ) -> tuple[str, str]:
     """``auto | off | bf16 | fp16`` -> (mode, reason)."""
     kind = device.split(":")[0]
-    gpu = hardware.gpus[int(device.split(":")[1]) if ":" in device else 0] if kind == "cuda" else None
+    gpu = hardware.gpu(device) if kind == "cuda" else None
     if request == "off":
         return "off", "asked for"
     if request in ("bf16", "fp16"):
@@ -106,9 +106,10 @@ def choose_threads(
     """``auto`` or a count -> (torch intra-op threads, reason)."""
     if request != "auto":
         return int(request), "asked for"
-    free = max(1, hardware.physical_cores - env_workers - hardware.busy_cores)
+    busy = hardware.busy_physical_cores
+    free = max(1, hardware.physical_cores - env_workers - busy)
     left = f"{hardware.physical_cores} physical cores" + (f" minus {env_workers} env workers" if env_workers else "")
-    left += f" minus {hardware.busy_cores} busy with other work" if hardware.busy_cores else ""
+    left += f" minus {busy} busy with other work" if busy else ""
     if device.startswith("cuda"):
         return min(free, 4), f"the GPU does the math; {left}, at most 4 to feed it"
     if policy == "mlp" and width < LARGE_MLP_WIDTH:
@@ -139,7 +140,7 @@ def choose_speed(
     cudnn_benchmark = tf32 = False
     cuda_reason = ""
     if device.startswith("cuda"):
-        gpu = hardware.gpus[int(device.split(":")[1]) if ":" in device else 0]
+        gpu = hardware.gpu(device)
         cudnn_benchmark = policy == "cnn"
         tf32 = gpu.bf16  # Ampere and newer
         cuda_reason = ("cuDNN picks the fastest convolutions for the fixed image size; " if cudnn_benchmark else "") + (

@@ -82,6 +82,9 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
 
     The model is written last because resuming starts from the model: its companions are never older than it.
     """
+    sync = getattr(model, "sync_training", None)
+    if sync is not None:  # overlapped training: let the running training finish and its transitions land first
+        sync()
     if replay_buffer and getattr(model, "replay_buffer", None) is not None:
         save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
     vec_normalize = model.get_vec_normalize_env()
@@ -146,7 +149,10 @@ def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:
     """:func:`load_model` with the plan's class, policy and hyperparameters."""
     preset = plan.preset
     kwargs = model_kwargs(plan)
-    return load_model(model_class(plan), path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
+    model = load_model(model_class(plan), path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
+    if hasattr(model, "overlap_training"):  # the saved run's choice was for its machine; this plan's is for this one
+        model.overlap_training = plan.training == "overlapped"
+    return model
 
 
 def restore_vecnormalize(env: VecEnv, state: SavedState, run: RunDir) -> VecEnv:

@@ -280,7 +280,7 @@ def test_envpool_cartpole_episodes_match_gymnasium_in_distribution():
 def test_envpool_atari_keeps_episodic_life_and_whole_game_statistics():
     venv = make_vec_env("ALE/Breakout-v5", 2, vec_env="envpool", seed=0, frame_stack=4)
     obs = venv.reset()
-    assert obs.shape == (2, 84, 84, 4) and obs.dtype == np.uint8  # as SB3's AtariWrapper + VecFrameStack give
+    assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8  # stacked channel-first, as SB3's CNN takes them
     life_losses, games = 0, []
     rng = np.random.default_rng(0)
     while len(games) < 2:

@@ -62,7 +62,7 @@ def test_the_same_steps_gradient_steps_transitions_and_target_updates_as_sb3s_sc
 
 
 class Watch(BaseCallback):
-    """Notes, on the collecting thread, each env step and which policy acts."""
+    """Notes, on the collecting thread, each env step and which policy a callback sees."""
 
     def __init__(self):
         super().__init__()
@@ -95,6 +95,14 @@ def test_a_training_sees_the_buffer_and_targets_as_they_were_when_it_started_whi
         train(gradient_steps, batch_size)
 
     model.train = held_train
+    predict, acting = model.predict, set()
+
+    def watched_predict(*args, **kwargs):  # what _sample_action calls for the envs' actions
+        state = model.__dict__.get("_overlap")
+        acting.add(state is not None and model.policy is state.actor)
+        return predict(*args, **kwargs)
+
+    model.predict = watched_predict
     model.learn(600, callback=watch)
     assert len(seen) == model._n_updates  # one gradient step per rollout here
     held = [(at, after) for at, _, _, after, _, _ in seen if at + 8 <= 600]
@@ -102,7 +110,8 @@ def test_a_training_sees_the_buffer_and_targets_as_they_were_when_it_started_whi
     assert all(size == at == size_after for at, size, _, _, size_after, _ in seen)  # ... into the staging area
     assert all(calls == calls_after for _, _, calls, _, _, calls_after in seen)  # targets untouched meanwhile
     assert model._n_calls == model.num_timesteps and model.replay_buffer.size() == 600
-    assert watch.actors == {False}  # the envs always acted with the actor copy
+    assert acting == {True}  # the envs always acted with the actor copy ...
+    assert watch.actors == {True}  # ... and callbacks saw the learner, whose weights a checkpoint saves
 
 
 def test_the_actor_is_a_frozen_copy_that_catches_up_after_each_training():
@@ -111,9 +120,9 @@ def test_the_actor_is_a_frozen_copy_that_catches_up_after_each_training():
     class Check(BaseCallback):
         def _on_step(self):
             if self.num_timesteps == 300:
-                actor, learner = self.model.policy, self.model.__dict__["policy"]
+                actor, learner = self.model.__dict__["_overlap"].actor, self.model.policy  # a callback sees the learner
                 model.sync_training()
-                checks.append(actor is not learner and actor.optimizer is None)
+                checks.append(actor is not learner and actor.optimizer is None and learner is model.__dict__["policy"])
                 checks.append(not any(p.requires_grad for p in actor.parameters()))
                 checks.append(
                     all(
@@ -221,3 +230,66 @@ def test_qrdqn_overlapped_learns_as_its_plain_class_is_built():
     assert isinstance(model, QRDQN)
     model.learn(300)
     assert model._n_updates == (300 - 64) // 4
+
+
+def test_a_checkpoint_during_learn_waits_for_the_training_and_keeps_every_transition(tmp_path):
+    from sb3_gpu.runs.rundir import StateFiles
+    from sb3_gpu.runs.saving import load_replay_buffer, save_state
+
+    model, seen = dqn(overlap_training=True, replay_buffer_class=PrioritizedReplayBuffer), {}
+    files = StateFiles(tmp_path / "model.zip", tmp_path / "vecnormalize.pkl", tmp_path / "replay_buffer.pkl")
+
+    class Checkpoint(BaseCallback):
+        def _on_step(self):
+            if self.num_timesteps == 301:
+                seen["pending"] = self.model.__dict__["_overlap"].pending is not None
+                save_state(self.model, files, replay_buffer=True)
+                seen["after"] = self.model.__dict__["_overlap"].pending is None
+                seen["stored"] = self.model.num_timesteps - 1  # this step's transition is stored after its callback
+            return True
+
+    model.learn(400, callback=Checkpoint())
+    assert seen["pending"] and seen["after"]
+    restored = dqn(replay_buffer_class=PrioritizedReplayBuffer)
+    load_replay_buffer(restored, files.replay_buffer)
+    assert restored.replay_buffer.size() == seen["stored"]  # the staged transitions were in the saved buffer
+
+
+def test_a_signal_while_waiting_leaves_the_training_pending():
+    model = dqn(overlap_training=True)
+
+    class Interrupted:
+        def result(self):
+            raise KeyboardInterrupt
+
+        def done(self):
+            return False
+
+    class Check(BaseCallback):
+        def _on_step(self):
+            if self.num_timesteps == 200:
+                state = self.model.__dict__["_overlap"]
+                real, state.pending = state.pending, Interrupted()
+                with pytest.raises(KeyboardInterrupt):
+                    self.model.sync_training()
+                assert isinstance(state.pending, Interrupted)  # nothing was released under a running training
+                state.pending = real
+            return True
+
+    model.learn(300, callback=Check())
+    assert model._n_calls == model.num_timesteps and model.replay_buffer.size() == 300
+
+
+def test_a_resumed_model_follows_this_plans_schedule_not_the_saved_ones(tmp_path):
+    from sb3_gpu.planning.build import build_env, build_model
+    from sb3_gpu.planning.plan import make_plan
+    from sb3_gpu.runs.saving import load_plan_model
+
+    def plan(overlap):
+        overrides = {"overlap_training": overlap, "per": True, "buffer_size": 500, "learning_starts": 32}
+        return make_plan("dqn", "CartPole-v1", "cpu", vec_env="dummy", overrides=overrides)
+
+    saved = build_model(plan(True), build_env(plan(True)))
+    saved.save(tmp_path / "model.zip")
+    assert load_plan_model(plan(False), tmp_path / "model.zip", build_env(plan(False))).overlap_training is False
+    assert load_plan_model(plan(True), tmp_path / "model.zip", build_env(plan(True))).overlap_training is True

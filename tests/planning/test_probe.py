@@ -3,6 +3,7 @@ real probes run on this one, through a cache that survives what it should and no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -173,3 +174,33 @@ def test_no_probe_on_the_command_line_keeps_the_rules(call_main):
     result = call_main(train_main, "dqn", "--env", "CartPole-v1", "--device", "cpu", "--no-probe", "--plan")
     assert result.returncode == 0, result.stderr
     assert "candidates timed" not in result.stdout and "probe: " not in result.stdout
+
+
+def test_a_candidate_that_fails_to_run_is_not_chosen_and_says_why(gpu_machine):
+    def measure(option, seconds):
+        if option.candidate.amp == "fp16":
+            raise RuntimeError("an op without an fp16 kernel\nmore detail")
+        return Timing(0.001 if option.candidate.device == "cuda:0" else 0.01, 0.001)
+
+    plan = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy", prober=Prober(measure, None))
+    assert plan.speed.amp != "fp16"
+    assert "cuda:0 fp16: failed (RuntimeError: an op without an fp16 kernel)" in plan.probe.lines()
+    failing_rule = Prober(lambda option, seconds: (_ for _ in ()).throw(MemoryError("out of memory")), None)
+    plan = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy", prober=failing_rule)
+    assert plan.device.device == "cuda:0" and plan.speed.amp == "bf16"  # nothing timed: the rules decide
+
+
+def test_a_switch_goes_to_the_clear_winner_not_to_a_near_tie_of_the_rules_choice():
+    from sb3_gpu.planning.probe import Candidate, ProbeResult, _choose
+
+    w = Workload("dqn", DQNPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(2), {}, 64, 1, 1.0)
+    options = tuple(Option(Candidate(d, "off", t), w) for d, t in (("cpu", 4), ("cuda:0", 4), ("cpu", 1)))
+    timings = tuple(Timing(ms / 1e3, 0.0) for ms in (100, 89, 99))
+    assert _choose(ProbeResult(options, timings, rule=0, chosen=0, env_s=0.0, seconds=0.0)) == 1
+
+
+def test_overlapped_training_is_predicted_beside_collection_not_after_it():
+    w = Workload("dqn", DQNPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(2), {}, 64, 4, 0.5)
+    timing = Timing(train_s=0.004, infer_s=0.004)
+    assert timing.per_env_step(w, env_s=0.001) == pytest.approx(0.001 + 0.001 + 0.002)
+    assert timing.per_env_step(dataclasses.replace(w, overlapped=True), env_s=0.001) == pytest.approx(0.002)
