@@ -31,11 +31,19 @@ class _PrioritizedTraining:
     per_beta_fraction: float
     replay_buffer_kwargs: dict[str, Any]
 
-    def _set_extensions(self, grad_accum_steps: int, per_beta_fraction: float, overlap_training: bool) -> None:
-        # Before SB3's __init__, which calls _setup_model (as load does, after restoring the saved attributes).
+    def __init__(
+        self,
+        *args: Any,
+        grad_accum_steps: int = 1,
+        per_beta_fraction: float = 1.0,
+        overlap_training: bool = False,
+        **kwargs: Any,
+    ):
+        # Set before SB3's __init__, which calls _setup_model (as load does, after restoring the saved attributes).
         self.grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
         self.per_beta_fraction = PER_CHECKS["beta_fraction"](per_beta_fraction, "per.beta_fraction")
         self.overlap_training = boolean(overlap_training, "overlap_training")
+        super().__init__(*args, **kwargs)
 
     def _setup_model(self) -> None:
         super()._setup_model()  # type: ignore[misc]
@@ -109,17 +117,6 @@ class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
     :param overlap_training: train on a thread of its own while the envs step (``extensions.overlap``)
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        grad_accum_steps: int = 1,
-        per_beta_fraction: float = 1.0,
-        overlap_training: bool = False,
-        **kwargs: Any,
-    ):
-        self._set_extensions(grad_accum_steps, per_beta_fraction, overlap_training)
-        super().__init__(*args, **kwargs)
-
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
         with th.no_grad():
             next_q, _ = self.q_net_target(data.next_observations).max(dim=1)
@@ -130,17 +127,6 @@ class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
 
 class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
     """sb3-contrib's QR-DQN with PrioritizedDQN's extensions (each may be off)."""
-
-    def __init__(
-        self,
-        *args: Any,
-        grad_accum_steps: int = 1,
-        per_beta_fraction: float = 1.0,
-        overlap_training: bool = False,
-        **kwargs: Any,
-    ):
-        self._set_extensions(grad_accum_steps, per_beta_fraction, overlap_training)
-        super().__init__(*args, **kwargs)
 
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
         batch = data.observations.shape[0]
