@@ -141,17 +141,20 @@ LABELS = {
 }
 
 
-def _timed_learn(model: Any, steps: int, device: th.device) -> dict[str, Any]:
+def _timed_learn(model: Any, steps: int, device: th.device, in_process: bool) -> dict[str, Any]:
     if device.type == "cuda":
         th.cuda.reset_peak_memory_stats(device)
     with _Utilisation(device) as gpu:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         model.learn(steps)
         _sync(device)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     updates = int(getattr(model, "_n_updates", 0))
     return {
         "steps_per_s": model.num_timesteps / seconds,
+        # This process's CPU seconds (all its threads): steadier than wall time on a shared machine, and the whole
+        # cost where the envs step in this process; None where subprocesses step them.
+        "cpu_s_per_1k": 1000 * cpu_seconds / model.num_timesteps if in_process else None,
         # SB3's n_updates: gradient steps for the DQN family, epochs for PPO.
         "grad_steps_per_1k": 1000 * updates / max(model.num_timesteps, 1),
         "gpu_utilisation": gpu.mean,
@@ -164,16 +167,14 @@ def _train_once(case: tuple[str, str, str], device: str, steps: int, overrides: 
     if overrides is None:
         model = zoo_model(algo, env, seed=0, vec_env_cls=SubprocVecEnv, device=device)
         try:
-            return _timed_learn(model, steps, model.device)
+            return _timed_learn(model, steps, model.device, in_process=False)
         finally:
             close_vec_envs(model.get_env())
-    overrides = dict(overrides)
-    if algo != "ppo":
-        overrides["per"] = False  # the device path of prioritized replay is compared by its own bench
     plan = make_plan(algo, env, device, n_timesteps=steps, profile=profile, overrides=overrides)
     venv = build_env(plan)
     try:
-        return _timed_learn(build_model(plan, venv), steps, th.device(plan.device.device))
+        in_process = not isinstance(venv.unwrapped, SubprocVecEnv)
+        return _timed_learn(build_model(plan, venv), steps, th.device(plan.device.device), in_process)
     finally:
         close_vec_envs(venv)
 
@@ -195,11 +196,15 @@ def bench_training(
         row: dict[str, Any] = {"algo": algo, "env": env, "profile": profile, "steps": steps, "variants": {}}
         for label, results in runs.items():
             figures: dict[str, Any] = {}
-            for key in ("steps_per_s", "grad_steps_per_1k", "gpu_utilisation", "peak_memory_mib"):
+            for key in ("steps_per_s", "cpu_s_per_1k", "grad_steps_per_1k", "gpu_utilisation", "peak_memory_mib"):
                 values = [r[key] for r in results if r[key] is not None]
                 figures[key] = statistics.median(values) if values else None
-            ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(results, runs[base], strict=True)]
-            figures["ratio"] = statistics.median(ratios)  # to the first variant, round by round
+            # To the first variant, round by round: env steps/s, and CPU time per env step where both have it.
+            pairs = list(zip(results, runs[base], strict=True))
+            figures["ratios"] = [r["steps_per_s"] / b["steps_per_s"] for r, b in pairs]
+            figures["ratio"] = statistics.median(figures["ratios"])
+            cpu = [b["cpu_s_per_1k"] / r["cpu_s_per_1k"] for r, b in pairs if r["cpu_s_per_1k"] and b["cpu_s_per_1k"]]
+            figures["cpu_ratio"] = statistics.median(cpu) if cpu else None
             row["variants"][label] = figures
         rows.append(row)
     return rows
@@ -221,16 +226,23 @@ def gpu_markdown(device: str, sample: dict[str, Any], training: list[dict[str, A
         f"prioritized sample + priority update: host trees {sample['per_host_s'] * 1e3:.2f} ms, device trees "
         f"{sample['per_device_s'] * 1e3:.2f} ms ({sample['per_speedup']:.1f}x)",
         "",
-        "| preset | data path | env steps/s | ratio | updates / 1k env steps | GPU utilisation | peak memory |",
-        "|---|---|---|---|---|---|---|",
+        "| preset | data path | env steps/s | ratio (range) | CPU time ratio | updates / 1k env steps | GPU utilisation "
+        "| peak memory |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in training:
         name = f"{r['algo']} {r['env']}" + ("" if r["profile"] == "auto" else f" ({r['profile']})")
         for label, f in r["variants"].items():
+            spread = f"{f['ratio']:.2f}x ({min(f['ratios']):.2f}-{max(f['ratios']):.2f})"
+            cpu = "-" if f["cpu_ratio"] is None else f"{f['cpu_ratio']:.2f}x"
             lines.append(
-                f"| {name} | {LABELS[label]} | {f['steps_per_s']:,.0f} | {f['ratio']:.2f}x | {f['grad_steps_per_1k']:.0f} | "
+                f"| {name} | {LABELS[label]} | {f['steps_per_s']:,.0f} | {spread} | {cpu} | {f['grad_steps_per_1k']:.0f} | "
                 f"{pct(f['gpu_utilisation'])} | {mib(f['peak_memory_mib'])} |"
             )
     lines.append("")
-    lines.append("Ratios: env steps/s to the first row of each preset, median of the rounds (each round runs all rows).")
+    lines.append(
+        "Ratios to the first row of each preset, median of the rounds (each round runs all rows): env steps/s, with "
+        "the lowest and highest round, and this process's CPU time per env step (first row's over this row's; steadier "
+        "on a shared machine, and '-' where subprocesses step the envs)."
+    )
     return "\n".join(lines) + "\n"

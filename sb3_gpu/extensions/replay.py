@@ -19,6 +19,7 @@ from sb3_gpu.common.errors import ConfigError
 # The tensors a buffer owns (None where its layout has none); the rewards, dones and timeouts are views of _scalars.
 _STORAGE = ("observations", "next_observations", "actions", "_scalars", "_terminal_obs", "_terminal_row")
 _VIEWS = ("rewards", "dones", "timeouts")
+_WRITTEN = ("observations", "next_observations", "actions", "_scalars")  # what add() writes at each step
 _TERMINAL_ROWS = 64  # first size of the memory-optimised layout's store of episode-ending next observations
 
 
@@ -154,6 +155,11 @@ class DeviceReplayBuffer(ReplayBuffer):
                 array = th.from_numpy(array if array.flags.writeable else array.copy())
             setattr(self, name, None if array is None else array.to(device))
         self.rewards, self.dones, self.timeouts = self._scalars.unbind(dim=2)
+        # On the CPU the tensors are host memory, and add() writes each step through numpy views of it: a numpy
+        # write costs a fraction of a torch indexing call, which matters at every env step.
+        self._host_views = {}
+        if device.type == "cpu":
+            self._host_views = {name: t.numpy() for name in _WRITTEN if (t := getattr(self, name)) is not None}
         self._generator = None  # a generator belongs to one device; the next sample seeds a new one
 
     def __getstate__(self) -> dict[str, Any]:
@@ -161,7 +167,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         state = self.__dict__.copy()
         for name in _STORAGE:
             state[name] = None if state[name] is None else state[name].cpu().numpy()
-        for name in (*_VIEWS, "_generator"):
+        for name in (*_VIEWS, "_generator", "_host_views"):
             del state[name]
         return state
 
@@ -185,6 +191,15 @@ class DeviceReplayBuffer(ReplayBuffer):
         # From pageable memory a copy waits for the GPU to finish its queue; from pinned memory it need not.
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
+    def _write(self, name: str, pos: int, array: np.ndarray) -> None:
+        """``storage[pos] = array`` for the storage ``name``, converted to its dtype: one copy to the device."""
+        view = self._host_views.get(name)
+        if view is not None:
+            view[pos] = array
+        else:
+            storage = getattr(self, name)
+            storage[pos] = self._to_device(array, storage.dtype)
+
     def add(
         self,
         obs: np.ndarray,
@@ -197,28 +212,26 @@ class DeviceReplayBuffer(ReplayBuffer):
         if isinstance(self.observation_space, spaces.Discrete):
             obs = obs.reshape((self.n_envs, *self.obs_shape))
             next_obs = next_obs.reshape((self.n_envs, *self.obs_shape))
-        action = action.reshape((self.n_envs, self.action_dim))
         timeouts = [info.get("TimeLimit.truncated", False) for info in infos] if self.handle_timeout_termination else 0.0
         scalars = np.empty((self.n_envs, 3), dtype=np.float32)
         scalars[:, 0], scalars[:, 1], scalars[:, 2] = reward, done, timeouts
         pos = self.pos
 
-        self.observations[pos] = self._to_device(obs, self.observations.dtype)
-        next_t = self._to_device(next_obs, self.observations.dtype)
+        self._write("observations", pos, obs)
         if self.next_observations is not None:
-            self.next_observations[pos] = next_t
+            self._write("next_observations", pos, next_obs)
         else:
-            self.observations[(pos + 1) % self.buffer_size] = next_t
-            self._keep_episode_ends(pos, next_t, np.asarray(done))
-        self.actions[pos] = self._to_device(action, self.actions.dtype)
-        self._scalars[pos] = self._to_device(scalars, th.float32)
+            self._write("observations", (pos + 1) % self.buffer_size, next_obs)
+            self._keep_episode_ends(pos, next_obs, np.asarray(done))
+        self._write("actions", pos, action.reshape((self.n_envs, self.action_dim)))
+        self._write("_scalars", pos, scalars)
 
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True
             self.pos = 0
 
-    def _keep_episode_ends(self, pos: int, next_t: th.Tensor, done: np.ndarray) -> None:
+    def _keep_episode_ends(self, pos: int, next_obs: np.ndarray, done: np.ndarray) -> None:
         # In one-copy storage slot pos + 1 holds the next step's observation, which is the reset one where an episode
         # ended; so the true next observation of such a transition is stored aside, in a row that slot pos points to.
         old = self._terminal_row_host[pos]
@@ -231,7 +244,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         rows = np.full(self.n_envs, -1, dtype=np.int64)
         for env in ended:
             rows[env] = row = self._free_rows.pop()
-            self._terminal_obs[row] = next_t[int(env)]
+            self._terminal_obs[row] = self._to_device(next_obs[int(env)], self._terminal_obs.dtype)
         self._terminal_row_host[pos] = rows
         self._terminal_row[pos] = self._to_device(rows, th.int64)
 

@@ -40,7 +40,8 @@ def choose_buffers(preset: Preset, device: str, observation_space: spaces.Space,
             f"on {device}: {size_text(data_bytes)} of rollout/replay data stays there (frames cross once, in their own "
             "dtype; sampling and advantages on the GPU)",
         )
-    # Measured on a 2-core VM (bench gpu): PPO and DQN CartPole 0.92-1.05x SB3's buffers; PER 0.63x the host sum trees.
+    # Measured on a 2-core VM (bench gpu --device cpu): the PPO and DQN CartPole presets (PER included) at 1.02x and
+    # 0.97x SB3's buffers, medians of 7 rounds that ranged from 0.73x to 1.15x: even, within the noise.
     return BufferChoice("host", f"SB3's buffers: on {device} a device buffer is no faster (device_buffers=true to use one)")
 
 
@@ -61,6 +62,6 @@ def choose_overlap(preset: Preset, device: str) -> BufferChoice:
             f"on {device}: the GPU trains on a thread of its own while the envs step, the same gradient steps per env "
             "step (overlap_training=false for SB3's exact schedule)",
         )
-    # Measured on a 2-core VM (bench gpu --device cpu): the DQN CartPole preset at 0.71x and 0.90x with its training
-    # on a thread; the cores that would train are the ones that step the envs, and the GIL serialises the rest.
+    # Measured on a 2-core VM (bench gpu --device cpu): the DQN CartPole preset at 0.56x-0.90x with its training on a
+    # thread; the cores that would train are the ones that step the envs, and the GIL serialises the rest.
     return BufferChoice("sync", f"SB3's schedule: on {device} the training thread would compete with the envs for the cores")

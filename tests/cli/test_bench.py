@@ -97,10 +97,12 @@ def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp
     assert list(rows["dqn"]["variants"]) == ["sb3", "device", "device+overlap"]
     assert {f["grad_steps_per_1k"] for f in rows["dqn"]["variants"].values()} == {1000 * 3 * 128 / 1536}
     for row in rows.values():
-        assert row["variants"]["sb3"]["ratio"] == 1.0
+        assert row["variants"]["sb3"]["ratio"] == 1.0 and row["variants"]["sb3"]["cpu_ratio"] == 1.0
         for f in row["variants"].values():
-            assert f["steps_per_s"] > 0 and f["ratio"] > 0
+            assert f["steps_per_s"] > 0 and f["ratio"] > 0 and len(f["ratios"]) == 2
             assert f["gpu_utilisation"] is None and f["peak_memory_mib"] is None  # no GPU figures on a CPU
+    # CPU time compares runs whose envs step in this process; the zoo baseline's step in subprocesses.
+    assert rows["ppo"]["variants"]["zoo"]["cpu_ratio"] is None and rows["dqn"]["variants"]["device"]["cpu_ratio"] > 0
     markdown = (tmp_path / "gpu.md").read_text()
     assert "| ppo CartPole-v1 | plain SB3, rl-zoo3 values, SubprocVecEnv |" in markdown
     assert "| dqn CartPole-v1 | device buffers, overlapped training |" in markdown

@@ -19,20 +19,37 @@ from sb3_gpu.extensions.per import (
     PrioritizedQRDQN,
     PrioritizedReplayBuffer,
     SumMinTree,
+    tree_backends,
 )
 from sb3_gpu.runs.saving import load_replay_buffer
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)
 ACT = gym.spaces.Discrete(2)
 
-# Multiples of 1/16 add up exactly in any order, so the host's 16-ary tree and the binary one agree to the bit.
+# Multiples of 1/16 add up exactly in any order, so trees of any shape and either backend agree to the bit.
 dyadic = st.lists(st.integers(0, 1600).map(lambda k: k / 16), min_size=1, max_size=300)
+
+# The tensor ops are what runs on a GPU; numba's loops are what the CPU runs where the fast extra is installed.
+BACKENDS = ["torch", *(["numba"] if "numba" in tree_backends() else [])]
+
+
+@pytest.fixture(params=BACKENDS, autouse=True)
+def backend(request, monkeypatch):
+    """Every tree built in a test, also by a buffer, uses this backend, in a small shape: several levels below a
+    top of two nodes, as a million leaves have below a top of thousands."""
+    monkeypatch.setattr(DeviceSumMinTree.__init__, "__defaults__", ("cpu", 4, 2, request.param))
+    return request.param
 
 
 def device_tree(values: np.ndarray) -> DeviceSumMinTree:
     tree = DeviceSumMinTree(len(values))
     tree.update(th.arange(len(values)), th.as_tensor(values))
     return tree
+
+
+def test_the_backend_and_shape_asked_for_are_used(backend):
+    tree = DeviceSumMinTree(100)
+    assert tree.backend == backend and tree._sizes == [128, 32, 8, 2]  # 100 leaves padded to 2 * 4**3
 
 
 @settings(max_examples=80, deadline=None)
@@ -270,3 +287,13 @@ def test_a_nan_td_error_in_training_raises_training_diverged():
     model._per_sample_loss = poisoned
     with pytest.raises(TrainingDiverged, match="NaN or inf"):
         model.learn(200)
+
+
+def test_a_tree_pickled_by_the_earlier_binary_layout_loads_with_its_leaves():
+    leaves = np.array([0.5, 0.0, 2.0, 1.25, 0.25])
+    sums = np.zeros(16)  # the earlier layout: root at 1, leaves from index 8 (the capacity padded to 2 ** 3)
+    sums[8:13] = leaves
+    tree = DeviceSumMinTree.__new__(DeviceSumMinTree)
+    tree.__setstate__({"capacity": 5, "depth": 3, "leaves": 8, "sums": sums, "mins": np.full(16, np.inf), "_stale": None})
+    np.testing.assert_array_equal(tree[np.arange(5)].numpy(), leaves)
+    assert float(tree.total) == leaves.sum() and float(tree.min) == 0.25

@@ -69,10 +69,23 @@ def valid_slots(buffer):
     return np.repeat(slots, buffer.n_envs), np.tile(np.arange(buffer.n_envs), len(slots))
 
 
+def gpu_writes(buffer: DeviceReplayBuffer) -> DeviceReplayBuffer:
+    """Make add() write as on a GPU (a tensor copy into the storage) rather than through numpy views of it."""
+    buffer._host_views = {}
+    return buffer
+
+
+WRITES = {"numpy views": lambda buffer: buffer, "tensor copies": gpu_writes}
+
+
 @pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
 @pytest.mark.parametrize("n_envs", [1, 3])
-def test_stores_the_same_data_as_sb3_at_every_slot_through_wrap_around(spaces, n_envs):
-    ours, theirs = (cls(30, *spaces, device="cpu", n_envs=n_envs) for cls in (DeviceReplayBuffer, ReplayBuffer))
+@pytest.mark.parametrize("writes", WRITES.values(), ids=WRITES.keys())
+def test_stores_the_same_data_as_sb3_at_every_slot_through_wrap_around(spaces, n_envs, writes):
+    ours, theirs = (
+        writes(DeviceReplayBuffer(30, *spaces, device="cpu", n_envs=n_envs)),
+        ReplayBuffer(30, *spaces, "cpu", n_envs),
+    )
     assert ours.buffer_size == theirs.buffer_size == 30 // n_envs
     for transition in record(*spaces, n_envs, steps=75 // n_envs):
         ours.add(*transition)
@@ -116,10 +129,11 @@ def test_sample_draws_every_valid_transition_and_nothing_else(optimize_memory_us
 
 @pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
 @pytest.mark.parametrize("n_envs", [1, 3])
-def test_one_copy_layout_samples_exactly_what_the_plain_one_does_with_timeouts(spaces, n_envs):
+@pytest.mark.parametrize("writes", WRITES.values(), ids=WRITES.keys())
+def test_one_copy_layout_samples_exactly_what_the_plain_one_does_with_timeouts(spaces, n_envs, writes):
     # Short episodes, many of them timeouts, through several wrap-arounds: the store of episode ends grows and
     # frees its rows, and every next observation (a timeout's terminal one included) stays exact.
-    plain, one_copy = (DeviceReplayBuffer(120, *spaces, "cpu", n_envs, optimize) for optimize in (False, True))
+    plain, one_copy = (writes(DeviceReplayBuffer(120, *spaces, "cpu", n_envs, optimize)) for optimize in (False, True))
     for step, transition in enumerate(record(*spaces, n_envs, steps=300 // n_envs, p_done=0.6)):
         plain.add(*transition)
         one_copy.add(*transition)

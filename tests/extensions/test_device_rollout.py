@@ -21,11 +21,14 @@ ACTIONS = spaces.Discrete(3)
 SMALL_PPO = {"n_steps": 32, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [16]}}
 
 
-def _buffers(n_steps=17, n_envs=3, obs_space=VECTOR, gamma=0.99, gae_lambda=0.95, seed=0, compute=True):
-    """SB3's buffer and ours, both filled with the same random steps (episode starts included)."""
+def _buffers(n_steps=17, n_envs=3, obs_space=VECTOR, gamma=0.99, gae_lambda=0.95, seed=0, compute=True, gpu_writes=False):
+    """SB3's buffer and ours, both filled with the same random steps (episode starts included); ``gpu_writes``: ours
+    writes each step as on a GPU (tensor copies) rather than through numpy views of its storage."""
     rng = np.random.default_rng(seed)
     kwargs = {"device": "cpu", "gae_lambda": gae_lambda, "gamma": gamma, "n_envs": n_envs}
     pair = RolloutBuffer(n_steps, obs_space, ACTIONS, **kwargs), DeviceRolloutBuffer(n_steps, obs_space, ACTIONS, **kwargs)
+    if gpu_writes:
+        pair[1]._host_rows = None
     for _ in range(n_steps):
         if obs_space.dtype == np.uint8:
             obs = rng.integers(0, 256, (n_envs, *obs_space.shape), dtype=np.uint8)
@@ -64,8 +67,9 @@ def test_gae_matches_sb3_with_episode_starts(gae_lambda, n_envs):
     np.testing.assert_allclose(ours.returns, sb3.returns, rtol=1e-6, atol=1e-6)
 
 
-def test_stored_data_matches_sb3():
-    sb3, ours = _buffers()
+@pytest.mark.parametrize("gpu_writes", [False, True], ids=["numpy views", "tensor copies"])
+def test_stored_data_matches_sb3(gpu_writes):
+    sb3, ours = _buffers(gpu_writes=gpu_writes)
     assert ours.observations.dtype == th.float32 and ours.actions.dtype == th.float32
     np.testing.assert_array_equal(ours.observations.numpy(), sb3.observations)
     np.testing.assert_array_equal(ours.actions.numpy(), sb3.actions.astype(np.float32))

@@ -10,8 +10,9 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.vec_env import VecNormalize
 
-from sb3_gpu.common.errors import TrainingDiverged
+from sb3_gpu.common.errors import ConfigError, TrainingDiverged
 from sb3_gpu.extensions.per.buffer import check_per_values
+from sb3_gpu.extensions.per.tree import kernels, last_positive_before, level_offsets, level_sizes
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 
 
@@ -19,25 +20,48 @@ class DeviceSumMinTree:
     """Sums and minima over ``capacity`` non-negative leaves, as float64 tensors on ``device``; empty leaves count 0 in
     sums and +inf in minima.
 
-    A binary tree in one flat array per statistic: node ``n`` has children ``2n`` and ``2n + 1``, the root is node 1
-    and the leaves (padded to a power of two) are the second half. A batch is searched or updated one level at a
-    time, so ``log2(capacity)`` steps of a few tensor ops each whatever the batch size. Leaves set by
-    ``update_range`` (what each env step adds) refresh their ancestors only when the tree is next read, so the
-    steps between two samples cost one refresh.
+    The layout is :class:`SumMinTree`'s: ``fanout``-ary levels from the leaves up to a top of at most ``top`` nodes,
+    all in one flat tensor per statistic (``sums``; ``mins`` from the first level up). A batch is searched or updated
+    one level at a time with a few tensor ops per level, so a million leaves cost a cumulative sum over the top and two
+    levels of gathers, whatever the batch size: few kernel launches on a GPU. Leaves set by ``update_range`` (what each
+    env step adds) refresh their ancestors only when the tree is next read, so the steps between two samples cost one
+    refresh.
+
+    ``backend``: ``torch`` (those tensor ops, on any device) or ``numba``, the host tree's compiled loops run on the
+    same memory, which on the CPU take a fraction of the tensor ops' per-call overhead. ``auto`` picks numba on the
+    CPU where it is installed (the ``fast`` extra), else torch; a move off the CPU switches to torch.
     """
 
-    def __init__(self, capacity: int, device: th.device | str = "cpu"):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self.depth = (capacity - 1).bit_length()
-        self.leaves = 1 << self.depth  # index of the first leaf
+    def __init__(
+        self, capacity: int, device: th.device | str = "cpu", fanout: int = 16, top: int | None = None, backend: str = "auto"
+    ):
+        if capacity < 1 or fanout < 2:
+            raise ValueError(f"capacity must be >= 1 and fanout >= 2, got {capacity} and {fanout}")
+        if backend not in ("auto", "torch", "numba"):
+            raise ValueError(f"backend must be auto, torch or numba, got {backend!r}")
+        if backend == "numba" and (kernels is None or th.device(device).type != "cpu"):
+            raise ConfigError("the numba backend runs on the CPU and needs numba: pip install 'sb3-gpu[fast]'")
+        on_cpu = th.device(device).type == "cpu"
+        self.backend = backend if backend != "auto" else "numba" if on_cpu and kernels is not None else "torch"
+        self.capacity, self.fanout = capacity, fanout
         # float64 as the host tree: float32 sums carry ~7 digits, so over 10^6 leaves a small priority's share of
         # the total would be lost in rounding and the draws would no longer follow the priorities. The search and
         # updates are a few gathers per level, bound by launches and memory, not by float64 arithmetic.
-        self.sums = th.zeros(2 * self.leaves, dtype=th.float64, device=device)
-        self.mins = th.full((2 * self.leaves,), th.inf, dtype=th.float64, device=device)
+        # A top of 256 suits the compiled loops (they pass over it per search), 4096 one cumulative sum per batch.
+        self._sizes = level_sizes(capacity, fanout, top or (256 if self.backend == "numba" else 4096))
+        self._sum_offsets, self._min_offsets = level_offsets(self._sizes)
+        self.sums = th.zeros(sum(self._sizes), dtype=th.float64, device=device)
+        self.mins = th.full((sum(self._sizes[1:]),), th.inf, dtype=th.float64, device=device)
         self._stale: tuple[int, int] | None = None  # leaves whose ancestors are out of date
+        self._make_views()
+
+    def _make_views(self) -> None:
+        sizes, sums, mins = self._sizes, self.sums, self.mins
+        self._level_sums = [sums[o : o + n] for o, n in zip(self._sum_offsets.tolist(), sizes, strict=True)]
+        self._level_mins = [mins[o : o + n] for o, n in zip(self._min_offsets.tolist(), sizes[1:], strict=True)]
+        # 1-based positions in a group and in the top: times "is non-empty", their max is the last non-empty one.
+        self._ranks = th.arange(1, self.fanout + 1, device=sums.device)
+        self._top_ranks = th.arange(1, sizes[-1] + 1, device=sums.device)
 
     @property
     def device(self) -> th.device:
@@ -45,29 +69,44 @@ class DeviceSumMinTree:
 
     def to(self, device: th.device | str) -> None:
         self.sums, self.mins = self.sums.to(device), self.mins.to(device)
+        if self.sums.device.type != "cpu":
+            self.backend = "torch"
+        self._make_views()
 
     def __getstate__(self) -> dict[str, Any]:
         self._refresh()
-        return {**self.__dict__, "sums": self.sums.cpu().numpy(), "mins": self.mins.cpu().numpy()}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_level_sums", "_level_mins", "_ranks", "_top_ranks")}
+        return {**state, "sums": self.sums.cpu().numpy(), "mins": self.mins.cpu().numpy()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_sizes" not in state:  # saved by an earlier sb3_gpu, as a binary tree: rebuilt from its leaves
+            first = state["leaves"]
+            self.__init__(state["capacity"])  # type: ignore[misc]
+            self.update_range(0, th.from_numpy(state["sums"][first : first + state["capacity"]]))
+            return
         self.__dict__.update(state)
         self.sums, self.mins = th.from_numpy(self.sums), th.from_numpy(self.mins)
+        if self.backend == "numba" and kernels is None:  # saved where numba was installed, loaded where it is not
+            self.backend = "torch"
+        self._make_views()
 
     @property
     def total(self) -> th.Tensor:
         """The sum of the leaves, a 0-dim tensor (reading it as a number waits for the device)."""
         self._refresh()
-        return self.sums[1]
+        return self._level_sums[-1].sum()
 
     @property
     def min(self) -> th.Tensor:
         """The smallest non-empty leaf (+inf if none), a 0-dim tensor."""
         self._refresh()
-        return self.mins[1]
+        if self._level_mins:
+            return self._level_mins[-1].amin()
+        leaves = self._level_sums[0]
+        return th.where(leaves > 0, leaves, th.inf).amin()
 
     def __getitem__(self, indices: th.Tensor | np.ndarray) -> th.Tensor:
-        return self.sums[self.leaves + th.as_tensor(indices, device=self.device)]
+        return self._level_sums[0][th.as_tensor(indices, device=self.device)]
 
     def clear(self) -> None:
         self.sums.zero_()
@@ -77,8 +116,7 @@ class DeviceSumMinTree:
     def update_range(self, start: int, values: th.Tensor) -> None:
         """Set the consecutive leaves from ``start``; their ancestors are refreshed when the tree is next read."""
         end = start + len(values)
-        self.sums[self.leaves + start : self.leaves + end] = values
-        self.mins[self.leaves + start : self.leaves + end] = th.where(values > 0, values, th.inf)
+        self._level_sums[0][start:end] = values
         # One span over all stale leaves: tight for a ring's consecutive adds; across its wrap, a whole rebuild.
         low, high = self._stale or (start, end)
         self._stale = (min(low, start), max(high, end))
@@ -86,13 +124,20 @@ class DeviceSumMinTree:
     def _refresh(self) -> None:
         if self._stale is None:
             return
-        low, high = self._stale[0] + self.leaves, self._stale[1] + self.leaves
+        low, high = self._stale
         self._stale = None
-        for _ in range(self.depth):
-            low, high = low // 2, (high - 1) // 2 + 1
-            # A level's nodes are contiguous and its children lie past it, so slices, and no overlap with ``out``.
-            th.add(self.sums[2 * low : 2 * high : 2], self.sums[2 * low + 1 : 2 * high : 2], out=self.sums[low:high])
-            th.minimum(self.mins[2 * low : 2 * high : 2], self.mins[2 * low + 1 : 2 * high : 2], out=self.mins[low:high])
+        fanout = self.fanout
+        for level in range(1, len(self._sizes)):
+            low, high = low // fanout, (high - 1) // fanout + 1
+            # The children of nodes [low, high) are one contiguous slice of the level below, in groups of fanout.
+            children = self._level_sums[level - 1][low * fanout : high * fanout].view(-1, fanout)
+            th.sum(children, dim=1, out=self._level_sums[level][low:high])
+            below = (
+                th.where(children > 0, children, th.inf)
+                if level == 1
+                else self._level_mins[level - 2][low * fanout : high * fanout].view(-1, fanout)
+            )
+            th.amin(below, dim=1, out=self._level_mins[level - 1][low:high])
 
     def update(self, indices: th.Tensor, values: th.Tensor) -> None:
         """Set leaves ``indices`` to ``values`` and recompute their ancestors from their children.
@@ -101,34 +146,60 @@ class DeviceSumMinTree:
         leaves as written, so the tree always equals one rebuilt from its leaves.
         """
         self._refresh()
-        nodes = indices.to(device=self.device, dtype=th.int64).reshape(-1) + self.leaves
+        nodes = indices.to(device=self.device, dtype=th.int64).reshape(-1)
         values = values.to(device=self.device, dtype=th.float64).reshape(-1).expand(len(nodes))
-        self.sums.index_copy_(0, nodes, values)
-        self.mins.index_copy_(0, nodes, th.where(values > 0, values, th.inf))
-        sum_pairs, min_pairs = self.sums.view(-1, 2), self.mins.view(-1, 2)  # row n: the children of node n
-        for _ in range(self.depth):
+        if self.backend == "numba":
+            assert kernels is not None
+            args = (self.sums.numpy(), self.mins.numpy(), self._sum_offsets, self._min_offsets, self.fanout)
+            kernels.update(*args, nodes.numpy(), values.contiguous().numpy())
+            return
+        self._level_sums[0].index_copy_(0, nodes, values)
+        for level in range(1, len(self._sizes)):
             # Repeated parents are written repeatedly with one value: cheaper than deduplicating.
-            nodes = nodes // 2
-            self.sums.index_copy_(0, nodes, sum_pairs.index_select(0, nodes).sum(dim=1))
-            self.mins.index_copy_(0, nodes, min_pairs.index_select(0, nodes).amin(dim=1))
+            nodes = nodes // self.fanout
+            children = self._level_sums[level - 1].view(-1, self.fanout).index_select(0, nodes)
+            self._level_sums[level].index_copy_(0, nodes, children.sum(dim=1))
+            if level > 1:
+                children = self._level_mins[level - 2].view(-1, self.fanout).index_select(0, nodes)
+            self._level_mins[level - 1].index_copy_(0, nodes, th.where(children > 0, children, th.inf).amin(dim=1))
 
     def find(self, prefix: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         """For each ``u`` in ``[0, total)``, the leaf ``i`` with ``sum(leaves[:i]) <= u < sum(leaves[:i+1])``, and its value.
 
-        Never an empty leaf, even where rounding puts ``u`` at or past the total: the search goes right only into a
-        non-empty subtree. The tree must not be empty.
+        Never an empty leaf, even where rounding puts ``u`` at or past the total: past a group's end the search takes
+        the last non-empty child. The tree must not be empty.
         """
         self._refresh()
         prefix = prefix.to(device=self.device, dtype=th.float64)
-        nodes = th.ones(len(prefix), dtype=th.int64, device=self.device)
-        pairs = self.sums.view(-1, 2)
-        for _ in range(self.depth):
-            children = pairs.index_select(0, nodes)
-            left = children[:, 0]
-            right = (prefix >= left) & (children[:, 1] > 0)
-            prefix = th.where(right, prefix - left, prefix)
-            nodes = 2 * nodes + right
-        return nodes - self.leaves, self.sums.index_select(0, nodes)
+        top = self._level_sums[-1]
+        inclusive = th.cumsum(top, dim=0)
+        if self.backend == "numba":
+            return self._find_compiled(prefix, inclusive)
+        # First the top, whose children are all of it: the first node whose running sum passes u (never empty), or
+        # where rounding put u at or past the total, the last non-empty node.
+        last = (self._top_ranks * (top > 0)).amax() - 1
+        nodes = th.minimum(th.searchsorted(inclusive, prefix, right=True), last)
+        prefix = (prefix - (inclusive[nodes] - top[nodes])).clamp_(min=0)
+        for level in range(len(self._sizes) - 2, -1, -1):
+            children = self._level_sums[level].view(-1, self.fanout).index_select(0, nodes)
+            inclusive = children.cumsum(dim=1)
+            last = (self._ranks * (children > 0)).amax(dim=1) - 1
+            child = th.minimum((inclusive <= prefix.unsqueeze(1)).sum(dim=1), last).unsqueeze(1)
+            prefix = (prefix - (inclusive.gather(1, child) - children.gather(1, child)).squeeze(1)).clamp_(min=0)
+            nodes = nodes * self.fanout + child.squeeze(1)
+        return nodes, self._level_sums[0].index_select(0, nodes)
+
+    def _find_compiled(self, prefix: th.Tensor, top_inclusive: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        assert kernels is not None
+        host_prefix = prefix.numpy().copy()  # the kernel consumes its prefixes
+        nodes, values = np.empty(len(host_prefix), dtype=np.int64), np.empty(len(host_prefix))
+        kernels.find(self.sums.numpy(), self._sum_offsets, self.fanout, top_inclusive.numpy(), host_prefix, nodes, values)
+        if not (values > 0).all():
+            nodes, values = last_positive_before(self._level_sums[0].numpy(), nodes, values)
+        return th.from_numpy(nodes), th.from_numpy(values)
+
+
+_TENSORS = ("max_priority", "_new_leaf", "_last_max_weight", "_strata")  # pickled as arrays
 
 
 class DevicePrioritizedReplayBufferSamples(NamedTuple):
@@ -174,29 +245,43 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         self.alpha, self.beta, self.eps = alpha, beta, eps
         self.tree = DeviceSumMinTree(self.buffer_size * self.n_envs, self.device)
         self.max_priority = th.ones((), dtype=th.float64, device=self.device)  # before alpha
+        self._new_leaf = self.max_priority**self.alpha  # what add() writes: max_priority ** alpha
         self._last_max_weight = th.ones((), dtype=th.float64, device=self.device)
+        # The last sample's (p_min, total, transitions), for last_max_weight: computed when read (by the logger,
+        # once per train()), not at each of its gradient steps' samples.
+        self._last_draw: tuple[th.Tensor, th.Tensor, int] | None = None
+        self._strata = th.arange(0, dtype=th.float64, device=self.device)  # 0 .. batch_size - 1, kept between samples
 
     @property
     def last_max_weight(self) -> th.Tensor:
         """The largest unnormalised weight ``(N * p_min / total) ** -beta`` at the last sample, a 0-dim tensor."""
+        if self._last_draw is not None:
+            smallest, total, n = self._last_draw
+            self._last_max_weight, self._last_draw = (n * smallest / total).pow(-self.beta), None
         return self._last_max_weight
 
     def _place(self, arrays: dict[str, th.Tensor | np.ndarray | None], device: th.device) -> None:
         super()._place(arrays, device)
         if getattr(self, "tree", None) is not None:  # absent while the base class allocates the storage
             self.tree.to(device)
-            self.max_priority = self.max_priority.to(device)
-            self._last_max_weight = self._last_max_weight.to(device)
+            self.max_priority, self._new_leaf = self.max_priority.to(device), self._new_leaf.to(device)
+            self._last_max_weight = self.last_max_weight.to(device)
+            self._strata = self._strata.to(device)
 
     def __getstate__(self) -> dict[str, Any]:
+        self.last_max_weight  # noqa: B018 -- computes the pending figure, so the pickle holds it
         state = super().__getstate__()
-        for name in ("max_priority", "_last_max_weight"):
+        for name in _TENSORS:
             state[name] = state[name].cpu().numpy()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        for name in ("max_priority", "_last_max_weight"):
-            state[name] = th.from_numpy(state[name])
+        for name in _TENSORS:
+            if name in state:  # a buffer saved by an earlier sb3_gpu lacks the newer ones
+                state[name] = th.from_numpy(state[name])
+        state.setdefault("_new_leaf", state["max_priority"] ** state["alpha"])
+        state.setdefault("_strata", th.arange(0, dtype=th.float64))
+        state.setdefault("_last_draw", None)
         super().__setstate__(state)  # then _place moves them, and the tree, to the buffer's device
 
     def reset(self) -> None:
@@ -215,7 +300,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
     ) -> None:
         first = self.pos * self.n_envs
         super().add(obs, next_obs, action, reward, done, infos)
-        self.tree.update_range(first, (self.max_priority**self.alpha).expand(self.n_envs))
+        self.tree.update_range(first, self._new_leaf.expand(self.n_envs))
         if self.optimize_memory_usage:
             # One-copy storage just wrote this step's next observation over slot pos's observation: never draw it.
             self.tree.update_range(self.pos * self.n_envs, self.max_priority.new_zeros(self.n_envs))
@@ -226,12 +311,13 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> DevicePrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
         total = self.tree.total
-        steps = th.arange(batch_size, dtype=th.float64, device=self.device)
-        indices, priorities = self.tree.find((steps + self._uniforms(batch_size)) * (total / batch_size))
+        if len(self._strata) != batch_size:
+            self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
+        indices, priorities = self.tree.find((self._strata + self._uniforms(batch_size)) * (total / batch_size))
         # w_i = (N * P(i)) ** -beta divided by the largest weight, that of the smallest priority: (p_i / p_min) ** -beta.
         smallest = self.tree.min
         weights = (priorities / smallest).pow(-self.beta).float()
-        self._last_max_weight = (self.size() * self.n_envs * smallest / total).pow(-self.beta)
+        self._last_draw = (smallest, total, self.size() * self.n_envs)
         # With one env, a scalar env index makes the gathers cheaper than a tensor of zeros.
         batch_inds, env_inds = (indices, 0) if self.n_envs == 1 else (indices // self.n_envs, indices % self.n_envs)
         samples = self._get_samples_at(batch_inds, env_inds, env)
@@ -248,4 +334,5 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
                 "look for NaN or inf in rewards or observations, or lower the learning rate)"
             )
         self.max_priority = th.maximum(self.max_priority, priorities.max())
+        self._new_leaf = self.max_priority**self.alpha
         self.tree.update(th.as_tensor(indices, device=self.device), priorities**self.alpha)

@@ -25,6 +25,36 @@ def tree_backends() -> list[str]:
     return ["numba", "numpy"] if kernels is not None else ["numpy"]
 
 
+def level_sizes(capacity: int, fanout: int, top: int) -> list[int]:
+    """The node counts of a tree's levels, leaves first, up to the first level of at most ``top`` nodes.
+
+    Every level below the top is whole groups of whole groups: the leaves are padded (with empty leaves) to
+    ``top_size * fanout ** (levels - 1)``, so that a search running past the end still lands on a leaf, never outside.
+    """
+    levels = 1
+    while -(-capacity // fanout ** (levels - 1)) > top:
+        levels += 1
+    top_size = -(-capacity // fanout ** (levels - 1))
+    return [top_size * fanout**k for k in range(levels - 1, -1, -1)]
+
+
+def level_offsets(sizes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Where each level starts in the flat sums array (all levels) and the flat minima array (all but the leaves)."""
+    sum_offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+    min_offsets = np.cumsum([0, *sizes[1:-1]], dtype=np.int64)[: len(sizes) - 1]
+    return sum_offsets, min_offsets
+
+
+def last_positive_before(leaves: np.ndarray, nodes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Move empty picks (rounding past a group's end, rare) onto the nearest non-empty leaf before them."""
+    positive = np.flatnonzero(leaves > 0)
+    if not len(positive):
+        raise ValueError("cannot search a tree whose leaves are all zero")
+    empty = values <= 0
+    nodes[empty] = positive[np.maximum(np.searchsorted(positive, nodes[empty]) - 1, 0)]
+    return nodes, leaves[nodes]
+
+
 class SumMinTree:
     """Sums and minima over ``capacity`` non-negative leaves; empty leaves count 0 in sums and +inf in minima.
 
@@ -48,15 +78,8 @@ class SumMinTree:
         self.backend = "numba" if backend == "auto" and kernels is not None else "numpy" if backend == "auto" else backend
         if top is None:  # a cumulative sum over the top costs numpy one call but compiled loops a pass per search
             top = 256 if self.backend == "numba" else 4096
-        levels = 1
-        while -(-capacity // fanout ** (levels - 1)) > top:
-            levels += 1
-        # Every level below the top is whole groups of whole groups: the leaves are padded (with empty leaves) to
-        # top * fanout^(levels-1), so that a search running past the end still lands on a leaf, never outside.
-        top_size = -(-capacity // fanout ** (levels - 1))
-        sizes = [top_size * fanout**k for k in range(levels - 1, -1, -1)]
-        self._sum_offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
-        self._min_offsets = np.cumsum([0, *sizes[1:-1]], dtype=np.int64)[: len(sizes) - 1]
+        sizes = level_sizes(capacity, fanout, top)
+        self._sum_offsets, self._min_offsets = level_offsets(sizes)
         self._sizes = sizes
         self._sums = np.zeros(sum(sizes), dtype=np.float64)
         self._mins = np.full(sum(sizes[1:]), np.inf, dtype=np.float64)
@@ -159,14 +182,5 @@ class SumMinTree:
                 nodes = nodes * self.fanout + child
             values = self.sums[0][nodes]
         if not (values > 0).all():
-            nodes, values = self._last_positive_before(nodes, values)
+            nodes, values = last_positive_before(self.sums[0], nodes, values)
         return nodes, values
-
-    def _last_positive_before(self, nodes: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Move empty picks (rounding past a group's end, rare) onto the nearest non-empty leaf before them."""
-        positive = np.flatnonzero(self.sums[0] > 0)
-        if not len(positive):
-            raise ValueError("cannot search a tree whose leaves are all zero")
-        empty = values <= 0
-        nodes[empty] = positive[np.maximum(np.searchsorted(positive, nodes[empty]) - 1, 0)]
-        return nodes, self.sums[0][nodes]
