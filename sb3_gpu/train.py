@@ -42,7 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--vec-env", choices=VEC_ENV_KINDS, default=None, help="auto (default), dummy, subproc (SB3's), batched or envpool"
     )
     p.add_argument("--seed", type=seed_int, default=None, help="random seed (default: none)")
-    p.add_argument("--preset", metavar="FILE", help="a preset YAML file to use instead of the bundled one")
+    p.add_argument(
+        "--preset",
+        metavar="FILE",
+        help="a preset YAML file to use instead of the bundled one; zoo:ppo (zoo:dqn, zoo:qrdqn) for an installed "
+        "rl_zoo3's tuned values, zoo:PATH.yml for an rl-zoo3 file",
+    )
     p.add_argument("--profile", default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large")
     p.add_argument(
         "--per",

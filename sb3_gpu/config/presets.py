@@ -34,11 +34,15 @@ from sb3_gpu.config.schema import (
     validate_entry,
     validate_flat,
 )
+from sb3_gpu.config.zoo import load_zoo_file
 from sb3_gpu.extensions.per import PrioritizedReplayBuffer
 
 
-def load_preset_file(algo: Algo, path: Path | str | None = None) -> tuple[dict[str, dict[str, Any]], str]:
-    """Load and validate a whole preset file (the bundled one for ``algo`` when ``path`` is None)."""
+def load_preset_file(algo: Algo, path: Path | str | None = None) -> tuple[Mapping[str, dict[str, Any]], str]:
+    """Load and validate a whole preset file (the bundled one for ``algo`` when ``path`` is None); ``zoo:ppo`` or
+    ``zoo:PATH.yml`` reads an rl-zoo3 hyperparameter file (:mod:`sb3_gpu.config.zoo`)."""
+    if isinstance(path, str) and path.startswith("zoo:"):
+        return load_zoo_file(algo, path.removeprefix("zoo:"))
     path = Path(path) if path is not None else presets_dir() / f"{algo.name}.yaml"
     data = read_yaml(path)
     if not isinstance(data, Mapping) or not data:

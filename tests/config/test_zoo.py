@@ -1,0 +1,158 @@
+"""rl-zoo3 hyperparameter files as presets: the real files of the installed rl_zoo3, the grammar, and hostile strings."""
+
+from __future__ import annotations
+
+import warnings
+
+import gymnasium as gym
+import pytest
+
+from sb3_gpu.common.checks import Schedule
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.config.presets import load_preset_file
+from sb3_gpu.config.schema import get_algo
+from sb3_gpu.config.zoo import ZOO_ALGOS, convert_entry
+from sb3_gpu.envs.spec import register_ale
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.train import main as train_main
+
+# The entries of rl_zoo3's ppo, dqn and qrdqn files that are refused, and why: env wrappers that sb3_gpu does not
+# apply (it applies only AtariWrapper, to Atari games). Every other entry must load.
+REFUSED = {
+    **{
+        ("ppo", name): "env wrapper 'minigrid.wrappers.FlatObsWrapper' is not supported"
+        for name in (
+            "MiniGrid-Empty-Random-5x5-v0",
+            "MiniGrid-FourRooms-v0",
+            "MiniGrid-DoorKey-5x5-v0",
+            "MiniGrid-MultiRoom-N4-S5-v0",
+            "MiniGrid-Fetch-5x5-N2-v0",
+            "MiniGrid-GoToDoor-5x5-v0",
+            "MiniGrid-PutNear-6x6-N2-v0",
+            "MiniGrid-RedBlueDoors-6x6-v0",
+            "MiniGrid-LockedRoom-v0",
+            "MiniGrid-KeyCorridorS3R1-v0",
+            "MiniGrid-Unlock-v0",
+            "MiniGrid-ObstructedMaze-2Dlh-v0",
+        )
+    },
+    ("ppo", "CarRacing-v3"): "env wrapper 'rl_zoo3.wrappers.FrameSkip' is not supported",
+}
+# An env for the entries that are not env ids.
+ENTRY_ENV = {"atari": "ALE/Pong-v5", "default": "FrozenLake-v1"}  # no file has an entry for FrozenLake
+
+
+def _installed(env_id: str) -> bool:
+    register_ale()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # rl-zoo3's MuJoCo ids are old versions, and gymnasium says so
+            gym.make(env_id).close()
+    except (gym.error.Error, ImportError):  # not registered here (MiniGrid, PyBullet), or MuJoCo not installed
+        return False
+    return True
+
+
+def test_every_zoo_entry_loads_or_is_refused_for_a_listed_reason_and_installed_ones_make_a_plan(capsys):
+    listing: dict[str, list[str]] = {"planned": [], "loaded, env not installed": [], "refused": []}
+    for algo in ZOO_ALGOS:
+        entries, label = load_preset_file(get_algo(algo), f"zoo:{algo}")
+        assert label == f"zoo:{algo}.yml" and len(entries) > 5
+        for name in entries:
+            reason = REFUSED.get((algo, name))
+            if reason is not None:
+                with pytest.raises(ConfigError, match=reason):
+                    entries[name]
+                listing["refused"].append(f"{algo}:{name}")
+                continue
+            entries[name]  # converted and validated as a bundled preset's entry is
+            env = ENTRY_ENV.get(name, name)
+            if not _installed(env):
+                listing["loaded, env not installed"].append(f"{algo}:{name}")
+                continue
+            # training=False: the memory check of a 1M-transition Atari buffer depends on the machine, not the file.
+            plan = make_plan(algo, env, "cpu", preset=f"zoo:{algo}", overrides={"probe": False}, training=False)
+            source = f"zoo:{algo}.yml:{name}"
+            assert plan.preset.entry == source and plan.preset.sources["n_timesteps"] == source
+            listing["planned"].append(f"{algo}:{name}")
+    with capsys.disabled():
+        for outcome, names in listing.items():
+            print(f"\nrl-zoo3 entries {outcome}: {len(names)}: {', '.join(names)}")
+    # rl_zoo3's classic-control, Box2D and Atari entries of all three files run here.
+    assert {"ppo:CartPole-v1", "ppo:atari", "ppo:LunarLander-v3", "dqn:atari", "qrdqn:Acrobot-v1"} <= set(listing["planned"])
+    assert len(listing["refused"]) == len(REFUSED)
+
+
+def test_the_literal_forms_rl_zoo3_writes_become_preset_values():
+    entry = {
+        "n_timesteps": 1e6,
+        "policy": "MlpPolicy",
+        "learning_rate": "lin_2.5e-4",
+        "clip_range": "linear_0.1",
+        "normalize": "{'norm_obs': True, 'norm_reward': False}",
+        "policy_kwargs": "dict(log_std_init=-2, ortho_init=False, activation_fn=th.nn.ReLU,\n"
+        "  net_arch=[dict(pi=[64, 64], vf=(64, 64))])",
+    }
+    out = convert_entry(get_algo("ppo"), "Pendulum-v1", entry, "ppo.yml")
+    assert out["n_timesteps"] == 1_000_000 and out["policy"] == "MlpPolicy"
+    assert out["learning_rate"] == Schedule("linear", 2.5e-4, 0.0) and out["clip_range"] == Schedule("linear", 0.1, 0.0)
+    assert out["normalize"] == {"norm_obs": True, "norm_reward": False}
+    assert out["activation_fn"] == "relu" and out["net_arch"] == {"pi": [64, 64], "vf": [64, 64]}
+    assert out["policy_kwargs"] == {"log_std_init": -2, "ortho_init": False}
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "expected"),
+    [
+        ("policy_kwargs", "__import__('os').system('touch {marker}')", "call \"__import__('os')"),
+        ("policy_kwargs", "dict(optimizer_class=th.optim.RMSprop)", "the name th.optim.RMSprop is not accepted"),
+        ("policy_kwargs", "dict(**{'net_arch': [1]})", "dict() with positional or ** arguments"),
+        ("policy_kwargs", "dict(net_arch=[64], features_extractor_class=os.system)", "the name os.system"),
+        ("normalize", "().__class__.__bases__[0].__subclasses__()", "is not accepted"),
+        ("normalize", "{'norm_obs': (lambda: open('{marker}', 'w'))()}", "is not accepted"),
+        ("policy_kwargs", "dict(activation_fn=nn.Softmax)", "nn.Softmax, not an activation (nn.Tanh, nn.ReLU"),
+        (
+            "policy_kwargs",
+            "dict(net_arch=[64], ortho_init=nn.ReLU)",
+            "an nn activation (relu) is accepted only as policy_kwargs' activation_fn",
+        ),
+        ("policy_kwargs", "dict(net_arch=[64", "not a Python literal"),
+        ("env_wrapper", "gymnasium.wrappers.RecordVideo", "env wrapper 'gymnasium.wrappers.RecordVideo' is not supported"),
+        ("callback", "rl_zoo3.callbacks.ParallelTrainCallback", "not supported (callbacks named by import path"),
+    ],
+)
+def test_anything_outside_the_grammar_is_refused_in_one_line_and_runs_nothing(tmp_path, key, text, expected):
+    marker = tmp_path / "ran"
+    text = text.replace("{marker}", str(marker))
+    with pytest.raises(ConfigError) as e:
+        convert_entry(get_algo("ppo"), "CartPole-v1", {"policy": "MlpPolicy", key: text}, "my.yml")
+    message = str(e.value)
+    assert message.startswith(f"my.yml, entry CartPole-v1, key {key}: ") and expected in message
+    assert "\n" not in message and not marker.exists()
+
+
+def test_an_atari_wrapper_is_kept_only_for_atari_games_and_without_arguments():
+    wrapper = ["stable_baselines3.common.atari_wrappers.AtariWrapper"]
+    assert "env_wrapper" not in convert_entry(get_algo("dqn"), "atari", {"env_wrapper": wrapper}, "dqn.yml")
+    with pytest.raises(ConfigError, match="AtariWrapper on CartPole-v1, which is not an Atari game"):
+        convert_entry(get_algo("dqn"), "CartPole-v1", {"env_wrapper": wrapper}, "dqn.yml")
+    with_args = [{wrapper[0]: {"terminal_on_life_loss": False}}]
+    with pytest.raises(ConfigError, match="AtariWrapper arguments"):
+        convert_entry(get_algo("dqn"), "atari", {"env_wrapper": with_args}, "dqn.yml")
+
+
+def test_a_zoo_value_the_preset_checks_refuse_names_the_file_and_entry():
+    with pytest.raises(ConfigError, match=r"my.yml, entry CartPole-v1: unknown key 'n_step'.*did you mean 'n_steps'"):
+        convert_entry(get_algo("ppo"), "CartPole-v1", {"n_step": 32}, "my.yml")
+    with pytest.raises(ConfigError, match="sb3_gpu trains ppo, dqn, qrdqn; there is no preset for sac"):
+        load_preset_file(get_algo("ppo"), "zoo:sac")
+
+
+def test_train_plans_from_an_installed_zoo_file_and_refuses_a_hostile_one_with_exit_2(tmp_path, call_main):
+    result = call_main(train_main, "ppo", "--env", "CartPole-v1", "--preset", "zoo:ppo", "--plan", "--no-probe")
+    assert result.returncode == 0 and "zoo:ppo.yml:CartPole-v1" in result.stdout
+    hostile = tmp_path / "hostile.yml"
+    hostile.write_text(f"CartPole-v1:\n  policy_kwargs: \"__import__('os').system('touch {tmp_path / 'ran'}')\"\n")
+    result = call_main(train_main, "ppo", "--env", "CartPole-v1", "--preset", f"zoo:{hostile}", "--plan")
+    assert result.returncode == 2 and not (tmp_path / "ran").exists()
+    assert result.stderr.count("\n") == 1 and f"{hostile}, entry CartPole-v1, key policy_kwargs: cannot read" in result.stderr
