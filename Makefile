@@ -19,6 +19,7 @@ $(BIN)/.installed: pyproject.toml
 
 quickstart: setup
 	$(BIN)/python -m sb3_gpu.train ppo --env CartPole-v1 --device auto
+	$(BIN)/python -m sb3_gpu.evaluate "$$(ls -td runs/ppo-CartPole-v1-* | head -n 1)" --video
 
 lint: setup
 	$(BIN)/ruff check sb3_gpu tests tools

@@ -39,6 +39,7 @@ _EXPORTS = {
     "build_model": "sb3_gpu.planning.build",
     "make_model": "sb3_gpu.planning.build",
     "evaluate_run": "sb3_gpu.runs.evaluation",
+    "record_video": "sb3_gpu.runs.video",
     "resume_run": "sb3_gpu.runs.training",
     "train_run": "sb3_gpu.runs.training",
 }
@@ -62,6 +63,7 @@ __all__ = [
     "make_model",
     "make_plan",
     "make_vec_env",
+    "record_video",
     "resume_run",
     "train_run",
 ]
@@ -90,4 +92,5 @@ if TYPE_CHECKING:
     from sb3_gpu.planning.device import choose_device
     from sb3_gpu.planning.plan import Plan, make_plan
     from sb3_gpu.runs.evaluation import evaluate_run
+    from sb3_gpu.runs.video import record_video
     from sb3_gpu.runs.training import resume_run, train_run

@@ -1,4 +1,4 @@
-"""``python -m sb3_gpu.evaluate RUN_DIR_or_MODEL --episodes N``: mean and std of the return."""
+"""``python -m sb3_gpu.evaluate RUN_DIR_or_MODEL --episodes N [--video]``: mean and std of the return, and a video."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=("best", "final"), default="best", help="for a run dir: which model (default best)")
     p.add_argument("--device", default="cpu", help="device to run the policy on (default cpu)")
     p.add_argument("--seed", type=seed_int, default=None, help="seed of the evaluation env")
+    p.add_argument(
+        "--video",
+        action="store_true",
+        help="also record an mp4 of the model's first episode (at most 2,000 frames) into the run dir's videos/",
+    )
+    p.add_argument(
+        "--video-length", type=positive_int, metavar="N", help="record N frames instead, across episodes (implies --video)"
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
@@ -55,7 +63,14 @@ def _evaluate(args: argparse.Namespace) -> int:
         from sb3_gpu.runs.evaluation import evaluate_run  # torch and SB3: here, so that --help needs neither
 
         result = evaluate_run(
-            args.target, args.episodes, deterministic=not args.stochastic, which=args.model, device=args.device, seed=args.seed
+            args.target,
+            args.episodes,
+            deterministic=not args.stochastic,
+            which=args.model,
+            device=args.device,
+            seed=args.seed,
+            video=args.video or args.video_length is not None,
+            video_length=args.video_length or 0,
         )
     except ConfigError as e:
         print_error(str(e))
@@ -66,6 +81,9 @@ def _evaluate(args: argparse.Namespace) -> int:
         mode = "deterministic" if result["deterministic"] else "stochastic"
         mean, std, episodes = result["mean"], result["std"], result["episodes"]
         print(f"{result['model']}: return {mean:.2f} +/- {std:.2f} over {episodes} episodes ({mode})")
+        if "video" in result:
+            video = result["video"]
+            print(f"video: {video['path']} ({video['frames']:,} frames at {video['fps']} fps)")
     return 0
 
 

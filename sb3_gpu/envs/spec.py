@@ -4,6 +4,7 @@ factory that builds one env of a vec env (Monitor, then SB3's Atari preprocessin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -45,15 +46,37 @@ def register_ale() -> bool:
     return True
 
 
-def _make_registered(env_id: str, kwargs: dict[str, Any]) -> gym.Env:
+def _make_registered(env_id: str, kwargs: dict[str, Any], **extra: Any) -> gym.Env:
     if env_id not in gym.registry:
         register_ale()  # worker processes start with an empty ALE registry
-    return gym.make(env_id, **kwargs)
+    return gym.make(env_id, **kwargs, **extra)
 
 
-def _make_from_path(path: str, kwargs: dict[str, Any]) -> gym.Env:
+def _make_from_path(path: str, kwargs: dict[str, Any], **extra: Any) -> gym.Env:
     module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)(**kwargs)
+    return getattr(importlib.import_module(module), attr)(**kwargs, **extra)
+
+
+def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
+    """``spec`` whose envs are made with ``render_mode`` (an id's or a class's keyword; a factory gets it too).
+
+    :raises ConfigError: where the env cannot render in that mode, or its factory takes no ``render_mode``
+    """
+    factory: Callable[..., gym.Env] = spec.make  # takes keywords: an id's and a class's pass them on
+    make = functools.partial(factory, render_mode=render_mode)
+    try:
+        env = make()
+    except TypeError as e:
+        if "render_mode" not in str(e):
+            raise
+        raise ConfigError(f"env {spec.name}: its factory takes no render_mode argument; add render_mode=None to it") from None
+    try:
+        modes = env.metadata.get("render_modes", [])
+    finally:
+        env.close()
+    if render_mode not in modes:
+        raise ConfigError(f"env {spec.name} cannot render {render_mode!r} frames (its render modes: {modes or 'none'})")
+    return dataclasses.replace(spec, make=make, env_id=None)  # env_id None: EnvPool cannot stand in for it
 
 
 def _looks_atari(env_id: str) -> bool:

@@ -18,10 +18,11 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.config.runconfig import load_config
-from sb3_gpu.planning.build import build_env
+from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import load_plan_model, load_vecnormalize
+from sb3_gpu.runs.video import record_video
 
 
 class EvaluationStopped(Exception):
@@ -128,11 +129,16 @@ def evaluate_run(
     which: str = "best",
     device: str = "cpu",
     seed: int | None = None,
+    video: bool = False,
+    video_length: int = 0,
 ) -> dict[str, Any]:
-    """Load a model from a run and return ``{"mean", "std", "episodes", "deterministic", "model"}``.
+    """Load a model from a run and return ``{"mean", "std", "episodes", "deterministic", "model"}``, and ``"video"``
+    (its path, frames and fps) where asked for.
 
     :param target: a run dir (its best model, else its final one; ``which="final"``: the final one) or a model zip
         inside a run dir
+    :param video: also record an mp4 of the model (its first episode, or ``video_length`` frames) into the run dir's
+        ``videos/``, named after the model
     """
     if which not in ("best", "final"):
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
@@ -150,9 +156,23 @@ def evaluate_run(
             raise ConfigError(f"{run} normalised its observations but holds no vecnormalize.pkl for {model_path.name}")
         env = load_vecnormalize(stats, env.venv)
         env.training, env.norm_reward = False, False
+    result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}
     try:
         model = load_plan_model(plan, model_path, env)
-        mean, std = evaluate(model, env, episodes, deterministic)
+        result["mean"], result["std"] = evaluate(model, env, episodes, deterministic)
+        if video:
+            recorded = record_video(
+                model,
+                plan.env,
+                run.path / "videos" / f"{model_path.stem}.mp4",
+                video_length=video_length,
+                deterministic=deterministic,
+                seed=None if plan.seed is None else plan.seed + EVAL_SEED_OFFSET,
+                frame_stack=plan.preset.frame_stack,
+                max_episode_steps=plan.eval_step_cap,
+                normalization=env if isinstance(env, VecNormalize) else None,
+            )
+            result["video"] = {"path": str(recorded.path), "frames": recorded.frames, "fps": recorded.fps}
     finally:
         env.close()
-    return {"mean": mean, "std": std, "episodes": episodes, "deterministic": deterministic, "model": str(model_path)}
+    return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -47,6 +48,13 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
         assert "batched: BatchedSubprocVecEnv" in text and "subproc: SubprocVecEnv" in text
         assert "fallback: DummyVecEnv" in text and "could not start" in text
         assert "mean return" in text
+        # The trained policy's video, embedded in the notebook as an HTML5 video of the mp4 it recorded.
+        assert re.search(r"videos/quickstart.mp4: \d+ frames at 50 fps", text)
+        assert any(
+            "<video" in o.get("data", {}).get("text/html", "") and "data:video/mp4;base64," in o["data"]["text/html"]
+            for c in nb.cells
+            for o in c.get("outputs", [])
+        ), "the video must be shown inline"
         assert any(
             o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
             for c in nb.cells

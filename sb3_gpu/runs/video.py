@@ -1,0 +1,138 @@
+"""Videos of a trained policy: gymnasium's RecordVideo on the env itself, under the preprocessing of training."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+from gymnasium.wrappers import RecordVideo
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
+
+# Frames are held in memory until the video is written (an Atari frame is 100 KB): a bound on a recording that is
+# given no length, whose episode might be long.
+MAX_EPISODE_FRAMES = 2_000
+
+
+@dataclass(frozen=True)
+class Video:
+    """A recorded mp4: where it is, how many frames and at what frame rate."""
+
+    path: Path
+    frames: int
+    fps: int
+
+
+def record_video(
+    model: BaseAlgorithm,
+    env: str | EnvSpec,
+    path: str | Path,
+    *,
+    video_length: int = 0,
+    deterministic: bool = True,
+    seed: int | None = None,
+    frame_stack: int | None = None,
+    max_episode_steps: int | None = None,
+    normalization: VecNormalize | None = None,
+) -> Video:
+    """Record ``model`` acting on ``env`` into the mp4 ``path``: its first episode (at most 2,000 frames), or
+    ``video_length`` frames across episodes.
+
+    The frames are the env's own renders (``render_mode="rgb_array"``, every emulator frame of an Atari game), while
+    the policy sees what it saw in training: Atari games through SB3's AtariWrapper, ``frame_stack`` frames stacked,
+    observations normalised with ``normalization``'s statistics (frozen), or the model's own VecNormalize's.
+
+    :raises ConfigError: where the env cannot render, or moviepy (the ``video`` extra) is missing
+    """
+    if video_length < 0:
+        raise ConfigError(f"video_length must be >= 0 (0: the first episode), got {video_length}")
+    # pygame, which draws the classic-control envs, also opens audio: with no sound server that prints an error line.
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    path = Path(path)
+    if path.suffix != ".mp4":
+        raise ConfigError(f"a video is written as mp4: give a path ending in .mp4, got {path}")
+    spec = rendering(resolve_env(env))
+    scratch = path.parent / f".{path.name}.recording"
+    # From the first reset on: the first episode, or (a length given) that many frames across episodes.
+    recorder_kwargs: dict[str, Any] = {
+        "video_folder": str(scratch),
+        "name_prefix": "video",
+        "disable_logger": True,
+        "episode_trigger": lambda episode: episode == 0,
+        "video_length": video_length,
+        # The console draws 60 frames a second, each one recorded here (ALE's render_fps would play them at half speed).
+        "fps": 60 if spec.is_atari else None,
+    }
+    recorders: list[_Recorder] = []
+
+    def make() -> gym.Env:
+        try:
+            recorder = _Recorder(spec.make(), video_length or MAX_EPISODE_FRAMES, **recorder_kwargs)
+        except gym.error.DependencyNotInstalled:
+            raise ConfigError("recording a video needs moviepy: pip install 'sb3-gpu[video]'") from None
+        recorders.append(recorder)
+        return recorder
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    venv: VecEnv = make_vec_env(
+        EnvSpec(spec.name, make, spec.is_atari),
+        1,
+        seed=seed,
+        vec_env="dummy",
+        frame_stack=frame_stack,
+        max_episode_steps=max_episode_steps,
+    )
+    normalization = normalization if normalization is not None else model.get_vec_normalize_env()
+    if normalization is not None:
+        frozen = VecNormalize(
+            venv,
+            training=False,
+            norm_obs=normalization.norm_obs,
+            norm_reward=False,
+            clip_obs=normalization.clip_obs,
+            epsilon=normalization.epsilon,
+        )
+        frozen.obs_rms = normalization.obs_rms  # read, never updated (training=False)
+        venv = frozen
+    try:
+        _play(model, venv, recorders[0], deterministic)
+    finally:
+        venv.close()  # writes the video where the recording was still open
+    try:
+        (written,) = scratch.glob("*.mp4")
+        os.replace(written, path)  # the complete file, renamed over any earlier one
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return Video(path, recorders[0].captured, recorders[0].frames_per_sec)
+
+
+class _Recorder(RecordVideo):
+    """RecordVideo that counts its frames and stops after ``limit`` of them (RecordVideo's own length keeps one
+    more)."""
+
+    def __init__(self, env: gym.Env, limit: int, **kwargs: Any):
+        super().__init__(env, **kwargs)
+        self.limit, self.captured = limit, 0
+
+    def _capture_frame(self) -> None:
+        before = len(self.recorded_frames)
+        super()._capture_frame()
+        self.captured += len(self.recorded_frames) - before
+        if self.recording and self.captured >= self.limit:
+            self.stop_recording()
+
+
+def _play(model: BaseAlgorithm, venv: VecEnv, recorder: _Recorder, deterministic: bool) -> None:
+    """Step ``venv`` with ``model`` from its first reset until ``recorder`` has finished its recording."""
+    obs = venv.reset()
+    while recorder.recording:
+        action, _ = model.predict(obs, deterministic=deterministic)  # type: ignore[arg-type]
+        obs, _, _, _ = venv.step(action)

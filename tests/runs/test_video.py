@@ -1,0 +1,87 @@
+"""Videos of a trained policy: the quick start's run recorded by ``evaluate --video``, Atari through training's
+preprocessing, and the errors a user meets."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import cv2
+import gymnasium as gym
+import numpy as np
+import pytest
+from stable_baselines3 import PPO
+
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.evaluate import main as evaluate_main
+from sb3_gpu.runs.video import record_video
+from tests.conftest import run_cli
+
+
+def read_back(path) -> tuple[int, int, int]:
+    """An mp4's frame count, width and height, as a video player reads them."""
+    video = cv2.VideoCapture(str(path))
+    try:
+        assert video.isOpened(), path
+        frames = 0
+        while video.read()[0]:
+            frames += 1
+        return frames, int(video.get(cv2.CAP_PROP_FRAME_WIDTH)), int(video.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    finally:
+        video.release()
+
+
+def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main):
+    run_dir = tmp_path / "quickstart"
+    # The quick start's command (make quickstart), on a short budget.
+    args = ("ppo", "--env", "CartPole-v1", "--device", "auto", "--timesteps", "2048", "--no-progress")
+    trained = run_cli("sb3_gpu.train", *args, "--run-dir", str(run_dir), "--eval-episodes", "2")
+    assert trained.returncode == 0, trained.stderr
+    result = call_main(evaluate_main, str(run_dir), "--episodes", "2", "--video")
+    assert result.returncode == 0, result.stderr
+    match = re.search(r"video: (\S+) \(([\d,]+) frames at (\d+) fps\)", result.stdout)
+    assert match is not None, result.stdout
+    path, frames = run_dir / "videos" / "best_model.mp4", int(match[2].replace(",", ""))
+    assert match[1] == str(path) and int(match[3]) == 50  # CartPole renders at 50 fps
+    # The first episode: its reset frame and one frame per step, 600x400 as CartPole draws them.
+    assert read_back(path) == (frames, 600, 400) and frames >= 9
+    assert sorted(p.name for p in path.parent.iterdir()) == ["best_model.mp4"]  # no scratch folder left behind
+
+    result = call_main(evaluate_main, str(run_dir), "--model", "final", "--episodes", "1", "--video-length", "30")
+    assert result.returncode == 0 and read_back(run_dir / "videos" / "model.mp4") == (30, 600, 400)
+
+
+def test_an_atari_game_is_recorded_frame_by_frame_while_the_policy_sees_its_training_preprocessing(tmp_path):
+    from sb3_gpu.envs.build import make_vec_env
+
+    # A CNN policy for what training gives it: SB3's AtariWrapper (84x84 grey) and 4 stacked frames.
+    train_env = make_vec_env("ALE/Pong-v5", 1, vec_env="dummy", frame_stack=4)
+    model = PPO("CnnPolicy", train_env, n_steps=16, batch_size=16, device="cpu", seed=0)
+    train_env.close()
+    video = record_video(model, "ALE/Pong-v5", tmp_path / "pong.mp4", video_length=40, frame_stack=4, seed=0)
+    # Every emulator frame, in colour at the game's own size: AtariWrapper skips 4 frames per policy step.
+    assert video.frames == 40 and read_back(video.path) == (40, 160, 210) and video.fps == 60
+
+
+class NoRender(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, render_mode=None):
+        self.render_mode = render_mode
+
+
+def test_an_env_that_cannot_render_frames_is_refused_in_one_line(tmp_path):
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu")
+    with pytest.raises(ConfigError, match=r"env tests.runs.test_video:NoRender cannot render 'rgb_array' frames"):
+        record_video(model, "tests.runs.test_video:NoRender", tmp_path / "x.mp4")
+    with pytest.raises(ConfigError, match="a video is written as mp4"):
+        record_video(model, "CartPole-v1", tmp_path / "x.gif")
+
+
+def test_a_missing_moviepy_names_the_extra_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "moviepy", None)  # import moviepy now raises ImportError
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu")
+    with pytest.raises(ConfigError, match=r"recording a video needs moviepy: pip install 'sb3-gpu\[video\]'"):
+        record_video(model, "CartPole-v1", tmp_path / "x.mp4")
+    assert not (tmp_path / "x.mp4").exists()
