@@ -10,14 +10,23 @@ BIN := $(VENV)/bin
 setup: $(BIN)/.installed
 
 # Install torch before the package, so that pip does not resolve `torch` to a multi-GB CUDA build.
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	touch $@
+
+# What the quick start runs, and no more: the package and its video extra (moviepy).
+$(BIN)/.installed-run: pyproject.toml $(BIN)/.torch
+	$(BIN)/python -m pip install -q -e ".[video]"
+	touch $@
+
+# Everything: the test tools and every extra (Atari, Box2D, EnvPool, optuna, numba, rl_zoo3, notebooks).
+$(BIN)/.installed: pyproject.toml $(BIN)/.torch
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-quickstart: setup
+quickstart: $(BIN)/.installed-run
 	$(BIN)/python -m sb3_gpu.train ppo --env CartPole-v1 --device auto
 	$(BIN)/python -m sb3_gpu.evaluate "$$(ls -td runs/ppo-CartPole-v1-* | head -n 1)" --video
 

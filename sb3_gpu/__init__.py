@@ -92,5 +92,5 @@ if TYPE_CHECKING:
     from sb3_gpu.planning.device import choose_device
     from sb3_gpu.planning.plan import Plan, make_plan
     from sb3_gpu.runs.evaluation import evaluate_run
-    from sb3_gpu.runs.video import record_video
     from sb3_gpu.runs.training import resume_run, train_run
+    from sb3_gpu.runs.video import record_video

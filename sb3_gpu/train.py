@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sb3_gpu import __version__
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS
-from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, command, positive_int, print_error, seed_int
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
 
 # Torch, SB3 and rich are imported inside main (below), so that --help is quick and a Ctrl-C while they load is
@@ -167,11 +168,33 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
         rows.append(("best model", summary["best_model"]))
     if summary.get("curves"):
         rows.append(("curves", summary["curves"]))
-    rows.append(("replay", f"python -m sb3_gpu.train --config {run.config}"))
-    rows.append(("dashboard", f"tensorboard --logdir {run.tensorboard}  (Custom Scalars tab)"))
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int) -> str:
+    """What evaluating will cost, in the plan's terms: how often, how many episodes, on how many envs, how long each
+    episode may run."""
+    from sb3_gpu.runs.evaluation import eval_envs
+
+    timesteps = plan.preset.n_timesteps
+    every = eval_freq or max(timesteps // 10, 1)
+    bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
+    return (
+        f"evaluation: every {every:,} env steps ({timesteps // every} times) and at the end, {episodes} deterministic "
+        f"episodes on {eval_envs(episodes)} envs at once (one batched inference per step); {bound}. The summary's time "
+        "split shows its share of the run."
+    )
+
+
+def next_commands(run: RunDir) -> list[str]:
+    """What to run next, one command a line, each runnable as printed (outside the table, so never wrapped)."""
+    return [
+        f"watch it:  {command()} -m sb3_gpu.evaluate {run} --video",
+        f"replay it: {command()} -m sb3_gpu.train --config {run.config}",
+        f"dashboard: {command('tensorboard')} --logdir {run.tensorboard}   (the Custom Scalars tab)",
+    ]
 
 
 # With --resume the run's config.yaml decides everything but these.
@@ -190,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sb3_gpu.runs.training import resume_run
 
         console = Console()
+        if not (console.is_terminal or console.is_jupyter) and "COLUMNS" not in os.environ:
+            # A log file has no width: rich's default of 80 columns would fold the plan's rows into many lines.
+            console = Console(width=160)
         if args.resume is not None:
             run = RunDir(args.resume)
             _check_resume_flags(parser, args, run)
@@ -197,12 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run.path,
                 timesteps=args.timesteps,
                 save_replay_buffer=args.save_replay_buffer or None,
-                progress=not args.no_progress,
+                progress=_progress_bar(args, console),
                 console=console,
             )
         else:
             plan = plan_from_args(args)
             console.print(plan_table(plan))
+            console.print(evaluation_line(plan, args.eval_freq, args.eval_episodes or 10), highlight=False, markup=False)
             if args.plan:
                 return 0
             run = RunDir.create(args.run_dir, plan.algo, plan.env.name)
@@ -230,10 +257,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     assert run is not None
     console.print(summary_table(summary, run))
+    for line in next_commands(run):
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
     if summary["stopped_by"] is not None:
         print_error(f"stopped by {summary['stopped_by']}: {summary['saved']}")
         return 128 + int(signal.Signals[summary["stopped_by"]])
     return 0
+
+
+def _progress_bar(args: argparse.Namespace, console: Console) -> bool:
+    """A live progress bar where a person watches (a terminal, a notebook); in a log file (CI, nohup, a cluster's job
+    log) its redraws would be cut and repeated, so there the run prints plain status lines instead."""
+    return not args.no_progress and (console.is_terminal or console.is_jupyter)
 
 
 def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, run: RunDir) -> None:
@@ -257,7 +292,7 @@ def _train_new(plan: Plan, run: RunDir, args: argparse.Namespace, console: Conso
             eval_episodes=args.eval_episodes or 10,
             checkpoint_freq=args.checkpoint_freq,
             save_replay_buffer=args.save_replay_buffer,
-            progress=not args.no_progress,
+            progress=_progress_bar(args, console),
             console=console,
         )
     except ConfigError:  # refused before training began
@@ -271,16 +306,16 @@ def _stopped_at_once(run: RunDir | None, *, new: bool) -> int:
         _remove_if_empty(run, new=new)
         if run is not None and run.best_model.exists():
             print_error(f"stopped at once by a second signal; the best model so far is {run.best_model}")
-            print_error(f"to evaluate it: python -m sb3_gpu.evaluate {run}")
+            print_error(f"to evaluate it: {command()} -m sb3_gpu.evaluate {run}")
         else:
             print_error("stopped at once by a second signal before any model was saved; nothing was kept")
         return 130
     assert run is not None
     print_error(f"stopped at once by a second signal; nothing more was saved, the last good model is {states[0].model}")
     if _trained_to_the_end(run, states[0].timesteps):
-        print_error(f"training was complete; to evaluate: python -m sb3_gpu.evaluate {run}")
+        print_error(f"training was complete; to evaluate: {command()} -m sb3_gpu.evaluate {run}")
     else:
-        print_error(f"continue with: python -m sb3_gpu.train --resume {run} ({states[0].timesteps:,} timesteps done)")
+        print_error(f"continue with: {command()} -m sb3_gpu.train --resume {run} ({states[0].timesteps:,} timesteps done)")
     return 130
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS
-from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, command, positive_int, print_error, seed_int
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.tuning import PRUNERS, SAMPLERS
 
@@ -174,7 +174,7 @@ def _report(study: Any, args: argparse.Namespace, env: str, folder: Path, timest
         print_error("no trial completed, so there is no best preset to export")
         return 1
     preset = export_preset(study, args.algo, env, folder / "best_preset.yaml", timesteps)
-    console.print(f"best preset: {preset}  (python -m sb3_gpu.train {args.algo} --env {env} --preset {preset})")
+    console.print(f"best preset: {preset}  ({command()} -m sb3_gpu.train {args.algo} --env {env} --preset {preset})")
     for note in write_plots(study, folder):
         console.print(f"plot: {note}")
     return 0

@@ -22,6 +22,7 @@ from stable_baselines3.common.vec_env import SubprocVecEnv
 
 from sb3_gpu.benches.base import paired_times
 from sb3_gpu.benches.train import has_zoo_baseline, zoo_model
+from sb3_gpu.envs.batched import BatchedSubprocVecEnv
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -173,7 +174,7 @@ def _train_once(case: tuple[str, str, str], device: str, steps: int, overrides: 
     plan = make_plan(algo, env, device, n_timesteps=steps, profile=profile, overrides=overrides)
     venv = build_env(plan)
     try:
-        in_process = not isinstance(venv.unwrapped, SubprocVecEnv)
+        in_process = not isinstance(venv.unwrapped, (SubprocVecEnv, BatchedSubprocVecEnv))
         return _timed_learn(build_model(plan, venv), steps, th.device(plan.device.device), in_process)
     finally:
         close_vec_envs(venv)

@@ -56,9 +56,17 @@ def _as_number(value: Any, where: str, what: str) -> float:
     # PyYAML reads `1e5` (no dot) as a string; accept it, since users write it that way.
     if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
         value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{where}: expected {what}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        text = repr(value)
+        raise ConfigError(f"{where}: expected {what}, got {text if len(text) <= 60 else text[:57] + '...'}")
     return value
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 # The algorithms and vec env kinds the CLIs accept, named here so that building a parser imports no torch or SB3.

@@ -1,10 +1,13 @@
-"""What the CLIs share: one-line argument errors with exit code 2, and number parsing."""
+"""What the CLIs share: one-line argument errors with exit code 2, number parsing, and commands to print."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from sb3_gpu.common.checks import MAX_COUNT
@@ -41,3 +44,13 @@ def seed_int(text: str) -> int:
 
 def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def command(program: str = "python") -> str:
+    """How the user's shell starts ``program`` (``python``, ``tensorboard``) of the environment running this one: its
+    bare name where the shell finds this very one, else its path (a virtual environment that is not active)."""
+    here = Path(sys.executable) if program == "python" else Path(sys.executable).parent / program
+    found = shutil.which(program)
+    if found is not None and os.path.realpath(found) == os.path.realpath(here):
+        return program
+    return str(here)

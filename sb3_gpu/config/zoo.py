@@ -17,6 +17,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
+
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.config.files import read_yaml
 from sb3_gpu.config.schema import ACTIVATIONS, Algo, validate_entry
@@ -121,9 +123,15 @@ def _check_wrappers(value: Any, entry: str, where: str) -> None:
             raise ConfigError(f"{where}: env wrapper {_short(name)} is not supported (sb3_gpu applies only AtariWrapper)")
         if kwargs:
             raise ConfigError(f"{where}: AtariWrapper arguments {_short(kwargs)} are not supported (its defaults are used)")
-        if entry != "atari" and not (entry.startswith("ALE/") or "NoFrameskip" in entry):
+        if entry != "atari" and not _atari_id(entry):
             raise ConfigError(f"{where}: AtariWrapper on {entry}, which is not an Atari game")
         # Nothing to store: sb3_gpu wraps every Atari game in AtariWrapper with its defaults.
+
+
+def _atari_id(name: str) -> bool:
+    """An Atari game's id: ``ALE/...``, ``...NoFrameskip...``, or one that ale-py registered (``Pong-v4``)."""
+    spec = gym.registry.get(name)
+    return name.startswith("ALE/") or "NoFrameskip" in name or (spec is not None and "ale_py" in str(spec.entry_point))
 
 
 def _policy_kwargs(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
@@ -165,6 +173,8 @@ def _read(text: str, where: str) -> Any:
         return _literal(tree.body, text, where)
     except SyntaxError as e:
         raise ConfigError(f"{where}: cannot read {_short(text)}: not a Python literal ({e.msg})") from None
+    except ValueError as e:  # a NUL character, say
+        raise ConfigError(f"{where}: cannot read {_short(text)}: {e}") from None
     except (RecursionError, MemoryError):
         raise ConfigError(f"{where}: cannot read {_short(text)}: nested too deeply") from None
 

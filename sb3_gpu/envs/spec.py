@@ -67,15 +67,20 @@ def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
     try:
         env = make()
     except TypeError as e:
+        if "multiple values for keyword argument 'render_mode'" in str(e):
+            raise ConfigError(f"env {spec.name}: its env_kwargs set render_mode; remove it to record a video") from None
         if "render_mode" not in str(e):
             raise
         raise ConfigError(f"env {spec.name}: its factory takes no render_mode argument; add render_mode=None to it") from None
     try:
-        modes = env.metadata.get("render_modes", [])
+        modes, mode = env.metadata.get("render_modes", []), getattr(env, "render_mode", None)
     finally:
         env.close()
-    if render_mode not in modes:
-        raise ConfigError(f"env {spec.name} cannot render {render_mode!r} frames (its render modes: {modes or 'none'})")
+    if render_mode not in modes or mode != render_mode:
+        raise ConfigError(
+            f"env {spec.name} cannot render {render_mode!r} frames (its render modes: {modes or 'none'}; made with "
+            f"render_mode={render_mode!r}, it has {mode!r})"
+        )
     return dataclasses.replace(spec, make=make, env_id=None)  # env_id None: EnvPool cannot stand in for it
 
 

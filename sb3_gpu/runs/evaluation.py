@@ -22,7 +22,16 @@ from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import load_plan_model, load_vecnormalize
-from sb3_gpu.runs.video import record_video
+from sb3_gpu.runs.video import record_video, recordable
+
+MAX_EVAL_ENVS = 5
+
+
+def eval_envs(episodes: int) -> int:
+    """Envs an evaluation of ``episodes`` runs on: up to 5 at once, so that one batched inference serves 5 env steps
+    (on one env, evaluating took most of a short run's time). SB3's evaluate_policy gives each env its share of the
+    episodes, so short episodes are not over-counted; the number of episodes is the same."""
+    return min(episodes, MAX_EVAL_ENVS)
 
 
 class EvaluationStopped(Exception):
@@ -149,7 +158,9 @@ def evaluate_run(
     plan = make_plan(
         config.algo, config.env, device, vec_env="dummy", seed=seed, config=config, overrides=speed_off, training=False
     )
-    env = build_env(plan, evaluation=True)
+    if video:
+        recordable(plan.env)  # a video that cannot be made is refused now, not after the evaluation
+    env = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
     if isinstance(env, VecNormalize):
         stats = run.vecnormalize_for(model_path)
         if stats is None:

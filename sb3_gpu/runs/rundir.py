@@ -172,7 +172,8 @@ class RunDir:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """One process per run dir: a second ``--resume`` of a running run would interleave their files."""
+        """One process per run dir: a second ``--resume`` of a running run would interleave their files. The lock
+        file exists while a process works in the run dir and is removed when it is done."""
         self.refuse_links()
         with os.fdopen(open_no_follow(self.lock_file), "r+") as f:
             try:
@@ -180,10 +181,18 @@ class RunDir:
             except BlockingIOError:
                 pid = f.read().strip() or "?"
                 raise ConfigError(f"{self.path} is in use by another sb3_gpu process (pid {pid})") from None
+            if not os.path.samestat(os.fstat(f.fileno()), os.stat(self.lock_file)):
+                # The process that held it removed it as it finished: the lock it released belongs to no one now.
+                raise ConfigError(f"{self.path} was in use by another sb3_gpu process that just finished; try again")
             f.truncate()
             f.write(str(os.getpid()))
             f.flush()
-            yield
+            try:
+                yield
+            finally:
+                # Removed while still held: a process that opened it before finds it locked, then gone (above).
+                with contextlib.suppress(OSError):
+                    self.lock_file.unlink()
 
     def refuse_links(self) -> None:
         """Refuse a run dir that holds a symbolic link: sb3_gpu and SB3 write inside it and would write through it."""

@@ -3,6 +3,7 @@ models back without unpickling what is inside their zips."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,11 @@ def load_model(
     ``torch.load(weights_only=True)`` by SB3 itself.
     """
     data = read_zip_data(path)
-    template = model_class(policy, env, device="cpu", _init_setup_model=False, **model_kwargs)  # type: ignore[call-arg]
+    with warnings.catch_warnings():
+        # The template is never trained: PPO's warning that a minibatch does not divide the rollout of this env (one
+        # evaluation env, where training had several) would be false.
+        warnings.filterwarnings("ignore", message="You have specified a mini-batch size")
+        template = model_class(policy, env, device="cpu", _init_setup_model=False, **model_kwargs)  # type: ignore[call-arg]
     _check_same_algorithm(path, data, template)
     serialized = sorted(k for k, v in data.items() if isinstance(v, dict) and ":serialized:" in v)
     known = vars(template)

@@ -11,6 +11,7 @@ from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
+from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.io import make_dir, write_json, write_yaml
 from sb3_gpu.config.runconfig import load_config
@@ -20,7 +21,7 @@ from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
 from sb3_gpu.runs.curves import plot_runs
-from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback
+from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, eval_envs
 from sb3_gpu.runs.rundir import RunDir, SavedState
 from sb3_gpu.runs.saving import restore_model, restore_vecnormalize
 from sb3_gpu.runs.session import Outcome, Session
@@ -165,7 +166,7 @@ def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | Non
         env: VecEnv = build_env(plan, monitor_dir=str(run.monitor))
         eval_env: VecEnv | None = None
         try:
-            eval_env = build_env(plan, evaluation=True)
+            eval_env = build_env(plan, evaluation=True, n_envs=eval_envs(options.eval_episodes))
             if state is None:
                 model = build_model(plan, env, tensorboard_log=str(run.tensorboard))
             else:
@@ -230,7 +231,7 @@ def _learn(
                 summary.update(interrupted=True, stopped_by=session.stopped_by)
                 summary["saved"] = (
                     f"{outcome.saved}; training was complete and its final evaluation was stopped "
-                    f"(to evaluate: python -m sb3_gpu.evaluate {run})"
+                    f"(to evaluate: {command()} -m sb3_gpu.evaluate {run})"
                 )
             else:
                 summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)

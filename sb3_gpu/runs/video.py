@@ -59,7 +59,7 @@ def record_video(
     path = Path(path)
     if path.suffix != ".mp4":
         raise ConfigError(f"a video is written as mp4: give a path ending in .mp4, got {path}")
-    spec = rendering(resolve_env(env))
+    spec = recordable(env)
     scratch = path.parent / f".{path.name}.recording"
     # From the first reset on: the first episode, or (a length given) that many frames across episodes.
     recorder_kwargs: dict[str, Any] = {
@@ -74,44 +74,58 @@ def record_video(
     recorders: list[_Recorder] = []
 
     def make() -> gym.Env:
-        try:
-            recorder = _Recorder(spec.make(), video_length or MAX_EPISODE_FRAMES, **recorder_kwargs)
-        except gym.error.DependencyNotInstalled:
-            raise ConfigError("recording a video needs moviepy: pip install 'sb3-gpu[video]'") from None
+        recorder = _Recorder(spec.make(), video_length or MAX_EPISODE_FRAMES, **recorder_kwargs)
         recorders.append(recorder)
         return recorder
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    venv: VecEnv = make_vec_env(
-        EnvSpec(spec.name, make, spec.is_atari),
-        1,
-        seed=seed,
-        vec_env="dummy",
-        frame_stack=frame_stack,
-        max_episode_steps=max_episode_steps,
-    )
-    normalization = normalization if normalization is not None else model.get_vec_normalize_env()
-    if normalization is not None:
-        frozen = VecNormalize(
-            venv,
-            training=False,
-            norm_obs=normalization.norm_obs,
-            norm_reward=False,
-            clip_obs=normalization.clip_obs,
-            epsilon=normalization.epsilon,
+    shutil.rmtree(scratch, ignore_errors=True)  # what an earlier, interrupted recording left
+    try:
+        venv: VecEnv = make_vec_env(
+            EnvSpec(spec.name, make, spec.is_atari),
+            1,
+            seed=seed,
+            vec_env="dummy",
+            frame_stack=frame_stack,
+            max_episode_steps=max_episode_steps,
         )
-        frozen.obs_rms = normalization.obs_rms  # read, never updated (training=False)
-        venv = frozen
-    try:
-        _play(model, venv, recorders[0], deterministic)
-    finally:
-        venv.close()  # writes the video where the recording was still open
-    try:
-        (written,) = scratch.glob("*.mp4")
-        os.replace(written, path)  # the complete file, renamed over any earlier one
+        try:
+            _play(model, _normalized(venv, normalization or model.get_vec_normalize_env()), recorders[0], deterministic)
+        finally:
+            venv.close()  # writes the video where the recording was still open
+        written = list(scratch.glob("*.mp4"))
+        if len(written) != 1:
+            raise ConfigError(f"env {spec.name} rendered no frames to record (render() returned no image)")
+        os.replace(written[0], path)  # the complete file, renamed over any earlier one
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return Video(path, recorders[0].captured, recorders[0].frames_per_sec)
+
+
+def recordable(env: str | EnvSpec) -> EnvSpec:
+    """``env`` made to render ``rgb_array`` frames; the one-line ConfigError a recording would meet, before anything
+    else runs: moviepy missing, or an env that cannot render."""
+    try:
+        import moviepy  # noqa: F401  (RecordVideo writes through it)
+    except ImportError:
+        raise ConfigError("recording a video needs moviepy: pip install 'sb3-gpu[video]'") from None
+    return rendering(resolve_env(env))
+
+
+def _normalized(venv: VecEnv, normalization: VecNormalize | None) -> VecEnv:
+    """``venv`` normalising observations with ``normalization``'s statistics, frozen (or as it is, without)."""
+    if normalization is None:
+        return venv
+    frozen = VecNormalize(
+        venv,
+        training=False,
+        norm_obs=normalization.norm_obs,
+        norm_reward=False,
+        clip_obs=normalization.clip_obs,
+        epsilon=normalization.epsilon,
+    )
+    frozen.obs_rms = normalization.obs_rms  # read, never updated (training=False)
+    return frozen
 
 
 class _Recorder(RecordVideo):
@@ -124,10 +138,11 @@ class _Recorder(RecordVideo):
 
     def _capture_frame(self) -> None:
         before = len(self.recorded_frames)
-        super()._capture_frame()
-        self.captured += len(self.recorded_frames) - before
-        if self.recording and self.captured >= self.limit:
-            self.stop_recording()
+        super()._capture_frame()  # stops the recording itself where render() gives no image
+        if self.recording and len(self.recorded_frames) > before:
+            self.captured += 1
+            if self.captured >= self.limit:
+                self.stop_recording()
 
 
 def _play(model: BaseAlgorithm, venv: VecEnv, recorder: _Recorder, deterministic: bool) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+import subprocess
 import zipfile
 
 import pytest
@@ -52,6 +53,7 @@ def test_train_writes_a_complete_run_dir(tmp_path):
     ):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / "tb").glob("run_1/events.out.tfevents.*"))
+    assert not (run_dir / ".lock").exists()  # held while the run worked, removed when it finished
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["timesteps"] >= 2048 and summary["steps_per_s"] > 0 and summary["eval_episodes"] == 2
     assert summary["final_eval_mean"] > 0 and summary["interrupted"] is False
@@ -294,3 +296,19 @@ def test_bad_input_in_a_real_process_exits_2_with_one_line(module, args, message
     assert result.returncode == 2, result.stdout + result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == [result.stderr.strip()]
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_run_logged_to_a_file_prints_no_progress_bar_and_commands_that_run_as_printed(tmp_path):
+    run_dir = tmp_path / "logged"
+    args = ("ppo", "--env", "CartPole-v1", "--timesteps", "1024", "--n-envs", "2", "--set", "n_epochs=1")
+    result = run_cli("sb3_gpu.train", *args, "--run-dir", str(run_dir), "--eval-episodes", "2", "--checkpoint-freq", "1024")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    # stdout is a pipe here, as in a log file: no bar redrawn, and the plan's rows are not folded into 80 columns.
+    assert not any("━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━" in line and "/" in line for line in lines)
+    assert any(line.startswith("evaluation: every 102 env steps (10 times) and at the end, 2 deterministic") for line in lines)
+    assert max(len(line) for line in lines) > 80
+    watch, replay = (next(line for line in lines if line.startswith(prefix)) for prefix in ("watch it: ", "replay it: "))
+    assert watch.endswith(f"-m sb3_gpu.evaluate {run_dir} --video")
+    replayed = subprocess.run([*replay.removeprefix("replay it:").split(), "--plan"], capture_output=True, text=True)
+    assert replayed.returncode == 0 and "sb3_gpu plan: PPO on CartPole-v1" in replayed.stdout

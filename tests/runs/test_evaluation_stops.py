@@ -11,6 +11,7 @@ import pytest
 import yaml
 from rich.console import Console
 
+from sb3_gpu.common.cli import command
 from sb3_gpu.envs.spec import EpisodeStepCap
 from sb3_gpu.evaluate import main as evaluate_main
 from sb3_gpu.planning.plan import make_plan
@@ -80,6 +81,10 @@ def test_training_and_evaluate_cut_the_episodes_of_an_env_without_time_limit(end
     assert "return 0.00 +/- 0.00 over 3 episodes" in result.stdout
 
 
+# An evaluation steps its 5 envs together (steps 33-37, 38-42, ...): a signal at step 40 lets that batched step end.
+AFTER_SIGNAL_AT_40 = 42
+
+
 def _train_signalled(tmp_path, call_main, *, signal_at: int, timesteps: int, eval_freq: int):
     """Train PPO on Endless, which sends SIGINT to this process at its ``signal_at``-th step, with endless evaluations."""
     run_dir = tmp_path / "run"
@@ -92,9 +97,11 @@ def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_pa
     # Training takes env steps 1-32, then evaluates from step 33 on: step 40 is inside the first evaluation.
     run_dir, result = _train_signalled(tmp_path, call_main, signal_at=40, timesteps=2048, eval_freq=32)
     assert result.returncode == 130, result.stderr
-    assert Endless.steps == 40  # not one evaluation step after the signal
+    assert Endless.steps == AFTER_SIGNAL_AT_40  # not one evaluation step after the signal's
     model = run_dir / "model.zip"
-    expected = f"stopped by SIGINT: model saved to {model} at 32 timesteps; continue with: python -m sb3_gpu.train --resume"
+    expected = (
+        f"stopped by SIGINT: model saved to {model} at 32 timesteps; continue with: {command()} -m sb3_gpu.train --resume"
+    )
     assert expected in result.stderr.replace("\n", "")
     assert zip_timesteps(model) == 32
 
@@ -102,10 +109,12 @@ def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_pa
 def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_advises_evaluate(tmp_path, call_main):
     run_dir, result = _train_signalled(tmp_path, call_main, signal_at=40, timesteps=32, eval_freq=100_000)
     assert result.returncode == 130, result.stderr
-    assert Endless.steps == 40
+    assert Endless.steps == AFTER_SIGNAL_AT_40
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGINT" and "final_eval_mean" not in summary
-    advice = f"training was complete and its final evaluation was stopped (to evaluate: python -m sb3_gpu.evaluate {run_dir})"
+    advice = (
+        f"training was complete and its final evaluation was stopped (to evaluate: {command()} -m sb3_gpu.evaluate {run_dir})"
+    )
     assert advice in result.stderr.replace("\n", "") and zip_timesteps(run_dir / "model.zip") == 32
 
 
@@ -114,7 +123,10 @@ def test_a_signal_at_the_last_step_of_training_advises_evaluate_not_resume(tmp_p
     assert result.returncode == 130, result.stderr
     assert zip_timesteps(run_dir / "model.zip") == 32  # all of the run: --resume would refuse
     stderr = result.stderr.replace("\n", "")
-    assert f"training was complete (to evaluate: python -m sb3_gpu.evaluate {run_dir})" in stderr and "--resume" not in stderr
+    assert (
+        f"training was complete (to evaluate: {command()} -m sb3_gpu.evaluate {run_dir})" in stderr
+        and "--resume" not in stderr
+    )
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ import torch as th
 from stable_baselines3.common.save_util import json_to_data
 
 from sb3_gpu import ConfigError
+from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import atomic_write_bytes
 from sb3_gpu.config.runconfig import load_config
@@ -117,7 +118,7 @@ def test_sigint_saves_everything_and_resume_continues_schedules_buffer_and_tenso
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "SIGINT received: stopping after this step" in err
-    assert f"continue with: python -m sb3_gpu.train --resume {run_dir}" in err
+    assert f"continue with: {command()} -m sb3_gpu.train --resume {run_dir}" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped_at = summary["timesteps"]
     assert summary["stopped_by"] == "SIGINT" and stopped_at >= 1500
@@ -281,7 +282,7 @@ def test_a_second_signal_with_only_a_best_model_names_it(tmp_path, monkeypatch, 
     assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress"]) == 130
     assert capsys.readouterr().err.splitlines() == [
         f"error: stopped at once by a second signal; the best model so far is {run_dir / 'best_model.zip'}",
-        f"error: to evaluate it: python -m sb3_gpu.evaluate {run_dir}",
+        f"error: to evaluate it: {command()} -m sb3_gpu.evaluate {run_dir}",
     ]
     assert (run_dir / "best_model.zip").exists()
 
@@ -618,6 +619,18 @@ def test_a_run_dir_in_use_is_refused(tmp_path, capsys):
         assert train_main(["--resume", str(tmp_path), "--timesteps", "128"]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path} is in use by another sb3_gpu process (pid {os.getpid()})" in err.replace("\n", "")
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_lock_removed_by_the_process_that_held_it_is_not_taken_over(tmp_path, monkeypatch):
+    run = RunDir(tmp_path)
+    stale = os.open(run.lock_file, os.O_RDWR | os.O_CREAT)  # opened just before its holder, finishing, removed it
+    run.lock_file.unlink()
+    run.lock_file.write_text("")  # and a process that came later made a new one
+    monkeypatch.setattr("sb3_gpu.runs.rundir.open_no_follow", lambda path: stale)
+    with pytest.raises(ConfigError, match="was in use by another sb3_gpu process that just finished; try again"), run.locked():
+        pass
+    assert run.lock_file.exists()  # the later process's lock is left alone
 
 
 def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_the_handlers():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 
 import cv2
 import gymnasium as gym
@@ -37,8 +38,12 @@ def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main):
     args = ("ppo", "--env", "CartPole-v1", "--device", "auto", "--timesteps", "2048", "--no-progress")
     trained = run_cli("sb3_gpu.train", *args, "--run-dir", str(run_dir), "--eval-episodes", "2")
     assert trained.returncode == 0, trained.stderr
-    result = call_main(evaluate_main, str(run_dir), "--episodes", "2", "--video")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call_main(evaluate_main, str(run_dir), "--episodes", "2", "--video")
     assert result.returncode == 0, result.stderr
+    # Loading the model for 2 evaluation envs (training had 8) warns of no minibatch size: nothing is trained.
+    assert not [w for w in caught if "mini-batch" in str(w.message)]
     match = re.search(r"video: (\S+) \(([\d,]+) frames at (\d+) fps\)", result.stdout)
     assert match is not None, result.stdout
     path, frames = run_dir / "videos" / "best_model.mp4", int(match[2].replace(",", ""))
@@ -84,4 +89,31 @@ def test_a_missing_moviepy_names_the_extra_to_install(tmp_path, monkeypatch):
     model = PPO("MlpPolicy", "CartPole-v1", device="cpu")
     with pytest.raises(ConfigError, match=r"recording a video needs moviepy: pip install 'sb3-gpu\[video\]'"):
         record_video(model, "CartPole-v1", tmp_path / "x.mp4")
-    assert not (tmp_path / "x.mp4").exists()
+    assert list(tmp_path.iterdir()) == []  # neither a video nor a scratch folder
+
+
+class BlankRender(NoRender):
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+    def render(self):
+        return None  # claims rgb_array, draws nothing
+
+
+def test_an_env_that_renders_no_image_is_refused_and_leaves_nothing_behind(tmp_path):
+    model = PPO("MlpPolicy", BlankRender(), device="cpu")
+    with pytest.raises(ConfigError, match="rendered no frames to record"):
+        record_video(model, "tests.runs.test_video:BlankRender", tmp_path / "x.mp4")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_env_kwargs_that_set_a_render_mode_are_named():
+    from sb3_gpu.envs.spec import rendering, resolve_env
+
+    with pytest.raises(ConfigError, match="its env_kwargs set render_mode; remove it"):
+        rendering(resolve_env("CartPole-v1", {"render_mode": "human"}))
