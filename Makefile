@@ -16,9 +16,10 @@ $(BIN)/.torch:
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	touch $@
 
-# What the quick start runs, and no more: the package and its video extra (moviepy).
+# What the quick start runs, and no more: the package, its video extra (moviepy, pygame) and matplotlib for the
+# run's curves.png.
 $(BIN)/.installed-run: pyproject.toml $(BIN)/.torch
-	$(BIN)/python -m pip install -q -e ".[video]"
+	$(BIN)/python -m pip install -q -e ".[video,plot]"
 	touch $@
 
 # Everything: the test tools and every extra (Atari, Box2D, EnvPool, optuna, numba, rl_zoo3, notebooks).

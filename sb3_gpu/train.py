@@ -138,6 +138,7 @@ def _make_plan(args: argparse.Namespace, algo: str, config: RunConfig | None, ov
 
 def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="sb3_gpu summary", title_justify="left")
     table.add_column("", style="bold")
@@ -169,7 +170,7 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     if summary.get("curves"):
         rows.append(("curves", summary["curves"]))
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))  # plain text: rich would read "[plot]" in a value as markup
     return table
 
 

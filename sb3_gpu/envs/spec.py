@@ -74,13 +74,19 @@ def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
         raise ConfigError(f"env {spec.name}: its factory takes no render_mode argument; add render_mode=None to it") from None
     try:
         modes, mode = env.metadata.get("render_modes", []), getattr(env, "render_mode", None)
+        if render_mode not in modes or mode != render_mode:
+            raise ConfigError(
+                f"env {spec.name} cannot render {render_mode!r} frames (its render modes: {modes or 'none'}; made with "
+                f"render_mode={render_mode!r}, it has {mode!r})"
+            )
+        env.reset(seed=0)
+        env.render()  # drawing may need a package of its own: pygame, for the classic-control and Box2D envs
+    except gym.error.DependencyNotInstalled as e:
+        raise ConfigError(
+            f"env {spec.name} cannot render frames: {e} (pip install 'sb3-gpu[video]' installs pygame and moviepy)"
+        ) from None
     finally:
         env.close()
-    if render_mode not in modes or mode != render_mode:
-        raise ConfigError(
-            f"env {spec.name} cannot render {render_mode!r} frames (its render modes: {modes or 'none'}; made with "
-            f"render_mode={render_mode!r}, it has {mode!r})"
-        )
     return dataclasses.replace(spec, make=make, env_id=None)  # env_id None: EnvPool cannot stand in for it
 
 

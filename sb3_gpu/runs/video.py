@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 from gymnasium.wrappers import RecordVideo
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
@@ -129,12 +130,26 @@ def _normalized(venv: VecEnv, normalization: VecNormalize | None) -> VecEnv:
 
 
 class _Recorder(RecordVideo):
-    """RecordVideo that counts its frames and stops after ``limit`` of them (RecordVideo's own length keeps one
-    more)."""
+    """RecordVideo that counts its frames, stops after ``limit`` of them (RecordVideo's own length keeps one more),
+    and writes every frame it holds: moviepy, which RecordVideo writes through, drops the last frame of many clips
+    (11 frames at 50 fps, 6 at 60: a rounding of the clip's duration), so the file is written by moviepy's own
+    ffmpeg backend, imageio-ffmpeg, frame by frame."""
 
     def __init__(self, env: gym.Env, limit: int, **kwargs: Any):
         super().__init__(env, **kwargs)
         self.limit, self.captured = limit, 0
+        self._name = "video"
+
+    def start_recording(self, video_name: str) -> None:
+        super().start_recording(video_name)
+        self._name = video_name
+
+    def stop_recording(self) -> None:
+        if self.recorded_frames:
+            frames = [np.asarray(frame) for frame in self.recorded_frames]  # RGB arrays, as _capture_frame keeps them
+            _write_mp4(Path(self.video_folder) / f"{self._name}.mp4", frames, self.frames_per_sec)
+        self.recorded_frames = []
+        self.recording = False
 
     def _capture_frame(self) -> None:
         before = len(self.recorded_frames)
@@ -143,6 +158,24 @@ class _Recorder(RecordVideo):
             self.captured += 1
             if self.captured >= self.limit:
                 self.stop_recording()
+
+
+def _write_mp4(path: Path, frames: list[np.ndarray], fps: int) -> None:
+    """``frames`` (RGB, all one size) as an H.264 mp4 of exactly as many frames."""
+    import imageio_ffmpeg  # moviepy's own dependency: installed with the video extra
+
+    # H.264 in yuv420p takes even sizes only: an odd height or width gets its last row or column once more.
+    height, width = frames[0].shape[0], frames[0].shape[1]
+    pad = ((0, height % 2), (0, width % 2), (0, 0))
+    writer = imageio_ffmpeg.write_frames(
+        str(path), (width + width % 2, height + height % 2), fps=fps, macro_block_size=1, output_params=["-loglevel", "error"]
+    )
+    writer.send(None)  # starts ffmpeg
+    try:
+        for frame in frames:
+            writer.send(np.ascontiguousarray(np.pad(frame, pad, mode="edge") if height % 2 or width % 2 else frame))
+    finally:
+        writer.close()
 
 
 def _play(model: BaseAlgorithm, venv: VecEnv, recorder: _Recorder, deterministic: bool) -> None:

@@ -312,3 +312,16 @@ def test_a_run_logged_to_a_file_prints_no_progress_bar_and_commands_that_run_as_
     assert watch.endswith(f"-m sb3_gpu.evaluate {run_dir} --video")
     replayed = subprocess.run([*replay.removeprefix("replay it:").split(), "--plan"], capture_output=True, text=True)
     assert replayed.returncode == 0 and "sb3_gpu plan: PPO on CartPole-v1" in replayed.stdout
+
+
+def test_the_summary_shows_values_with_brackets_as_written(tmp_path):
+    from rich.console import Console
+
+    from sb3_gpu.runs.curves import MISSING
+    from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.train import summary_table
+
+    summary = {"timesteps": 64, "wall_time_s": 1.0, "steps_per_s": 64.0, "model": "m.zip", "curves": f"not drawn: {MISSING}"}
+    console = Console(record=True, width=200)
+    console.print(summary_table(summary, RunDir(tmp_path)))
+    assert "pip install 'sb3-gpu[plot]'" in console.export_text()  # rich markup would have eaten "[plot]"

@@ -97,7 +97,7 @@ def test_cuda_request_without_a_gpu_fails_before_anything_is_built(cpu_machine):
 def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
     plan = make_plan("dqn", "CartPole-v1", hardware=cpu_machine)
     table = plan_table(plan)
-    settings = list(table.columns[0].cells)
+    settings = [str(cell) for cell in table.columns[0].cells]  # plain Text cells
     assert {"hardware", "device", "vec_env", "batch_size", "target_update_interval", "n_timesteps"} <= set(settings)
 
 

@@ -56,6 +56,20 @@ def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main):
     assert result.returncode == 0 and read_back(run_dir / "videos" / "model.mp4") == (30, 600, 400)
 
 
+@pytest.mark.parametrize("length", [6, 11, 12, 31])  # clip lengths whose last frame moviepy's writer drops
+def test_every_recorded_frame_is_in_the_file(tmp_path, length):
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0)
+    video = record_video(model, "CartPole-v1", tmp_path / "v.mp4", video_length=length, seed=0)
+    assert video.frames == length and read_back(video.path) == (length, 600, 400)
+
+
+def test_frames_of_odd_size_are_padded_to_the_even_size_h264_takes(tmp_path):
+    from sb3_gpu.runs.video import _write_mp4
+
+    _write_mp4(tmp_path / "odd.mp4", [np.full((21, 15, 3), 9 * i, np.uint8) for i in range(7)], fps=30)
+    assert read_back(tmp_path / "odd.mp4") == (7, 16, 22)
+
+
 def test_an_atari_game_is_recorded_frame_by_frame_while_the_policy_sees_its_training_preprocessing(tmp_path):
     from sb3_gpu.envs.build import make_vec_env
 
@@ -109,6 +123,18 @@ def test_an_env_that_renders_no_image_is_refused_and_leaves_nothing_behind(tmp_p
     model = PPO("MlpPolicy", BlankRender(), device="cpu")
     with pytest.raises(ConfigError, match="rendered no frames to record"):
         record_video(model, "tests.runs.test_video:BlankRender", tmp_path / "x.mp4")
+    assert list(tmp_path.iterdir()) == []
+
+
+class NeedsPygame(BlankRender):
+    def render(self):
+        raise gym.error.DependencyNotInstalled("pygame is not installed")
+
+
+def test_an_env_whose_drawing_needs_a_missing_package_is_refused_before_recording(tmp_path):
+    model = PPO("MlpPolicy", NeedsPygame(), device="cpu")
+    with pytest.raises(ConfigError, match=r"cannot render frames: pygame is not installed \(pip install 'sb3-gpu\[video\]'"):
+        record_video(model, "tests.runs.test_video:NeedsPygame", tmp_path / "x.mp4")
     assert list(tmp_path.iterdir()) == []
 
 
