@@ -55,8 +55,6 @@ def record_video(
     """
     if video_length < 0:
         raise ConfigError(f"video_length must be >= 0 (0: the first episode), got {video_length}")
-    # pygame, which draws the classic-control envs, also opens audio: with no sound server that prints an error line.
-    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     path = Path(path)
     if path.suffix != ".mp4":
         raise ConfigError(f"a video is written as mp4: give a path ending in .mp4, got {path}")
@@ -110,6 +108,10 @@ def recordable(env: str | EnvSpec) -> EnvSpec:
         import moviepy  # noqa: F401  (RecordVideo writes through it)
     except ImportError:
         raise ConfigError("recording a video needs moviepy: pip install 'sb3-gpu[video]'") from None
+    # Frames are drawn off screen: pygame (the classic-control and Box2D envs) needs no display or sound, and where
+    # it looks for them on a headless machine, SDL prints an error line.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     return rendering(resolve_env(env))
 
 
