@@ -17,11 +17,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
-
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.config.files import read_yaml
 from sb3_gpu.config.schema import ACTIVATIONS, Algo, validate_entry
+from sb3_gpu.envs.spec import looks_atari
 
 ZOO_ALGOS = ("ppo", "dqn", "qrdqn")  # the rl-zoo3 files whose algorithms sb3_gpu trains
 MAX_SOURCE_CHARS = 2000  # a policy_kwargs string is a line or two; anything longer is not a literal worth parsing
@@ -123,15 +122,9 @@ def _check_wrappers(value: Any, entry: str, where: str) -> None:
             raise ConfigError(f"{where}: env wrapper {_short(name)} is not supported (sb3_gpu applies only AtariWrapper)")
         if kwargs:
             raise ConfigError(f"{where}: AtariWrapper arguments {_short(kwargs)} are not supported (its defaults are used)")
-        if entry != "atari" and not _atari_id(entry):
+        if entry != "atari" and not looks_atari(entry):
             raise ConfigError(f"{where}: AtariWrapper on {entry}, which is not an Atari game")
         # Nothing to store: sb3_gpu wraps every Atari game in AtariWrapper with its defaults.
-
-
-def _atari_id(name: str) -> bool:
-    """An Atari game's id: ``ALE/...``, ``...NoFrameskip...``, or one that ale-py registered (``Pong-v4``)."""
-    spec = gym.registry.get(name)
-    return name.startswith("ALE/") or "NoFrameskip" in name or (spec is not None and "ale_py" in str(spec.entry_point))
 
 
 def _policy_kwargs(kwargs: dict[str, Any], where: str) -> dict[str, Any]:

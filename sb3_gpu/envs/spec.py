@@ -90,12 +90,15 @@ def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
     return dataclasses.replace(spec, make=make, env_id=None)  # env_id None: EnvPool cannot stand in for it
 
 
-def _looks_atari(env_id: str) -> bool:
-    return env_id.startswith("ALE/") or "NoFrameskip" in env_id
+def looks_atari(env_id: str) -> bool:
+    """Whether ``env_id`` names an Atari game: ``ALE/...``, ``...NoFrameskip...``, or an id ale-py registered
+    (``Pong-v4``)."""
+    spec = gym.registry.get(env_id)
+    return env_id.startswith("ALE/") or "NoFrameskip" in env_id or (spec is not None and "ale_py" in str(spec.entry_point))
 
 
 def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
-    if env_id not in gym.registry and not register_ale() and _looks_atari(env_id):
+    if env_id not in gym.registry and not register_ale() and looks_atari(env_id):
         raise ConfigError(f"env {env_id!r} is an Atari game and needs ale-py: pip install 'sb3-gpu[atari]'")
     if env_id not in gym.registry:
         raise ConfigError(
