@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import sys
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sb3_gpu import __version__
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS
 from sb3_gpu.common.cli import Parser, command, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
 
 # Torch, SB3 and rich are imported inside main (below), so that --help is quick and a Ctrl-C while they load is
@@ -179,8 +179,8 @@ def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int) -> str:
     episode may run."""
     from sb3_gpu.runs.evaluation import eval_envs
 
-    timesteps = plan.preset.n_timesteps
-    every = eval_freq or max(timesteps // 10, 1)
+    timesteps, n_envs = plan.preset.n_timesteps, plan.preset.n_envs
+    every = n_envs * max((eval_freq or max(timesteps // 10, 1)) // n_envs, 1)  # the callback counts vec env steps
     bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
     return (
         f"evaluation: every {every:,} env steps ({timesteps // every} times) and at the end, {episodes} deterministic "
@@ -207,16 +207,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run: RunDir | None = None  # once known, for the messages below
     try:
-        from rich.console import Console
-
         from sb3_gpu.planning.table import plan_table
         from sb3_gpu.runs.rundir import RunDir
         from sb3_gpu.runs.training import resume_run
 
-        console = Console()
-        if not (console.is_terminal or console.is_jupyter) and "COLUMNS" not in os.environ:
-            # A log file has no width: rich's default of 80 columns would fold the plan's rows into many lines.
-            console = Console(width=160)
+        console = cli_console()
         if args.resume is not None:
             run = RunDir(args.resume)
             _check_resume_flags(parser, args, run)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS
 from sb3_gpu.common.cli import Parser, command, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.tuning import PRUNERS, SAMPLERS
 
@@ -91,15 +92,13 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from rich.console import Console
-
         from sb3_gpu.common.io import make_dir, refuse_links
         from sb3_gpu.config.search import load_space
         from sb3_gpu.planning.plan import make_plan
         from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, make_storage, mask_url
         from sb3_gpu.tuning.study import finished_trials, make_objective, open_study, run_trials
 
-        console = Console()
+        console = cli_console()
         optuna = import_optuna()
         space = load_space(args.algo, args.space)
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)

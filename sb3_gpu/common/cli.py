@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from sb3_gpu.common.checks import MAX_COUNT
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,9 +52,25 @@ def print_error(message: str) -> None:
 
 def command(program: str = "python") -> str:
     """How the user's shell starts ``program`` (``python``, ``tensorboard``) of the environment running this one: its
-    bare name where the shell finds this very one, else its path (a virtual environment that is not active)."""
-    here = Path(sys.executable) if program == "python" else Path(sys.executable).parent / program
+    bare name where the shell finds this environment's own, else its path (a virtual environment that is not active),
+    quoted for the shell."""
+    bin_dir = Path(sys.executable).parent
+    here = Path(sys.executable) if program == "python" else bin_dir / program
+    if program != "python" and not here.exists():  # a script installed elsewhere (pip --user): run its module
+        return f"{command()} -m {program}.main"
     found = shutil.which(program)
-    if found is not None and os.path.realpath(found) == os.path.realpath(here):
+    # The folders, not the files: a venv's python is a link to the base interpreter, which the shell may find too.
+    if found is not None and Path(found).parent.resolve() == bin_dir.resolve():
         return program
-    return str(here)
+    return shlex.quote(str(here))
+
+
+def console() -> Console:
+    """A rich console for the CLIs' output: its own width in a terminal or a notebook; in a log file (CI, nohup, a
+    cluster's job log), which has none, 160 columns rather than rich's 80, so that tables are not folded."""
+    from rich.console import Console
+
+    out = Console()
+    if not (out.is_terminal or out.is_jupyter) and "COLUMNS" not in os.environ:
+        out = Console(width=160)
+    return out

@@ -24,7 +24,8 @@ EVAL_SEED_OFFSET = 10_000
 
 
 def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None = None, evaluation: bool = False) -> VecEnv:
-    """The plan's VecEnv (``evaluation=True``: one dummy env, seeded apart, with frozen normalisation)."""
+    """The plan's VecEnv (``evaluation=True``: dummy envs, one unless ``n_envs`` says, seeded apart, with frozen
+    normalisation)."""
     preset = plan.preset
     seed = None if plan.seed is None else plan.seed + (EVAL_SEED_OFFSET if evaluation else 0)
     venv = make_vec_env(

@@ -30,8 +30,10 @@ MAX_EVAL_ENVS = 5
 def eval_envs(episodes: int) -> int:
     """Envs an evaluation of ``episodes`` runs on: up to 5 at once, so that one batched inference serves 5 env steps
     (on one env, evaluating took most of a short run's time). SB3's evaluate_policy gives each env its share of the
-    episodes, so short episodes are not over-counted; the number of episodes is the same."""
-    return min(episodes, MAX_EVAL_ENVS)
+    episodes, so short episodes are not over-counted; the number of episodes is the same. A count that divides the
+    episodes is preferred: an env done with its share keeps stepping until the others are."""
+    most = min(episodes, MAX_EVAL_ENVS)
+    return next((n for n in range(most, 1, -1) if episodes % n == 0), most)
 
 
 class EvaluationStopped(Exception):

@@ -181,7 +181,11 @@ class RunDir:
             except BlockingIOError:
                 pid = f.read().strip() or "?"
                 raise ConfigError(f"{self.path} is in use by another sb3_gpu process (pid {pid})") from None
-            if not os.path.samestat(os.fstat(f.fileno()), os.stat(self.lock_file)):
+            try:
+                current = os.stat(self.lock_file)
+            except FileNotFoundError:
+                current = None
+            if current is None or not os.path.samestat(os.fstat(f.fileno()), current):
                 # The process that held it removed it as it finished: the lock it released belongs to no one now.
                 raise ConfigError(f"{self.path} was in use by another sb3_gpu process that just finished; try again")
             f.truncate()

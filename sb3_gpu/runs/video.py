@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,40 +82,59 @@ def record_video(
 
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(scratch, ignore_errors=True)  # what an earlier, interrupted recording left
-    try:
-        venv: VecEnv = make_vec_env(
-            EnvSpec(spec.name, make, spec.is_atari),
-            1,
-            seed=seed,
-            vec_env="dummy",
-            frame_stack=frame_stack,
-            max_episode_steps=max_episode_steps,
-        )
+    with _headless():
         try:
-            _play(model, _normalized(venv, normalization or model.get_vec_normalize_env()), recorders[0], deterministic)
+            venv: VecEnv = make_vec_env(
+                EnvSpec(spec.name, make, spec.is_atari),
+                1,
+                seed=seed,
+                vec_env="dummy",
+                frame_stack=frame_stack,
+                max_episode_steps=max_episode_steps,
+            )
+            try:
+                _play(model, _normalized(venv, normalization or model.get_vec_normalize_env()), recorders[0], deterministic)
+            except BaseException:
+                recorders[0].discard()  # Ctrl-C or an error: no video, and no time spent encoding one
+                raise
+            finally:
+                venv.close()  # writes the video where the recording was still open
+            written = list(scratch.glob("*.mp4"))
+            if len(written) != 1:
+                raise ConfigError(f"env {spec.name} rendered no frames to record (render() returned no image)")
+            os.replace(written[0], path)  # the complete file, renamed over any earlier one
         finally:
-            venv.close()  # writes the video where the recording was still open
-        written = list(scratch.glob("*.mp4"))
-        if len(written) != 1:
-            raise ConfigError(f"env {spec.name} rendered no frames to record (render() returned no image)")
-        os.replace(written[0], path)  # the complete file, renamed over any earlier one
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     return Video(path, recorders[0].captured, recorders[0].frames_per_sec)
+
+
+@contextlib.contextmanager
+def _headless() -> Iterator[None]:
+    """Frames are drawn off screen: pygame (the classic-control and Box2D envs) needs no display or sound, and where
+    it looks for them on a headless machine, SDL prints an error line. The settings last only while frames are drawn,
+    so a later ``render_mode="human"`` window in the same process (a notebook's) still opens."""
+    saved = {name: os.environ.get(name) for name in ("SDL_VIDEODRIVER", "SDL_AUDIODRIVER")}
+    for name, value in saved.items():
+        if value is None:
+            os.environ[name] = "dummy"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
 
 
 def recordable(env: str | EnvSpec) -> EnvSpec:
     """``env`` made to render ``rgb_array`` frames; the one-line ConfigError a recording would meet, before anything
     else runs: moviepy missing, or an env that cannot render."""
-    try:
-        import moviepy  # noqa: F401  (RecordVideo writes through it)
-    except ImportError:
-        raise ConfigError("recording a video needs moviepy: pip install 'sb3-gpu[video]'") from None
-    # Frames are drawn off screen: pygame (the classic-control and Box2D envs) needs no display or sound, and where
-    # it looks for them on a headless machine, SDL prints an error line.
-    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    return rendering(resolve_env(env))
+    for package in ("moviepy", "imageio_ffmpeg"):  # RecordVideo needs the first; the mp4 is written with the second
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ConfigError(f"recording a video needs {package}: pip install 'sb3-gpu[video]'") from None
+    with _headless():
+        return rendering(resolve_env(env))
 
 
 def _normalized(venv: VecEnv, normalization: VecNormalize | None) -> VecEnv:
@@ -147,9 +169,13 @@ class _Recorder(RecordVideo):
         self._name = video_name
 
     def stop_recording(self) -> None:
-        if self.recorded_frames:
-            frames = [np.asarray(frame) for frame in self.recorded_frames]  # RGB arrays, as _capture_frame keeps them
+        frames = [np.asarray(frame) for frame in self.recorded_frames]  # RGB arrays, as _capture_frame keeps them
+        self.discard()  # first: a failed write must not be tried again when the env closes
+        if frames:
             _write_mp4(Path(self.video_folder) / f"{self._name}.mp4", frames, self.frames_per_sec)
+
+    def discard(self) -> None:
+        """End the recording without writing it."""
         self.recorded_frames = []
         self.recording = False
 
@@ -166,8 +192,12 @@ def _write_mp4(path: Path, frames: list[np.ndarray], fps: int) -> None:
     """``frames`` (RGB, all one size) as an H.264 mp4 of exactly as many frames."""
     import imageio_ffmpeg  # moviepy's own dependency: installed with the video extra
 
+    shape = frames[0].shape
+    if frames[0].dtype != np.uint8 or len(shape) != 3 or shape[2] != 3 or any(f.shape != shape for f in frames):
+        got = sorted({f"{f.dtype} {f.shape}" for f in frames})[:3]
+        raise ConfigError(f"a video takes RGB frames of one size (uint8, height x width x 3); the env rendered {got}")
     # H.264 in yuv420p takes even sizes only: an odd height or width gets its last row or column once more.
-    height, width = frames[0].shape[0], frames[0].shape[1]
+    height, width = shape[0], shape[1]
     pad = ((0, height % 2), (0, width % 2), (0, 0))
     writer = imageio_ffmpeg.write_frames(
         str(path), (width + width % 2, height + height % 2), fps=fps, macro_block_size=1, output_params=["-loglevel", "error"]
@@ -178,6 +208,8 @@ def _write_mp4(path: Path, frames: list[np.ndarray], fps: int) -> None:
             writer.send(np.ascontiguousarray(np.pad(frame, pad, mode="edge") if height % 2 or width % 2 else frame))
     finally:
         writer.close()
+    if not path.is_file() or path.stat().st_size == 0:  # ffmpeg's exit status does not reach us
+        raise ConfigError(f"ffmpeg wrote no video to {path}")
 
 
 def _play(model: BaseAlgorithm, venv: VecEnv, recorder: _Recorder, deterministic: bool) -> None:

@@ -24,7 +24,7 @@ from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.envs.spec import resolve_env
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback
+from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, eval_envs
 from sb3_gpu.runs.session import Session
 from sb3_gpu.tuning.storage import import_optuna
 
@@ -146,7 +146,7 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
     env = build_env(plan)
     eval_env = None
     try:
-        eval_env = build_env(plan, evaluation=True)
+        eval_env = build_env(plan, evaluation=True, n_envs=eval_envs(settings.eval_episodes))
         model = build_model(plan, env)
         freq = settings.eval_freq or max(timesteps // 5, 1)
         evaluator = TrialEvalCallback(trial, eval_env, max(freq // n_envs, 1), settings.eval_episodes, index * timesteps)

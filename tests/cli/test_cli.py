@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -301,7 +303,9 @@ def test_bad_input_in_a_real_process_exits_2_with_one_line(module, args, message
 def test_a_run_logged_to_a_file_prints_no_progress_bar_and_commands_that_run_as_printed(tmp_path):
     run_dir = tmp_path / "logged"
     args = ("ppo", "--env", "CartPole-v1", "--timesteps", "1024", "--n-envs", "2", "--set", "n_epochs=1")
-    result = run_cli("sb3_gpu.train", *args, "--run-dir", str(run_dir), "--eval-episodes", "2", "--checkpoint-freq", "1024")
+    args += ("--run-dir", str(run_dir), "--eval-episodes", "2", "--checkpoint-freq", "1024")
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # a log file has no width
+    result = subprocess.run([sys.executable, "-m", "sb3_gpu.train", *args], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     # stdout is a pipe here, as in a log file: no bar redrawn, and the plan's rows are not folded into 80 columns.

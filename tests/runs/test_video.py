@@ -3,6 +3,7 @@ preprocessing, and the errors a user meets."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import warnings
@@ -143,3 +144,23 @@ def test_env_kwargs_that_set_a_render_mode_are_named():
 
     with pytest.raises(ConfigError, match="its env_kwargs set render_mode; remove it"):
         rendering(resolve_env("CartPole-v1", {"render_mode": "human"}))
+
+
+def test_ctrl_c_while_recording_writes_nothing_and_leaves_the_process_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.delenv("SDL_VIDEODRIVER", raising=False)
+    monkeypatch.delenv("SDL_AUDIODRIVER", raising=False)
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu")
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return PPO.predict(model, *args, **kwargs)
+
+    monkeypatch.setattr(model, "predict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        record_video(model, "CartPole-v1", tmp_path / "x.mp4", video_length=100)
+    assert list(tmp_path.iterdir()) == []  # no video, no scratch folder
+    # Drawing off screen lasted only while frames were drawn: a later window in this process still opens.
+    assert "SDL_VIDEODRIVER" not in os.environ and "SDL_AUDIODRIVER" not in os.environ
