@@ -188,7 +188,7 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             factory.report, factory.worker = os.path.join(tmp, f"env{i}.err"), True
         try:
             # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
-            with _environ(OMP_NUM_THREADS="1"):
+            with temporary_environ(OMP_NUM_THREADS="1"):
                 venv = cls(list(factories), **kwargs)
             _seed(venv, seed)
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
@@ -224,7 +224,8 @@ def _failure_cause(error: BaseException, reports: list[Path]) -> str:
 
 
 @contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
+def temporary_environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration of a block, then put back what was there (or nothing)."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -18,7 +18,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.envs.build import make_vec_env, temporary_environ
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
 
 # Frames are held in memory until the video is written (an Atari frame is 100 KB): a bound on a recording that is
@@ -113,16 +113,8 @@ def _headless() -> Iterator[None]:
     """Frames are drawn off screen: pygame (the classic-control and Box2D envs) needs no display or sound, and where
     it looks for them on a headless machine, SDL prints an error line. The settings last only while frames are drawn,
     so a later ``render_mode="human"`` window in the same process (a notebook's) still opens."""
-    saved = {name: os.environ.get(name) for name in ("SDL_VIDEODRIVER", "SDL_AUDIODRIVER")}
-    for name, value in saved.items():
-        if value is None:
-            os.environ[name] = "dummy"
-    try:
+    with temporary_environ(**{name: "dummy" for name in ("SDL_VIDEODRIVER", "SDL_AUDIODRIVER") if name not in os.environ}):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
 
 
 def recordable(env: str | EnvSpec) -> EnvSpec:
