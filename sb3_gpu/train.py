@@ -178,9 +178,10 @@ def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int) -> str:
     """What evaluating will cost, in the plan's terms: how often, how many episodes, on how many envs, how long each
     episode may run."""
     from sb3_gpu.runs.evaluation import eval_envs
+    from sb3_gpu.runs.training import RunOptions
 
     timesteps, n_envs = plan.preset.n_timesteps, plan.preset.n_envs
-    every = n_envs * max((eval_freq or max(timesteps // 10, 1)) // n_envs, 1)  # the callback counts vec env steps
+    every = n_envs * RunOptions(eval_freq=eval_freq).eval_every(timesteps, n_envs)
     bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
     return (
         f"evaluation: every {every:,} env steps ({timesteps // every} times) and at the end, {episodes} deterministic "

@@ -64,6 +64,10 @@ class RunOptions:
         """Env steps between evaluations and between checkpoints, for a run of ``timesteps``."""
         return self.eval_freq or max(timesteps // 10, 1), self.checkpoint_freq or max(timesteps // 5, 1)
 
+    def eval_every(self, timesteps: int, n_envs: int) -> int:
+        """Steps of the vec env between evaluations (SB3's EvalCallback counts those, each ``n_envs`` env steps)."""
+        return max(self.frequencies(timesteps)[0] // n_envs, 1)
+
 
 def train_run(
     plan: Plan,
@@ -197,12 +201,12 @@ def _learn(
     output: _Output,
 ) -> dict[str, Any]:
     preset = plan.preset
-    eval_freq, checkpoint_freq = options.frequencies(preset.n_timesteps)
+    checkpoint_freq = options.frequencies(preset.n_timesteps)[1]
     evaluator = TimedEvalCallback(
         eval_env,
         run_dir=run,
         n_eval_episodes=options.eval_episodes,
-        eval_freq=max(eval_freq // preset.n_envs, 1),
+        eval_freq=options.eval_every(preset.n_timesteps, preset.n_envs),
         callback_on_new_best=SaveVecNormalizeCallback(run.best_vecnormalize) if preset.normalize else None,
         verbose=0,
     )
