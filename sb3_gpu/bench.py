@@ -1,25 +1,27 @@
 """``python -m sb3_gpu.bench SUBCOMMAND``: sb3_gpu and its SB3 baseline measured side by side, in one process.
 
 Sub-commands:
-  per        replay sampling and DQN gradient steps, prioritized vs uniform; ``--learn`` trains presets with PER on/off
+  per        replay sampling and DQN gradient steps, prioritized vs uniform
   speed      training-iteration time and env steps/s with each speed switch (bf16, compile, threads) off and on
   telemetry  env steps/s of ``learn`` with and without the callbacks a training adds: the ThroughputCallback,
              ``--callback guard`` the NaN guard and signal handling, ``--callback session`` all of them
   envs       env steps/s of each vec env backend (SB3's two, batched, EnvPool, auto) and worker start-up
   train      a preset against plain SB3 with rl-zoo3's values: time and steps to a reward threshold
+  solve      do the presets solve their envs, seed after seed: train, then evaluate the best model on fresh episodes
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from sb3_gpu.benches import CALLBACK_SETS
-from sb3_gpu.common.checks import ALGO_NAMES
+from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
 from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import command as command_name
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import logical_cores
 
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
     _envs_parser(sub.add_parser("envs", help="env steps/s per vec env backend vs SB3's two; worker start-up"))
     _train_parser(sub.add_parser("train", help="a preset vs plain SB3 with rl-zoo3's values: time to a reward threshold"))
+    _solve_parser(sub.add_parser("solve", help="presets trained seed after seed, each best model evaluated on fresh episodes"))
     _gpu_parser(sub.add_parser("gpu", help="the device data path vs SB3's: sample() of Atari frames, PPO and DQN env steps/s"))
     auto = sub.add_parser("auto", help="auto's device, amp and threads against every alternative, idle and beside busy work")
     auto.add_argument("--cases", nargs="+", metavar="ALGO:ENV", help="default: PPO and DQN CartPole, PPO LunarLander, Pong")
@@ -76,12 +79,6 @@ def _per_parser(per: argparse.ArgumentParser) -> None:
     per.add_argument("--repeats", type=positive_int, default=7, help="repeats; medians are printed (default 7)")
     per.add_argument("--batch-size", type=positive_int, default=256)
     per.add_argument("--capacities", type=positive_int, nargs="+", default=[100_000, 1_000_000], help="buffer sizes")
-    per.add_argument("--learn", action="store_true", help="also train the preset of --algo/--env for each --seeds")
-    per.add_argument("--algo", choices=["dqn", "qrdqn"], default="dqn", help="with --learn (default dqn)")
-    per.add_argument("--env", default="CartPole-v1", help="with --learn (default CartPole-v1)")
-    per.add_argument("--ablate", action="store_true", help="with --learn: train with PER off as well, for comparison")
-    per.add_argument("--no-timing", action="store_true", help="skip the sampling and gradient-step timings")
-    per.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2])
 
 
 def _envs_parser(envs: argparse.ArgumentParser) -> None:
@@ -96,12 +93,25 @@ def _envs_parser(envs: argparse.ArgumentParser) -> None:
 def _train_parser(train: argparse.ArgumentParser) -> None:
     train.add_argument("--algo", choices=ALGO_NAMES, default="ppo")
     train.add_argument("--env", default="CartPole-v1", help="an env with an rl-zoo3 baseline (default CartPole-v1)")
-    train.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2])
+    train.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2, 3, 4], help="default: 0 1 2 3 4")
     train.add_argument("--threshold", type=float, help="mean eval return to reach (default: the env's reward_threshold)")
     train.add_argument("--max-timesteps", type=positive_int, help="budget per run (default: the preset's n_timesteps)")
-    train.add_argument("--eval-freq", type=positive_int, default=5_000, help="evaluate every N env steps (default 5000)")
+    train.add_argument("--eval-freq", type=positive_int, help="evaluate every N env steps (default: a fiftieth of the budget)")
     train.add_argument("--eval-episodes", type=positive_int, default=10)
     train.add_argument("--out", default="bench-results", help="folder for train.json and train.md")
+
+
+def _solve_parser(solve: argparse.ArgumentParser) -> None:
+    solve.add_argument("--algos", nargs="+", type=str.lower, choices=ALGO_NAMES, default=["dqn"])
+    solve.add_argument("--envs", nargs="+", default=["CartPole-v1"], help="env ids (default CartPole-v1)")
+    solve.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2], help="default: 0 1 2")
+    solve.add_argument("--per", nargs="+", choices=("preset", "on", "off"), default=["preset"], help="dqn, qrdqn")
+    solve.add_argument("--amp", nargs="+", choices=AMP_MODES, default=["auto"], help="precisions (default auto)")
+    solve.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's)")
+    solve.add_argument("--episodes", type=positive_int, default=20, help="fresh episodes per best model (default 20)")
+    solve.add_argument("--target", type=float, help="the return to reach (default: each env's reward_threshold)")
+    solve.add_argument("--jobs", type=positive_int, default=1, help="trainings at once, each in a process (default 1)")
+    solve.add_argument("--out", default="bench-results", help="folder for solve.json and solve.md")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -112,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_envs(args, command)
         if args.command == "train":
             return _main_train(args, command)
+        if args.command == "solve":
+            return _main_solve(args, command)
         if args.command == "speed":
             return _main_speed(args)
         if args.command == "telemetry":
@@ -128,33 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main_per(args: argparse.Namespace) -> int:
     from sb3_gpu.benches.base import machine_line
-    from sb3_gpu.benches.per import bench_per, bench_per_learning
-    from sb3_gpu.planning.plan import make_plan
+    from sb3_gpu.benches.per import bench_per
 
-    if args.learn:
-        try:  # bad names fail now, not after the timings
-            make_plan(args.algo, args.env, "auto", overrides={"per": True})
-        except ConfigError as exc:
-            print_error(str(exc))
-            return 2
     print(machine_line())
-    if not args.no_timing:
-        rows = bench_per(args.batch_size, args.capacities, args.repeats)
-        width = max(len(r[0]) for r in rows)
-        print(f"{'case':<{width}}  {'uniform':>10}  {'PER':>10}  {'ratio':>6}  target")
-        for case, u, p, ratio, target in rows:
-            verdict = "-" if target == float("inf") else f"<= {target:.2f}x " + ("ok" if ratio <= target else "MISSED")
-            print(f"{case:<{width}}  {u * 1e6:>8.1f}us  {p * 1e6:>8.1f}us  {ratio:>5.2f}x  {verdict}")
-    if args.learn:
-        print(f"{args.algo} {args.env} preset (final: 10 episodes; best: 20 fresh episodes; deterministic):")
-        results = bench_per_learning(args.algo, args.env, args.seeds, [True, False] if args.ablate else [True])
-        for per_on in sorted({r[0] for r in results}, reverse=True):
-            mine = [r for r in results if r[0] == per_on]
-            print(
-                f"PER {'on ' if per_on else 'off'}: median final {statistics.median(r[2] for r in mine):.1f},"
-                f" median best {statistics.median(r[3] for r in mine):.1f},"
-                f" median wall {statistics.median(r[4] for r in mine):.0f} s over {len(mine)} seeds"
-            )
+    rows = bench_per(args.batch_size, args.capacities, args.repeats)
+    width = max(len(r[0]) for r in rows)
+    print(f"{'case':<{width}}  {'uniform':>10}  {'PER':>10}  {'ratio':>6}  target")
+    for case, u, p, ratio, target in rows:
+        verdict = "-" if target == float("inf") else f"<= {target:.2f}x " + ("ok" if ratio <= target else "MISSED")
+        print(f"{case:<{width}}  {u * 1e6:>8.1f}us  {p * 1e6:>8.1f}us  {ratio:>5.2f}x  {verdict}")
+    print(f"whether PER helps a preset learn: {command_name()} -m sb3_gpu.bench solve --per on off")
     return 0
 
 
@@ -281,6 +276,43 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
     markdown = auto_markdown(rows, command, machine)
     print(markdown)
     print("written:", *write_results(Path(args.out), "auto", {"command": command, "rows": rows}, markdown))
+    return 0
+
+
+def _main_solve(args: argparse.Namespace, command: str) -> int:
+    import gymnasium as gym
+
+    from sb3_gpu.benches.base import machine_line, write_results
+    from sb3_gpu.benches.solve import Case, bench_solve, solve_markdown
+    from sb3_gpu.planning.plan import make_plan
+
+    pers = [None if p == "preset" else p == "on" for p in dict.fromkeys(args.per)]
+    cases = [
+        Case(algo, env, per, amp, seed, args.timesteps)
+        for algo in args.algos
+        for env in args.envs
+        for per in (pers if algo != "ppo" else [None])
+        for amp in args.amp
+        for seed in args.seeds
+    ]
+    targets: dict[str, float] = {}
+    try:
+        for case in {dataclasses.replace(c, seed=0) for c in cases}:  # bad names and combinations fail now, in one line
+            overrides = {"amp": case.amp, **({} if case.per is None else {"per": case.per})}
+            make_plan(case.algo, case.env, "auto", n_timesteps=case.timesteps, overrides=overrides, training=False)
+        for env in args.envs:
+            target = args.target if args.target is not None else gym.spec(env).reward_threshold
+            if target is None:
+                raise ConfigError(f"{env} registers no reward_threshold; pass --target")
+            targets[env] = float(target)
+    except (ConfigError, gym.error.Error) as exc:
+        print_error(str(exc))
+        return 2
+    print(machine_line())
+    rows = bench_solve(cases, args.episodes, args.jobs)
+    markdown = solve_markdown(rows, targets, args.episodes, command)
+    print(markdown)
+    print("written:", *write_results(Path(args.out), "solve", {"command": command, "rows": rows}, markdown))
     return 0
 
 

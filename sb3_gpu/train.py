@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sb3_gpu import __version__
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS
-from sb3_gpu.common.cli import Parser, command, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, command, count_int, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
 
@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where to write the run (default: runs/ALGO-ENV-TIMESTAMP); must not exist")
     p.add_argument("--eval-freq", type=positive_int, help="evaluate every N timesteps (default: a tenth of the run)")
     p.add_argument("--eval-episodes", type=positive_int, help="episodes per evaluation (default 10)")
+    p.add_argument(
+        "--confirm-episodes",
+        type=count_int,
+        help="fresh episodes that confirm a new best before it replaces best_model.zip (default: 3x --eval-episodes; "
+        "0 keeps the periodic evaluation's best as it is)",
+    )
     p.add_argument("--checkpoint-freq", type=positive_int, help="checkpoint every N timesteps (default: a fifth of the run)")
     p.add_argument(
         "--save-replay-buffer",
@@ -156,8 +162,8 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
                 f"({summary['eval_episodes']} episodes, deterministic)",
             )
         )
-    if summary.get("best_eval_mean") is not None:
-        rows.append(("best eval", f"{summary['best_eval_mean']:.2f}"))
+    if summary.get("best") is not None:
+        rows.append(("best eval", summary["best"]["chosen"]))
     tp = summary.get("throughput") or {}
     if "env_steps_per_s" in tp:
         rows.append(("last 30 s", f"{tp['env_steps_per_s']:,.0f} env steps/s, {tp['episodes_per_s']:.1f} episodes/s"))
@@ -174,19 +180,27 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     return table
 
 
-def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int) -> str:
+def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int, confirm_episodes: int | None = None) -> str:
     """What evaluating will cost, in the plan's terms: how often, how many episodes, on how many envs, how long each
-    episode may run."""
+    episode may run, and how the best model is chosen."""
     from sb3_gpu.runs.evaluation import eval_envs
     from sb3_gpu.runs.training import RunOptions
 
+    options = RunOptions(eval_freq=eval_freq, eval_episodes=episodes, confirm_episodes=confirm_episodes)
     timesteps, n_envs = plan.preset.n_timesteps, plan.preset.n_envs
-    every = n_envs * RunOptions(eval_freq=eval_freq).eval_every(timesteps, n_envs)
+    every = n_envs * options.eval_every(timesteps, n_envs)
     bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
+    confirming = options.confirming
+    best = (
+        f"A periodic evaluation that beats the best so far is confirmed on {confirming} fresh episodes, and its model "
+        "becomes best_model.zip only if their mean beats the best's own confirmed mean."
+        if confirming
+        else "The best periodic evaluation's model is best_model.zip (--confirm-episodes 0: not confirmed)."
+    )
     return (
         f"evaluation: every {every:,} env steps ({timesteps // every} times) and at the end, {episodes} deterministic "
-        f"episodes on {eval_envs(episodes)} envs at once (one batched inference per step); {bound}. The summary's time "
-        "split shows its share of the run."
+        f"episodes on {eval_envs(episodes)} envs at once (one batched inference per step); {bound}. {best} The "
+        "summary's time split shows the share of evaluation."
     )
 
 
@@ -226,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             plan = plan_from_args(args)
             console.print(plan_table(plan))
-            console.print(evaluation_line(plan, args.eval_freq, args.eval_episodes or 10), highlight=False, markup=False)
+            line = evaluation_line(plan, args.eval_freq, args.eval_episodes or 10, args.confirm_episodes)
+            console.print(line, highlight=False, markup=False)
             if args.plan:
                 return 0
             run = RunDir.create(args.run_dir, plan.algo, plan.env.name)
@@ -287,6 +302,7 @@ def _train_new(plan: Plan, run: RunDir, args: argparse.Namespace, console: Conso
             run.path,
             eval_freq=args.eval_freq,
             eval_episodes=args.eval_episodes or 10,
+            confirm_episodes=args.confirm_episodes,
             checkpoint_freq=args.checkpoint_freq,
             save_replay_buffer=args.save_replay_buffer,
             progress=_progress_bar(args, console),

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -34,18 +36,20 @@ def best_table(study: Any, top: int = 5) -> Table:
     from rich.table import Table
 
     from sb3_gpu.tuning.storage import import_optuna
+    from sb3_gpu.tuning.study import seed_cells
 
     optuna = import_optuna()
     done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
     done.sort(key=lambda t: t.value, reverse=True)
     counts = {s.name.lower(): len(study.get_trials(deepcopy=False, states=(s,))) for s in optuna.trial.TrialState}
     summary = ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+    threshold = study.user_attrs.get("threshold")
     table = Table(title=f"study {study.study_name}: {summary}", title_justify="left")
-    for column in ("trial", "score", "per seed", "params"):
+    for column in ("trial", "score", "per seed" if threshold is None else "seconds to threshold, per seed", "params"):
         table.add_column(column)
     for t in done[:top]:
-        seeds = ", ".join(f"{s:.1f}" for s in t.user_attrs.get("seed_scores", []))
-        table.add_row(str(t.number), f"{t.value:.2f}", seeds, ", ".join(f"{k}={v}" for k, v in t.params.items()))
+        params = ", ".join(f"{k}={v}" for k, v in t.params.items())
+        table.add_row(str(t.number), f"{t.value:.2f}", seed_cells(t, threshold), params)
     return table
 
 
@@ -58,8 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-name", help="default: ALGO-ENV")
     p.add_argument("--study-dir", help="results: preset, plots, default storage (default: tune/STUDY_NAME)")
     p.add_argument("--sampler", choices=SAMPLERS, default="tpe")
+    p.add_argument("--sampler-seed", type=seed_int, help="seed of the sampler, for a study that draws the same trials")
     p.add_argument("--pruner", choices=PRUNERS, default="median")
     p.add_argument("--seeds", type=positive_int, default=1, help="seeds per trial; the score is their mean (default 1)")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        help="score the time to this mean return instead of the final return: each seed trains until its best, "
+        "confirmed on fresh episodes, reaches it, and scores minus its training seconds (twice its whole time if never)",
+    )
     p.add_argument("--seed", type=seed_int, default=0, help="first seed (default 0)")
     p.add_argument("--timesteps", type=positive_int, help="timesteps per seed (default: the preset's)")
     p.add_argument("--eval-episodes", type=positive_int, default=10, help="episodes per evaluation (default 10)")
@@ -86,6 +97,7 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
         seed=args.seed,
         eval_episodes=args.eval_episodes,
         eval_freq=args.eval_freq,
+        threshold=args.threshold,
     )
 
 
@@ -93,15 +105,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from sb3_gpu.common.io import make_dir, refuse_links
-        from sb3_gpu.config.search import load_space
+        from sb3_gpu.config.schema import get_algo
+        from sb3_gpu.config.search import fit_to_budget, load_space
         from sb3_gpu.planning.plan import make_plan
         from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, make_storage, mask_url
         from sb3_gpu.tuning.study import finished_trials, make_objective, open_study, run_trials
 
         console = cli_console()
         optuna = import_optuna()
-        space = load_space(args.algo, args.space)
+        if args.threshold is not None and not math.isfinite(args.threshold):
+            raise ConfigError(f"--threshold must be a finite return, got {args.threshold}")
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
+        space, narrowed = fit_to_budget(
+            load_space(args.algo, args.space), plan.preset.n_timesteps, plan.preset.n_envs, get_algo(args.algo).on_policy
+        )
         name = args.study_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.algo}-{plan.env.name}")
         folder = make_dir(args.study_dir or Path("tune") / name, "study dir")
         refuse_links(folder, "study dir")
@@ -116,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             env=plan.env.name,
             space=space,
             where=mask_url(url),
+            threshold=args.threshold,
+            sampler_seed=args.sampler_seed,
         )
     except ConfigError as e:
         print_error(str(e))
@@ -124,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error("interrupted before any trial began")
         return 130
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for note in narrowed:
+        console.print(f"search space: {note}", highlight=False)
     if dead := fail_dead_local_trials(study):
         console.print(f"marked {dead} trial(s) of dead workers on this host as failed")
     done = finished_trials(study)
@@ -142,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1
-    return _report(study, args, plan.env.name, folder, plan.preset.n_timesteps, console)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return _report(study, args, argv, plan.env.name, folder, plan.preset.n_timesteps, console)
 
 
 class _LogFilter(logging.Filter):
@@ -163,12 +185,17 @@ class _LogFilter(logging.Filter):
         return True
 
 
-def _report(study: Any, args: argparse.Namespace, env: str, folder: Path, timesteps: int, console: Console) -> int:
+def _report(
+    study: Any, args: argparse.Namespace, argv: Sequence[str], env: str, folder: Path, timesteps: int, console: Console
+) -> int:
+    from sb3_gpu.common.io import atomic_write_text
     from sb3_gpu.tuning.storage import import_optuna
-    from sb3_gpu.tuning.study import export_preset, write_plots
+    from sb3_gpu.tuning.study import export_preset, study_markdown, write_plots
 
     optuna = import_optuna()
     console.print(best_table(study))
+    summary = atomic_write_text(folder / "summary.md", study_markdown(study, f"python -m sb3_gpu.tune {shlex.join(argv)}"))
+    console.print(f"summary: {summary}")
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         print_error("no trial completed, so there is no best preset to export")
         return 1

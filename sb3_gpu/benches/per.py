@@ -1,11 +1,9 @@
-"""``bench per``: prioritized against uniform replay (sampling, priority updates, DQN gradient steps), and training
-presets with PER on and off."""
+"""``bench per``: prioritized against uniform replay (sampling, priority updates, DQN gradient steps). Whether PER
+helps a preset learn is ``bench solve --per on off``'s question."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -16,8 +14,6 @@ from sb3_gpu.benches.base import paired_medians
 from sb3_gpu.extensions.per import PrioritizedReplayBuffer, SumMinTree, tree_backends
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.evaluation import evaluate_run
-from sb3_gpu.runs.training import train_run
 
 
 def _filled(buffer_class: type[ReplayBuffer], capacity: int, backend: str = "auto") -> ReplayBuffer:
@@ -69,27 +65,3 @@ def bench_per(batch: int, capacities: Sequence[int], repeats: int) -> list[tuple
     base, step = paired_medians(steps[0], steps[1], repeats, 100)
     rows.append((f"DQN gradient step (CartPole preset, batch {model.batch_size})", base, step, step / base, 1.25))
     return rows
-
-
-def bench_per_learning(
-    algo: str, env_id: str, seeds: Sequence[int], per_settings: Sequence[bool]
-) -> list[tuple[bool, int, float, float, float]]:
-    """Train the preset as ``train`` does, with PER on and/or off: rows of (per, seed, final mean, best mean, wall s).
-
-    The best model (chosen by periodic 5-episode evaluations) is re-evaluated on 20 fresh episodes.
-    """
-    results = []
-    for per_on in per_settings:
-        for seed in seeds:
-            plan = make_plan(algo, env_id, "auto", seed=seed, overrides={"per": per_on})
-            with tempfile.TemporaryDirectory(prefix="sb3_gpu_bench_") as tmp:
-                summary = train_run(plan, Path(tmp) / "run", eval_episodes=5, progress=False, report_s=None)
-                best = evaluate_run(Path(tmp) / "run", episodes=20, seed=123)["mean"]
-            final = summary["final_eval_mean"]
-            results.append((per_on, seed, final, best, summary["wall_time_s"]))
-            print(
-                f"  PER {'on ' if per_on else 'off'} seed {seed}: final model {final:.1f}, best model {best:.1f}"
-                f" in {summary['wall_time_s']:.0f} s",
-                flush=True,
-            )
-    return results

@@ -1,15 +1,16 @@
 """``bench train``: a preset against plain SB3 with rl-zoo3's hyperparameters, time and steps to a reward threshold,
-both trained through the same Session (NaN guard, signals, telemetry) so that neither pays for what the other skips."""
+both trained through the same Session (NaN guard, signals, telemetry) and evaluated the same way (a new best confirmed
+on fresh episodes), so that neither pays for what the other skips."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from sb3_contrib import QRDQN
 from stable_baselines3 import DQN, PPO
 from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.callbacks import StopTrainingOnRewardThreshold
 from stable_baselines3.common.env_util import make_atari_env
 from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
 from stable_baselines3.common.utils import LinearSchedule
@@ -18,8 +19,8 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv,
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.evaluation import TimedEvalCallback
-from sb3_gpu.runs.session import Session
+from sb3_gpu.runs.evaluation import confirm_count, eval_envs
+from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, train_to_threshold
 
 # rl-zoo3's published hyperparameters (hyperparams/ppo.yml and dqn.yml in DLR-RM/rl-baselines3-zoo), the baseline
 # that `bench train` runs with plain SB3. LunarLander-v3 takes the values rl-zoo3 lists for LunarLander-v2.
@@ -59,6 +60,8 @@ ZOO: dict[tuple[str, str], dict[str, Any]] = {
         policy_kwargs=dict(net_arch=[256, 256]),
     ),
 }
+# rl-zoo3 gives QR-DQN on CartPole DQN's values, with 10 quantiles.
+ZOO["qrdqn", "CartPole-v1"] = {**ZOO["dqn", "CartPole-v1"], "policy_kwargs": dict(net_arch=[256, 256], n_quantiles=10)}
 
 
 # rl-zoo3's values for every Atari game (its `atari` entries), run with its AtariWrapper and a 4-frame stack.
@@ -104,94 +107,110 @@ def zoo_model(
     else:
         env = sb3_make_vec_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls)
     policy = "CnnPolicy" if atari else "MlpPolicy"
-    return (PPO if algo == "ppo" else DQN)(policy, env, seed=seed, verbose=0, device=device, **kwargs)
+    algo_class: Any = {"ppo": PPO, "dqn": DQN, "qrdqn": QRDQN}[algo]
+    return algo_class(policy, env, seed=seed, verbose=0, device=device, **kwargs)
 
 
 def train_once(
     model: BaseAlgorithm, env_id: str, max_timesteps: int, threshold: float, eval_freq: int, episodes: int, seed: int
 ) -> dict[str, Any]:
-    """Train until the deterministic eval mean reaches ``threshold``; time spent evaluating is kept apart."""
-    eval_env = make_vec_env(env_id, 1, seed=seed + EVAL_SEED_OFFSET, vec_env="dummy")
-    evaluator = TimedEvalCallback(
-        eval_env,
-        eval_freq=max(eval_freq // model.n_envs, 1),
-        n_eval_episodes=episodes,
-        callback_on_new_best=StopTrainingOnRewardThreshold(threshold),
-        verbose=0,
-    )
+    """Train until the best, confirmed, deterministic eval mean reaches ``threshold``; evaluation time is kept apart."""
+    eval_env = make_vec_env(env_id, eval_envs(episodes), seed=seed + EVAL_SEED_OFFSET, vec_env="dummy")
     try:
-        with Session(model, evaluator=evaluator) as session:
-            outcome = session.learn(max_timesteps)
-        if outcome.error is not None:
-            raise outcome.error
-        if outcome.stopped_by is not None:
-            raise KeyboardInterrupt(f"stopped by {outcome.stopped_by}")
+        run, _ = train_to_threshold(
+            model,
+            eval_env,
+            threshold,
+            max_timesteps,
+            eval_freq=eval_freq,
+            episodes=episodes,
+            confirm_episodes=confirm_count(episodes),
+        )
     finally:
         close_vec_envs(model.get_env(), eval_env)
-    seconds = outcome.wall_s - evaluator.seconds
+    if run.stopped_by is not None:
+        raise KeyboardInterrupt(f"stopped by {run.stopped_by}")
     return {
         "seed": seed,
-        "reached": bool(evaluator.best_mean_reward >= threshold),
-        "timesteps": outcome.timesteps,
-        "train_seconds": round(seconds, 2),
-        "steps_per_s": round(outcome.timesteps / max(seconds, 1e-9), 1),
+        "reached": run.reached,
+        "timesteps": run.timesteps,
+        "train_seconds": round(run.train_seconds, 2),
+        "steps_per_s": round(run.steps_per_s, 1),
+        "best": run.best,
     }
 
 
 def bench_train(
     algo: str,
     env_id: str,
-    seeds: list[int],
+    seeds: Sequence[int],
     threshold: float,
     max_timesteps: int | None,
-    eval_freq: int,
+    eval_freq: int | None,
     episodes: int,
     print_fn: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Our preset (device, vec env and threads chosen by the plan) and plain SB3 with rl-zoo3's values, per seed."""
+    """Our preset (device, vec env and threads chosen by the plan) and plain SB3 with rl-zoo3's values, per seed, in
+    turns; both to the same threshold on the same budget (the preset's), evaluated the same way."""
     results: dict[str, list[dict[str, Any]]] = {"sb3_gpu": [], "sb3_zoo": []}
-    plan_text = ""
+    plan_text, every = "", 0
     for seed in seeds:
         plan = make_plan(algo, env_id, "auto", seed=seed)
         plan_text = f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs"
         budget = max_timesteps or plan.preset.n_timesteps
+        every = eval_freq or max(budget // THRESHOLD_EVALUATIONS, 1)
         ours = build_model(plan, build_env(plan))
-        results["sb3_gpu"].append(train_once(ours, env_id, budget, threshold, eval_freq, episodes, seed))
+        results["sb3_gpu"].append(train_once(ours, env_id, budget, threshold, every, episodes, seed))
         zoo = zoo_model(algo, env_id, seed)
-        results["sb3_zoo"].append(train_once(zoo, env_id, budget, threshold, eval_freq, episodes, seed))
+        results["sb3_zoo"].append(train_once(zoo, env_id, budget, threshold, every, episodes, seed))
         print_fn(f"  seed {seed}: sb3_gpu {results['sb3_gpu'][-1]}, zoo {results['sb3_zoo'][-1]}")
-    summary: dict[str, Any] = {"algo": algo, "env": env_id, "threshold": threshold, "seeds": seeds, "plan": plan_text}
+    summary: dict[str, Any] = {
+        "algo": algo,
+        "env": env_id,
+        "threshold": threshold,
+        "seeds": list(seeds),
+        "plan": plan_text,
+        "eval_freq": every,
+        "eval_episodes": episodes,
+        "confirm_episodes": confirm_count(episodes),
+    }
     for name, runs in results.items():
+        seconds = [r["train_seconds"] for r in runs]
         summary[name] = {
             "runs": runs,
             "reached": sum(r["reached"] for r in runs),
-            "median_train_seconds": statistics.median(r["train_seconds"] for r in runs),
+            "median_train_seconds": statistics.median(seconds),
+            "train_seconds_range": [min(seconds), max(seconds)],
             "median_timesteps": statistics.median(r["timesteps"] for r in runs),
+            "timesteps_range": [min(r["timesteps"] for r in runs), max(r["timesteps"] for r in runs)],
             "median_steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
         }
+    ours, zoo = summary["sb3_gpu"], summary["sb3_zoo"]
+    summary["time_ratio"] = ours["median_train_seconds"] / max(zoo["median_train_seconds"], 1e-9)
     return summary
 
 
 def train_markdown(summary: dict[str, Any], command: str) -> str:
-    """The summary as a markdown table with the speed-up, headed by the command that produced it."""
+    """The summary as a markdown table with the ratio, headed by the command that produced it."""
     ours, zoo = summary["sb3_gpu"], summary["sb3_zoo"]
     n = len(summary["seeds"])
     lines = [
-        f"`{command}`: {summary['algo']} {summary['env']} to mean eval return {summary['threshold']:g} "
-        f"(medians over {n} seeds; evaluation time excluded; ours: {summary['plan']})",
+        f"`{command}`: {summary['algo']} {summary['env']} to a mean eval return of {summary['threshold']:g}, confirmed "
+        f"on {summary['confirm_episodes']} fresh episodes (evaluated every {summary['eval_freq']:,} env steps on "
+        f"{summary['eval_episodes']} episodes; {n} seeds; evaluation time excluded; ours: {summary['plan']})",
         "",
-        "| run | reached | time to threshold | timesteps | steps/s |",
+        "| run | seeds reached | time to threshold, median [min-max] | timesteps, median [min-max] | steps/s |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, s in (("sb3_gpu preset", ours), ("SB3 + rl-zoo3 values", zoo)):
+        (t_lo, t_hi), (n_lo, n_hi) = s["train_seconds_range"], s["timesteps_range"]
         lines.append(
-            f"| {name} | {s['reached']}/{n} | {s['median_train_seconds']:.1f} s | {s['median_timesteps']:,.0f} "
-            f"| {s['median_steps_per_s']:,.0f} |"
+            f"| {name} | {s['reached']}/{n} | {s['median_train_seconds']:.1f} s [{t_lo:.1f}-{t_hi:.1f}] "
+            f"| {s['median_timesteps']:,.0f} [{n_lo:,}-{n_hi:,}] | {s['median_steps_per_s']:,.0f} |"
         )
     lines += [
         "",
-        f"Speed-up: {zoo['median_train_seconds'] / max(ours['median_train_seconds'], 1e-9):.2f}x in time to threshold, "
-        f"{ours['median_steps_per_s'] / max(zoo['median_steps_per_s'], 1e-9):.2f}x in steps/s "
-        "(a run that never reached the threshold counts its whole time).",
+        f"Time to threshold, sb3_gpu / SB3 + rl-zoo3: {summary['time_ratio']:.2f}x (medians; below 1 is faster; a run "
+        f"that never reached the threshold counts its whole time). Seeds reached: {ours['reached']} vs {zoo['reached']}.",
     ]
     return "\n".join(lines) + "\n"

@@ -41,6 +41,11 @@ def positive_int(text: str) -> int:
     return _integer(text, 1, "a positive integer")
 
 
+def count_int(text: str) -> int:
+    """A count that may be zero: ``0``, ``30``, ``1e3``."""
+    return _integer(text, 0, "an integer >= 0")
+
+
 def seed_int(text: str) -> int:
     """A seed: an integer in [0, 2**32)."""
     return _integer(text, 0, "a seed, an integer >= 0", high=2**32 - 1)

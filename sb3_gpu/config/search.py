@@ -44,3 +44,58 @@ def _candidates(spec: Any, where: str) -> list[Any]:
     if spec["low"] >= spec["high"] or (spec.get("log") and spec["low"] <= 0):
         raise ConfigError(f"{where}: need low < high (and low > 0 with log: true)")
     return [spec["low"], spec["high"]]
+
+
+def fit_to_budget(
+    space: dict[str, dict[str, Any]], timesteps: int, n_envs: int, on_policy: bool
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The space without values that cannot fit a trial of ``timesteps``, and a note for each key it narrowed.
+
+    A rollout (``n_steps`` or ``train_freq`` times ``n_envs``, the largest ``n_envs`` of the space where it is
+    searched) must fit the budget, ``learning_starts`` must leave at least half of it for learning, and buffer sizes
+    beyond it behave alike (nothing is ever evicted), so only the smallest of those is kept.
+    """
+    envs = int(max(_numbers(space["n_envs"]), default=n_envs)) if "n_envs" in space else n_envs
+    limits = {
+        "n_steps" if on_policy else "train_freq": (timesteps // envs, f"a rollout of {envs} envs would outrun"),
+        "learning_starts": (timesteps // 2, "it would leave less than half of"),
+    }
+    fitted, notes = dict(space), []
+    for key, (limit, why) in limits.items():
+        if key in space:
+            fitted[key], dropped = _capped(space[key], limit, key, timesteps)
+            if dropped:
+                notes.append(f"{key}: {dropped} left out ({why} the {timesteps:,}-step budget)")
+    if "buffer_size" in space:
+        fitted["buffer_size"], dropped = _capped(space["buffer_size"], timesteps, "buffer_size", timesteps, keep_next=True)
+        if dropped:
+            notes.append(f"buffer_size: {dropped} left out (larger than the {timesteps:,}-step budget, like the size kept)")
+    return fitted, notes
+
+
+def _numbers(spec: dict[str, Any]) -> list[int | float]:
+    values = spec["choices"] if "choices" in spec else [spec["low"], spec["high"]]
+    return [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _capped(spec: dict[str, Any], limit: int, key: str, timesteps: int, keep_next: bool = False) -> tuple[dict[str, Any], str]:
+    """``spec`` without the values above ``limit`` (with ``keep_next``, the smallest of them stays), and which went."""
+    if "choices" in spec:
+        choices = spec["choices"]
+        above = sorted(c for c in _numbers(spec) if c > limit)
+        drop = set(above[1:] if keep_next else above)
+        kept = [c for c in choices if c not in drop]
+        if not kept:
+            raise ConfigError(
+                f"search space key {key}: every choice ({', '.join(map(str, choices))}) is too large for trials of "
+                f"{timesteps:,} timesteps; train longer (--timesteps) or give smaller choices"
+            )
+        return {"choices": kept}, ", ".join(str(c) for c in choices if c in drop)
+    if spec["high"] <= limit or keep_next:
+        return spec, ""
+    if spec["low"] > limit:
+        raise ConfigError(
+            f"search space key {key}: its range starts at {spec['low']}, too large for trials of {timesteps:,} "
+            "timesteps; train longer (--timesteps) or lower 'low'"
+        )
+    return {**spec, "high": limit}, f"values above {limit:,}"

@@ -4,19 +4,23 @@ run's saved model."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from stable_baselines3.common.base_class import BaseAlgorithm
-from stable_baselines3.common.callbacks import EvalCallback
+from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
@@ -40,33 +44,106 @@ class EvaluationStopped(Exception):
     """A signal arrived during an evaluation: it was abandoned at once, and nothing of it was recorded."""
 
 
-class TimedEvalCallback(EvalCallback):
-    """SB3's EvalCallback (same arguments), adding up the seconds its evaluations take so that telemetry can split
-    them out.
+@dataclass(frozen=True)
+class BestModel:
+    """How the best model was chosen, and its figure.
 
-    With ``run_dir``, the best model and ``evaluations.npz`` go there. SB3 writes them in place, where a crash
-    mid-write would leave half a file; here it writes them into a scratch folder, and each complete file is renamed
-    over the real one.
-
-    ``should_stop`` (set by the training Session) is asked after every evaluation step: when it answers True, the
-    evaluation is abandoned and training stops, so a signal never waits for the remaining episodes.
+    :ivar mean: the figure that made it the best: the mean of the confirming episodes (without confirmation, of
+        the periodic ones)
+    :ivar periodic_mean: the periodic evaluation's mean that made it a candidate
+    :ivar confirmed: whether ``mean`` comes from fresh confirming episodes
     """
 
-    def __init__(self, eval_env: Any, *, run_dir: RunDir | None = None, **kwargs: Any):
+    timesteps: int
+    mean: float
+    std: float | None
+    episodes: int
+    periodic_mean: float
+    confirmed: bool
+
+    @classmethod
+    def read(cls, path: Path) -> BestModel | None:
+        """The record a run wrote beside its best model; None where there is none or it cannot be read."""
+        try:
+            return cls(**json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def describe(self) -> str:
+        spread = f" +/- {self.std:.2f}" if self.std is not None else ""
+        how = (
+            f"{self.episodes} confirming episodes; its periodic evaluation read {self.periodic_mean:.2f}"
+            if self.confirmed
+            else f"{self.episodes} periodic episodes, not confirmed"
+        )
+        return f"{self.mean:.2f}{spread} at {self.timesteps:,} timesteps ({how})"
+
+
+def confirm_count(eval_episodes: int) -> int:
+    """Fresh episodes that confirm a new best: three times a periodic evaluation's, so that a lucky evaluation (the
+    best of many noisy ones) is not taken for a better model."""
+    return 3 * eval_episodes
+
+
+class TimedEvalCallback(EvalCallback):
+    """SB3's EvalCallback (same arguments), with a best model that holds up, and its time added up so that telemetry
+    can split it out.
+
+    A periodic evaluation that beats the best so far only names a candidate: with ``confirm_episodes``, the
+    candidate is evaluated again on that many fresh episodes, and it becomes the best (saved, ``best``,
+    ``best_mean_reward``, ``callback_on_new_best`` called) only if that mean beats the best's own confirmed mean.
+    The best of many noisy evaluations is an optimistic figure; a fresh evaluation of the one chosen is not. With
+    ``confirm_episodes=0`` a candidate is taken as it is, as SB3 does.
+
+    With ``run_dir``, the best model, its record and ``evaluations.npz`` go there, each written whole: SB3 writes
+    ``evaluations.npz`` in place, where a crash mid-write would leave half a file, so here it writes into a scratch
+    folder and the complete file is renamed over the real one.
+
+    ``should_stop`` (set by the training Session) is asked after every evaluation step: when it answers True, the
+    evaluation is abandoned (the best so far stays the best) and training stops, so a signal never waits for the
+    remaining episodes.
+    """
+
+    def __init__(
+        self,
+        eval_env: Any,
+        *,
+        run_dir: RunDir | None = None,
+        confirm_episodes: int = 0,
+        callback_on_new_best: BaseCallback | None = None,
+        **kwargs: Any,
+    ):
         self.run_dir = run_dir
         if run_dir is not None:
-            kwargs["best_model_save_path"] = str(run_dir.path / RunDir.SCRATCH)
             kwargs["log_path"] = str(run_dir.eval / RunDir.SCRATCH)
-        super().__init__(eval_env, **kwargs)
+        if kwargs.get("best_model_save_path") is not None:
+            raise ValueError("TimedEvalCallback saves the best model into run_dir, not best_model_save_path")
+        super().__init__(eval_env, **kwargs)  # SB3 neither saves the best model nor calls callback_on_new_best: we do
+        self.on_new_best = callback_on_new_best
+        if callback_on_new_best is not None:
+            callback_on_new_best.parent = self
+        self.confirm_episodes = confirm_episodes
+        self.best: BestModel | None = None
+        self.rejected = 0  # candidates whose confirmation fell short
         self.seconds = 0.0
         self.should_stop: Callable[[], bool] | None = None
         self.stopped = False  # an evaluation was abandoned: last_mean_reward is not its result
 
+    def _init_callback(self) -> None:
+        super()._init_callback()
+        if self.on_new_best is not None:
+            self.on_new_best.init_callback(self.model)
+
     def _on_step(self) -> bool:
         start = time.perf_counter()
+        bar = self.best_mean_reward
         try:
-            return super()._on_step()
+            keep_going = super()._on_step()
+            if self.best_mean_reward > bar:  # SB3 took this evaluation for a new best: a candidate, until confirmed
+                keep_going = self._candidate(bar) and keep_going
+            return keep_going
         except EvaluationStopped:
+            self.best_mean_reward = bar
             self.stopped = True
             return False  # ends learn(); the session then saves the model as for any stop
         finally:
@@ -74,40 +151,59 @@ class TimedEvalCallback(EvalCallback):
                 self._publish()
             self.seconds += time.perf_counter() - start
 
+    def _candidate(self, bar: float) -> bool:
+        periodic = self.best_mean_reward
+        self.best_mean_reward = bar  # until the candidate is confirmed
+        std: float | None
+        if self.confirm_episodes > 0:
+            mean, std = evaluate(self.model, self.eval_env, self.confirm_episodes, self.deterministic, self.should_stop)
+            self.logger.record("eval/confirmed_mean_reward", mean)
+            self.logger.dump(self.num_timesteps)
+            if mean <= bar:
+                self.rejected += 1
+                return True
+            best = BestModel(self.num_timesteps, mean, std, self.confirm_episodes, periodic, confirmed=True)
+        else:
+            last = self.evaluations_results[-1] if self.evaluations_results else None
+            std = float(np.std(last)) if last is not None else None
+            best = BestModel(self.num_timesteps, periodic, std, self.n_eval_episodes, periodic, confirmed=False)
+        self.best, self.best_mean_reward = best, best.mean
+        if self.run_dir is not None:
+            save_model(self.model, self.run_dir.best_model)
+            write_json(self.run_dir.best_record, dataclasses.asdict(best))  # after the model: never ahead of it
+        return self.on_new_best.on_step() if self.on_new_best is not None else True
+
     def _log_success_callback(self, locals_: dict[str, Any], globals_: dict[str, Any]) -> None:
         # evaluate_policy calls this after every step of the evaluation env: the one place to stop it midway.
         if self.should_stop is not None and self.should_stop():
             raise EvaluationStopped
         super()._log_success_callback(locals_, globals_)
 
-    def _scratch_files(self) -> list[tuple[Path, Path]]:
-        run = self.run_dir
-        if run is None:
-            return []
-        return [
-            (run.path / RunDir.SCRATCH / RunDir.BEST_MODEL, run.best_model),
-            (run.eval / RunDir.SCRATCH / RunDir.EVALUATIONS, run.evaluations),
-        ]
-
     def _publish(self) -> None:
-        for scratch, final in self._scratch_files():
+        if self.run_dir is not None:
+            scratch = self.run_dir.eval / RunDir.SCRATCH / RunDir.EVALUATIONS
             if scratch.exists():
-                os.replace(scratch, final)
+                os.replace(scratch, self.run_dir.evaluations)
 
     def _on_training_end(self) -> None:
         super()._on_training_end()
-        for scratch, _ in self._scratch_files():
-            with contextlib.suppress(OSError):  # SB3 made them at start and writes into them until the end
-                scratch.parent.rmdir()
+        if self.run_dir is not None:
+            with contextlib.suppress(OSError):  # SB3 made it at start and writes into it until the end
+                (self.run_dir.eval / RunDir.SCRATCH).rmdir()
 
     def restore_history(self, up_to_timesteps: int) -> None:
         """Continue a resumed run's ``evaluations.npz`` (its entries up to the resumed model's timesteps) and its
-        best score (over all entries, since the best model may be newer than the model resumed from)."""
-        if self.run_dir is None or not self.run_dir.evaluations.is_file():
+        best (the best model may be newer than the model resumed from)."""
+        if self.run_dir is None:
+            return
+        self.best = BestModel.read(self.run_dir.best_record)
+        if self.best is not None:
+            self.best_mean_reward = self.best.mean
+        if not self.run_dir.evaluations.is_file():
             return
         with np.load(self.run_dir.evaluations) as data:
             timesteps, results, lengths = data["timesteps"], data["results"], data["ep_lengths"]
-        if len(results):
+        if len(results) and self.best is None:  # a run from before best records: its best periodic figure
             self.best_mean_reward = float(np.max(np.mean(results, axis=1)))
         keep = timesteps <= up_to_timesteps
         self.evaluations_timesteps = [int(t) for t in timesteps[keep]]

@@ -76,10 +76,10 @@ def zip_timesteps(path: Path) -> int | None:
 class RunDir:
     """A run directory written by ``sb3_gpu.train``; every file name in it is spelled here and nowhere else."""
 
-    # SB3's EvalCallback writes these two itself, under these names.
+    # The names SB3's EvalCallback gives these two.
     BEST_MODEL = "best_model.zip"
     EVALUATIONS = "evaluations.npz"
-    # Where SB3's EvalCallback writes before a file is complete and renamed into place.
+    # Where SB3's EvalCallback writes evaluations.npz before it is complete and renamed into place.
     SCRATCH = ".partial"
     _CHECKPOINT = re.compile(r"model_(\d+)_steps\.zip")
 
@@ -133,6 +133,11 @@ class RunDir:
     @property
     def evaluations(self) -> Path:
         return self.eval / self.EVALUATIONS
+
+    @property
+    def best_record(self) -> Path:
+        """How the best model was chosen and its figure (written after the model)."""
+        return self.eval / "best.json"
 
     @property
     def checkpoints(self) -> Path:

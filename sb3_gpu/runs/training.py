@@ -21,7 +21,7 @@ from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
 from sb3_gpu.runs.curves import plot_runs
-from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, eval_envs
+from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, confirm_count, eval_envs
 from sb3_gpu.runs.rundir import RunDir, SavedState
 from sb3_gpu.runs.saving import restore_model, restore_vecnormalize
 from sb3_gpu.runs.session import Outcome, Session
@@ -32,6 +32,8 @@ class RunOptions:
     """How a run evaluates and saves; kept in ``config.yaml`` so that ``--resume`` goes on the same way.
 
     :ivar eval_freq: evaluate every N timesteps (None: a tenth of the run)
+    :ivar confirm_episodes: fresh episodes that confirm a new best before it is kept (None: three times
+        ``eval_episodes``; 0: a periodic evaluation's best is kept as it is)
     :ivar checkpoint_freq: checkpoint every N timesteps (None: a fifth of the run)
     """
 
@@ -39,12 +41,14 @@ class RunOptions:
     eval_episodes: int = 10
     checkpoint_freq: int | None = None
     save_replay_buffer: bool = False
+    confirm_episodes: int | None = None
 
     def check(self, plan: Plan) -> None:
-        for name in ("eval_freq", "eval_episodes", "checkpoint_freq"):
+        for name in ("eval_freq", "eval_episodes", "checkpoint_freq", "confirm_episodes"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+            least, what = (0, "an int >= 0") if name == "confirm_episodes" else (1, "a positive int")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ConfigError(f"{name} must be {what}, got {value!r}")
         if not isinstance(self.save_replay_buffer, bool):
             raise ConfigError(f"save_replay_buffer must be true or false, got {self.save_replay_buffer!r}")
         if self.save_replay_buffer and get_algo(plan.algo).on_policy:
@@ -68,6 +72,11 @@ class RunOptions:
         """Steps of the vec env between evaluations (SB3's EvalCallback counts those, each ``n_envs`` env steps)."""
         return max(self.frequencies(timesteps)[0] // n_envs, 1)
 
+    @property
+    def confirming(self) -> int:
+        """Episodes that confirm a new best (0: none)."""
+        return confirm_count(self.eval_episodes) if self.confirm_episodes is None else self.confirm_episodes
+
 
 def train_run(
     plan: Plan,
@@ -75,6 +84,7 @@ def train_run(
     *,
     eval_freq: int | None = None,
     eval_episodes: int = 10,
+    confirm_episodes: int | None = None,
     checkpoint_freq: int | None = None,
     save_replay_buffer: bool = False,
     progress: bool = True,
@@ -89,12 +99,15 @@ def train_run(
     where. Every file is written atomically.
 
     :param eval_freq: evaluate every N timesteps (default: a tenth of the run)
+    :param confirm_episodes: a periodic evaluation that beats the best so far is evaluated again on this many fresh
+        episodes, and becomes ``best_model.zip`` only if that mean beats the best's (default: 3x ``eval_episodes``;
+        0: kept as it is)
     :param checkpoint_freq: checkpoint every N timesteps (default: a fifth of the run)
     :param save_replay_buffer: save the replay buffer (with PER priorities) with the model and each checkpoint
     :param report_s: print a throughput line every N seconds (None: never)
     :return: the summary, also written as ``summary.json``
     """
-    options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer)
+    options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer, confirm_episodes)
     options.check(plan)
     run = RunDir(make_dir(run_dir, "run dir"))
     return _train(plan, run, options, None, _Output(progress, console, report_s))
@@ -206,6 +219,7 @@ def _learn(
         eval_env,
         run_dir=run,
         n_eval_episodes=options.eval_episodes,
+        confirm_episodes=options.confirming,
         eval_freq=options.eval_every(preset.n_timesteps, preset.n_envs),
         callback_on_new_best=SaveVecNormalizeCallback(run.best_vecnormalize) if preset.normalize else None,
         verbose=0,
@@ -239,8 +253,9 @@ def _learn(
                 )
             else:
                 summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
-            best = evaluator.best_mean_reward
-            summary["best_eval_mean"] = float(best) if best > -float("inf") else None
+        summary["best_eval_mean"] = evaluator.best.mean if evaluator.best is not None else None
+        if evaluator.best is not None:
+            summary["best"] = {**dataclasses.asdict(evaluator.best), "chosen": evaluator.best.describe()}
         if run.best_model.exists():
             summary["best_model"] = str(run.best_model)
         summary["curves"] = _draw_curves(plan, run)

@@ -24,8 +24,9 @@ from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.envs.spec import resolve_env
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, eval_envs
+from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, confirm_count, eval_envs
 from sb3_gpu.runs.session import Session
+from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, train_to_threshold
 from sb3_gpu.tuning.storage import import_optuna
 
 
@@ -33,9 +34,13 @@ from sb3_gpu.tuning.storage import import_optuna
 class TrialSettings:
     """How each trial trains and is scored.
 
-    :ivar seeds: seeds per trial, from ``seed`` on; the score is the mean of their final evaluations
+    :ivar seeds: seeds per trial, from ``seed`` on; the score is the mean of their scores
     :ivar timesteps: timesteps per seed (None: the preset's)
-    :ivar eval_freq: evaluate (and maybe prune) every N timesteps (None: a fifth of the run)
+    :ivar eval_freq: evaluate (and maybe prune) every N timesteps (None: a fifth of the run; a fiftieth with
+        ``threshold``)
+    :ivar threshold: None: a seed scores its final evaluation's mean return. Else it trains until its best,
+        confirmed on fresh episodes, reaches this return, and scores minus the training seconds that took (evaluation
+        left out); a seed that never gets there scores minus twice its whole training time
     """
 
     algo: str
@@ -47,6 +52,7 @@ class TrialSettings:
     seed: int = 0
     eval_episodes: int = 10
     eval_freq: int | None = None
+    threshold: float | None = None
 
 
 def encode_choice(value: Any) -> Any:
@@ -87,12 +93,12 @@ class TrialInterrupted(KeyboardInterrupt):
 class TrialEvalCallback(TimedEvalCallback):
     """SB3's EvalCallback that reports each evaluation to the trial and stops training when the pruner says so.
 
-    :param eval_freq: evaluate every this many calls (env steps / n_envs), as EvalCallback counts
     :param step_offset: added to the reported step, so that the seeds of one trial report one rising curve
+    :param kwargs: TimedEvalCallback's (``eval_freq`` counts calls, env steps / n_envs, as EvalCallback counts)
     """
 
-    def __init__(self, trial: Any, eval_env: Any, eval_freq: int, episodes: int, step_offset: int = 0):
-        super().__init__(eval_env, n_eval_episodes=episodes, eval_freq=eval_freq, deterministic=True, verbose=0)
+    def __init__(self, eval_env: Any, *, trial: Any, step_offset: int = 0, **kwargs: Any):
+        super().__init__(eval_env, **kwargs)
         self.trial, self.step_offset, self.pruned = trial, step_offset, False
 
     def _on_step(self) -> bool:
@@ -114,8 +120,14 @@ def make_objective(settings: TrialSettings, space: dict[str, dict[str, Any]]) ->
     def objective(trial: Any) -> float:
         trial.set_user_attr("worker", worker)
         params = sample(trial, space)
-        scores = [_score(trial, settings, params, i) for i in range(settings.seeds)]
+        scores, reached = [], []
+        for index in range(settings.seeds):
+            score, got_there = _score(trial, settings, params, index)
+            scores.append(score)
+            reached.append(got_there)
         trial.set_user_attr("seed_scores", scores)
+        if settings.threshold is not None:
+            trial.set_user_attr("seed_reached", reached)
         score = statistics.fmean(scores)
         if not math.isfinite(score):
             raise RuntimeError(f"trial {trial.number} scored {score}")
@@ -124,8 +136,9 @@ def make_objective(settings: TrialSettings, space: dict[str, dict[str, Any]]) ->
     return objective
 
 
-def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: int) -> float:
-    """Train seed ``settings.seed + index`` with ``params`` and return its final mean return."""
+def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: int) -> tuple[float, bool | None]:
+    """Train seed ``settings.seed + index`` with ``params``: its score, and whether it reached the threshold (None
+    without one)."""
     optuna = import_optuna()
     seed = settings.seed + index
     try:
@@ -148,23 +161,50 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
     try:
         eval_env = build_env(plan, evaluation=True, n_envs=eval_envs(settings.eval_episodes))
         model = build_model(plan, env)
+        if settings.threshold is not None:
+            freq = settings.eval_freq or max(timesteps // THRESHOLD_EVALUATIONS, 1)
+            run, evaluator = train_to_threshold(
+                model,
+                eval_env,
+                settings.threshold,
+                timesteps,
+                eval_freq=freq,
+                episodes=settings.eval_episodes,
+                confirm_episodes=confirm_count(settings.eval_episodes),
+                evaluator_class=TrialEvalCallback,
+                trial=trial,
+                step_offset=index * timesteps,
+            )
+            _raise_if_cut_short(trial, run.stopped_by, evaluator, run.timesteps, seed)
+            return -run.cost_seconds, run.reached
         freq = settings.eval_freq or max(timesteps // 5, 1)
-        evaluator = TrialEvalCallback(trial, eval_env, max(freq // n_envs, 1), settings.eval_episodes, index * timesteps)
-        with Session(model, evaluator=evaluator) as session:
+        trial_evaluator = TrialEvalCallback(
+            eval_env,
+            trial=trial,
+            step_offset=index * timesteps,
+            n_eval_episodes=settings.eval_episodes,
+            eval_freq=max(freq // n_envs, 1),
+            verbose=0,
+        )
+        with Session(model, evaluator=trial_evaluator) as session:
             outcome = session.learn(timesteps)
-            if outcome.stopped_by is not None:
-                raise TrialInterrupted(outcome.stopped_by, trial.number)
             if outcome.error is not None:
                 raise outcome.error
-            if evaluator.pruned:
-                raise optuna.TrialPruned(f"pruned at {outcome.timesteps} timesteps of seed {seed}")
+            _raise_if_cut_short(trial, outcome.stopped_by, trial_evaluator, outcome.timesteps, seed)
             try:
                 mean, _ = session.evaluate(settings.eval_episodes)
             except EvaluationStopped:
                 raise TrialInterrupted(session.stopped_by or "SIGINT", trial.number) from None
-        return mean
+        return mean, None
     finally:
         close_vec_envs(env, eval_env)
+
+
+def _raise_if_cut_short(trial: Any, stopped_by: str | None, evaluator: TimedEvalCallback, timesteps: int, seed: int) -> None:
+    if stopped_by is not None:
+        raise TrialInterrupted(stopped_by, trial.number)
+    if isinstance(evaluator, TrialEvalCallback) and evaluator.pruned:
+        raise import_optuna().TrialPruned(f"pruned at {timesteps} timesteps of seed {seed}")
 
 
 # --------------------------------------------------------------------------- results
@@ -188,6 +228,36 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
     atomic_write_text(path, header + yaml.safe_dump({spec.name: entry}, sort_keys=False))
     load_preset_file(algo_, path)  # what we wrote must load as a preset
     return path
+
+
+def study_markdown(study: Any, command: str, top: int = 10) -> str:
+    """The study as evidence for a preset: the command, how its trials ended, and its best trials in a table."""
+    optuna = import_optuna()
+    trials = study.get_trials(deepcopy=False)
+    counts = ", ".join(
+        f"{n} {state.name.lower()}" for state in optuna.trial.TrialState if (n := sum(t.state == state for t in trials))
+    )
+    threshold = study.user_attrs.get("threshold")
+    scored = (
+        "the final mean return, averaged over seeds"
+        if threshold is None
+        else f"minus the training seconds until the best, confirmed on fresh episodes, reached {threshold:g} (a seed that "
+        "never did counts twice its whole time), averaged over seeds"
+    )
+    done = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.value, reverse=True)
+    lines = [
+        f"`{command}`",
+        "",
+        f"Study {study.study_name!r} ({study.user_attrs.get('algo')} on {study.user_attrs.get('env')}): {counts}. "
+        f"Score: {scored}.",
+        "",
+        "| trial | score | per seed | params |",
+        "|---:|---:|---|---|",
+    ]
+    for t in done[:top]:
+        params = ", ".join(f"{k}={v}" for k, v in _decoded_params(t, study).items())
+        lines.append(f"| {t.number} | {t.value:.2f} | {seed_cells(t, threshold)} | {params} |")
+    return "\n".join(lines) + "\n"
 
 
 def _decoded_params(trial: Any, study: Any) -> dict[str, Any]:
@@ -239,14 +309,21 @@ def open_study(
     env: str,
     space: dict[str, dict[str, Any]],
     where: str,
+    threshold: float | None = None,
+    sampler_seed: int | None = None,
 ) -> Any:
-    """Create the study ``name`` in ``storage``, or join it; refuse one that tunes another algorithm or env.
+    """Create the study ``name`` in ``storage``, or join it; refuse one that tunes another algorithm or env, or
+    scores another way (another threshold, another search space).
 
     :param timesteps: of each seed's training; the median pruner waits for a third of them
     :param where: the storage as messages name it (without its password)
+    :param threshold: the return a time-to-threshold study times (None: the study maximises the final return)
     """
     optuna = import_optuna()
-    samplers = {"tpe": lambda: optuna.samplers.TPESampler(n_startup_trials=5), "random": optuna.samplers.RandomSampler}
+    samplers = {
+        "tpe": lambda: optuna.samplers.TPESampler(n_startup_trials=5, seed=sampler_seed),
+        "random": lambda: optuna.samplers.RandomSampler(seed=sampler_seed),
+    }
     pruners = {
         "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=timesteps // 3),
         "halving": optuna.pruners.SuccessiveHalvingPruner,
@@ -260,14 +337,31 @@ def open_study(
         direction="maximize",
         load_if_exists=True,
     )
-    made_for = (study.user_attrs.get("algo"), study.user_attrs.get("env"))
-    if made_for[0] is None:
-        study.set_user_attr("algo", algo)
-        study.set_user_attr("env", env)
-        study.set_user_attr("space", space)
-    elif made_for != (algo, env):
-        raise ConfigError(f"study {name!r} in {where} tunes {made_for[0]} on {made_for[1]}; choose another --study-name")
+    attrs = study.user_attrs
+    if attrs.get("algo") is None:
+        for key, value in (("algo", algo), ("env", env), ("space", space), ("threshold", threshold)):
+            study.set_user_attr(key, value)
+        return study
+    if (attrs["algo"], attrs["env"]) != (algo, env):
+        raise ConfigError(f"study {name!r} in {where} tunes {attrs['algo']} on {attrs['env']}; choose another --study-name")
+    if attrs.get("threshold") != threshold:
+        made = "the final return" if attrs.get("threshold") is None else f"the time to a return of {attrs['threshold']:g}"
+        raise ConfigError(f"study {name!r} in {where} scores {made}; give the same --threshold or another --study-name")
+    if attrs.get("space", space) != space:
+        raise ConfigError(
+            f"study {name!r} in {where} was made with another search space (or a budget that narrowed it otherwise); "
+            "give the same --space and --timesteps, or another --study-name"
+        )
     return study
+
+
+def seed_cells(trial: Any, threshold: float | None) -> str:
+    """A trial's per-seed scores as the results table shows them: returns, or seconds to the threshold."""
+    scores = trial.user_attrs.get("seed_scores", [])
+    if threshold is None:
+        return ", ".join(f"{s:.1f}" for s in scores)
+    reached = trial.user_attrs.get("seed_reached", [True] * len(scores))
+    return ", ".join(f"{-s:.1f} s" if r else f"not reached ({-s:.0f})" for s, r in zip(scores, reached, strict=False))
 
 
 def finished_trials(study: Any) -> int:

@@ -31,10 +31,32 @@ def test_bench_per_times_each_tree_backend_and_the_gradient_step(capsys):
     assert re.search(r"DQN gradient step .* <= 1.25x (ok|MISSED)", out)
 
 
-def test_bench_learning_with_an_unknown_env_is_exit_2(capsys):
-    assert bench.main(["per", "--learn", "--env", "NoSuchEnv-v0", "--no-timing"]) == 2
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--envs", "NoSuchEnv-v0"], "unknown env id 'NoSuchEnv-v0'"),
+        (["--algos", "ppo", "--envs", "Pendulum-v1"], "Pendulum-v1 registers no reward_threshold; pass --target"),
+        (["--algos", "dqn", "--envs", "Pendulum-v1", "--target", "-200"], "dqn needs a Discrete action space"),
+    ],
+)
+def test_bench_solve_refuses_what_it_cannot_train_in_one_line(capsys, args, message):
+    assert bench.main(["solve", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "unknown env id 'NoSuchEnv-v0'" in err[0]
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_bench_solve_trains_each_case_in_its_own_process_and_evaluates_the_best_on_fresh_episodes(tmp_path, capsys):
+    import json
+
+    args = ["solve", "--seeds", "0", "1", "--per", "on", "off", "--timesteps", "1024", "--episodes", "3"]
+    assert bench.main([*args, "--target", "20", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "solve.json").read_text())["rows"]
+    assert [(r["per"], r["seed"]) for r in rows] == [(True, 0), (True, 1), (False, 0), (False, 1)]  # the order asked
+    for row in rows:
+        assert row["model"] == "best_model.zip" and row["reported_best"] is not None and row["wall_s"] > 0
+        assert row["evaluated"] >= 8  # CartPole returns one per step: no episode is shorter than 8
+    markdown = (tmp_path / "solve.md").read_text()
+    assert re.search(r"\| dqn \| CartPole-v1 \| on \| auto \| \d/2 \(>= 20\) \|", markdown), markdown
 
 
 @pytest.mark.parametrize("callback", ["telemetry", "guard", "session"])

@@ -249,6 +249,53 @@ def test_per_subkeys_are_only_drawn_with_per_on():
     assert seen == {True, False}
 
 
+# --- the budget and the threshold -----------------------------------------------------------------------------
+
+
+def test_the_space_keeps_only_values_that_fit_the_budget():
+    from sb3_gpu.config.search import fit_to_budget
+
+    ppo, notes = fit_to_budget(load_space("ppo"), timesteps=1500, n_envs=8, on_policy=True)
+    assert ppo["n_steps"] == {"choices": [16, 32, 64, 128]}  # 8 x 256 = 2,048 steps would outrun 1,500
+    assert notes == ["n_steps: 256, 512, 1024, 2048 left out (a rollout of 8 envs would outrun the 1,500-step budget)"]
+    dqn, notes = fit_to_budget(load_space("dqn"), timesteps=3000, n_envs=1, on_policy=False)
+    assert dqn["learning_starts"] == {"choices": [0, 1000]}  # 5,000 would leave no steps to learn from
+    assert dqn["buffer_size"] == {"choices": [10000]}  # 50,000 and 100,000 would hold what 10,000 holds: all of it
+    assert dqn["train_freq"] == load_space("dqn")["train_freq"]
+    assert len(notes) == 2
+    ranged, _ = fit_to_budget({"n_steps": {"low": 8, "high": 4096}}, timesteps=1000, n_envs=4, on_policy=True)
+    assert ranged == {"n_steps": {"low": 8, "high": 250}}
+    with pytest.raises(ConfigError, match="every choice .* is too large for trials of 100 timesteps"):
+        fit_to_budget(load_space("ppo"), timesteps=100, n_envs=8, on_policy=True)
+
+
+@pytest.mark.parametrize("sampler_seed", range(5))
+def test_a_one_trial_study_of_1500_steps_completes_whatever_the_sampler_draws(tmp_path, sampler_seed, call_main, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["ppo", "--trials", "1", "--timesteps", "1500", "--eval-episodes", "2", "--device", "cpu"]
+    out = call_main(tune.main, *args, "--sampler-seed", str(sampler_seed), "--study-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    (trial,) = load(f"sqlite:///{tmp_path / 'study.db'}").trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE, trial.user_attrs
+
+
+def test_a_threshold_study_scores_the_seconds_each_seed_took_to_reach_it(tmp_path, monkeypatch, call_main):
+    monkeypatch.chdir(tmp_path)
+    args = ["ppo", "--trials", "1", *TINY, "--timesteps", "2048", "--eval-freq", "256", "--seeds", "2"]
+    out = call_main(tune.main, *args, "--threshold", "15", "--study-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    (trial,) = load(f"sqlite:///{tmp_path / 'study.db'}").trials
+    scores, reached = trial.user_attrs["seed_scores"], trial.user_attrs["seed_reached"]
+    assert len(scores) == 2 and all(s < 0 for s in scores) and trial.value == pytest.approx(sum(scores) / 2)
+    assert any(reached)  # a return of 15 on CartPole: within reach of 2,048 steps
+    # A seed that reached it stopped early: it reported fewer evaluations than the budget holds.
+    assert len(trial.intermediate_values) < 2 * 2048 // 256
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.startswith("`python -m sb3_gpu.tune ppo --trials 1") and "reached 15" in summary
+    again = call_main(tune.main, *args, "--threshold", "20", "--study-dir", str(tmp_path))
+    assert again.returncode == 2 and "scores the time to a return of 15" in again.stderr
+
+
 # --- PostgreSQL ----------------------------------------------------------------------------------------------
 
 

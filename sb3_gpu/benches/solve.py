@@ -1,0 +1,120 @@
+"""``bench solve``: do the presets solve their envs, seed after seed? Each case is trained as ``train`` trains it, and
+its best model is then evaluated on fresh episodes, as a user would with ``evaluate``."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.evaluation import evaluate_run
+from sb3_gpu.runs.training import train_run
+
+# The fresh episodes of the final check start from seeds that training's evaluations never used.
+FRESH_SEED_OFFSET = 1_000_000
+
+
+@dataclass(frozen=True)
+class Case:
+    algo: str
+    env: str
+    per: bool | None  # None: the preset's own choice
+    amp: str
+    seed: int
+    timesteps: int | None = None
+
+    def label(self) -> str:
+        per = "" if self.per is None else f", PER {'on' if self.per else 'off'}"
+        return f"{self.algo} {self.env}{per}, amp {self.amp}"
+
+
+def solve_case(case: Case, episodes: int) -> dict[str, Any]:
+    """Train ``case`` into a temporary run dir and evaluate its best model on ``episodes`` fresh episodes."""
+    overrides: dict[str, Any] = {"amp": case.amp}
+    if case.per is not None:
+        overrides["per"] = case.per
+    plan = make_plan(case.algo, case.env, "auto", seed=case.seed, n_timesteps=case.timesteps, overrides=overrides)
+    with tempfile.TemporaryDirectory(prefix="sb3_gpu_solve_") as tmp:
+        summary = train_run(plan, Path(tmp) / "run", progress=False, report_s=None)
+        fresh = evaluate_run(Path(tmp) / "run", episodes=episodes, seed=case.seed + FRESH_SEED_OFFSET)
+    best = summary.get("best") or {}
+    return {
+        **asdict(case),
+        "amp_used": plan.speed.amp if plan.speed is not None else None,
+        "evaluated": fresh["mean"],
+        "evaluated_std": fresh["std"],
+        "model": Path(fresh["model"]).name,
+        "reported_best": best.get("mean"),
+        "reported_best_std": best.get("std"),
+        "reported_best_episodes": best.get("episodes"),
+        "best_at": best.get("timesteps"),
+        "wall_s": summary["wall_time_s"],
+    }
+
+
+def agrees(row: dict[str, Any], episodes: int) -> bool:
+    """Whether the fresh evaluation reaches the reported best minus two standard errors of their difference."""
+    if row["reported_best"] is None:
+        return False
+    spread = row["evaluated_std"] ** 2 / episodes
+    if row["reported_best_std"] is not None and row["reported_best_episodes"]:
+        spread += row["reported_best_std"] ** 2 / row["reported_best_episodes"]
+    return bool(row["evaluated"] >= row["reported_best"] - 2 * spread**0.5)
+
+
+def bench_solve(
+    cases: Sequence[Case], episodes: int, jobs: int, print_fn: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """Every case, ``jobs`` at a time in processes of their own (one at a time in this process with ``jobs=1``)."""
+    rows: list[dict[str, Any]] = []
+
+    def done(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print_fn(
+            f"  {Case(**{k: row[k] for k in ('algo', 'env', 'per', 'amp', 'seed', 'timesteps')}).label()}, seed "
+            f"{row['seed']}: {row['model']} {row['evaluated']:.1f} +/- {row['evaluated_std']:.1f} on {episodes} fresh "
+            f"episodes (reported best {row['reported_best']}) in {row['wall_s']:.0f} s"
+        )
+
+    if jobs == 1:
+        for case in cases:
+            done(solve_case(case, episodes))
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(solve_case, case, episodes) for case in cases]
+            for future in as_completed(futures):
+                done(future.result())
+    order = {case: i for i, case in enumerate(cases)}
+    return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in ("algo", "env", "per", "amp", "seed", "timesteps")})])
+
+
+def solve_markdown(rows: Sequence[dict[str, Any]], targets: dict[str, float], episodes: int, command: str) -> str:
+    """One line per algo, env, PER and amp: seeds that reached the target, the fresh evaluations, the agreement."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["algo"], row["env"], row["per"], row["amp"]), []).append(row)
+    lines = [
+        f"`{command}`: each seed trained as `train` trains it, then its best model evaluated on {episodes} fresh "
+        "episodes (deterministic). Agreement: the fresh mean reaches the run's reported best minus two standard errors.",
+        "",
+        "| algo | env | PER | amp | seeds reaching the target | fresh evaluation: median [min-max] | agrees | wall, median |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for (algo, env, per, amp), group in groups.items():
+        target = targets[env]
+        values = [r["evaluated"] for r in group]
+        reached = sum(v >= target for v in values)
+        per_text = "preset" if per is None else ("on" if per else "off")
+        lines.append(
+            f"| {algo} | {env} | {per_text} | {amp} | {reached}/{len(group)} (>= {target:g}) "
+            f"| {statistics.median(values):.1f} [{min(values):.1f} - {max(values):.1f}] "
+            f"| {sum(agrees(r, episodes) for r in group)}/{len(group)} "
+            f"| {statistics.median(r['wall_s'] for r in group):.0f} s |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,162 @@
+"""The best model holds up: a periodic evaluation that beats the best so far is only a candidate until fresh
+episodes confirm it, and only a confirmed mean above the best's own replaces best_model.zip."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from stable_baselines3 import PPO
+from stable_baselines3.common.callbacks import BaseCallback
+
+from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.evaluate import main as evaluate_main
+from sb3_gpu.runs import evaluation
+from sb3_gpu.runs.evaluation import BestModel, EvaluationStopped, TimedEvalCallback
+from sb3_gpu.runs.rundir import RunDir, zip_timesteps
+from sb3_gpu.train import main as train_main
+from tests.fault_envs import Endless
+
+EVERY = 32  # env steps between evaluations: one PPO rollout of 32 steps on one env
+
+
+class Counting(BaseCallback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: list[int] = []
+
+    def _on_step(self) -> bool:
+        self.at.append(self.num_timesteps)
+        return True
+
+
+def _scripted(monkeypatch, periodic: list[float], confirmations: list[float | Exception]) -> list[int]:
+    """Periodic evaluations read ``periodic`` in turn, confirmations ``confirmations``; returns the confirmations'
+    episode counts as they are asked for."""
+    periodic_iter, confirm_iter, asked = iter(periodic), iter(confirmations), []
+
+    def periodic_eval(model, env, n_eval_episodes, **kwargs):
+        value = next(periodic_iter)
+        return [value] * n_eval_episodes, [1] * n_eval_episodes
+
+    def confirm(model, env, episodes, deterministic=True, should_stop=None):
+        asked.append(episodes)
+        value = next(confirm_iter)
+        if isinstance(value, Exception):
+            raise value
+        return value, 1.0
+
+    monkeypatch.setattr("stable_baselines3.common.callbacks.evaluate_policy", periodic_eval)
+    monkeypatch.setattr(evaluation, "evaluate", confirm)
+    return asked
+
+
+def _learn(tmp_path, evaluations: int, **kwargs) -> tuple[TimedEvalCallback, Counting, PPO]:
+    run = RunDir(tmp_path)
+    env = make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=0)
+    model = PPO("MlpPolicy", env, n_steps=EVERY, batch_size=EVERY, n_epochs=1, policy_kwargs={"net_arch": [8]}, seed=0)
+    on_new_best = Counting()
+    evaluator = TimedEvalCallback(
+        make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=1),
+        run_dir=run,
+        eval_freq=EVERY,
+        n_eval_episodes=4,
+        callback_on_new_best=on_new_best,
+        **kwargs,
+    )
+    model.learn(evaluations * EVERY, callback=evaluator)
+    return evaluator, on_new_best, model
+
+
+def test_a_candidate_replaces_the_best_only_when_fresh_episodes_confirm_it(tmp_path, monkeypatch):
+    # 10 is the first best (confirmed at 30); 50 confirms at 20, below 30: refused; 40 at 35 and 80 at 90 are kept;
+    # 60 does not beat 90 and is no candidate.
+    asked = _scripted(monkeypatch, [10, 50, 40, 80, 60], [30, 20, 35, 90])
+    evaluator, on_new_best, _ = _learn(tmp_path, 5, confirm_episodes=12)
+    assert asked == [12, 12, 12, 12]
+    assert on_new_best.at == [32, 96, 128] and evaluator.rejected == 1
+    assert evaluator.best == BestModel(128, 90.0, 1.0, 12, 80.0, confirmed=True)
+    assert evaluator.best_mean_reward == 90.0
+    run = RunDir(tmp_path)
+    assert BestModel.read(run.best_record) == evaluator.best
+    assert zip_timesteps(run.best_model) == 128
+
+
+def test_without_confirmation_the_best_periodic_evaluation_is_kept_as_sb3_keeps_it(tmp_path, monkeypatch):
+    asked = _scripted(monkeypatch, [10, 50, 40], [])
+    evaluator, on_new_best, _ = _learn(tmp_path, 3, confirm_episodes=0)
+    assert asked == [] and on_new_best.at == [32, 64]
+    assert evaluator.best == BestModel(64, 50.0, 0.0, 4, 50.0, confirmed=False)
+    assert zip_timesteps(RunDir(tmp_path).best_model) == 64
+
+
+def test_a_signal_during_a_confirmation_stops_training_and_keeps_the_previous_best(tmp_path, monkeypatch):
+    _scripted(monkeypatch, [10, 50], [30, EvaluationStopped()])
+    evaluator, on_new_best, model = _learn(tmp_path, 4, confirm_episodes=6)
+    assert evaluator.stopped and model.num_timesteps == 64  # stopped at the second evaluation
+    assert evaluator.best_mean_reward == 30.0 and on_new_best.at == [32]
+    run = RunDir(tmp_path)
+    assert BestModel.read(run.best_record) == BestModel(32, 30.0, 1.0, 6, 10.0, confirmed=True)
+    assert zip_timesteps(run.best_model) == 32
+
+
+def test_a_resumed_evaluator_measures_candidates_against_the_confirmed_best(tmp_path):
+    run = RunDir(tmp_path)
+    run.eval.mkdir()
+    np.savez(run.evaluations, timesteps=np.array([32, 64]), results=np.array([[10.0], [50.0]]), ep_lengths=np.ones((2, 1)))
+    record = BestModel(32, 30.0, 1.0, 6, 10.0, confirmed=True)
+    run.best_record.write_text(json.dumps(record.__dict__))
+    evaluator = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=run, confirm_episodes=6)
+    evaluator.restore_history(up_to_timesteps=32)
+    assert evaluator.best == record and evaluator.best_mean_reward == 30.0  # not 50, the best periodic figure
+    assert evaluator.evaluations_timesteps == [32]
+
+
+ENDLESS = "tests.fault_envs:Endless"
+TINY = ["--vec-env", "dummy", "--n-envs", "1", "--set", "n_steps=32", "--set", "batch_size=32", "--set", "n_epochs=1"]
+
+
+@pytest.fixture(autouse=True)
+def _count_from_zero(monkeypatch):
+    monkeypatch.setattr(Endless, "steps", 0)
+
+
+def test_a_real_signal_inside_the_first_confirmation_stops_it_at_once_and_names_no_best(tmp_path, call_main):
+    # Training takes env steps 1-32; the periodic evaluation (one 20-step episode) 33-52; its confirmation (three
+    # episodes on one env) would take 53-112: the signal lands at step 60.
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 60}", "--set", "eval_max_episode_steps=20"]
+    args += ["--timesteps", "2048", "--eval-freq", "32", "--eval-episodes", "1", "--run-dir", str(run_dir), "--no-progress"]
+    result = call_main(train_main, *args)
+    assert result.returncode == 130, result.stderr
+    assert Endless.steps == 60
+    assert not (run_dir / "best_model.zip").exists() and not (run_dir / "eval" / "best.json").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best_eval_mean"] is None and zip_timesteps(run_dir / "model.zip") == 32
+
+
+def test_the_plan_and_the_summary_say_how_the_best_is_chosen(tmp_path, call_main):
+    planned = call_main(train_main, "ppo", "--eval-episodes", "4", "--plan")
+    assert planned.returncode == 0
+    text = " ".join(planned.stdout.split())
+    assert "confirmed on 12 fresh episodes, and its model becomes best_model.zip only if their mean beats" in text
+    off = call_main(train_main, "ppo", "--confirm-episodes", "0", "--plan")
+    assert "The best periodic evaluation's model is best_model.zip (--confirm-episodes 0: not confirmed)" in " ".join(
+        off.stdout.split()
+    )
+    bad = call_main(train_main, "ppo", "--confirm-episodes", "-1", "--plan")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "expected an integer >= 0, got '-1'" in bad.stderr
+
+    run_dir = tmp_path / "run"
+    trained = call_main(
+        train_main, "ppo", *TINY, "--timesteps", "64", "--eval-freq", "32", "--eval-episodes", "2", "--run-dir", str(run_dir)
+    )
+    assert trained.returncode == 0, trained.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    best = summary["best"]
+    assert best["confirmed"] and best["episodes"] == 6 and summary["best_eval_mean"] == best["mean"]
+    assert best["chosen"] in " ".join(trained.stdout.split())
+    assert "6 confirming episodes; its periodic evaluation read" in best["chosen"]
+    evaluated = call_main(evaluate_main, str(run_dir), "--episodes", "2")
+    assert evaluated.returncode == 0 and "best_model.zip" in evaluated.stdout
