@@ -108,6 +108,7 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
     solve.add_argument("--per", nargs="+", choices=("preset", "on", "off"), default=["preset"], help="dqn, qrdqn")
     solve.add_argument("--amp", nargs="+", choices=AMP_MODES, default=["auto"], help="precisions (default auto)")
     solve.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's)")
+    solve.add_argument("--preset", metavar="FILE", help="a preset YAML file to use instead of the bundled one")
     solve.add_argument("--episodes", type=positive_int, default=20, help="fresh episodes per best model (default 20)")
     solve.add_argument("--target", type=float, help="the return to reach (default: each env's reward_threshold)")
     solve.add_argument("--jobs", type=positive_int, default=1, help="trainings at once, each in a process (default 1)")
@@ -288,7 +289,7 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
 
     pers = [None if p == "preset" else p == "on" for p in dict.fromkeys(args.per)]
     cases = [
-        Case(algo, env, per, amp, seed, args.timesteps)
+        Case(algo, env, per, amp, seed, args.timesteps, args.preset)
         for algo in args.algos
         for env in args.envs
         for per in (pers if algo != "ppo" else [None])
@@ -299,7 +300,15 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
     try:
         for case in {dataclasses.replace(c, seed=0) for c in cases}:  # bad names and combinations fail now, in one line
             overrides = {"amp": case.amp, **({} if case.per is None else {"per": case.per})}
-            make_plan(case.algo, case.env, "auto", n_timesteps=case.timesteps, overrides=overrides, training=False)
+            make_plan(
+                case.algo,
+                case.env,
+                "auto",
+                n_timesteps=case.timesteps,
+                preset=case.preset,
+                overrides=overrides,
+                training=False,
+            )
         for env in args.envs:
             target = args.target if args.target is not None else gym.spec(env).reward_threshold
             if target is None:

@@ -28,10 +28,15 @@ class Case:
     amp: str
     seed: int
     timesteps: int | None = None
+    preset: str | None = None  # a preset YAML file instead of the bundled one
 
     def label(self) -> str:
         per = "" if self.per is None else f", PER {'on' if self.per else 'off'}"
-        return f"{self.algo} {self.env}{per}, amp {self.amp}"
+        preset = f", preset {Path(self.preset).name}" if self.preset else ""
+        return f"{self.algo} {self.env}{per}, amp {self.amp}{preset}"
+
+
+CASE_FIELDS = ("algo", "env", "per", "amp", "seed", "timesteps", "preset")
 
 
 def solve_case(case: Case, episodes: int) -> dict[str, Any]:
@@ -39,7 +44,9 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
     overrides: dict[str, Any] = {"amp": case.amp}
     if case.per is not None:
         overrides["per"] = case.per
-    plan = make_plan(case.algo, case.env, "auto", seed=case.seed, n_timesteps=case.timesteps, overrides=overrides)
+    plan = make_plan(
+        case.algo, case.env, "auto", seed=case.seed, n_timesteps=case.timesteps, preset=case.preset, overrides=overrides
+    )
     with tempfile.TemporaryDirectory(prefix="sb3_gpu_solve_") as tmp:
         summary = train_run(plan, Path(tmp) / "run", progress=False, report_s=None)
         fresh = evaluate_run(Path(tmp) / "run", episodes=episodes, seed=case.seed + FRESH_SEED_OFFSET)
@@ -54,6 +61,7 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
         "reported_best_std": best.get("std"),
         "reported_best_episodes": best.get("episodes"),
         "best_at": best.get("timesteps"),
+        "trained": summary["timesteps"],
         "wall_s": summary["wall_time_s"],
     }
 
@@ -77,7 +85,7 @@ def bench_solve(
     def done(row: dict[str, Any]) -> None:
         rows.append(row)
         print_fn(
-            f"  {Case(**{k: row[k] for k in ('algo', 'env', 'per', 'amp', 'seed', 'timesteps')}).label()}, seed "
+            f"  {Case(**{k: row[k] for k in CASE_FIELDS}).label()}, seed "
             f"{row['seed']}: {row['model']} {row['evaluated']:.1f} +/- {row['evaluated_std']:.1f} on {episodes} fresh "
             f"episodes (reported best {row['reported_best']}) in {row['wall_s']:.0f} s"
         )
@@ -91,7 +99,7 @@ def bench_solve(
             for future in as_completed(futures):
                 done(future.result())
     order = {case: i for i, case in enumerate(cases)}
-    return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in ("algo", "env", "per", "amp", "seed", "timesteps")})])
+    return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in CASE_FIELDS})])
 
 
 def solve_markdown(rows: Sequence[dict[str, Any]], targets: dict[str, float], episodes: int, command: str) -> str:

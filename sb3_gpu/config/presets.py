@@ -132,7 +132,7 @@ class Preset:
 
     def sb3_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :attr:`model_class`, schedules turned into SB3's own schedule objects."""
-        kwargs = {k: v.to_sb3() if isinstance(v, Schedule) else v for k, v in self._params().items()}
+        kwargs: dict[str, Any] = {k: v.to_sb3() if isinstance(v, Schedule) else v for k, v in self._params().items()}
         kwargs["policy_kwargs"] = self.policy_kwargs_for_sb3()
         per: Any = self._params().get("per", False)
         grad_accum_steps = kwargs.pop("grad_accum_steps", 1)
@@ -142,7 +142,14 @@ class Preset:
             kwargs["grad_accum_steps"] = grad_accum_steps
         if per:
             kwargs["replay_buffer_class"] = PrioritizedReplayBuffer
-            kwargs["replay_buffer_kwargs"] = {"alpha": per["alpha"], "beta": per["beta0"], "eps": per["eps"]}
+            buffer_kwargs: dict[str, Any] = {"alpha": per["alpha"], "beta": per["beta0"], "eps": per["eps"]}
+            kwargs["replay_buffer_kwargs"] = buffer_kwargs
+            n_steps = kwargs.get("n_steps", 1)
+            if n_steps > 1:
+                # The buffer computes the n-step returns; SB3 hands n_steps only to its own NStepReplayBuffer (and
+                # warns that it is ignored for any other class), so the algorithm itself keeps one.
+                buffer_kwargs.update(n_steps=n_steps, gamma=kwargs["gamma"])
+                kwargs["n_steps"] = 1
             kwargs["per_beta_fraction"] = per["beta_fraction"]
         return kwargs
 

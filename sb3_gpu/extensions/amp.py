@@ -2,7 +2,8 @@
 
 ``enable_amp(model, "bf16" | "fp16")`` wraps the networks' forward passes (PPO's feature extractor, MLP extractor
 and heads; the DQN family's online and target networks) in ``torch.autocast`` and hands their outputs back as
-float32, so distributions and losses are computed in full precision. fp16 also gets dynamic loss scaling: a
+float32, so distributions and losses are computed in full precision. The DQN family's last layer, which gives the
+Q-values themselves, stays in float32. fp16 also gets dynamic loss scaling: a
 gradient hook on each output that feeds the loss multiplies the incoming gradient by the scale (before it is cast to
 fp16, where small gradients would underflow), which is what scaling the loss does; the model's
 :class:`~sb3_gpu.extensions.stepping.OptimizerStep` divides it back out before clipping, skips steps whose gradients
@@ -61,6 +62,14 @@ def _amp_forward(self: th.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _scale_gradients(out, state.scaler) if self._sb3_gpu_amp_scaled and state.scaler is not None else out
 
 
+def _full_precision_forward(self: th.nn.Module, x: th.Tensor) -> th.Tensor:
+    # A Q-value of 50 has a bf16 step of 0.25, more than the gap between two actions' values on CartPole: the head
+    # runs in float32 (its input cast up), so targets and argmax see full-precision values.
+    state: AmpState = self.__dict__["_sb3_gpu_amp_module"]
+    with th.autocast(device_type=state.device_type, enabled=False):
+        return type(self).forward(self, x.float())
+
+
 def _scaled_evaluate_actions(self: Any, *args: Any, **kwargs: Any) -> Any:
     scaler = self._sb3_gpu_amp.scaler
     return _scale_gradients(type(self).evaluate_actions(self, *args, **kwargs), scaler)
@@ -88,6 +97,9 @@ def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, 
         setattr(module, "_sb3_gpu_amp_module", state)  # noqa: B010 - plain attributes, not nn.Module state
         setattr(module, "_sb3_gpu_amp_scaled", any(module is m for m in networks.loss_facing))  # noqa: B010
         module.forward = types.MethodType(_amp_forward, module)
+    for head in networks.value_heads:
+        setattr(head, "_sb3_gpu_amp_module", state)  # noqa: B010
+        head.forward = types.MethodType(_full_precision_forward, head)
     policy._sb3_gpu_amp = state
     if scaler is not None:
         if networks.loss_methods:  # evaluate_actions: its outputs feed PPO's loss

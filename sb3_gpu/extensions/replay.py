@@ -32,6 +32,13 @@ def _free_bytes(device: th.device) -> int | None:
     return None
 
 
+def check_n_steps(n_steps: Any) -> int:
+    """A buffer's ``n_steps`` (1: one-step targets), refused unless an int >= 1."""
+    if isinstance(n_steps, bool) or int(n_steps) != n_steps or n_steps < 1:
+        raise ConfigError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    return int(n_steps)
+
+
 def size_text(n: float) -> str:
     """Bytes as the plan and the memory checks print them: GiB, MiB, KiB or bytes."""
     for unit, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
@@ -60,8 +67,13 @@ class DeviceReplayBuffer(ReplayBuffer):
     Unlike SB3's, ``optimize_memory_usage`` works with ``handle_timeout_termination``: the next observation of each
     transition that ended an episode is kept aside, so sampled next observations are always exact.
 
+    With ``n_steps`` > 1 samples carry n-step returns and their ``discounts``, as SB3's NStepReplayBuffer computes them.
+
     :raises ConfigError: when the storage does not fit in the device's free memory, or for Dict observations
     """
+
+    n_steps: int = 1  # class defaults: buffers pickled before n-step returns existed load with one-step returns
+    gamma: float = 0.99
 
     # The base class declares numpy arrays; here the same names hold tensors (and None where a layout has none).
     observations: th.Tensor  # type: ignore[assignment]
@@ -85,6 +97,8 @@ class DeviceReplayBuffer(ReplayBuffer):
         n_envs: int = 1,
         optimize_memory_usage: bool = False,
         handle_timeout_termination: bool = True,
+        n_steps: int = 1,
+        gamma: float = 0.99,
     ):
         if isinstance(observation_space, spaces.Dict):
             raise ConfigError("DeviceReplayBuffer does not take Dict observations; use SB3's (replay_buffer_class=None)")
@@ -93,6 +107,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         self.buffer_size = max(buffer_size // n_envs, 1)
         self.optimize_memory_usage = optimize_memory_usage
         self.handle_timeout_termination = handle_timeout_termination
+        self.n_steps, self.gamma = check_n_steps(n_steps), float(gamma)
         self._generator: th.Generator | None = None
         self._allocate()
 
@@ -301,22 +316,49 @@ class DeviceReplayBuffer(ReplayBuffer):
             # index_select, not storage[rows]: on the CPU it copies whole rows, about ten times faster for frames.
             return storage.view(-1, *storage.shape[2:]).index_select(0, rows)
 
+        # The slot whose next observation and done the target bootstraps from: the sampled one, or with n-step
+        # returns the last one the return took.
+        end, end_flat, returns, discounts = batch, flat, None, None
+        if self.n_steps > 1:
+            end, returns, discounts = self._n_step_returns(batch, env_t, env)
+            end_flat = end * self.n_envs + env_t
         if self.next_observations is not None:
-            next_obs = gather(self.next_observations, flat)
+            next_obs = gather(self.next_observations, end_flat)
         else:
-            next_obs = gather(self.observations, (batch + 1) % self.buffer_size * self.n_envs + env_t)
-            rows = gather(self._terminal_row.unsqueeze(-1), flat).view(-1)
+            next_obs = gather(self.observations, (end + 1) % self.buffer_size * self.n_envs + env_t)
+            rows = gather(self._terminal_row.unsqueeze(-1), end_flat).view(-1)
             kept = self._terminal_obs.index_select(0, rows.clamp(min=0))
             next_obs = th.where((rows >= 0).view(-1, *[1] * (next_obs.dim() - 1)), kept, next_obs)
-        rewards, dones, timeouts = gather(self._scalars, flat).unbind(dim=1)
+        rewards, dones, timeouts = gather(self._scalars, end_flat).unbind(dim=1)
+        if returns is None:
+            returns = self._device_normalize_reward(rewards.unsqueeze(1).contiguous(), env)
         return ReplayBufferSamples(
             observations=self._device_normalize_obs(gather(self.observations, flat), env),
             actions=gather(self.actions, flat),
             next_observations=self._device_normalize_obs(next_obs, env),
             # Only dones that are not timeouts end the bootstrap (timeouts stay zero unless handle_timeout_termination).
             dones=(dones * (1 - timeouts)).view(-1, 1),
-            rewards=self._device_normalize_reward(rewards.unsqueeze(1).contiguous(), env),
+            rewards=returns,
+            discounts=discounts,
         )
+
+    def _n_step_returns(
+        self, batch: th.Tensor, env_t: th.Tensor | int, env: VecNormalize | None
+    ) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
+        """For each sampled slot: the last slot of its n-step return, the return, and ``gamma ** k`` for its ``k``
+        slots. A return stops after the first slot that ends an episode (termination or time limit) and at the newest
+        slot, whose successor is not written yet (or, in a full buffer, is the oldest data)."""
+        steps = th.arange(self.n_steps, device=self.device)
+        slots = (batch.unsqueeze(1) + steps) % self.buffer_size  # [batch, n]
+        rows = slots * self.n_envs + (env_t if isinstance(env_t, int) else env_t.unsqueeze(1))
+        rewards, dones, timeouts = self._scalars.view(-1, 3).index_select(0, rows.view(-1)).view(*rows.shape, 3).unbind(-1)
+        ends = (dones + timeouts > 0) | (slots == (self.pos - 1) % self.buffer_size)
+        # argmax finds the first end; a row without one takes all n slots.
+        taken = th.where(ends.any(dim=1), ends.to(th.uint8).argmax(dim=1), self.n_steps - 1) + 1
+        weights = self.gamma ** steps.float() * (steps < taken.unsqueeze(1))
+        returns = (self._device_normalize_reward(rewards, env) * weights).sum(dim=1, keepdim=True)
+        last = slots.gather(1, (taken - 1).unsqueeze(1)).squeeze(1)
+        return last, returns, (self.gamma ** taken.float()).unsqueeze(1)
 
     def _device_normalize_obs(self, obs: th.Tensor, env: VecNormalize | None) -> th.Tensor:
         # VecNormalize.normalize_obs on the device: the same float64 arithmetic, then float32.

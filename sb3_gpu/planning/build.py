@@ -67,6 +67,9 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
             kwargs["replay_buffer_class"] = DevicePrioritizedReplayBuffer
         else:
             kwargs["replay_buffer_class"] = DeviceReplayBuffer
+            if kwargs.get("n_steps", 1) > 1:  # as Preset.sb3_kwargs does for PER: the buffer computes the returns
+                kwargs["replay_buffer_kwargs"] = {"n_steps": kwargs["n_steps"], "gamma": kwargs["gamma"]}
+                kwargs["n_steps"] = 1
     return kwargs
 
 

@@ -464,8 +464,5 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         raise ConfigError(
             "optimize_memory_usage=true is not supported: SB3 refuses it beside timeout handling, which stays on"
         )
-    if getattr(params, "per", False):
-        if params.n_steps > 1:
-            raise ConfigError("prioritized replay does not support n-step returns yet; set per=false or n_steps=1")
-        if isinstance(obs_space, spaces.Dict):
-            raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")
+    if getattr(params, "per", False) and isinstance(obs_space, spaces.Dict):
+        raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")

@@ -59,6 +59,21 @@ def test_bench_solve_trains_each_case_in_its_own_process_and_evaluates_the_best_
     assert re.search(r"\| dqn \| CartPole-v1 \| on \| auto \| \d/2 \(>= 20\) \|", markdown), markdown
 
 
+def test_bench_solve_trains_a_preset_file_in_place_of_the_bundled_one(tmp_path, capsys):
+    import json
+
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("CartPole-v1:\n  n_timesteps: 640\n  learning_starts: 64\n  net_arch: [16]\n")
+    args = ["solve", "--seeds", "0", "--per", "off", "--episodes", "2", "--target", "20", "--preset", str(preset)]
+    assert bench.main([*args, "--out", str(tmp_path / "out")]) == 0
+    (row,) = json.loads((tmp_path / "out" / "solve.json").read_text())["rows"]
+    assert row["preset"] == str(preset) and row["trained"] == 640, row
+    assert "preset mine.yaml, seed 0: best_model.zip" in capsys.readouterr().out
+    preset.write_text("CartPole-v1:\n  bach_size: 64\n")
+    assert bench.main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert "unknown key 'bach_size'; did you mean 'batch_size'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("callback", ["telemetry", "guard", "session"])
 def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys, callback):
     tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
@@ -117,7 +132,8 @@ def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp
     # PPO CartPole has an rl-zoo3 baseline (plain SB3 on SubprocVecEnv); every DQN row ran SB3's count of updates.
     assert list(rows["ppo"]["variants"]) == ["sb3", "device", "zoo"]
     assert list(rows["dqn"]["variants"]) == ["sb3", "device", "device+overlap"]
-    assert {f["grad_steps_per_1k"] for f in rows["dqn"]["variants"].values()} == {1000 * 3 * 128 / 1536}
+    # The preset trains 16 steps per rollout of 16 x 8 env steps once past learning_starts 1000: five rollouts.
+    assert {f["grad_steps_per_1k"] for f in rows["dqn"]["variants"].values()} == {1000 * 5 * 16 / 1536}
     for row in rows.values():
         assert row["variants"]["sb3"]["ratio"] == 1.0 and row["variants"]["sb3"]["cpu_ratio"] == 1.0
         for f in row["variants"].values():

@@ -115,7 +115,6 @@ BAD_INPUTS = [
     (["ppo", "--n-envs", "1", "--set", "n_steps=1"], "n_steps * n_envs must be > 1 for PPO"),
     (["ppo", "--seed", "-1"], "--seed: expected a seed, an integer >= 0"),
     (["ppo", "--timesteps", "inf"], "--timesteps: expected a positive integer, got 'inf'"),
-    (["dqn", "--per", "--set", "n_steps=3"], "does not support n-step returns"),
     (
         ["ppo", "--set", "learning_rate={{schedule: linear, start: 1.0e-3, end: -1}}"],
         "learning_rate.end: expected a number >= 0",

@@ -61,7 +61,8 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
             for o in c.get("outputs", [])
         ), "the learning curve must be drawn"
     else:
-        assert "PrioritizedReplayBuffer best eval" in text and "\nReplayBuffer best eval" in text
+        # The preset's 3-step returns: SB3's NStepReplayBuffer without PER
+        assert "PrioritizedReplayBuffer best eval" in text and "\nNStepReplayBuffer best eval" in text
         assert any(
             o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
             for c in nb.cells

@@ -265,7 +265,7 @@ def test_the_space_keeps_only_values_that_fit_the_budget():
     assert len(notes) == 2
     ranged, _ = fit_to_budget({"n_steps": {"low": 8, "high": 4096}}, timesteps=1000, n_envs=4, on_policy=True)
     assert ranged == {"n_steps": {"low": 8, "high": 250}}
-    with pytest.raises(ConfigError, match="every choice .* is too large for trials of 100 timesteps"):
+    with pytest.raises(ConfigError, match=r"every choice .* is too large for trials of 100 timesteps"):
         fit_to_budget(load_space("ppo"), timesteps=100, n_envs=8, on_policy=True)
 
 

@@ -121,6 +121,28 @@ def test_bf16_dqn_family_trains(cls):
     assert any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True))
 
 
+@pytest.mark.parametrize("cls, head", [(DQN, "q_net"), (QRDQN, "quantile_net")])
+def test_bf16_keeps_the_q_values_in_float32(cls, head):
+    """The hidden layers run in bf16; the layer that gives the Q-values runs in float32, as without AMP: a bf16
+    Q-value of 50 moves in steps of 0.25, coarser than the gap between two actions' values."""
+    model = cls("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [32]}, device="cpu", seed=0)
+    network = getattr(model.policy, head)
+    plain = copy.deepcopy(network)
+    enable_amp(model, "bf16")
+    layers = [m for m in getattr(network, head).modules() if isinstance(m, th.nn.Linear)]
+    seen = []
+    for layer in layers:
+        layer.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    obs = th.as_tensor(np.random.default_rng(0).normal(size=(64, 4)), dtype=th.float32) * 30
+    values = network(obs)
+    assert seen == [th.bfloat16, th.float32]
+    with th.autocast("cpu", dtype=th.bfloat16):
+        hidden = th.relu(layers[0](obs)).float()  # what the bf16 hidden layer hands the head
+    th.testing.assert_close(values.view(64, -1), th.nn.functional.linear(hidden, layers[1].weight, layers[1].bias))
+    assert not th.equal(values, values.bfloat16().float()), "full float32 precision, not bf16 values cast up"
+    assert (values - plain(obs)).abs().max() < 0.5  # the same network, up to the hidden layer's bf16 rounding
+
+
 def test_a_deep_copy_of_an_amp_policy_runs_its_own_weights():
     model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [16]}, device="cpu")  # bf16 autocast on the CPU
     enable_amp(model, "bf16")

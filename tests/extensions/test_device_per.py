@@ -121,8 +121,9 @@ def draw_like_the_host(buffer: DevicePrioritizedReplayBuffer) -> None:
     buffer._uniforms = lambda n: th.as_tensor(np.random.random(n))
 
 
-def test_samples_weights_and_indices_equal_the_host_buffers_for_the_same_draws():
-    host, ours = twin_buffers(alpha=0.6, beta=0.7)
+@pytest.mark.parametrize("n_steps", [1, 3])
+def test_samples_weights_and_indices_equal_the_host_buffers_for_the_same_draws(n_steps):
+    host, ours = twin_buffers(alpha=0.6, beta=0.7, n_steps=n_steps, gamma=0.9)
     draw_like_the_host(ours)
     for seed in range(5):
         np.random.seed(seed)
@@ -134,6 +135,12 @@ def test_samples_weights_and_indices_equal_the_host_buffers_for_the_same_draws()
         th.testing.assert_close(mine.weights, theirs.weights, rtol=1e-6, atol=0)
         for field in ("observations", "next_observations", "rewards", "actions", "dones"):
             th.testing.assert_close(getattr(mine, field), getattr(theirs, field))
+        if n_steps > 1:  # no episode ends here: a return takes three slots, or fewer where it meets the newest
+            th.testing.assert_close(mine.discounts, theirs.discounts)
+            discounts = theirs.discounts.numpy().ravel()
+            assert np.isclose(discounts[:, None], [0.9, 0.81, 0.729]).any(axis=1).all() and np.isclose(discounts, 0.729).any()
+        else:
+            assert mine.discounts is None and theirs.discounts is None
         assert float(ours.last_max_weight) == pytest.approx(host.last_max_weight, rel=1e-12)
     assert float(ours.max_priority) == host.max_priority
 

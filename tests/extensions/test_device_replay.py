@@ -6,7 +6,7 @@ import pytest
 import torch as th
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN
-from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
@@ -125,6 +125,31 @@ def test_sample_draws_every_valid_transition_and_nothing_else(optimize_memory_us
     drawn = buffer.sample(4000).observations[:, 0]
     assert set(drawn.tolist()) == set(expected.tolist())
     assert buffer.sample(8).observations.device == th.device("cpu")
+
+
+@pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
+@pytest.mark.parametrize("n_envs", [1, 3])
+@pytest.mark.parametrize("steps", [17, 75])  # partly written; wrapped around
+def test_n_step_samples_equal_sb3s_n_step_buffer_in_both_layouts(spaces, n_envs, steps):
+    theirs = NStepReplayBuffer(30, *spaces, "cpu", n_envs, n_steps=3, gamma=0.9)
+    plain, one_copy = (
+        DeviceReplayBuffer(30, *spaces, "cpu", n_envs, optimize, n_steps=3, gamma=0.9) for optimize in (False, True)
+    )
+    fill([theirs, plain, one_copy], record(*spaces, n_envs, steps=steps // n_envs, p_done=0.3))
+    batch_inds = np.repeat(np.arange(plain.size()), 4)
+    np.random.seed(7)  # SB3's _get_samples draws the env indices from numpy's global RNG
+    expected = theirs._get_samples(batch_inds)
+    np.random.seed(7)
+    env_inds = np.random.randint(0, n_envs, size=len(batch_inds))
+    got = plain._get_samples_at(batch_inds, env_inds)
+    for field in (*FIELDS, "discounts"):
+        th.testing.assert_close(getattr(got, field), getattr(expected, field), msg=field)
+    assert (expected.discounts < 0.9**2).any() and (expected.discounts > 0.9**2).any()  # ends cut some returns
+    slots, envs = valid_slots(one_copy)
+    for field in (*FIELDS, "discounts"):
+        th.testing.assert_close(
+            getattr(one_copy._get_samples_at(slots, envs), field), getattr(plain._get_samples_at(slots, envs), field)
+        )
 
 
 @pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())

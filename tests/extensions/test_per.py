@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 from stable_baselines3 import DQN
-from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
@@ -23,7 +23,8 @@ from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN, Prioritized
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)
 ACT = gym.spaces.Discrete(2)
 
-priorities = st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=1, max_size=300)
+# Priorities are (|td| + eps) ** alpha, never subnormal: a tree of subnormal floats cannot resolve a prefix.
+priorities = st.lists(st.floats(0.0, 100.0, allow_nan=False, allow_subnormal=False), min_size=1, max_size=300)
 
 
 # Small tops force several levels below the top even for a few hundred leaves.
@@ -221,6 +222,44 @@ def test_timeouts_are_not_terminal_in_prioritized_samples():
     assert buffer.sample(4).dones.sum() == 0
 
 
+@pytest.mark.parametrize("n_envs, size, n", [(1, 40, 23), (1, 40, 97), (3, 30, 71)])
+def test_n_step_samples_equal_sb3s_n_step_buffer(n_envs, size, n):
+    """The same transitions (terminations, time limits, a wrapped buffer, a partly written one) give the same n-step
+    returns, discounts, next observations and dones as SB3's NStepReplayBuffer, for every slot of every env."""
+    from stable_baselines3.common.buffers import NStepReplayBuffer
+
+    kwargs = {"n_envs": n_envs, "handle_timeout_termination": True}
+    ours = PrioritizedReplayBuffer(size, OBS, ACT, "cpu", n_steps=3, gamma=0.9, **kwargs)
+    sb3 = NStepReplayBuffer(size, OBS, ACT, "cpu", n_steps=3, gamma=0.9, **kwargs)
+    rng = np.random.default_rng(n)
+    for _ in range(n):
+        obs, next_obs = rng.normal(size=(2, n_envs, 3)).astype(np.float32)
+        action, reward = rng.integers(0, 2, (n_envs, 1)), rng.normal(size=n_envs).astype(np.float32)
+        done = rng.random(n_envs) < 0.2
+        infos = [{"TimeLimit.truncated": bool(d and rng.random() < 0.5)} for d in done]
+        for buffer in (ours, sb3):
+            buffer.add(obs, next_obs, action, reward, done.astype(np.float32), infos)
+    slots = np.arange(ours.size())
+    for env in range(n_envs):
+        # SB3 draws each sample's env at random: make it draw ``env``, the one given to ours.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(np.random, "randint", lambda low, high, size, env=env: np.full(size, env))
+            expected = sb3._get_samples(slots)
+        got = ours._get_samples_at(slots, np.full(slots.shape, env) if n_envs > 1 else 0, None)
+        for name in ("observations", "actions", "next_observations", "dones", "rewards", "discounts"):
+            th.testing.assert_close(getattr(got, name).float(), getattr(expected, name).float(), msg=name)
+
+
+def test_n_step_prioritized_dqn_trains_on_n_step_targets():
+    model = make_model("dqn", "CartPole-v1", device="cpu", per=True, n_steps=3, learning_starts=64, net_arch=[8], seed=0).model
+    # The buffer computes the returns, so SB3 (which would warn that a custom buffer ignores n_steps) keeps one.
+    assert model.n_steps == 1 and model.replay_buffer.n_steps == 3 and model.replay_buffer.gamma == model.gamma
+    model.learn(300)
+    discounts = model.replay_buffer.sample(64).discounts.numpy().ravel()
+    powers = model.gamma ** np.arange(1, 4)  # a return of 1, 2 or 3 steps
+    assert np.isclose(discounts[:, None], powers).any(axis=1).all() and np.isclose(discounts, powers[2]).any()
+
+
 def test_saved_buffer_keeps_priorities(tmp_path):
     model = make_model("dqn", "CartPole-v1", device="cpu", per=True, learning_starts=50, net_arch=[8], seed=0).model
     model.learn(300)
@@ -267,8 +306,10 @@ def test_per_for_an_on_policy_algorithm_is_an_error():
 
 
 def test_plain_dqn_is_plain_sb3_when_extensions_are_off():
-    model = make_model("dqn", "CartPole-v1", device="cpu", per=False, net_arch=[8]).model
+    model = make_model("dqn", "CartPole-v1", device="cpu", per=False, n_steps=1, net_arch=[8]).model
     assert type(model) is DQN and type(model.replay_buffer) is ReplayBuffer
+    n_step = make_model("dqn", "CartPole-v1", device="cpu", per=False, net_arch=[8]).model  # the preset's n_steps: 3
+    assert type(n_step) is DQN and type(n_step.replay_buffer) is NStepReplayBuffer and n_step.n_steps == 3
 
 
 def test_qrdqn_with_per_trains_and_logs_priorities():
@@ -400,6 +441,6 @@ def test_per_statistics_are_logged(tmp_path):
 
 def test_per_switch_keeps_the_presets_own_settings(cpu_machine):
     plan = make_plan("dqn", "CartPole-v1", overrides={"per": True}, hardware=cpu_machine)
-    assert plan.preset.params.per["alpha"] == 0.5  # dqn.yaml:CartPole-v1, not the 0.6 default
+    assert plan.preset.params.per["alpha"] == 0.4  # dqn.yaml:CartPole-v1, not the 0.6 default
     plan = make_plan("dqn", "Acrobot-v1", overrides={"per": True}, hardware=cpu_machine)
     assert plan.preset.params.per["alpha"] == 0.6

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from sb3_contrib import QRDQN
-from stable_baselines3.common.buffers import ReplayBuffer, RolloutBuffer
+from stable_baselines3.common.buffers import NStepReplayBuffer, RolloutBuffer
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedDQN, PrioritizedQRDQN
@@ -35,10 +35,22 @@ def test_where_a_device_buffer_cannot_or_need_not_serve_sb3s_is_kept_with_the_re
     assert cpu.buffers == "host" and "no faster" in cpu.buffers_reason
     with pytest.raises(ConfigError, match="device_buffers: unknown value 'sometimes'"):
         make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"device_buffers": "sometimes"})
+    # n-step returns: sb3_gpu's buffers compute them (SB3 would hand n_steps to its NStepReplayBuffer only, and
+    # silently train one-step targets with any other buffer class).
+    nstep = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": False, "n_steps": 3})
+    kwargs = model_kwargs(nstep)
+    assert nstep.buffers == "device" and kwargs["replay_buffer_class"] is DeviceReplayBuffer
+    assert kwargs["n_steps"] == 1 and kwargs["replay_buffer_kwargs"] == {"n_steps": 3, "gamma": nstep.preset.params.gamma}
+    per = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": True, "n_steps": 3})
+    kwargs = model_kwargs(per)
+    assert kwargs["replay_buffer_class"] is DevicePrioritizedReplayBuffer and kwargs["replay_buffer_kwargs"]["n_steps"] == 3
+    pong = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy", overrides={"n_steps": 64})
+    assert pong.buffers == "device"  # PPO's n_steps is its rollout length
 
 
 @pytest.mark.parametrize(
-    "request_, rollout, replay", [(True, DeviceRolloutBuffer, DeviceReplayBuffer), (False, RolloutBuffer, ReplayBuffer)]
+    "request_, rollout, replay",  # the DQN preset's 3-step returns: SB3's NStepReplayBuffer on the host
+    [(True, DeviceRolloutBuffer, DeviceReplayBuffer), (False, RolloutBuffer, NStepReplayBuffer)],
 )
 def test_the_model_gets_the_buffers_the_plan_chose(request_, rollout, replay):
     ppo = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy", overrides={"device_buffers": request_})

@@ -67,12 +67,13 @@ def test_in_doubt_the_rules_device_and_precision_stay_with_the_fewest_threads():
     machine_ = __import__("tests.conftest", fromlist=["machine"]).machine(cores=4, cpu_bf16=True)
     # Within 10% of each other: no reason to leave the rules' fp32, and one thread is as good as four.
     times = FakeTimes({"cpu fp32 4": (1.00, 0.1), "cpu fp32 1": (1.05, 0.1), "cpu bf16": (0.97, 0.1)})
-    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides={"per": False})
+    wide = {"per": False, "net_arch": [256, 256]}  # wide enough that the rules would take several threads
+    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides=wide)
     assert (plan.speed.amp, plan.speed.threads) == ("off", 1)
     assert plan.speed.threads_reason.startswith("probe: ") and "vs cpu fp32 4 threads" in plan.speed.threads_reason
     # Clearly faster with four threads: four.
     times = FakeTimes({"cpu fp32 4": (0.5, 0.1), "cpu fp32 1": (1.05, 0.1), "cpu bf16": (0.97, 0.1)})
-    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides={"per": False})
+    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides=wide)
     assert (plan.speed.amp, plan.speed.threads) == ("off", 4)
 
 

@@ -98,6 +98,8 @@ def test_sigint_saves_everything_and_resume_continues_schedules_buffer_and_tenso
         "--env",
         "CartPole-v1",
         "--per",
+        "--n-envs",
+        "1",  # one env: checkpoints land on exact step counts (the preset's 8 envs step 8 at a time)
         "--timesteps",
         "100000",
         "--seed",

@@ -14,6 +14,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 from sb3_gpu.common.checks import PER_CHECKS
 from sb3_gpu.common.errors import ConfigError, TrainingDiverged
 from sb3_gpu.extensions.per.tree import SumMinTree
+from sb3_gpu.extensions.replay import check_n_steps
 
 
 def check_per_values(alpha: float, beta: float, eps: float) -> tuple[float, float, float]:
@@ -47,7 +48,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
     :param alpha: how much prioritization is used (0: uniform)
     :param beta: importance-sampling correction (0: none, 1: full); the algorithm anneals it to 1
     :param eps: added to ``|td|`` so that no transition's probability reaches zero
+    :param n_steps: n-step returns as SB3's NStepReplayBuffer computes them (``discounts`` per sample); a transition
+        keeps its own priority, that of the n-step target it was trained on
+    :param gamma: the discount of the n-step returns (the algorithm's ``gamma``)
     """
+
+    n_steps: int = 1  # class defaults: buffers pickled before n-step returns existed load with one-step returns
+    gamma: float = 0.99
 
     def __init__(
         self,
@@ -61,10 +68,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         alpha: float = 0.6,
         beta: float = 0.4,
         eps: float = 1e-6,
+        n_steps: int = 1,
+        gamma: float = 0.99,
     ):
         alpha, beta, eps = check_per_values(alpha, beta, eps)
         if optimize_memory_usage:
             raise ConfigError("prioritized replay does not support optimize_memory_usage=True; set it to false")
+        self.n_steps, self.gamma = check_n_steps(n_steps), float(gamma)
         super().__init__(
             buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage, handle_timeout_termination
         )
@@ -106,6 +116,8 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self, batch_inds: np.ndarray, env_inds: np.ndarray | int, env: VecNormalize | None
     ) -> ReplayBufferSamples:
         # SB3's _get_samples draws the env index at random; here it is the one the tree chose.
+        if self.n_steps > 1:
+            return self._n_step_samples_at(batch_inds, env_inds, env)
         data = (
             self._normalize_obs(self.observations[batch_inds, env_inds, :], env),
             self.actions[batch_inds, env_inds, :],
@@ -114,6 +126,31 @@ class PrioritizedReplayBuffer(ReplayBuffer):
             self._normalize_reward(self.rewards[batch_inds, env_inds].reshape(-1, 1), env),
         )
         # Fancy indexing already made fresh arrays, so the tensors may share their memory (SB3 copies once more).
+        return ReplayBufferSamples(*(self.to_torch(array, copy=False) for array in data))  # type: ignore[arg-type]
+
+    def _n_step_samples_at(
+        self, batch_inds: np.ndarray, env_inds: np.ndarray | int, env: VecNormalize | None
+    ) -> ReplayBufferSamples:
+        """Each transition's return over its next ``n_steps`` slots of the same env, cut after the first that ends an
+        episode (termination or time limit) and before the newest slot's successor, which is not written yet (or, in a
+        full buffer, is the oldest data). The target bootstraps from the last slot's next observation with
+        ``gamma ** k`` for ``k`` slots taken."""
+        steps = np.arange(self.n_steps)
+        rows = (batch_inds[:, None] + steps) % self.buffer_size  # [batch, n]
+        envs = env_inds if isinstance(env_inds, int) else env_inds[:, None]
+        ends = np.logical_or(self.dones[rows, envs], self.timeouts[rows, envs]) | (rows == (self.pos - 1) % self.buffer_size)
+        taken = np.where(ends.any(axis=1), ends.argmax(axis=1), self.n_steps - 1) + 1  # slots in each return
+        inside = steps < taken[:, None]
+        returns = (self._normalize_reward(self.rewards[rows, envs], env) * self.gamma**steps * inside).sum(axis=1)
+        last = rows[np.arange(len(rows)), taken - 1]
+        data = (
+            self._normalize_obs(self.observations[batch_inds, env_inds, :], env),
+            self.actions[batch_inds, env_inds, :],
+            self._normalize_obs(self.next_observations[last, env_inds, :], env),
+            (self.dones[last, env_inds] * (1 - self.timeouts[last, env_inds])).reshape(-1, 1),
+            returns.reshape(-1, 1).astype(np.float32),
+            (self.gamma**taken).reshape(-1, 1).astype(np.float32),
+        )
         return ReplayBufferSamples(*(self.to_torch(array, copy=False) for array in data))  # type: ignore[arg-type]
 
     def update_priorities(self, indices: np.ndarray, td_errors: np.ndarray) -> None:

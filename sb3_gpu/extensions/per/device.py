@@ -222,7 +222,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
     ``update_priorities`` takes them back with the TD errors as tensors. Nothing waits for the device except the
     finiteness check of each update's TD errors (one boolean read) and reading the statistics as numbers. Unlike the
     host buffer it takes ``optimize_memory_usage``: the slot whose observation the next step overwrote has priority 0.
-    ``alpha``, ``beta`` and ``eps`` mean what they mean for :class:`PrioritizedReplayBuffer`.
+    ``alpha``, ``beta``, ``eps``, ``n_steps`` and ``gamma`` mean what they mean for :class:`PrioritizedReplayBuffer`.
     """
 
     def __init__(
@@ -237,10 +237,20 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         alpha: float = 0.6,
         beta: float = 0.4,
         eps: float = 1e-6,
+        n_steps: int = 1,
+        gamma: float = 0.99,
     ):
         alpha, beta, eps = check_per_values(alpha, beta, eps)
         super().__init__(
-            buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage, handle_timeout_termination
+            buffer_size,
+            observation_space,
+            action_space,
+            device,
+            n_envs,
+            optimize_memory_usage,
+            handle_timeout_termination,
+            n_steps,
+            gamma,
         )
         self.alpha, self.beta, self.eps = alpha, beta, eps
         self.tree = DeviceSumMinTree(self.buffer_size * self.n_envs, self.device)
