@@ -142,14 +142,7 @@ class Preset:
             kwargs["grad_accum_steps"] = grad_accum_steps
         if per:
             kwargs["replay_buffer_class"] = PrioritizedReplayBuffer
-            buffer_kwargs: dict[str, Any] = {"alpha": per["alpha"], "beta": per["beta0"], "eps": per["eps"]}
-            kwargs["replay_buffer_kwargs"] = buffer_kwargs
-            n_steps = kwargs.get("n_steps", 1)
-            if n_steps > 1:
-                # The buffer computes the n-step returns; SB3 hands n_steps only to its own NStepReplayBuffer (and
-                # warns that it is ignored for any other class), so the algorithm itself keeps one.
-                buffer_kwargs.update(n_steps=n_steps, gamma=kwargs["gamma"])
-                kwargs["n_steps"] = 1
+            kwargs["replay_buffer_kwargs"] = {"alpha": per["alpha"], "beta": per["beta0"], "eps": per["eps"]}
             kwargs["per_beta_fraction"] = per["beta_fraction"]
         return kwargs
 

@@ -67,9 +67,12 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
             kwargs["replay_buffer_class"] = DevicePrioritizedReplayBuffer
         else:
             kwargs["replay_buffer_class"] = DeviceReplayBuffer
-            if kwargs.get("n_steps", 1) > 1:  # as Preset.sb3_kwargs does for PER: the buffer computes the returns
-                kwargs["replay_buffer_kwargs"] = {"n_steps": kwargs["n_steps"], "gamma": kwargs["gamma"]}
-                kwargs["n_steps"] = 1
+    if kwargs.get("replay_buffer_class") is not None and kwargs.get("n_steps", 1) > 1:
+        # sb3_gpu's buffers compute the n-step returns themselves. SB3 hands n_steps only to its own NStepReplayBuffer
+        # (and warns that any other class ignores it), so the algorithm keeps one.
+        kwargs["replay_buffer_kwargs"] = {**kwargs.get("replay_buffer_kwargs", {}), "n_steps": kwargs["n_steps"]}
+        kwargs["replay_buffer_kwargs"]["gamma"] = kwargs["gamma"]
+        kwargs["n_steps"] = 1
     return kwargs
 
 
