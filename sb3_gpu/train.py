@@ -193,7 +193,8 @@ def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int, confirm_ep
     confirming = options.confirming
     best = (
         f"A periodic evaluation that beats the best so far is confirmed on {confirming} fresh episodes, and its model "
-        "becomes best_model.zip only if their mean beats the best's own confirmed mean."
+        "becomes best_model.zip only if their mean beats the best's own confirmed mean; after training it is evaluated "
+        f"once more on {confirming} fresh episodes, the figure reported (the best of several confirmations leans high)."
         if confirming
         else "The best periodic evaluation's model is best_model.zip (--confirm-episodes 0: not confirmed)."
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.evaluation import evaluate_run
+from sb3_gpu.runs.evaluation import BestModel, evaluate_run
 from sb3_gpu.runs.training import train_run
 
 # The fresh episodes of the final check start from seeds that training's evaluations never used.
@@ -50,17 +50,19 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sb3_gpu_solve_") as tmp:
         summary = train_run(plan, Path(tmp) / "run", progress=False, report_s=None)
         fresh = evaluate_run(Path(tmp) / "run", episodes=episodes, seed=case.seed + FRESH_SEED_OFFSET)
-    best = summary.get("best") or {}
+    chosen = BestModel(**{k: v for k, v in summary["best"].items() if k != "chosen"}) if summary.get("best") else None
+    mean, std, count = chosen.figure if chosen is not None else (None, None, None)
     return {
         **asdict(case),
         "amp_used": plan.speed.amp if plan.speed is not None else None,
         "evaluated": fresh["mean"],
         "evaluated_std": fresh["std"],
         "model": Path(fresh["model"]).name,
-        "reported_best": best.get("mean"),
-        "reported_best_std": best.get("std"),
-        "reported_best_episodes": best.get("episodes"),
-        "best_at": best.get("timesteps"),
+        "reported_best": mean,
+        "reported_best_std": std,
+        "reported_best_episodes": count,
+        "confirmed_best": chosen.mean if chosen is not None else None,
+        "best_at": chosen.timesteps if chosen is not None else None,
         "trained": summary["timesteps"],
         "wall_s": summary["wall_time_s"],
     }

@@ -52,6 +52,8 @@ class BestModel:
         the periodic ones)
     :ivar periodic_mean: the periodic evaluation's mean that made it a candidate
     :ivar confirmed: whether ``mean`` comes from fresh confirming episodes
+    :ivar checked_mean: the best model evaluated once more after training, on fresh episodes: the best of several
+        confirmed figures still leans high, a figure taken after the choice does not (None: not checked)
     """
 
     timesteps: int
@@ -60,6 +62,17 @@ class BestModel:
     episodes: int
     periodic_mean: float
     confirmed: bool
+    checked_mean: float | None = None
+    checked_std: float | None = None
+    checked_episodes: int | None = None
+
+    @property
+    def figure(self) -> tuple[float, float | None, int]:
+        """The figure to report: mean, std and episodes of the check after training where there is one, else of the
+        evaluation that chose it."""
+        if self.checked_mean is not None and self.checked_episodes:
+            return self.checked_mean, self.checked_std, self.checked_episodes
+        return self.mean, self.std, self.episodes
 
     @classmethod
     def read(cls, path: Path) -> BestModel | None:
@@ -76,7 +89,14 @@ class BestModel:
             if self.confirmed
             else f"{self.episodes} periodic episodes, not confirmed"
         )
-        return f"{self.mean:.2f}{spread} at {self.timesteps:,} timesteps ({how})"
+        chosen = f"{self.mean:.2f}{spread} at {self.timesteps:,} timesteps ({how})"
+        if self.checked_mean is None:
+            return chosen
+        checked_spread = f" +/- {self.checked_std:.2f}" if self.checked_std is not None else ""
+        return (
+            f"{self.checked_mean:.2f}{checked_spread} on {self.checked_episodes} fresh episodes after training; "
+            f"chosen with {chosen}"
+        )
 
 
 def confirm_count(eval_episodes: int) -> int:
@@ -238,6 +258,7 @@ def evaluate_run(
     seed: int | None = None,
     video: bool = False,
     video_length: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Load a model from a run and return ``{"mean", "std", "episodes", "deterministic", "model"}``, and ``"video"``
     (its path, frames and fps) where asked for.
@@ -246,6 +267,7 @@ def evaluate_run(
         inside a run dir
     :param video: also record an mp4 of the model (its first episode, or ``video_length`` frames) into the run dir's
         ``videos/``, named after the model
+    :param should_stop: asked after every env step; True abandons the evaluation with :class:`EvaluationStopped`
     """
     if which not in ("best", "final"):
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
@@ -268,7 +290,7 @@ def evaluate_run(
     result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}
     try:
         model = load_plan_model(plan, model_path, env)
-        result["mean"], result["std"] = evaluate(model, env, episodes, deterministic)
+        result["mean"], result["std"] = evaluate(model, env, episodes, deterministic, should_stop)
         if video:
             recorded = record_video(
                 model,

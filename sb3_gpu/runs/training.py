@@ -21,7 +21,13 @@ from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
 from sb3_gpu.runs.curves import plot_runs
-from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, confirm_count, eval_envs
+from sb3_gpu.runs.evaluation import (
+    EvaluationStopped,
+    TimedEvalCallback,
+    confirm_count,
+    eval_envs,
+    evaluate_run,
+)
 from sb3_gpu.runs.rundir import RunDir, SavedState
 from sb3_gpu.runs.saving import restore_model, restore_vecnormalize
 from sb3_gpu.runs.session import Outcome, Session
@@ -253,7 +259,8 @@ def _learn(
                 )
             else:
                 summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
-        summary["best_eval_mean"] = evaluator.best.mean if evaluator.best is not None else None
+                _check_best(plan, run, evaluator, options.confirming, session)
+        summary["best_eval_mean"] = evaluator.best.figure[0] if evaluator.best is not None else None
         if evaluator.best is not None:
             summary["best"] = {**dataclasses.asdict(evaluator.best), "chosen": evaluator.best.describe()}
         if run.best_model.exists():
@@ -265,6 +272,30 @@ def _learn(
             outcome.error.add_note(str(outcome.saved))
         raise outcome.error
     return summary
+
+
+# The check after training starts from seeds that neither the periodic evaluations nor the confirmations used.
+CHECK_SEED_OFFSET = 20_000
+
+
+def _check_best(plan: Plan, run: RunDir, evaluator: TimedEvalCallback, episodes: int, session: Session) -> None:
+    """Evaluate the confirmed best model once more, on fresh episodes, and record that figure with it.
+
+    The confirmed mean chose the best among several candidates, so it leans high, and more so the noisier the returns;
+    a figure taken after the choice is what ``evaluate`` will see. A signal abandons the check (the best stays as it
+    was chosen)."""
+    best = evaluator.best
+    if best is None or not best.confirmed or not episodes:
+        return
+    seed = None if plan.seed is None else plan.seed + CHECK_SEED_OFFSET
+    try:
+        checked = evaluate_run(run.path, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping)
+    except EvaluationStopped:
+        return
+    evaluator.best = dataclasses.replace(
+        best, checked_mean=checked["mean"], checked_std=checked["std"], checked_episodes=episodes
+    )
+    write_json(run.best_record, dataclasses.asdict(evaluator.best))
 
 
 def _summary(plan: Plan, model: BaseAlgorithm, outcome: Outcome) -> dict[str, Any]:

@@ -155,8 +155,11 @@ def test_the_plan_and_the_summary_say_how_the_best_is_chosen(tmp_path, call_main
     assert trained.returncode == 0, trained.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     best = summary["best"]
-    assert best["confirmed"] and best["episodes"] == 6 and summary["best_eval_mean"] == best["mean"]
-    assert best["chosen"] in " ".join(trained.stdout.split())
+    assert best["confirmed"] and best["episodes"] == 6 and best["checked_episodes"] == 6
+    assert summary["best_eval_mean"] == best["checked_mean"]
+    assert json.loads((run_dir / "eval" / "best.json").read_text())["checked_mean"] == best["checked_mean"]
+    reported = f"{best['checked_mean']:.2f} +/- {best['checked_std']:.2f} on 6 fresh episodes after training"
+    assert best["chosen"].startswith(reported) and reported in " ".join(trained.stdout.split())
     assert "6 confirming episodes; its periodic evaluation read" in best["chosen"]
     evaluated = call_main(evaluate_main, str(run_dir), "--episodes", "2")
     assert evaluated.returncode == 0 and "best_model.zip" in evaluated.stdout
