@@ -186,7 +186,21 @@ def test_weights_match_the_formula():
     p = buffer.tree[np.arange(10)]
     prob = p / p.sum()
     w = (10 * prob) ** -0.7
-    np.testing.assert_allclose(sample.weights.numpy().ravel(), w[sample.indices] / w.max(), rtol=1e-5)
+    drawn = w[sample.indices]
+    np.testing.assert_allclose(sample.weights.numpy().ravel(), drawn / drawn.max(), rtol=1e-5)
+    assert sample.weights.max() == 1.0 and buffer.last_max_weight == pytest.approx(w.max())
+
+
+def test_one_tiny_priority_does_not_shrink_every_weight():
+    # Normalising by the buffer's largest weight, one transition with a TD error of zero (priority eps ** alpha) would
+    # scale every other weight down by (1 / eps) ** (alpha * beta): here 1e-6 ** 0.24, about 0.04.
+    np.random.seed(0)
+    buffer = filled_buffer(n=64, alpha=0.6, beta=0.4, size=64)
+    buffer.update_priorities(np.arange(64), np.r_[0.0, np.ones(63)])
+    sample = buffer.sample(16)
+    assert 0 not in sample.indices  # drawn with probability 1e-6 ** 0.6 / 63
+    np.testing.assert_allclose(sample.weights.numpy(), 1.0, rtol=1e-6)
+    assert buffer.last_max_weight > 25  # the buffer's own spread, still reported (per/max_weight_unnormalized)
 
 
 def test_samples_and_priorities_land_on_the_right_transitions_with_several_envs():

@@ -324,10 +324,9 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         if len(self._strata) != batch_size:
             self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
         indices, priorities = self.tree.find((self._strata + self._uniforms(batch_size)) * (total / batch_size))
-        # w_i = (N * P(i)) ** -beta divided by the largest weight, that of the smallest priority: (p_i / p_min) ** -beta.
-        smallest = self.tree.min
-        weights = (priorities / smallest).pow(-self.beta).float()
-        self._last_draw = (smallest, total, self.size() * self.n_envs)
+        # Normalised by the batch's largest weight, as on the host (PrioritizedReplayBuffer.sample says why).
+        weights = (priorities / priorities.amin()).pow(-self.beta).float()
+        self._last_draw = (self.tree.min, total, self.size() * self.n_envs)
         # With one env, a scalar env index makes the gathers cheaper than a tensor of zeros.
         batch_inds, env_inds = (indices, 0) if self.n_envs == 1 else (indices // self.n_envs, indices % self.n_envs)
         samples = self._get_samples_at(batch_inds, env_inds, env)
