@@ -205,17 +205,20 @@ def param(default: Any, check: Check) -> Any:
     return field(default=default, metadata={"check": check})
 
 
-PER_DEFAULTS = {"alpha": 0.6, "beta0": 0.4, "eps": 1e-6, "beta_fraction": 1.0}
-PER_CHECKS = {
+PER_NORMALIZE = ("batch", "buffer")
+PER_DEFAULTS = {"alpha": 0.6, "beta0": 0.4, "eps": 1e-6, "beta_fraction": 1.0, "normalize": "batch"}
+PER_CHECKS: dict[str, Check] = {
     "alpha": number(0.0, math.inf, "a number >= 0 (0 is uniform sampling)"),
     "beta0": number(0.0, 1.0, "a number in [0, 1]"),
     "eps": number(0.0, math.inf, "a number > 0", low_open=True),
     "beta_fraction": number(0.0, 1.0, "a number in (0, 1]", low_open=True),
+    "normalize": choice(PER_NORMALIZE),
 }
 
 
-def per_config(value: Any, where: str) -> dict[str, float] | bool:
-    """``false``, ``true`` (the defaults) or a mapping of ``alpha``, ``beta0``, ``eps``, ``beta_fraction``."""
+def per_config(value: Any, where: str) -> dict[str, Any] | bool:
+    """``false``, ``true`` (the defaults) or a mapping of ``alpha``, ``beta0``, ``eps``, ``beta_fraction``,
+    ``normalize``."""
     if isinstance(value, bool):
         return dict(PER_DEFAULTS) if value else False
     options = mapping(value, where)

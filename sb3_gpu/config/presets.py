@@ -142,7 +142,12 @@ class Preset:
             kwargs["grad_accum_steps"] = grad_accum_steps
         if per:
             kwargs["replay_buffer_class"] = PrioritizedReplayBuffer
-            kwargs["replay_buffer_kwargs"] = {"alpha": per["alpha"], "beta": per["beta0"], "eps": per["eps"]}
+            kwargs["replay_buffer_kwargs"] = {
+                "alpha": per["alpha"],
+                "beta": per["beta0"],
+                "eps": per["eps"],
+                "normalize": per["normalize"],
+            }
             kwargs["per_beta_fraction"] = per["beta_fraction"]
         return kwargs
 

@@ -121,9 +121,9 @@ def draw_like_the_host(buffer: DevicePrioritizedReplayBuffer) -> None:
     buffer._uniforms = lambda n: th.as_tensor(np.random.random(n))
 
 
-@pytest.mark.parametrize("n_steps", [1, 3])
-def test_samples_weights_and_indices_equal_the_host_buffers_for_the_same_draws(n_steps):
-    host, ours = twin_buffers(alpha=0.6, beta=0.7, n_steps=n_steps, gamma=0.9)
+@pytest.mark.parametrize(("n_steps", "normalize"), [(1, "batch"), (3, "batch"), (1, "buffer")])
+def test_samples_weights_and_indices_equal_the_host_buffers_for_the_same_draws(n_steps, normalize):
+    host, ours = twin_buffers(alpha=0.6, beta=0.7, n_steps=n_steps, gamma=0.9, normalize=normalize)
     draw_like_the_host(ours)
     for seed in range(5):
         np.random.seed(seed)

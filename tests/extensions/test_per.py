@@ -17,6 +17,7 @@ from stable_baselines3.common.logger import configure
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_gpu import make_model, make_plan
+from sb3_gpu.common.checks import per_config
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer, SumMinTree
 
@@ -178,17 +179,20 @@ def test_sampling_frequencies_follow_priority_to_the_alpha():
     assert stats.chisquare(counts, expected).pvalue > 1e-3
 
 
-def test_weights_match_the_formula():
+@pytest.mark.parametrize("normalize", ["batch", "buffer"])
+def test_weights_match_the_formula(normalize):
     np.random.seed(1)
     buffer = filled_buffer(n=10, alpha=0.5, beta=0.7, size=32)
+    buffer.normalize = normalize
     buffer.update_priorities(np.arange(10), np.linspace(0.1, 3.0, 10))
     sample = buffer.sample(8)
     p = buffer.tree[np.arange(10)]
     prob = p / p.sum()
     w = (10 * prob) ** -0.7
     drawn = w[sample.indices]
-    np.testing.assert_allclose(sample.weights.numpy().ravel(), drawn / drawn.max(), rtol=1e-5)
-    assert sample.weights.max() == 1.0 and buffer.last_max_weight == pytest.approx(w.max())
+    largest = drawn.max() if normalize == "batch" else w.max()
+    np.testing.assert_allclose(sample.weights.numpy().ravel(), drawn / largest, rtol=1e-5)
+    assert buffer.last_max_weight == pytest.approx(w.max())
 
 
 def test_one_tiny_priority_does_not_shrink_every_weight():
@@ -201,6 +205,18 @@ def test_one_tiny_priority_does_not_shrink_every_weight():
     assert 0 not in sample.indices  # drawn with probability 1e-6 ** 0.6 / 63
     np.testing.assert_allclose(sample.weights.numpy(), 1.0, rtol=1e-6)
     assert buffer.last_max_weight > 25  # the buffer's own spread, still reported (per/max_weight_unnormalized)
+    buffer.normalize = "buffer"  # what that one transition does to the others' weights when normalising by the buffer
+    np.testing.assert_allclose(buffer.sample(16).weights.numpy(), 1 / buffer.last_max_weight, rtol=2e-2)
+
+
+def test_the_normalisation_is_a_preset_choice_and_old_buffers_keep_theirs():
+    assert per_config(True, "per")["normalize"] == "batch"
+    assert per_config({"normalize": "buffer"}, "per")["normalize"] == "buffer"
+    with pytest.raises(ConfigError, match=r"per\.normalize"):
+        per_config({"normalize": "global"}, "per")
+    old = filled_buffer(n=4)
+    del old.normalize  # as a buffer pickled before the choice existed
+    assert old.normalize == "buffer"
 
 
 def test_samples_and_priorities_land_on_the_right_transitions_with_several_envs():

@@ -44,11 +44,15 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
     Transition ``(pos, env)`` has flat index ``pos * n_envs + env``. New transitions get the largest priority seen,
     so each is replayed at least once soon; ``update_priorities`` sets ``(|td| + eps) ** alpha``. Importance weights
-    are normalised by the largest in their batch, so they only ever scale a step down.
+    are at most 1, so they only ever scale a step down.
 
     :param alpha: how much prioritization is used (0: uniform)
     :param beta: importance-sampling correction (0: none, 1: full); the algorithm anneals it to 1
     :param eps: added to ``|td|`` so that no transition's probability reaches zero
+    :param normalize: importance weights divided by the largest in their ``"batch"``, or by the largest any transition
+        in the ``"buffer"`` could have, that of the smallest priority (OpenAI Baselines' choice). With ``"buffer"``, one
+        transition fit to a TD error near zero shrinks every weight, and the step size with it, by orders of magnitude
+        when ``eps`` is small (measured on DQN CartPole with eps 1e-6: a mean weight of 0.001; per batch, about 0.15)
     :param n_steps: n-step returns as SB3's NStepReplayBuffer computes them (``discounts`` per sample); a transition
         keeps its own priority, that of the n-step target it was trained on
     :param gamma: the discount of the n-step returns (the algorithm's ``gamma``)
@@ -56,6 +60,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
     n_steps: int = 1  # class defaults: buffers pickled before n-step returns existed load with one-step returns
     gamma: float = 0.99
+    normalize: str = "buffer"  # and before the choice of normalisation, with the one they had
 
     def __init__(
         self,
@@ -71,8 +76,10 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         eps: float = 1e-6,
         n_steps: int = 1,
         gamma: float = 0.99,
+        normalize: str = "batch",
     ):
         alpha, beta, eps = check_per_values(alpha, beta, eps)
+        self.normalize = PER_CHECKS["normalize"](normalize, "per.normalize")
         if optimize_memory_usage:
             raise ConfigError("prioritized replay does not support optimize_memory_usage=True; set it to false")
         self.n_steps, self.gamma = check_n_steps(n_steps), float(gamma)
@@ -102,12 +109,11 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         total = self.tree.total
         prefix = (np.arange(batch_size) + np.random.random(batch_size)) * (total / batch_size)
         indices, priorities = self.tree.find(prefix)
-        # w_i = (N * P(i)) ** -beta divided by the batch's largest weight, that of its smallest priority:
-        # (p_i / p_min) ** -beta. Not by the buffer's: one transition fit to a TD error near zero (priority eps ** alpha)
-        # would then shrink every weight, and with it the step size, by orders of magnitude, and the more so the
-        # smaller eps (measured on CartPole with eps 1e-6: mean weight 0.001 instead of 0.1).
-        weights = (priorities / priorities.min()) ** -self.beta
-        self.last_max_weight = (self.size() * self.n_envs * self.tree.min / total) ** -self.beta
+        # w_i = (N * P(i)) ** -beta divided by the largest weight, that of the smallest priority: (p_i / p_min) ** -beta,
+        # p_min the batch's or the buffer's (see normalize).
+        smallest = self.tree.min
+        weights = (priorities / (priorities.min() if self.normalize == "batch" else smallest)) ** -self.beta
+        self.last_max_weight = (self.size() * self.n_envs * smallest / total) ** -self.beta
         # With one env, a scalar env index makes the gathers below cheaper than an array of zeros.
         batch_inds, env_inds = (indices, 0) if self.n_envs == 1 else np.divmod(indices, self.n_envs)
         samples = self._get_samples_at(batch_inds, env_inds, env)

@@ -10,6 +10,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.vec_env import VecNormalize
 
+from sb3_gpu.common.checks import PER_CHECKS
 from sb3_gpu.common.errors import ConfigError, TrainingDiverged
 from sb3_gpu.extensions.per.buffer import check_per_values
 from sb3_gpu.extensions.per.tree import kernels, last_positive_before, level_offsets, level_sizes
@@ -222,8 +223,11 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
     ``update_priorities`` takes them back with the TD errors as tensors. Nothing waits for the device except the
     finiteness check of each update's TD errors (one boolean read) and reading the statistics as numbers. Unlike the
     host buffer it takes ``optimize_memory_usage``: the slot whose observation the next step overwrote has priority 0.
-    ``alpha``, ``beta``, ``eps``, ``n_steps`` and ``gamma`` mean what they mean for :class:`PrioritizedReplayBuffer`.
+    ``alpha``, ``beta``, ``eps``, ``n_steps``, ``gamma`` and ``normalize`` mean what they mean for
+    :class:`PrioritizedReplayBuffer`.
     """
+
+    normalize: str = "buffer"  # buffers pickled before the choice of normalisation keep the one they had
 
     def __init__(
         self,
@@ -239,8 +243,10 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         eps: float = 1e-6,
         n_steps: int = 1,
         gamma: float = 0.99,
+        normalize: str = "batch",
     ):
         alpha, beta, eps = check_per_values(alpha, beta, eps)
+        normalize = PER_CHECKS["normalize"](normalize, "per.normalize")
         super().__init__(
             buffer_size,
             observation_space,
@@ -252,7 +258,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
             n_steps,
             gamma,
         )
-        self.alpha, self.beta, self.eps = alpha, beta, eps
+        self.alpha, self.beta, self.eps, self.normalize = alpha, beta, eps, normalize
         self.tree = DeviceSumMinTree(self.buffer_size * self.n_envs, self.device)
         self.max_priority = th.ones((), dtype=th.float64, device=self.device)  # before alpha
         self._new_leaf = self.max_priority**self.alpha  # what add() writes: max_priority ** alpha
@@ -324,9 +330,11 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         if len(self._strata) != batch_size:
             self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
         indices, priorities = self.tree.find((self._strata + self._uniforms(batch_size)) * (total / batch_size))
-        # Normalised by the batch's largest weight, as on the host (PrioritizedReplayBuffer.sample says why).
-        weights = (priorities / priorities.amin()).pow(-self.beta).float()
-        self._last_draw = (self.tree.min, total, self.size() * self.n_envs)
+        # w_i = (N * P(i)) ** -beta divided by the largest weight, that of the smallest priority: (p_i / p_min) ** -beta,
+        # p_min the batch's or the buffer's (see normalize).
+        smallest = self.tree.min
+        weights = (priorities / (priorities.amin() if self.normalize == "batch" else smallest)).pow(-self.beta).float()
+        self._last_draw = (smallest, total, self.size() * self.n_envs)
         # With one env, a scalar env index makes the gathers cheaper than a tensor of zeros.
         batch_inds, env_inds = (indices, 0) if self.n_envs == 1 else (indices // self.n_envs, indices % self.n_envs)
         samples = self._get_samples_at(batch_inds, env_inds, env)
