@@ -49,6 +49,8 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
     )
     with tempfile.TemporaryDirectory(prefix="sb3_gpu_solve_") as tmp:
         summary = train_run(plan, Path(tmp) / "run", progress=False, report_s=None)
+        if summary.get("stopped_by") is not None:  # a signal stops the bench, not only this case's training
+            raise KeyboardInterrupt(f"stopped by {summary['stopped_by']}")
         fresh = evaluate_run(Path(tmp) / "run", episodes=episodes, seed=case.seed + FRESH_SEED_OFFSET)
     chosen = BestModel(**{k: v for k, v in summary["best"].items() if k != "chosen"}) if summary.get("best") else None
     mean, std, count = chosen.figure if chosen is not None else (None, None, None)
@@ -98,8 +100,12 @@ def bench_solve(
     else:
         with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
             futures = [pool.submit(solve_case, case, episodes) for case in cases]
-            for future in as_completed(futures):
-                done(future.result())
+            try:
+                for future in as_completed(futures):
+                    done(future.result())
+            except BaseException:  # a signal: the cases not started yet are dropped, not run one after another
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
     order = {case: i for i, case in enumerate(cases)}
     return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in CASE_FIELDS})])
 

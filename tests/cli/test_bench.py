@@ -168,3 +168,18 @@ def test_bench_auto_times_auto_against_every_alternative_idle_and_beside_busy_wo
 def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
     assert bench.main(["auto", "--cases", "CartPole-v1"]) == 2
     assert capsys.readouterr().err.startswith("error: --cases: expected ALGO:ENV with ALGO one of ppo")
+
+
+def test_a_signal_during_bench_solve_stops_the_bench_not_only_its_training(monkeypatch, capsys, tmp_path):
+    from sb3_gpu.benches import solve
+
+    trained = []
+
+    def stopped(plan, run_dir, **kwargs):
+        trained.append(plan.seed)
+        return {"interrupted": True, "stopped_by": "SIGTERM", "timesteps": 10}
+
+    monkeypatch.setattr(solve, "train_run", stopped)
+    assert bench.main(["solve", "--seeds", "0", "1", "2", "--out", str(tmp_path)]) == 130
+    assert trained == [0] and "interrupted; no results were written" in capsys.readouterr().err
+    assert not (tmp_path / "solve.json").exists()
