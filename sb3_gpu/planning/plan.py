@@ -100,7 +100,7 @@ class _EnvFacts:
 
 def make_plan(
     algo: str,
-    env: str | Callable[[], gym.Env],
+    env: str | Callable[[], gym.Env] | EnvSpec,
     device: str = "auto",
     *,
     n_envs: int | None = None,
@@ -368,7 +368,7 @@ def _layered(
 
 
 def _entry(
-    algo: str, env: str | Callable[[], gym.Env], preset: str | Path | None, config: RunConfig | None
+    algo: str, env: str | Callable[[], gym.Env] | EnvSpec, preset: str | Path | None, config: RunConfig | None
 ) -> tuple[dict[str, Any], str]:
     """The preset entry to resolve, and its label: a run config's hyperparameters, else the preset file's entry."""
     if config is not None:

@@ -22,6 +22,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import save_model, write_json
 from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
@@ -259,6 +260,7 @@ def evaluate_run(
     video: bool = False,
     video_length: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    env_spec: EnvSpec | None = None,
 ) -> dict[str, Any]:
     """Load a model from a run and return ``{"mean", "std", "episodes", "deterministic", "model"}``, and ``"video"``
     (its path, frames and fps) where asked for.
@@ -268,6 +270,8 @@ def evaluate_run(
     :param video: also record an mp4 of the model (its first episode, or ``video_length`` frames) into the run dir's
         ``videos/``, named after the model
     :param should_stop: asked after every env step; True abandons the evaluation with :class:`EvaluationStopped`
+    :param env_spec: the env the run trained on, where the name its config holds cannot rebuild it (a factory or a class
+        defined in a script)
     """
     if which not in ("best", "final"):
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
@@ -276,7 +280,14 @@ def evaluate_run(
     # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here.
     speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
     plan = make_plan(
-        config.algo, config.env, device, vec_env="dummy", seed=seed, config=config, overrides=speed_off, training=False
+        config.algo,
+        config.env if env_spec is None else env_spec,
+        device,
+        vec_env="dummy",
+        seed=seed,
+        config=config,
+        overrides=speed_off,
+        training=False,
     )
     if video:
         recordable(plan.env)  # a video that cannot be made is refused now, not after the evaluation

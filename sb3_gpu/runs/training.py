@@ -289,7 +289,9 @@ def _check_best(plan: Plan, run: RunDir, evaluator: TimedEvalCallback, episodes:
         return
     seed = None if plan.seed is None else plan.seed + CHECK_SEED_OFFSET
     try:
-        checked = evaluate_run(run.path, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping)
+        checked = evaluate_run(
+            run.path, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping, env_spec=plan.env
+        )
     except EvaluationStopped:
         return
     evaluator.best = dataclasses.replace(

@@ -73,9 +73,9 @@ def endless_run(tmp_path, call_main):
 
 def test_training_and_evaluate_cut_the_episodes_of_an_env_without_time_limit(endless_run, call_main):
     run_dir, trained = endless_run
-    # Two periodic evaluations and the final one, two episodes each, and the six that confirm the first (the best so
-    # far): every episode cut, none hanging.
-    assert trained.stderr.count(CUT.format(20)) == 12, trained.stderr
+    # Two periodic evaluations and the final one, two episodes each, the six that confirm the first (the best so far)
+    # and the six of the check after training: every episode cut, none hanging.
+    assert trained.stderr.count(CUT.format(20)) == 18, trained.stderr
     assert json.loads((run_dir / "summary.json").read_text())["final_eval_mean"] == 0.0
     result = call_main(evaluate_main, str(run_dir), "--episodes", "3")
     assert result.returncode == 0 and result.stderr.count(CUT.format(20)) == 3
