@@ -70,20 +70,23 @@ def test_cartpole_preset_reaches_475(case, tmp_path):
 
 # Short runs, stopped before they solve: returns are noisy there, and the best of several confirmed figures leans high
 # (by up to two standard errors on these seeds). The figure a run reports is taken after the choice, so `evaluate`
-# agrees with it.
+# agrees with it. Both figures are unbiased then, so a two-standard-error bound on each seed alone would fail one
+# comparison in 44 by chance: the bound of two holds for the seeds together, and each seed gets three.
 SHORT_RUNS = {"dqn": 6000, "qrdqn": 6000, "ppo": 8000}
 
 
 @pytest.mark.parametrize("algo", list(SHORT_RUNS))
 def test_evaluate_agrees_with_the_reported_best_before_the_env_is_solved(algo, tmp_path):
-    unsolved = 0
+    gaps, variances, unsolved = [], [], 0
     for seed in range(SEED, SEED + 4):
         plan = make_plan(algo, "CartPole-v1", "cpu", seed=seed, n_timesteps=SHORT_RUNS[algo])
         summary = train_run(plan, tmp_path / str(seed), progress=False, report_s=None)
         fresh = evaluate_run(tmp_path / str(seed), episodes=EPISODES, seed=seed + FRESH_SEED_OFFSET)
         best = summary["best"]
         assert summary["best_eval_mean"] == best["checked_mean"], summary
-        error = (fresh["std"] ** 2 / EPISODES + best["checked_std"] ** 2 / best["checked_episodes"]) ** 0.5
-        assert fresh["mean"] >= best["checked_mean"] - 2 * error, f"seed {seed}: {fresh}; {best}"
+        gaps.append(fresh["mean"] - best["checked_mean"])
+        variances.append(fresh["std"] ** 2 / EPISODES + best["checked_std"] ** 2 / best["checked_episodes"])
+        assert gaps[-1] >= -3 * variances[-1] ** 0.5, f"seed {seed}: {fresh}; {best}"
         unsolved += best["checked_mean"] < 475
+    assert sum(gaps) >= -2 * sum(variances) ** 0.5, f"fresh minus reported, by seed: {gaps}"
     assert unsolved >= 3  # the runs stop before most solve, or agreement would be trivial
