@@ -3,12 +3,13 @@ its best model is then evaluated on fresh episodes, as a user would with ``evalu
 
 from __future__ import annotations
 
+import signal
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context
+from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +99,46 @@ def bench_solve(
         for case in cases:
             done(solve_case(case, episodes))
     else:
-        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(solve_case, case, episodes) for case in cases]
-            try:
-                for future in as_completed(futures):
-                    done(future.result())
-            except BaseException:  # a signal: the cases not started yet are dropped, not run one after another
-                pool.shutdown(wait=False, cancel_futures=True)
-                raise
+        _solve_in_pool(cases, episodes, jobs, done)
     order = {case: i for i, case in enumerate(cases)}
     return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in CASE_FIELDS})])
+
+
+def _solve_in_pool(cases: Sequence[Case], episodes: int, jobs: int, done: Callable[[dict[str, Any]], None]) -> None:
+    """``jobs`` cases at a time. Only as many are submitted as run: the pool's call queue would otherwise hold cases
+    that cancelling cannot reach, and a worker would start one after a signal."""
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)  # a SIGTERM to this process alone must reach the workers
+    waiting: Iterator[Case] = iter(cases)
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            running: set[Future[dict[str, Any]]] = set()
+
+            def submit() -> None:
+                case = next(waiting, None)
+                if case is not None:
+                    running.add(pool.submit(solve_case, case, episodes))
+
+            for _ in range(jobs):
+                submit()
+            try:
+                while running:
+                    finished, pending = wait(running, return_when=FIRST_COMPLETED)
+                    running.clear()
+                    running.update(pending)
+                    for future in finished:
+                        done(future.result())
+                        submit()
+            except BaseException:  # a signal: each training saves and stops, and nothing more starts
+                for worker in active_children():
+                    worker.terminate()  # SIGTERM, which a training session handles as Ctrl-C
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def solve_markdown(rows: Sequence[dict[str, Any]], targets: dict[str, float], episodes: int, command: str) -> str:

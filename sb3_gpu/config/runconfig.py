@@ -52,6 +52,11 @@ def load_config(path: str | Path) -> RunConfig:
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     hyper = validate_flat(algo, data["hyperparameters"], f"{path}: hyperparameters")
+    written_per = data["hyperparameters"].get("per") if isinstance(data["hyperparameters"], Mapping) else None
+    if isinstance(written_per, Mapping) and "normalize" not in written_per and isinstance(hyper.get("per"), Mapping):
+        # Written before PER's weights could be normalised by the batch: those runs normalised by the buffer, and a
+        # resumed or repeated run goes on as it began.
+        hyper["per"] = {**hyper["per"], "normalize": "buffer"}
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"{path}: seed must be an int or null, got {seed!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,12 @@ def _learn(
                 )
             else:
                 summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
-                _check_best(plan, run, evaluator, options.confirming, session)
+                if not _check_best(plan, run, evaluator, options.confirming, session):
+                    summary.update(interrupted=True, stopped_by=session.stopped_by)
+                    summary["saved"] = (
+                        f"{outcome.saved}; training and its final evaluation were complete, and the check of the best "
+                        "model after them was stopped (the best keeps the figure it was chosen by)"
+                    )
         summary["best_eval_mean"] = evaluator.best.figure[0] if evaluator.best is not None else None
         if evaluator.best is not None:
             summary["best"] = {**dataclasses.asdict(evaluator.best), "chosen": evaluator.best.describe()}
@@ -278,26 +284,32 @@ def _learn(
 CHECK_SEED_OFFSET = 20_000
 
 
-def _check_best(plan: Plan, run: RunDir, evaluator: TimedEvalCallback, episodes: int, session: Session) -> None:
-    """Evaluate the confirmed best model once more, on fresh episodes, and record that figure with it.
+def _check_best(plan: Plan, run: RunDir, evaluator: TimedEvalCallback, episodes: int, session: Session) -> bool:
+    """Evaluate the confirmed best model once more, on fresh episodes, and record that figure with it; False where a
+    signal stopped the check (the best then keeps the figure it was chosen by).
 
     The confirmed mean chose the best among several candidates, so it leans high, and more so the noisier the returns;
-    a figure taken after the choice is what ``evaluate`` will see. A signal abandons the check (the best stays as it
-    was chosen)."""
+    a figure taken after the choice is what ``evaluate`` will see."""
     best = evaluator.best
-    if best is None or not best.confirmed or not episodes:
-        return
+    if best is None or not best.confirmed or not episodes or not run.best_model.is_file():
+        return True
+    if session.stopping():
+        return False
     seed = None if plan.seed is None else plan.seed + CHECK_SEED_OFFSET
     try:
         checked = evaluate_run(
-            run.path, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping, env_spec=plan.env
+            run.best_model, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping, env_spec=plan.env
         )
     except EvaluationStopped:
-        return
+        return False
+    except Exception as error:  # training and its saves are done: a failed check must not cost the summary
+        print(f"warning: the best model was not checked after training ({type(error).__name__}: {error})", file=sys.stderr)
+        return True
     evaluator.best = dataclasses.replace(
         best, checked_mean=checked["mean"], checked_std=checked["std"], checked_episodes=episodes
     )
     write_json(run.best_record, dataclasses.asdict(evaluator.best))
+    return True
 
 
 def _summary(plan: Plan, model: BaseAlgorithm, outcome: Outcome) -> dict[str, Any]:

@@ -183,3 +183,31 @@ def test_a_signal_during_bench_solve_stops_the_bench_not_only_its_training(monke
     assert bench.main(["solve", "--seeds", "0", "1", "2", "--out", str(tmp_path)]) == 130
     assert trained == [0] and "interrupted; no results were written" in capsys.readouterr().err
     assert not (tmp_path / "solve.json").exists()
+
+
+def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    args = ["solve", "--seeds", "0", "1", "2", "3", "--per", "off", "--timesteps", "1000000", "--jobs", "2"]
+    bench_process = subprocess.Popen(
+        [sys.executable, "-m", "sb3_gpu.bench", *args, "--out", str(tmp_path)], stderr=subprocess.PIPE
+    )
+    parent = psutil.Process(bench_process.pid)
+
+    def pool_workers() -> list[psutil.Process]:  # not spawn's resource tracker, which goes with the bench
+        return [child for child in parent.children() if "spawn_main" in " ".join(child.cmdline())]
+
+    while len(pool_workers()) < 2:
+        time.sleep(0.2)
+    workers = pool_workers()
+    time.sleep(8)  # into the trainings: each worker imports torch and SB3 first
+    bench_process.send_signal(signal.SIGTERM)  # to the bench alone, as a job scheduler may send it
+    _, stderr = bench_process.communicate(timeout=300)  # a guard against a hang, not a speed limit
+    assert bench_process.returncode == 130, stderr.decode()
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    assert not (tmp_path / "solve.json").exists()

@@ -7,6 +7,7 @@ from stable_baselines3 import DQN, PPO
 
 from sb3_gpu import make_model, make_plan
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import write_yaml
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.planning.build import build_env
 from sb3_gpu.planning.table import plan_table
@@ -119,7 +120,6 @@ def test_make_model_accepts_an_env_factory_and_nested_overrides():
 
 
 def test_config_round_trip_reproduces_the_hyperparameters(tmp_path, cpu_machine):
-    from sb3_gpu.common.io import write_yaml
 
     plan = make_plan("ppo", "Acrobot-v1", seed=3, hardware=cpu_machine, overrides={"n_epochs": 2})
     write_yaml(tmp_path / "config.yaml", plan.to_config())
@@ -127,6 +127,19 @@ def test_config_round_trip_reproduces_the_hyperparameters(tmp_path, cpu_machine)
     again = make_plan(config.algo, config.env, config.device, seed=config.seed, config=config, hardware=cpu_machine)
     assert again.preset.values() == plan.preset.values() and again.seed == 3
     assert again.preset.normalize is True
+
+
+def test_a_config_written_before_per_normalize_existed_keeps_the_buffer_normalisation(tmp_path, cpu_machine):
+    plan = make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides={"per": {"normalize": "batch"}})
+    written = plan.to_config()
+    write_yaml(tmp_path / "config.yaml", written)
+    assert load_config(tmp_path).hyperparameters["per"]["normalize"] == "batch"  # as written
+    del written["hyperparameters"]["per"]["normalize"]
+    write_yaml(tmp_path / "config.yaml", written)
+    config = load_config(tmp_path)
+    assert config.hyperparameters["per"]["normalize"] == "buffer"  # the only normalisation there was then
+    again = make_plan("dqn", "CartPole-v1", hardware=cpu_machine, config=config)
+    assert again.preset.sb3_kwargs()["replay_buffer_kwargs"]["normalize"] == "buffer"
 
 
 def test_normalized_envs_are_wrapped_and_eval_env_is_frozen(cpu_machine):

@@ -12,7 +12,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.evaluate import main as evaluate_main
-from sb3_gpu.runs import evaluation
+from sb3_gpu.runs import evaluation, training
 from sb3_gpu.runs.evaluation import BestModel, EvaluationStopped, TimedEvalCallback
 from sb3_gpu.runs.rundir import RunDir, zip_timesteps
 from sb3_gpu.train import main as train_main
@@ -163,3 +163,36 @@ def test_the_plan_and_the_summary_say_how_the_best_is_chosen(tmp_path, call_main
     assert "6 confirming episodes; its periodic evaluation read" in best["chosen"]
     evaluated = call_main(evaluate_main, str(run_dir), "--episodes", "2")
     assert evaluated.returncode == 0 and "best_model.zip" in evaluated.stdout
+
+
+def test_a_signal_during_the_check_after_training_stops_it_and_keeps_the_chosen_figure(tmp_path, call_main):
+    # Training takes steps 1-32; the periodic evaluation (one 20-step episode) 33-52; its confirmation 53-112; the
+    # final evaluation 113-132; the check after training (three episodes on three envs) would take 133-192.
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 150}", "--set", "eval_max_episode_steps=20"]
+    args += ["--timesteps", "32", "--eval-freq", "32", "--eval-episodes", "1", "--run-dir", str(run_dir), "--no-progress"]
+    result = call_main(train_main, *args)
+    assert result.returncode == 130, result.stderr
+    assert Endless.steps == 150
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["interrupted"] and summary["stopped_by"] == "SIGINT" and summary["final_eval_mean"] == 0.0
+    assert "the check of the best model after them was stopped" in summary["saved"]
+    best = json.loads((run_dir / "eval" / "best.json").read_text())
+    assert best["confirmed"] and best["checked_mean"] is None
+    assert summary["best"]["checked_mean"] is None and summary["best_eval_mean"] == best["mean"]
+
+
+def test_a_check_that_fails_costs_neither_the_summary_nor_the_chosen_best(tmp_path, call_main, monkeypatch):
+    def fails(*args, **kwargs):
+        raise MemoryError("no room for a second replay buffer")
+
+    monkeypatch.setattr(training, "evaluate_run", fails)
+    run_dir = tmp_path / "run"
+    trained = call_main(
+        train_main, "ppo", *TINY, "--timesteps", "64", "--eval-freq", "32", "--eval-episodes", "2", "--run-dir", str(run_dir)
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert "warning: the best model was not checked after training (MemoryError: no room" in trained.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best"]["confirmed"] and summary["best"]["checked_mean"] is None
+    assert summary["best_eval_mean"] == summary["best"]["mean"] and not summary["interrupted"]
