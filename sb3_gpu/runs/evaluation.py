@@ -277,9 +277,8 @@ def evaluate_run(
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
     model_path, run = RunDir.find_model(target, which)
     config = load_config(run.config)
-    # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here, and
-    # loading makes the replay buffer the run had: on the host's lazily zeroed pages it costs nothing, on a GPU its size.
-    speed_off = {"amp": "off", "compile": "false", "threads": "auto", "device_buffers": False}
+    # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here.
+    speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
     plan = make_plan(
         config.algo,
         config.env if env_spec is None else env_spec,

@@ -200,7 +200,7 @@ class DeviceSumMinTree:
         return th.from_numpy(nodes), th.from_numpy(values)
 
 
-_TENSORS = ("max_priority", "_new_leaf", "_last_max_weight", "_strata")  # pickled as arrays
+_TENSORS = ("max_priority", "_new_leaf", "_last_max_weight", "_strata", "refused_updates")  # pickled as arrays
 
 
 class DevicePrioritizedReplayBufferSamples(NamedTuple):
@@ -221,7 +221,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
 
     Transition ``(pos, env)`` has flat index ``pos * n_envs + env``; samples carry ``indices`` as a device tensor, and
     ``update_priorities`` takes them back with the TD errors as tensors. Nothing waits for the device except the
-    finiteness check of each update's TD errors (one boolean read) and reading the statistics as numbers. Unlike the
+    statistics read as numbers (and :meth:`check`): a non-finite TD error is refused on the device. Unlike the
     host buffer it takes ``optimize_memory_usage``: the slot whose observation the next step overwrote has priority 0.
     ``alpha``, ``beta``, ``eps``, ``n_steps``, ``gamma`` and ``normalize`` mean what they mean for
     :class:`PrioritizedReplayBuffer`.
@@ -263,6 +263,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         self.max_priority = th.ones((), dtype=th.float64, device=self.device)  # before alpha
         self._new_leaf = self.max_priority**self.alpha  # what add() writes: max_priority ** alpha
         self._last_max_weight = th.ones((), dtype=th.float64, device=self.device)
+        self.refused_updates = th.zeros((), dtype=th.int64, device=self.device)
         # The last sample's (p_min, total, transitions), for last_max_weight: computed when read (by the logger,
         # once per train()), not at each of its gradient steps' samples.
         self._last_draw: tuple[th.Tensor, th.Tensor, int] | None = None
@@ -283,6 +284,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
             self.max_priority, self._new_leaf = self.max_priority.to(device), self._new_leaf.to(device)
             self._last_max_weight = self.last_max_weight.to(device)
             self._strata = self._strata.to(device)
+            self.refused_updates = self.refused_updates.to(device)
 
     def __getstate__(self) -> dict[str, Any]:
         self.last_max_weight  # noqa: B018 -- computes the pending figure, so the pickle holds it
@@ -298,6 +300,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         state.setdefault("_new_leaf", state["max_priority"] ** state["alpha"])
         state.setdefault("_strata", th.arange(0, dtype=th.float64))
         state.setdefault("_last_draw", None)
+        state.setdefault("refused_updates", th.zeros((), dtype=th.int64))
         super().__setstate__(state)  # then _place moves them, and the tree, to the buffer's device
 
     def reset(self) -> None:
@@ -341,15 +344,27 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         return DevicePrioritizedReplayBufferSamples(*samples, weights=weights, indices=indices)
 
     def update_priorities(self, indices: th.Tensor | np.ndarray, td_errors: th.Tensor | np.ndarray) -> None:
-        """Set the priorities of sampled transitions from their new TD errors (tensors, or arrays)."""
+        """Set the priorities of sampled transitions from their new TD errors (tensors, or arrays).
+
+        A NaN or inf TD error would poison the sum tree (its total, so every later draw). Such an update is refused
+        on the device, without waiting for it: its transitions keep their priorities and ``refused_updates`` counts
+        it; :meth:`check` raises for it (the DQN family's training calls it when it writes its logs).
+        """
         priorities = th.as_tensor(td_errors, device=self.device).detach().to(th.float64).abs().reshape(-1) + self.eps
-        # The one wait for the device per update: a NaN priority would poison the sum tree (its total, so every
-        # later sample), so it is refused before writing. DQN's train() reads the loss at this point anyway.
-        if not bool(th.isfinite(priorities).all()):
+        indices = th.as_tensor(indices, device=self.device)
+        finite = th.isfinite(priorities).all()
+        self.refused_updates = self.refused_updates + (~finite).long()
+        self.max_priority = th.where(finite, th.maximum(self.max_priority, priorities.max()), self.max_priority)
+        self._new_leaf = self.max_priority**self.alpha
+        self.tree.update(indices, th.where(finite, priorities**self.alpha, self.tree[indices]))
+
+    def check(self, refused: float | None = None) -> None:
+        """Raise :class:`TrainingDiverged` if an update was refused for a NaN or inf TD error.
+
+        :param refused: ``refused_updates`` read already (else it is read now: a wait for the device)
+        """
+        if refused if refused is not None else bool(self.refused_updates):
             raise TrainingDiverged(
                 "a TD error is NaN or inf, so priorities and weights were left unchanged (the loss diverged: "
                 "look for NaN or inf in rewards or observations, or lower the learning rate)"
             )
-        self.max_priority = th.maximum(self.max_priority, priorities.max())
-        self._new_leaf = self.max_priority**self.alpha
-        self.tree.update(th.as_tensor(indices, device=self.device), priorities**self.alpha)

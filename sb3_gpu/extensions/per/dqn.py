@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch as th
 import torch.nn.functional as F
 from sb3_contrib import QRDQN
@@ -12,6 +11,7 @@ from stable_baselines3 import DQN
 
 from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
+from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
@@ -25,6 +25,9 @@ class _PrioritizedTraining:
     It follows SB3's ``DQN.train`` step for step; subclasses supply only ``_per_sample_loss``. Each gradient step
     takes ``grad_accum_steps`` micro-batches, accumulated by the optimizer's step wrapper as PPO's are. With a plain
     ReplayBuffer and ``grad_accum_steps=1`` it computes exactly what SB3 computes (a test pins this).
+
+    Unlike SB3's, it reads nothing back from the device to log: the losses (their mean since the last write) and the
+    device PER figures stay tensors until ``dump_logs``, which reads them in one go.
     """
 
     grad_accum_steps: int
@@ -48,9 +51,10 @@ class _PrioritizedTraining:
     def _setup_model(self) -> None:
         super()._setup_model()  # type: ignore[misc]
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
+        self._device_log = DeviceLog()
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_accumulator"]  # type: ignore[misc]
+        return [*super()._excluded_save_params(), "_accumulator", "_device_log"]  # type: ignore[misc]
 
     @property
     def per_beta0(self) -> float:
@@ -75,7 +79,6 @@ class _PrioritizedTraining:
             per.beta = self._anneal_beta()
         if self._accumulator is not None:
             self._accumulator.reset()
-        losses = []
         for _ in range(gradient_steps * self.grad_accum_steps):
             data = buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[attr-defined]
             discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
@@ -87,26 +90,46 @@ class _PrioritizedTraining:
                 else:
                     per.update_priorities(data.indices, td_errors.detach().cpu().numpy())
             loss = (per_sample * data.weights.flatten()).mean() if per is not None else per_sample.mean()
-            losses.append(loss.item())
+            self._device_log.mean("train/loss", loss)
             optimizer.zero_grad()
             loss.backward()
             if self.max_grad_norm is not None:  # type: ignore[attr-defined]
                 th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)  # type: ignore[attr-defined]
             optimizer.step()
         self._n_updates += gradient_steps  # type: ignore[attr-defined]
-        self._log(losses, per)
+        self._log(per)
 
-    def _log(self, losses: list[float], per: PrioritizedReplayBuffer | DevicePrioritizedReplayBuffer | None) -> None:
+    def _log(self, per: PrioritizedReplayBuffer | DevicePrioritizedReplayBuffer | None) -> None:
         logger = self.logger  # type: ignore[attr-defined]
         logger.record("train/n_updates", self._n_updates, exclude="tensorboard")  # type: ignore[attr-defined]
-        logger.record("train/loss", np.mean(losses))
-        if per is not None:
-            # Leaves hold priority ** alpha; O(1) figures, since train() may run every env step. The device buffer's
-            # are 0-dim tensors, read here after train() has waited for the device (loss.item()) anyway.
-            logger.record("per/beta", per.beta)
-            logger.record("per/mean_priority", float(per.tree.total) / (per.size() * per.n_envs))
-            logger.record("per/max_priority", float(per.max_priority**per.alpha))
-            logger.record("per/max_weight_unnormalized", float(per.last_max_weight))
+        if per is None:
+            return
+        logger.record("per/beta", per.beta)
+        # Leaves hold priority ** alpha; O(1) figures, since train() may run every env step.
+        if isinstance(per, DevicePrioritizedReplayBuffer):  # 0-dim tensors, read when the logs are written
+            self._device_log.latest("per/mean_priority", per.tree.total / (per.size() * per.n_envs))
+            self._device_log.latest("per/max_priority", per.max_priority**per.alpha)
+            self._device_log.latest("per/max_weight_unnormalized", per.last_max_weight)
+            return
+        logger.record("per/mean_priority", float(per.tree.total) / (per.size() * per.n_envs))
+        logger.record("per/max_priority", float(per.max_priority**per.alpha))
+        logger.record("per/max_weight_unnormalized", float(per.last_max_weight))
+
+    def dump_logs(self) -> None:
+        """Read the figures kept on the device with one wait (and refuse a diverged PER update), then write them as
+        SB3 does."""
+        buffer = getattr(self, "replay_buffer", None)
+        if isinstance(buffer, DevicePrioritizedReplayBuffer):
+            self._device_log.latest(REFUSED, buffer.refused_updates)
+        values = self._device_log.read()
+        if isinstance(buffer, DevicePrioritizedReplayBuffer):
+            buffer.check(values.pop(REFUSED, None))
+        for key, value in values.items():
+            self.logger.record(key, value)  # type: ignore[attr-defined]
+        super().dump_logs()  # type: ignore[misc]
+
+
+REFUSED = "per/refused_updates"
 
 
 class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):

@@ -1,0 +1,84 @@
+"""Counting where the host reads a tensor's value: ``item()``, ``bool(t)``, ``t.cpu()``, ``t.numpy()`` ...
+
+On a GPU each such read makes the host wait until the device has run everything queued before it, so a training step
+with reads in it cannot run ahead of the GPU. On the CPU the same reads cost nothing, which is why they are counted
+rather than timed: the count is the same on both, and a CPU test can hold it at zero.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any
+
+import torch as th
+from torch.overrides import TorchFunctionMode
+
+# What makes the host wait for a tensor's value. Ops whose output size depends on the values (nonzero,
+# masked_select, unique) wait too. Transfers to the device (`.to(device)`) do not, and are not counted.
+READS = frozenset(
+    {
+        "item",
+        "tolist",
+        "numpy",
+        "cpu",
+        "__bool__",
+        "__float__",
+        "__int__",
+        "__index__",
+        "__array__",
+        "nonzero",
+        "masked_select",
+        "unique",
+    }
+)
+_TORCH_DIR = th.__file__.rsplit("/", 1)[0]
+# torch's optimizers keep their step counters on the host unless they are capturable, so that reading one (for the
+# bias correction) never waits for a device: those reads are not counted.
+_OPTIM_DIR = f"{_TORCH_DIR}/optim/"
+
+
+class HostReads(TorchFunctionMode):
+    """A torch function mode that counts host reads, by kind and by the line of the caller outside torch.
+
+    ::
+
+        with HostReads() as reads:
+            model.train(gradient_steps=8, batch_size=32)
+        reads.total, reads.sites.most_common(3)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        """Reads counted so far."""
+        return sum(self.kinds.values())
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in READS and not _step_counter(args):
+            self.kinds[name] += 1
+            self.sites[f"{name} at {_caller()}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_counter(args: Any) -> bool:
+    """Whether this is an optimizer reading its own step counter, which lives on the host."""
+    tensor = args[0] if args and isinstance(args[0], th.Tensor) else None
+    if tensor is None or tensor.device.type != "cpu" or tensor.numel() != 1:
+        return False
+    return sys._getframe(2).f_code.co_filename.startswith(_OPTIM_DIR)  # 0: here, 1: the mode, 2: the caller
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this module."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
