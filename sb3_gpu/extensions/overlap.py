@@ -13,9 +13,12 @@ The schedule keeps SB3's counts: the ``gradient_steps`` earned by rollout k run 
   never changes under a training; it runs, in order, when the training has finished.
 - The trainer's log records are kept and written by the collecting thread.
 
+- The envs' exploration draws (DQN's epsilon) come from a generator of the ``learn``'s own, seeded from NumPy's
+  global one when it starts: the trainer thread is then the only one that draws from the global generator while a
+  training runs, so thread timing cannot reorder the draws, and a seeded run is reproducible.
+
 The one departure from SB3's schedule: the policy that acts lags one rollout (``train_freq`` steps) behind, and so do
-the exploration rate and target copies. Runs are not bit-for-bit reproducible, since thread timing orders the draws
-of NumPy's global generator. ``overlap_training=False`` (the default) is SB3's exact schedule.
+the exploration rate and target copies. ``overlap_training=False`` (the default) is SB3's exact schedule.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class _Overlap:
         self.staged = _StagedBuffer()
         self.deferred_steps = 0
         self.actor = _actor_copy(learner)
+        self.rng = np.random.default_rng(np.random.randint(2**63 - 1, dtype=np.int64))  # the envs' exploration draws
 
     def role(self, name: str) -> bool:
         return bool(getattr(self.local, name, False))
@@ -280,6 +284,8 @@ class OverlappedTraining:
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state()
+        if state is not None and state.role("sampling") and hasattr(self, "exploration_rate"):
+            return self._explore(state.rng, *args, **kwargs)
         if state is None or state.role("sampling"):
             return super().predict(*args, **kwargs)  # type: ignore[misc]
         # Anything but the envs' own actions (an evaluation callback, say) sees the weights a save would write, so that
@@ -287,6 +293,24 @@ class OverlappedTraining:
         self.sync_training()
         with self._as("acting", False):
             return super().predict(*args, **kwargs)  # type: ignore[misc]
+
+    def _explore(
+        self,
+        rng: np.random.Generator,
+        observation: Any,
+        state: Any = None,
+        episode_start: Any = None,
+        deterministic: bool = False,
+    ) -> Any:
+        """DQN's epsilon-greedy ``predict``, its one draw taken from ``rng``: random actions for every env at once, with
+        probability ``exploration_rate``."""
+        s: Any = self
+        if deterministic or rng.random() >= s.exploration_rate:
+            return s.policy.predict(observation, state, episode_start, deterministic)
+        if not s.policy.is_vectorized_observation(observation):
+            return np.array(s.action_space.sample()), state
+        first = next(iter(observation.values())) if isinstance(observation, dict) else observation
+        return np.array([s.action_space.sample() for _ in range(len(first))]), state
 
     def save(self, *args: Any, **kwargs: Any) -> None:
         self.sync_training()

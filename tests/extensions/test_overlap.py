@@ -29,6 +29,15 @@ def dqn(cls=PrioritizedDQN, n_envs=1, seed=0, **kwargs):
     return cls("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
 
 
+def test_a_seeded_overlapped_run_is_reproducible():
+    # The envs explore with draws of their own: the trainer thread's draws from NumPy's global generator (the replay
+    # buffer's) cannot be reordered by thread timing.
+    first, second = (dqn(overlap_training=True, n_envs=2, exploration_fraction=0.5).learn(3000) for _ in range(2))
+    assert first._n_updates > 100
+    for a, b in zip(first.policy.state_dict().values(), second.policy.state_dict().values(), strict=True):
+        assert th.equal(a, b)
+
+
 def trainer_threads():
     return [t for t in threading.enumerate() if t.name.startswith("sb3_gpu-trainer")]
 
