@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+import torch as th
+import torch.nn.functional as F
+from gymnasium import spaces
 from stable_baselines3 import PPO
 
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step
 
 
@@ -36,7 +43,11 @@ def accumulating_step(model: Any, grad_accum_steps: int) -> OptimizerStep | None
 class GradAccumPPO(PPO):
     """SB3's PPO whose optimizer steps on the mean gradient of ``grad_accum_steps`` minibatches of ``batch_size``.
 
-    With ``grad_accum_steps=1`` it is plain PPO. The minibatches per epoch must be a multiple of it.
+    With ``grad_accum_steps=1`` it computes what plain PPO computes (a test pins this). Its ``train()`` follows SB3's
+    step for step, but reads nothing back from the device to log: the losses, clip fraction, approx KL, explained
+    variance and std stay tensors until ``dump_logs`` reads them in one go; and the action distributions it builds skip
+    torch's argument checks (each a wait for the device). With ``target_kl`` set, each minibatch's approx KL is read,
+    as SB3 reads it, to stop early. The minibatches per epoch must be a multiple of ``grad_accum_steps``.
     """
 
     def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
@@ -47,13 +58,98 @@ class GradAccumPPO(PPO):
         super()._setup_model()
         self.grad_accum_steps = check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
+        self._device_log = DeviceLog()
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_accumulator"]
+        return [*super()._excluded_save_params(), "_accumulator", "_device_log"]
+
+    def dump_logs(self, iteration: int = 0) -> None:
+        self._device_log.write(self.logger)
+        super().dump_logs(iteration)
 
     def train(self) -> None:
         if self._accumulator is not None:
             self._accumulator.reset()
-        super().train()
+        with _no_argument_checks():
+            self._train()
         if self._accumulator is not None:
             self._accumulator.reset()  # target_kl may stop an epoch between micro-batches
+
+    def _train(self) -> None:
+        self.policy.set_training_mode(True)
+        self._update_learning_rate(self.policy.optimizer)
+        clip_range = self.clip_range(self._current_progress_remaining)  # type: ignore[operator]
+        clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(self._current_progress_remaining)  # type: ignore[operator]
+        log = self._device_log
+        continue_training = True
+        for epoch in range(self.n_epochs):
+            kl_sum, kl_count = None, 0  # SB3 logs the approx KL of the last epoch only
+            for rollout_data in self.rollout_buffer.get(self.batch_size):
+                actions = rollout_data.actions
+                if isinstance(self.action_space, spaces.Discrete):
+                    actions = rollout_data.actions.long().flatten()
+                values, log_prob, entropy = self.policy.evaluate_actions(rollout_data.observations, actions)
+                values = values.flatten()
+                advantages = rollout_data.advantages
+                if self.normalize_advantage and len(advantages) > 1:  # one sample has no spread (SB3 issue #325)
+                    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+                ratio = th.exp(log_prob - rollout_data.old_log_prob)
+                policy_loss = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)).mean()
+                log.mean("train/policy_gradient_loss", policy_loss)
+                log.mean("train/clip_fraction", th.mean((th.abs(ratio - 1) > clip_range).float()))
+                if clip_range_vf is None:
+                    values_pred = values
+                else:  # the value's change from the rollout's, clipped (this depends on the reward scale)
+                    values_pred = rollout_data.old_values + th.clamp(
+                        values - rollout_data.old_values, -clip_range_vf, clip_range_vf
+                    )
+                value_loss = F.mse_loss(rollout_data.returns, values_pred)
+                log.mean("train/value_loss", value_loss)
+                entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
+                log.mean("train/entropy_loss", entropy_loss)
+                loss = policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
+                with th.no_grad():  # the approximate reverse KL (Schulman's k3 estimator), as SB3 computes it
+                    log_ratio = log_prob - rollout_data.old_log_prob
+                    approx_kl = th.mean((th.exp(log_ratio) - 1) - log_ratio)
+                kl_sum, kl_count = approx_kl if kl_sum is None else kl_sum + approx_kl, kl_count + 1
+                if self.target_kl is not None and float(approx_kl) > 1.5 * self.target_kl:  # the one read allowed
+                    continue_training = False
+                    if self.verbose >= 1:
+                        print(f"Early stopping at step {epoch} due to reaching max kl: {float(approx_kl):.2f}")
+                    break
+                self.policy.optimizer.zero_grad()
+                loss.backward()
+                th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                self.policy.optimizer.step()
+            self._n_updates += 1
+            if not continue_training:
+                break
+        if kl_sum is not None:
+            log.latest("train/approx_kl", kl_sum / kl_count)
+        log.latest("train/loss", loss)
+        log.latest("train/explained_variance", _explained_variance(self.rollout_buffer.values, self.rollout_buffer.returns))
+        if hasattr(self.policy, "log_std"):
+            log.latest("train/std", th.exp(self.policy.log_std).mean())
+        self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")
+        self.logger.record("train/clip_range", clip_range)
+        if clip_range_vf is not None:
+            self.logger.record("train/clip_range_vf", clip_range_vf)
+
+
+def _explained_variance(predicted: th.Tensor | np.ndarray, returns: th.Tensor | np.ndarray) -> th.Tensor:
+    """SB3's ``explained_variance`` (1 - Var[returns - predicted] / Var[returns]; NaN where the returns do not vary),
+    as a tensor where the rollout lives: on the host for SB3's buffer, on the device for ours."""
+    y_pred, y_true = th.as_tensor(predicted).flatten().double(), th.as_tensor(returns).flatten().double()
+    var_y = th.var(y_true, correction=0)
+    return th.where(var_y == 0, th.nan, 1 - th.var(y_true - y_pred, correction=0) / var_y)
+
+
+@contextmanager
+def _no_argument_checks() -> Iterator[None]:
+    """torch.distributions without argument validation: each check reads a tensor back (a wait on a GPU)."""
+    before = th.distributions.Distribution._validate_args
+    th.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        th.distributions.Distribution.set_default_validate_args(before)

@@ -19,6 +19,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.amp import amp_state, enable_amp
 from sb3_gpu.extensions.compile import compile_policy
+from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
@@ -49,13 +50,31 @@ def test_switches_off_train_bit_identical_to_plain_sb3(algo):
         assert th.equal(a, b)
 
 
-def test_grad_accum_of_one_is_plain_ppo():
+@pytest.mark.parametrize("clip_range_vf", [None, 0.2])
+def test_grad_accum_of_one_is_plain_ppo_and_logs_the_same_figures_without_reading_the_device(clip_range_vf):
     models = []
     for cls, extra in ((GradAccumPPO, {"grad_accum_steps": 1}), (PPO, {})):
-        model = cls("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **SMALL_PPO, **extra)
-        model.learn(128)
+        model = cls("MlpPolicy", "CartPole-v1", seed=1, device="cpu", clip_range_vf=clip_range_vf, **SMALL_PPO, **extra)
+        model.learn(128)  # its last train() ran after the last log write: its figures are pending
         models.append(model)
-    for a, b in zip(_params(models[0]), _params(models[1]), strict=True):
+    ours, plain = models
+    for a, b in zip(_params(ours), _params(plain), strict=True):
+        assert th.equal(a, b)
+    pending = ours._device_log.read()
+    for key in ("policy_gradient_loss", "value_loss", "entropy_loss", "clip_fraction", "approx_kl", "loss"):
+        assert pending[f"train/{key}"] == pytest.approx(float(plain.logger.name_to_value[f"train/{key}"]), rel=1e-5), key
+    assert pending["train/explained_variance"] == pytest.approx(plain.logger.name_to_value["train/explained_variance"])
+    with HostReads() as reads:
+        ours.train()
+    assert reads.total == 0, reads.sites
+
+
+def test_ppo_with_target_kl_reads_each_minibatchs_kl_as_sb3_does_and_stops_where_it_stops():
+    common = {"seed": 4, "device": "cpu", "target_kl": 0.001, "learning_rate": 0.01, **SMALL_PPO}
+    ours = GradAccumPPO("MlpPolicy", "CartPole-v1", **common).learn(128)
+    plain = PPO("MlpPolicy", "CartPole-v1", **common).learn(128)
+    assert ours._n_updates == plain._n_updates < 2 * SMALL_PPO["n_epochs"], "an early stop happened"
+    for a, b in zip(_params(ours), _params(plain), strict=True):
         assert th.equal(a, b)
 
 
