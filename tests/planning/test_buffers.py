@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 from sb3_contrib import QRDQN
+from stable_baselines3 import PPO
 from stable_baselines3.common.buffers import NStepReplayBuffer, RolloutBuffer
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedDQN, PrioritizedQRDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
@@ -94,6 +96,9 @@ def test_off_policy_training_overlaps_collection_on_a_gpu_and_keeps_sb3s_schedul
     model = build_model(forced, build_env(forced))
     assert type(model) is PrioritizedQRDQN and model.overlap_training is True
     assert make_plan("ppo", "CartPole-v1", hardware=cpu_machine).training == "sync"
+    # On a GPU every algorithm trains with sb3_gpu's train(), which spares the device SB3's reads of each loss.
+    assert model_class(make_plan("ppo", "CartPole-v1", "cuda", hardware=gpu_machine)) is GradAccumPPO
+    assert model_class(make_plan("ppo", "CartPole-v1", hardware=cpu_machine)) is PPO
     with pytest.raises(ConfigError, match="'overlap_training' is for off-policy algorithms"):
         make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"overlap_training": True})
 
