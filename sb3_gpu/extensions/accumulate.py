@@ -16,7 +16,7 @@ from stable_baselines3 import PPO
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
-from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step
+from sb3_gpu.extensions.stepping import OptimizerStep, guard_flags, optimizer_step, optimizer_steps, raise_for_guards
 
 
 def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
@@ -59,12 +59,19 @@ class GradAccumPPO(PPO):
         self.grad_accum_steps = check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
+        for step in optimizer_steps(self):
+            step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
         return [*super()._excluded_save_params(), "_accumulator", "_device_log"]
 
     def dump_logs(self, iteration: int = 0) -> None:
-        self._device_log.write(self.logger)
+        for key, flag in guard_flags(self).items():
+            self._device_log.latest(key, flag)
+        values = self._device_log.read()
+        raise_for_guards(self, values)
+        for key, value in values.items():
+            self.logger.record(key, value)
         super().dump_logs(iteration)
 
     def train(self) -> None:

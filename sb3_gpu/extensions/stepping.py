@@ -12,7 +12,10 @@ switches its part on there:
   clipping sees true gradients; a step whose gradients overflowed is skipped and the scale updated with
   ``torch.amp.GradScaler``'s rules;
 - the NaN guard (``on_non_finite``): any other non-finite gradient (also one that persists down to a loss scale of
-  1) stops training before it reaches the weights;
+  1) stops training before it reaches the weights. Where the optimizer is fused (``fused=True``: its kernels take a
+  ``found_inf`` flag) and the model reads the guard's flags when it writes its logs (``defer_checks``), the step is
+  skipped on the device, without a wait, and the error raised at that read (:func:`guard_flags`,
+  :func:`raise_for_guards`); elsewhere the gradient is read at each step;
 - counting: ``steps`` counts the steps the optimizer really took (not held-back or skipped ones).
 """
 
@@ -99,6 +102,10 @@ class OptimizerStep:
         self.on_non_finite: Callable[[str], BaseException] | None = None
         self.steps = 0
         self.listeners: list[Callable[[], None]] = []
+        self.defer_checks = False
+        self._skipped: th.Tensor | None = None  # steps skipped on the device for a non-finite gradient
+        self._first_bad: th.Tensor | None = None  # the position, among _bad_names, of the first one's parameter
+        self._bad_names: list[str] = []
         self._names = names
         self._micro = -1  # the micro-batch being computed; advanced by zero_grad, which SB3 calls before backward
         self._saved: dict[th.Tensor, th.Tensor] = {}
@@ -134,6 +141,8 @@ class OptimizerStep:
         for param, saved in self._saved.items():  # a parameter without a gradient in the last micro-batch
             param.grad = self._unscaled(saved)
         self._saved.clear()
+        if self.on_non_finite is not None and self.loss_scale is None and self.skips_on_device:
+            return self._step_or_skip_on_device(closure)
         bad = self._non_finite_gradient() if self.loss_scale is not None or self.on_non_finite is not None else None
         # An fp16 overflow is expected now and then, and the scale handles it; at a scale of 1 or less nothing was
         # scaled up to overflow, so the gradient itself is NaN or inf (GradScaler would skip such steps forever
@@ -151,7 +160,32 @@ class OptimizerStep:
         self._notify()
         return out
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether the NaN guard decides on the device: a fused optimizer, and a model that reads the flags."""
+        return self.defer_checks and bool(self.optimizer.defaults.get("fused"))
+
     # ------------------------------------------------------------------ internals
+    def _step_or_skip_on_device(self, closure: Callable[[], Any] | None) -> Any:
+        with_grads = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        bad = ~th.stack(th._foreach_norm([p.grad for p in with_grads])).isfinite()
+        found = bad.any()
+        self.optimizer.found_inf = found.float()  # type: ignore[attr-defined]  # the fused kernels skip the update
+        try:
+            out = self._step() if closure is None else self._step(closure)
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
+        first = bad.int().argmax()
+        if self._skipped is None or self._first_bad is None:
+            self._skipped, self._first_bad = found.long(), th.where(found, first, -1)
+        else:
+            self._first_bad = th.where((self._first_bad < 0) & found, first, self._first_bad)
+            self._skipped = self._skipped + found.long()
+        self._bad_names = [self._names.get(id(p), "?") for p in with_grads]
+        self.steps += 1  # tried; the skipped ones are known when the flags are read
+        self._notify()
+        return out
+
     def _last_micro_batch(self) -> bool:
         return self._micro % self.micro_batches == self.micro_batches - 1
 
@@ -198,6 +232,36 @@ def optimizer_step(optimizer: th.optim.Optimizer, module: th.nn.Module | None = 
         return installed
     names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
     return OptimizerStep(optimizer, names)
+
+
+def guard_flags(model: BaseAlgorithm) -> dict[str, th.Tensor]:
+    """The device-side NaN guard's flags of ``model``'s optimizers, to be read with the model's other logged figures
+    (see :func:`raise_for_guards`)."""
+    flags = {}
+    for i, step in enumerate(optimizer_steps(model)):
+        if step._skipped is not None and step._first_bad is not None:
+            flags[f"{_GUARD}{i}/skipped"], flags[f"{_GUARD}{i}/first"] = step._skipped, step._first_bad
+    return flags
+
+
+def raise_for_guards(model: BaseAlgorithm, values: dict[str, float]) -> None:
+    """Remove the flags of :func:`guard_flags` from ``values`` (read from the device) and raise the NaN guard's
+    error where a step was skipped."""
+    for i, step in enumerate(optimizer_steps(model)):
+        skipped, first = values.pop(f"{_GUARD}{i}/skipped", 0.0), values.pop(f"{_GUARD}{i}/first", -1.0)
+        if skipped and step.on_non_finite is not None:
+            raise step.on_non_finite(step._bad_names[int(first)] if 0 <= first < len(step._bad_names) else "?")
+
+
+def settle_guards(model: BaseAlgorithm) -> None:
+    """Read the device-side NaN guard's flags now (one wait) and raise its error where a step was skipped."""
+    flags = guard_flags(model)
+    if flags:
+        values = dict(zip(flags, th.stack([v.double() for v in flags.values()]).tolist(), strict=True))
+        raise_for_guards(model, values)
+
+
+_GUARD = "sb3_gpu/guard"
 
 
 def policy_optimizers(policy: th.nn.Module) -> list[th.optim.Optimizer]:

@@ -18,7 +18,7 @@ from stable_baselines3.common.utils import safe_mean
 
 from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import save_pickle
-from sb3_gpu.extensions.stepping import OptimizerStep, first_non_finite, optimizer_steps
+from sb3_gpu.extensions.stepping import OptimizerStep, first_non_finite, optimizer_steps, settle_guards
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import save_state
 from sb3_gpu.runs.telemetry import WindowedRate
@@ -106,7 +106,10 @@ class NanGuard(BaseCallback):
         return True
 
     def _on_training_end(self) -> None:
-        self.close()
+        try:
+            settle_guards(self.model)  # steps skipped on the device since the last log write
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Stop guarding the optimizers (``learn`` skips ``_on_training_end`` when it raises)."""

@@ -26,7 +26,8 @@ from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import atomic_write_bytes
 from sb3_gpu.config.runconfig import load_config
-from sb3_gpu.extensions.stepping import LossScale, first_non_finite, optimizer_step
+from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.stepping import LossScale, first_non_finite, optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.callbacks import NanGuard, StopOnSignal
@@ -393,6 +394,8 @@ def test_an_env_raising_at_step_n_stops_the_run_after_a_save(tmp_path, vec_env):
 
 # --- NaN -----------------------------------------------------------------------------------------------------------
 
+FUSED = {"policy_kwargs.optimizer_kwargs": {"fused": True}}
+
 
 @pytest.mark.parametrize(
     "algo, overrides",
@@ -400,10 +403,15 @@ def test_an_env_raising_at_step_n_stops_the_run_after_a_save(tmp_path, vec_env):
         ("ppo", {"n_steps": 128}),
         ("dqn", {"per": False, "learning_starts": 200}),
         ("dqn", {"per": True, "learning_starts": 200}),  # caught by the priority update, before the tree is touched
+        # Fused optimizers: the guard skips the step on the device, and the run stops at the next log write.
+        ("ppo", {"n_steps": 128, "grad_accum_steps": 2, **FUSED}),
+        ("dqn", {"per": True, "device_buffers": True, "learning_starts": 200, **FUSED}),
     ],
-    ids=["ppo", "dqn", "dqn-per"],
+    ids=["ppo", "dqn", "dqn-per", "ppo-fused", "dqn-device-per-fused"],
 )
 def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, overrides):
+    if overrides.get("device_buffers"):
+        assert algo == "dqn"
     plan = make_plan(
         algo,
         FAULTY,
@@ -419,7 +427,10 @@ def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, o
     assert summary["error"].startswith("TrainingDiverged") and summary["model"]
     for state in RunDir(tmp_path).saved_states():  # model.zip and every checkpoint: all finite and loadable
         assert first_non_finite(_load(tmp_path, state.model).policy) is None
-    assert zip_timesteps(tmp_path / "model.zip") <= 2 * 400 + 256
+    # A skipped step is read at the next log write: one more rollout (PPO) or a few episodes (DQN) may run first.
+    assert zip_timesteps(tmp_path / "model.zip") <= 2 * 400 + 256 + (
+        512 if "policy_kwargs.optimizer_kwargs" in overrides else 0
+    )
     if overrides.get("per"):
         # The priorities kept their finite values, so the saved buffer stays usable.
         assert not (tmp_path / "replay_buffer.pkl").exists()
@@ -450,6 +461,28 @@ def test_nan_guard_refuses_a_nan_gradient_and_leaves_the_weights_alone():
     assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
     guard.close()
     optimizer.step()  # the guard is off again
+
+
+@pytest.mark.parametrize("algo", ["ppo", "dqn"])
+def test_with_a_fused_optimizer_the_guard_skips_on_the_device_and_raises_when_its_flags_are_read(algo):
+    extra = {"batch_size": 64} if algo == "ppo" else {"per": True}
+    model = _model(algo, grad_accum_steps=2, **extra, **FUSED)  # sb3_gpu's subclasses
+    guard = _guarded(model)
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    named = list(model.policy.named_parameters())
+    for _, p in named:
+        p.grad = th.zeros_like(p)
+    named[1][1].grad[0] = float("inf")
+    with HostReads() as reads:
+        for _ in range(2 * 3):  # three steps of two micro-batches, each one skipped
+            model.policy.optimizer.zero_grad(set_to_none=False)
+            named[1][1].grad[0] = float("inf")
+            model.policy.optimizer.step()
+    assert reads.total == 0, reads.sites
+    assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
+    with pytest.raises(TrainingDiverged, match=rf"the gradient of {re.escape(named[1][0])} is NaN or inf"):
+        settle_guards(model)
+    guard.close()
 
 
 def test_nan_guard_leaves_steps_that_the_amp_loss_scaler_skips_to_it():

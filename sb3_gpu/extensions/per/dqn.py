@@ -15,6 +15,7 @@ from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
+from sb3_gpu.extensions.stepping import guard_flags, optimizer_steps, raise_for_guards
 
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
@@ -52,6 +53,8 @@ class _PrioritizedTraining:
         super()._setup_model()  # type: ignore[misc]
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
+        for step in optimizer_steps(self):  # type: ignore[arg-type]
+            step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
         return [*super()._excluded_save_params(), "_accumulator", "_device_log"]  # type: ignore[misc]
@@ -121,7 +124,10 @@ class _PrioritizedTraining:
         buffer = getattr(self, "replay_buffer", None)
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
             self._device_log.latest(REFUSED, buffer.refused_updates)
+        for key, flag in guard_flags(self).items():  # type: ignore[arg-type]
+            self._device_log.latest(key, flag)
         values = self._device_log.read()
+        raise_for_guards(self, values)  # type: ignore[arg-type]
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
             buffer.check(values.pop(REFUSED, None))
         for key, value in values.items():
