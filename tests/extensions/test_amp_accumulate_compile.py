@@ -21,7 +21,7 @@ from sb3_gpu.extensions.amp import amp_state, enable_amp
 from sb3_gpu.extensions.compile import compile_policy
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step
-from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.build import build_env, build_model, fused
 from sb3_gpu.planning.plan import make_plan
 
 SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
@@ -67,6 +67,18 @@ def test_grad_accum_of_one_is_plain_ppo_and_logs_the_same_figures_without_readin
     with HostReads() as reads:
         ours.train()
     assert reads.total == 0, reads.sites
+
+
+def test_a_fused_optimizer_what_gpu_plans_take_updates_as_sb3s_does():
+    fused_kwargs = fused(SMALL_PPO["policy_kwargs"], on_policy=True)
+    assert fused_kwargs["optimizer_kwargs"] == {"eps": 1e-5, "fused": True}  # SB3's PPO default eps is kept
+    # Each built and trained in turn: a model's seed sets NumPy's global generator, which the minibatches draw from.
+    ours = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **{**SMALL_PPO, "policy_kwargs": fused_kwargs})
+    ours.learn(128)
+    plain = PPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **SMALL_PPO).learn(128)
+    assert ours.policy.optimizer.defaults["fused"] and not plain.policy.optimizer.defaults["fused"]
+    for a, b in zip(_params(ours), _params(plain), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_ppo_with_target_kl_reads_each_minibatchs_kl_as_sb3_does_and_stops_where_it_stops():

@@ -99,6 +99,14 @@ def test_off_policy_training_overlaps_collection_on_a_gpu_and_keeps_sb3s_schedul
     # On a GPU every algorithm trains with sb3_gpu's train(), which spares the device SB3's reads of each loss.
     assert model_class(make_plan("ppo", "CartPole-v1", "cuda", hardware=gpu_machine)) is GradAccumPPO
     assert model_class(make_plan("ppo", "CartPole-v1", hardware=cpu_machine)) is PPO
+    # ... with a fused optimizer, whose kernels let the NaN guard skip a step on the device.
+    on_gpu = model_kwargs(make_plan("dqn", "CartPole-v1", "cuda", hardware=gpu_machine))["policy_kwargs"]
+    assert on_gpu["optimizer_kwargs"] == {"fused": True}
+    chosen = make_plan(
+        "dqn", "CartPole-v1", "cuda", hardware=gpu_machine, overrides={"policy_kwargs.optimizer_kwargs": {"foreach": True}}
+    )
+    assert model_kwargs(chosen)["policy_kwargs"]["optimizer_kwargs"] == {"foreach": True}
+    assert "optimizer_kwargs" not in model_kwargs(make_plan("dqn", "CartPole-v1", hardware=cpu_machine))["policy_kwargs"]
     with pytest.raises(ConfigError, match="'overlap_training' is for off-policy algorithms"):
         make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"overlap_training": True})
 
