@@ -13,6 +13,8 @@ The schedule keeps SB3's counts: the ``gradient_steps`` earned by rollout k run 
   never changes under a training; it runs, in order, when the training has finished.
 - The trainer's log records are kept and written by the collecting thread.
 
+- A training reads the progress of ``learn`` (the learning-rate schedule's, PER's beta's) as it was when the
+  training was submitted, which is when SB3 would have run it, not as collection has moved it since.
 - The envs' exploration draws (DQN's epsilon) come from a generator of the ``learn``'s own, seeded from NumPy's
   global one when it starts: the trainer thread is then the only one that draws from the global generator while a
   training runs, so thread timing cannot reorder the draws, and a seeded run is reproducible.
@@ -88,6 +90,7 @@ class _Overlap:
         self.deferred_steps = 0
         self.actor = _actor_copy(learner)
         self.rng = np.random.default_rng(np.random.randint(2**63 - 1, dtype=np.int64))  # the envs' exploration draws
+        self.progress = 1.0  # the training's progress remaining, taken when it was submitted
 
     def role(self, name: str) -> bool:
         return bool(getattr(self.local, name, False))
@@ -154,6 +157,17 @@ class OverlappedTraining:
         self.__dict__["policy"] = value
 
     @property
+    def _current_progress_remaining(self) -> float:
+        state = self._state()
+        if state is not None and state.role("training"):
+            return state.progress
+        return float(self.__dict__.get("_current_progress_remaining", 1.0))
+
+    @_current_progress_remaining.setter
+    def _current_progress_remaining(self, value: float) -> None:
+        self.__dict__["_current_progress_remaining"] = value
+
+    @property
     def logger(self) -> Any:
         state = self._state()
         if state is not None and state.role("training"):
@@ -214,6 +228,7 @@ class OverlappedTraining:
                 if s.num_timesteps > 0 and s.num_timesteps > s.learning_starts:
                     gradient_steps = s.gradient_steps if s.gradient_steps >= 0 else rollout.episode_timesteps
                     if gradient_steps > 0:
+                        state.progress = s._current_progress_remaining
                         state.pending = state.pool.submit(self._train_on_thread, gradient_steps)
             self.sync_training()
         finally:

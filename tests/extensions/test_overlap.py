@@ -15,6 +15,7 @@ from stable_baselines3 import DQN
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
+from stable_baselines3.common.utils import get_linear_fn
 
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -31,8 +32,10 @@ def dqn(cls=PrioritizedDQN, n_envs=1, seed=0, **kwargs):
 
 def test_a_seeded_overlapped_run_is_reproducible():
     # The envs explore with draws of their own: the trainer thread's draws from NumPy's global generator (the replay
-    # buffer's) cannot be reordered by thread timing.
-    first, second = (dqn(overlap_training=True, n_envs=2, exploration_fraction=0.5).learn(3000) for _ in range(2))
+    # buffer's) cannot be reordered by thread timing; and a training reads the learning rate's schedule as it was
+    # when the training was submitted.
+    kwargs = {"exploration_fraction": 0.5, "learning_rate": get_linear_fn(1e-3, 1e-4, 1.0)}
+    first, second = (dqn(overlap_training=True, n_envs=2, **kwargs).learn(3000) for _ in range(2))
     assert first._n_updates > 100
     for a, b in zip(first.policy.state_dict().values(), second.policy.state_dict().values(), strict=True):
         assert th.equal(a, b)
