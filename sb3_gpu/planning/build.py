@@ -50,11 +50,15 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
 
 def model_class(plan: Plan) -> type[BaseAlgorithm]:
     """The preset's class (plain SB3 where no extension is on), or sb3_gpu's subclass where the plan overlaps training
-    with collection or trains on a GPU: there its ``train()``, which reads nothing back from the device to log, spares
-    the GPU the waits of SB3's (a read of every loss). The updates are SB3's either way."""
+    with collection, compiles, or trains on a GPU: there its ``train()``, which reads nothing back from the device to
+    log, spares the GPU the waits of SB3's (a read of every loss), and the DQN family's compiles each gradient step
+    whole. The updates are SB3's either way."""
     extended = get_algo(plan.algo).extended_class
     on_gpu = plan.device.device.startswith("cuda")
-    return extended if (plan.training == "overlapped" or on_gpu) and extended is not None else plan.preset.model_class
+    compiled = plan.speed is not None and plan.speed.compile != "false"
+    if (plan.training == "overlapped" or on_gpu or compiled) and extended is not None:
+        return extended
+    return plan.preset.model_class
 
 
 def model_kwargs(plan: Plan) -> dict[str, Any]:

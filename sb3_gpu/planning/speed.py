@@ -160,6 +160,10 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
         th.backends.cudnn.allow_tf32 = speed.tf32
     if speed.amp != "off":
         enable_amp(model, speed.amp)
-    if speed.compile != "false":
-        return compile_policy(model, speed.compile, batch_size)
-    return None
+    if speed.compile == "false":
+        return None
+    failed = compile_policy(model, speed.compile, batch_size)
+    compile_step = getattr(model, "compile_step", None)  # the DQN family's gradient step, compiled whole
+    if failed is None and compile_step is not None:
+        compile_step(speed.compile)  # where the step cannot be (an optimizer other than Adam, ...) it stays torch's
+    return failed

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch as th
 import torch.nn.functional as F
+from gymnasium import spaces
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN
 
 from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
 from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.graphstep import Batch, CompiledStep, refusal
 from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
-from sb3_gpu.extensions.stepping import guard_flags, optimizer_steps, raise_for_guards
+from sb3_gpu.extensions.stepping import guard_flags, optimizer_step, optimizer_steps, raise_for_guards
 
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
@@ -28,7 +31,8 @@ class _PrioritizedTraining:
     ReplayBuffer and ``grad_accum_steps=1`` it computes exactly what SB3 computes (a test pins this).
 
     Unlike SB3's, it reads nothing back from the device to log: the losses (their mean since the last write) and the
-    device PER figures stay tensors until ``dump_logs``, which reads them in one go.
+    device PER figures stay tensors until ``dump_logs``, which reads them in one go. With :meth:`compile_step` each
+    gradient step after the sampling is one compiled graph (``extensions.graphstep``).
     """
 
     grad_accum_steps: int
@@ -53,11 +57,12 @@ class _PrioritizedTraining:
         super()._setup_model()  # type: ignore[misc]
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
+        self._compiled_step: CompiledStep | None = None
         for step in optimizer_steps(self):  # type: ignore[arg-type]
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_accumulator", "_device_log"]  # type: ignore[misc]
+        return [*super()._excluded_save_params(), "_accumulator", "_device_log", "_compiled_step"]  # type: ignore[misc]
 
     @property
     def per_beta0(self) -> float:
@@ -67,6 +72,17 @@ class _PrioritizedTraining:
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
         """The loss of each sample of ``data`` and its TD error."""
         raise NotImplementedError
+
+    def compile_step(self, mode: str = "default") -> str | None:
+        """Run each gradient step (after the sampling) as one compiled graph, a CUDA graph on CUDA with
+        ``mode="reduce-overhead"``; ``mode="eager"`` runs the same step uncompiled. Returns why the step stays
+        torch's own, or None. Call it again after ``load``."""
+        optimizer = self.policy.optimizer  # type: ignore[attr-defined]
+        guard = optimizer_step(optimizer, self.policy)  # type: ignore[attr-defined]
+        reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])  # type: ignore[attr-defined]
+        if reason is None:
+            self._compiled_step = CompiledStep(self._per_sample_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
+        return reason
 
     def _anneal_beta(self) -> float:
         progress = 1.0 - self._current_progress_remaining  # type: ignore[attr-defined]
@@ -82,16 +98,21 @@ class _PrioritizedTraining:
             per.beta = self._anneal_beta()
         if self._accumulator is not None:
             self._accumulator.reset()
+        compiled = self._compiled_step
         for _ in range(gradient_steps * self.grad_accum_steps):
             data = buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[attr-defined]
             discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
+            if compiled is not None:
+                batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
+                loss, td_errors = compiled(batch, discounts, data.weights.flatten() if per is not None else None)
+                self._device_log.mean("train/loss", loss)
+                if per is not None:  # a non-finite TD error is refused by the tree as it skipped the step
+                    self._update_priorities(per, data.indices, td_errors)
+                continue
             per_sample, td_errors = self._per_sample_loss(data, discounts)
             if per is not None:
                 # Before the backward pass: a NaN TD error is refused before anything reaches the tree or the weights.
-                if isinstance(per, DevicePrioritizedReplayBuffer):  # takes the tensor where it is: no copy to the host
-                    per.update_priorities(data.indices, td_errors.detach())
-                else:
-                    per.update_priorities(data.indices, td_errors.detach().cpu().numpy())
+                self._update_priorities(per, data.indices, td_errors.detach())
             loss = (per_sample * data.weights.flatten()).mean() if per is not None else per_sample.mean()
             self._device_log.mean("train/loss", loss)
             optimizer.zero_grad()
@@ -101,6 +122,13 @@ class _PrioritizedTraining:
             optimizer.step()
         self._n_updates += gradient_steps  # type: ignore[attr-defined]
         self._log(per)
+
+    @staticmethod
+    def _update_priorities(per: Any, indices: Any, td_errors: th.Tensor) -> None:
+        if isinstance(per, DevicePrioritizedReplayBuffer):  # takes the tensor where it is: no copy to the host
+            per.update_priorities(indices, td_errors)
+        else:
+            per.update_priorities(indices, td_errors.cpu().numpy())
 
     def _log(self, per: PrioritizedReplayBuffer | DevicePrioritizedReplayBuffer | None) -> None:
         logger = self.logger  # type: ignore[attr-defined]
@@ -156,6 +184,16 @@ class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
 
 class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
     """sb3-contrib's QR-DQN with PrioritizedDQN's extensions (each may be off)."""
+
+    def compile_step(self, mode: str = "default") -> str | None:
+        # sb3-contrib's quantile networks reshape by int(action_space.n), a NumPy integer, which dynamo can only read
+        # back from a tensor: the networks get a copy of the space whose n is a Python int.
+        for net in (self.quantile_net, self.quantile_net_target):
+            if isinstance(net.action_space, spaces.Discrete) and not isinstance(net.action_space.n, int):
+                space = copy.copy(net.action_space)
+                space.n = int(space.n)  # type: ignore[assignment]
+                net.action_space = space
+        return super().compile_step(mode)
 
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
         batch = data.observations.shape[0]

@@ -1,0 +1,193 @@
+"""A gradient step compiled whole: the loss, the backward pass, clipping, Adam's update and the NaN guard in one graph
+(``torch.compile(fullgraph=True)``), which CUDA replays as a CUDA graph with ``mode="reduce-overhead"``.
+
+Two things keep torch's usual step out of one graph: ``loss.backward()`` (dynamo traces autograd only with its
+``trace_autograd_ops`` switch, and then ``torch.autograd.grad`` rather than ``.grad`` fields) and
+``torch.optim``'s ``step``, which breaks the graph on purpose. So the step takes its gradients with
+``torch.autograd.grad`` and runs Adam's update itself, as torch's single-tensor Adam computes it, on the optimizer's
+own state (``step``, ``exp_avg``, ``exp_avg_sq``): saving, loading and resuming see an ordinary Adam. A non-finite
+gradient leaves the weights and that state untouched on the device, as fused optimizers do with ``found_inf``, and
+is counted where the NaN guard reads its flags (:func:`~sb3_gpu.extensions.stepping.guard_flags`).
+
+The same function runs uncompiled where compilation fails: it reads nothing back from the device either way.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch as th
+
+from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.stepping import OptimizerStep
+
+
+class Batch(NamedTuple):
+    """The tensors of a replay sample that a DQN-family loss reads."""
+
+    observations: th.Tensor
+    actions: th.Tensor
+    next_observations: th.Tensor
+    dones: th.Tensor
+    rewards: th.Tensor
+
+
+LossFn = Callable[[Batch, "th.Tensor | float"], tuple[th.Tensor, th.Tensor]]
+
+
+def refusal(optimizer: th.optim.Optimizer, guard: OptimizerStep, observations: Any) -> str | None:
+    """Why ``optimizer``'s steps cannot be compiled whole, or None where they can."""
+    if type(optimizer) is not th.optim.Adam:
+        return f"the compiled step runs Adam's update, and this optimizer is {type(optimizer).__name__}"
+    if len(optimizer.param_groups) != 1:
+        return "the compiled step takes one parameter group"
+    group = optimizer.param_groups[0]
+    if group["amsgrad"] or group["maximize"] or group["differentiable"] or isinstance(group["lr"], th.Tensor):
+        return "the compiled step runs plain Adam (no amsgrad, maximize, differentiable or tensor learning rate)"
+    if guard.micro_batches > 1:
+        return "gradient accumulation steps once per several backward passes"
+    if guard.loss_scale is not None:
+        return "fp16 loss scaling decides on the host whether to step"
+    if not isinstance(observations, th.Tensor):
+        return "dict observations"
+    return None
+
+
+class _Adam:
+    """Adam's update of one parameter group, traceable; the state is the optimizer's, created as Adam's first step
+    would create it."""
+
+    def __init__(self, optimizer: th.optim.Optimizer):
+        group = optimizer.param_groups[0]
+        self.params: list[th.Tensor] = [p for p in group["params"] if p.requires_grad]
+        self.beta1, self.beta2 = group["betas"]
+        self.eps, self.weight_decay = group["eps"], group["weight_decay"]
+        self.state: list[tuple[th.Tensor, th.Tensor, th.Tensor]] = []
+        for p in self.params:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = th.zeros((), dtype=th.float32, device=p.device)
+                state["exp_avg"] = th.zeros_like(p, memory_format=th.preserve_format)
+                state["exp_avg_sq"] = th.zeros_like(p, memory_format=th.preserve_format)
+            elif state["step"].device != p.device:  # a host step count would be one more input to wait for
+                state["step"] = state["step"].to(p.device)
+            self.state.append((state["step"], state["exp_avg"], state["exp_avg_sq"]))
+
+    def current(self, optimizer: th.optim.Optimizer) -> bool:
+        """Whether the optimizer still holds this state (``load_state_dict`` replaces it)."""
+        return all(optimizer.state[p].get("exp_avg") is m for p, (_, m, _) in zip(self.params, self.state, strict=True))
+
+    def apply(self, grads: Sequence[th.Tensor | None], lr: th.Tensor, ok: th.Tensor) -> None:
+        for p, g, (step, m, v) in zip(self.params, grads, self.state, strict=True):
+            if g is None:  # as torch's Adam, a parameter without a gradient is left alone
+                continue
+            if self.weight_decay:
+                g = g + self.weight_decay * p
+            new_step = step + 1
+            new_m = m.lerp(g, 1 - self.beta1)
+            new_v = v * self.beta2 + (1 - self.beta2) * g * g
+            bias1 = 1 - self.beta1**new_step
+            bias2_sqrt = (1 - self.beta2**new_step).sqrt()
+            new_p = p - (lr / bias1) * new_m / (new_v.sqrt() / bias2_sqrt + self.eps)
+            p.copy_(th.where(ok, new_p, p))
+            m.copy_(th.where(ok, new_m, m))
+            v.copy_(th.where(ok, new_v, v))
+            step.copy_(th.where(ok, new_step, step))
+
+
+class CompiledStep:
+    """One gradient step of a loss over a :class:`Batch`, compiled whole; call it with the batch, the discounts and
+    the importance weights (or None). Returns the loss and the TD errors, detached, still on the device.
+
+    :param loss_fn: the per-sample loss and TD error of a batch (the model's, reading its networks)
+    :param mode: torch.compile's mode (``default``, ``reduce-overhead`` for CUDA graphs, ``max-autotune``), or
+        ``eager`` to run the same function uncompiled
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: th.optim.Optimizer,
+        guard: OptimizerStep,
+        max_grad_norm: float | None,
+        mode: str = "default",
+    ):
+        self.optimizer, self.guard, self.mode = optimizer, guard, mode
+        self.loss_fn, self.max_grad_norm = loss_fn, max_grad_norm
+        self.fallback: str | None = None
+        self._build()
+
+    def _build(self) -> None:
+        self.adam = _Adam(self.optimizer)
+        device = self.adam.params[0].device
+        self.lr = th.zeros((), device=device)
+        self.skipped = th.zeros((), dtype=th.long, device=device)  # steps skipped for a non-finite gradient
+        self.first_bad = th.full((), -1, dtype=th.long, device=device)  # the first one's parameter, by position
+        self._names = [self.guard._names.get(id(p), "?") for p in self.adam.params]
+        # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
+        for t in (self.lr, self.skipped, self.first_bad, *(t for state in self.adam.state for t in state)):
+            th._dynamo.mark_static_address(t)
+        self._compiled: Callable[..., tuple[th.Tensor, th.Tensor]] = self._step
+        if self.mode != "eager":
+            self._compiled = th.compile(self._step, fullgraph=True, mode=None if self.mode == "default" else self.mode)
+        self._tried = self.mode == "eager"
+
+    def _step(self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
+        per_sample, td_errors = self.loss_fn(batch, discounts)
+        loss = (per_sample * weights).mean() if weights is not None else per_sample.mean()
+        params = self.adam.params
+        grads: list[th.Tensor | None] = list(th.autograd.grad(loss, params, allow_unused=True))
+        with th.no_grad():
+            norms = th.stack([th.linalg.vector_norm(g) for g in grads if g is not None])
+            total = th.linalg.vector_norm(norms)
+            # As the NaN guard's check: every gradient finite. And the loss: compiled, a NaN can reach a gradient as a
+            # zero (smooth L1's backward takes its sign, and inductor's sign of NaN is 0).
+            ok = total.isfinite() & loss.isfinite()
+            if self.max_grad_norm is not None:  # as clip_grad_norm_
+                coef = th.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+                grads = [g * coef if g is not None else None for g in grads]
+            self.adam.apply(grads, self.lr, ok)
+            found = ~ok
+            first = (~norms.isfinite()).int().argmax()  # 0 where only the loss was: the first parameter
+            self.first_bad.copy_(th.where((self.first_bad < 0) & found, first, self.first_bad))
+            self.skipped.add_(found.long())
+        return loss.detach(), td_errors.detach()
+
+    def __call__(self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
+        if not self.adam.current(self.optimizer):
+            self._build()  # the optimizer's state was replaced (a load): step on the new one
+        self.lr.fill_(self.optimizer.param_groups[0]["lr"])
+        self._share_flags()
+        if self._tried:
+            with th._dynamo.config.patch(trace_autograd_ops=True):
+                out = self._compiled(batch, discounts, weights)
+        else:
+            out = self._first_call(batch, discounts, weights)
+        self.guard.steps += 1  # tried; the skipped ones are known when the flags are read
+        return out
+
+    def _first_call(
+        self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None
+    ) -> tuple[th.Tensor, th.Tensor]:
+        self._tried = True
+        try:  # a failure shows while tracing or compiling, before the step changes anything
+            with th._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=False):
+                return self._compiled(batch, discounts, weights)
+        except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self.fallback = f"the compiled gradient step failed ({type(e).__name__}: {first[:200]}); it runs uncompiled"
+            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=3)
+            self._compiled = self._step
+            return self._step(batch, discounts, weights)
+
+    def _share_flags(self) -> None:
+        """Make the NaN guard read this step's flags, carrying over what an uncompiled step counted before."""
+        guard = self.guard
+        if guard._skipped is self.skipped:
+            return
+        if guard._skipped is not None and guard._first_bad is not None:
+            self.skipped.copy_(guard._skipped)
+            self.first_bad.copy_(guard._first_bad)
+        guard._skipped, guard._first_bad, guard._bad_names = self.skipped, self.first_bad, self._names

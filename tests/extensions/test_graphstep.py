@@ -1,0 +1,210 @@
+"""The DQN family's gradient step compiled whole (inductor on the CPU): the same updates as SB3's, no graph breaks, no
+host reads, and a non-finite gradient skipped on the device and named at the next log write."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import QRDQN
+from stable_baselines3 import DQN
+from stable_baselines3.common.logger import configure
+
+from sb3_gpu.common.errors import TrainingDiverged
+from sb3_gpu.extensions.amp import enable_amp
+from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, DeviceSumMinTree, PrioritizedDQN, PrioritizedQRDQN
+from sb3_gpu.extensions.stepping import optimizer_step, settle_guards
+from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.plan import make_plan
+
+COMMON = dict(learning_rate=1e-3, batch_size=16, learning_starts=0, seed=3, device="cpu")
+ALGOS = {
+    "dqn": (DQN, PrioritizedDQN, {"net_arch": [16]}),
+    "qrdqn": (QRDQN, PrioritizedQRDQN, {"net_arch": [16], "n_quantiles": 5}),
+}
+
+
+@pytest.fixture(autouse=True)
+def torch_trees(monkeypatch):
+    """Device PER trees run their tensor ops, as on a GPU (numba's loops, the CPU's default, read host views)."""
+    monkeypatch.setattr(DeviceSumMinTree.__init__, "__defaults__", ("cpu", 16, None, "torch"))
+
+
+def _fill(*models, n=64):
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        obs, nxt = rng.normal(size=(1, 4)).astype(np.float32), rng.normal(size=(1, 4)).astype(np.float32)
+        args = (obs, nxt, rng.integers(0, 2, (1, 1)), rng.normal(size=1), rng.integers(0, 2, 1).astype(float), [{}])
+        for m in models:
+            m.replay_buffer.add(*args)
+    for m in models:
+        m._current_progress_remaining = 1.0
+        m.set_logger(configure(None, [""]))
+
+
+def _train(model, seed, steps=1):
+    np.random.seed(seed)  # the replay buffers draw from NumPy's global generator: both models get the same batches
+    model.train(gradient_steps=steps, batch_size=16)
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_the_compiled_step_updates_as_sb3s_train(algo, mode):
+    plain_cls, ours_cls, policy_kwargs = ALGOS[algo]
+    # A small max_grad_norm, so that clipping takes part; a learning-rate schedule, read at each train().
+    kwargs = dict(COMMON, policy_kwargs=policy_kwargs, max_grad_norm=0.05, learning_rate=lambda p: 1e-3 * p)
+    plain, ours = plain_cls("MlpPolicy", "CartPole-v1", **kwargs), ours_cls("MlpPolicy", "CartPole-v1", **kwargs)
+    ours.policy.load_state_dict(plain.policy.state_dict())
+    assert ours.compile_step(mode) is None
+    _fill(plain, ours)
+    losses = []
+    for i in range(6):
+        for m in (plain, ours):
+            m._current_progress_remaining = 1.0 - i / 10
+            _train(m, seed=i)
+        losses.append(plain.logger.name_to_value["train/loss"])
+    assert ours._compiled_step.fallback is None  # compiled with fullgraph=True: no graph breaks
+    for a, b in zip(plain.policy.parameters(), ours.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert ours._device_log.read()["train/loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    # Adam's state is the optimizer's own: it saves and loads as torch's Adam does, and carries on there.
+    theirs, mine = plain.policy.optimizer.state_dict(), ours.policy.optimizer.state_dict()
+    for p in theirs["state"]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            th.testing.assert_close(theirs["state"][p][key], mine["state"][p][key], rtol=1e-5, atol=1e-7)
+    plain.policy.optimizer.load_state_dict(mine)
+    _train(plain, seed=9)
+    assert int(plain.policy.optimizer.state_dict()["state"][0]["step"]) == 7
+
+
+def _device_per_dqn(**kwargs):
+    model = PrioritizedDQN(
+        "MlpPolicy",
+        "CartPole-v1",
+        replay_buffer_class=DevicePrioritizedReplayBuffer,
+        replay_buffer_kwargs={"alpha": 0.6, "beta": 0.5},
+        policy_kwargs={"net_arch": [16]},
+        **COMMON,
+        **kwargs,
+    )
+    _fill(model)
+    return model
+
+
+def test_a_compiled_step_with_device_per_reads_nothing_back_and_equals_the_eager_one():
+    eager, compiled = _device_per_dqn(), _device_per_dqn()
+    compiled.policy.load_state_dict(eager.policy.state_dict())
+    assert compiled.compile_step() is None
+    for m in (eager, compiled):
+        _train(m, seed=0)  # compiles, and sets the optimizer's state up
+        with HostReads() as reads:
+            _train(m, seed=1, steps=4)
+        if m is compiled:
+            assert reads.total == 0, reads.sites
+    for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    leaves = th.arange(64)
+    th.testing.assert_close(eager.replay_buffer.tree[leaves], compiled.replay_buffer.tree[leaves], rtol=1e-5, atol=0)
+
+
+def test_a_non_finite_gradient_is_skipped_on_the_device_and_named_when_the_flags_are_read():
+    model = _device_per_dqn()
+    assert model.compile_step() is None
+    guard = optimizer_step(model.policy.optimizer, model.policy)
+    guard.on_non_finite = lambda name: TrainingDiverged(f"non-finite gradient in {name}")
+    _train(model, seed=0)
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    state = {k: v.clone() for k, v in model.policy.optimizer.state_dict()["state"][0].items()}
+    model.replay_buffer.rewards[:] = float("nan")  # every TD error, loss and gradient is NaN from here
+    with HostReads() as reads:
+        _train(model, seed=1, steps=3)
+    assert reads.total == 0, reads.sites
+    for a, b in zip(before, model.policy.parameters(), strict=True):
+        assert th.equal(a, b)
+    for key, value in model.policy.optimizer.state_dict()["state"][0].items():
+        assert th.equal(value, state[key]), key
+    assert int(model.replay_buffer.refused_updates) == 3  # PER refused the TD errors, on the device too
+    with pytest.raises(TrainingDiverged, match=r"non-finite gradient in q_net\.q_net\.0\.weight"):
+        settle_guards(model)
+    assert int(model._compiled_step.skipped) == 3 and guard.steps == 4
+
+
+def test_the_compiled_step_follows_a_replaced_optimizer_state():
+    model = _device_per_dqn()
+    model.compile_step()
+    _train(model, seed=0, steps=2)
+    saved = copy.deepcopy(model.policy.optimizer.state_dict())  # state_dict() holds the live tensors
+    _train(model, seed=1, steps=3)
+    model.policy.optimizer.load_state_dict(saved)  # as loading a run does: new state tensors
+    _train(model, seed=2)
+    assert int(model.policy.optimizer.state_dict()["state"][0]["step"]) == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"policy_kwargs": {"optimizer_class": th.optim.SGD}}, "runs Adam's update, and this optimizer is SGD"),
+        ({"policy_kwargs": {"optimizer_kwargs": {"amsgrad": True}}}, "plain Adam"),
+        ({"grad_accum_steps": 2}, "gradient accumulation"),
+    ],
+)
+def test_what_the_compiled_step_cannot_run_stays_torchs_own_step_with_the_reason(kwargs, reason):
+    model = PrioritizedDQN("MlpPolicy", "CartPole-v1", **COMMON, **kwargs)
+    assert reason in model.compile_step()
+    assert model._compiled_step is None
+
+
+def test_a_step_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch):
+    model = _device_per_dqn()
+    model.compile_step()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(model._compiled_step, "_compiled", broken)
+    with pytest.warns(CompileFallbackWarning, match="no C.. compiler"):
+        _train(model, seed=0, steps=2)
+    assert model._n_updates == 2 and model._compiled_step.fallback is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, seed=1)  # warned once
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_the_compiled_step_runs_under_bf16_autocast_as_the_eager_one(algo):
+    _, cls, policy_kwargs = ALGOS[algo]
+    eager, compiled = (cls("MlpPolicy", "CartPole-v1", policy_kwargs=policy_kwargs, **COMMON) for _ in range(2))
+    compiled.policy.load_state_dict(eager.policy.state_dict())
+    start = [p.detach().clone() for p in eager.policy.parameters()]
+    for m, mode in ((eager, "eager"), (compiled, "default")):
+        enable_amp(m, "bf16")
+        assert m.compile_step(mode) is None
+    _fill(eager, compiled)
+    for i in range(4):
+        for m in (eager, compiled):
+            _train(m, seed=i)
+    assert compiled._compiled_step.fallback is None
+    for a, b, s in zip(eager.policy.parameters(), compiled.policy.parameters(), start, strict=True):
+        if not th.equal(a, s):  # the online network moved (by about 4e-3), the same in both up to rounding
+            th.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_a_plan_that_compiles_dqn_compiles_its_gradient_step_and_learns():
+    plan = make_plan(
+        "dqn",
+        "CartPole-v1",
+        "cpu",
+        seed=3,
+        overrides={"compile": "default", "net_arch": [32], "learning_starts": 50, "per": False},
+        vec_env="dummy",
+    )
+    model = build_model(plan, build_env(plan))
+    assert isinstance(model, PrioritizedDQN) and model._compiled_step is not None
+    model.learn(400)
+    assert model._n_updates > 0 and model._compiled_step.fallback is None
+    assert int(model.policy.optimizer.state_dict()["state"][0]["step"]) == model._n_updates
