@@ -8,6 +8,8 @@ Sub-commands:
   envs       env steps/s of each vec env backend (SB3's two, batched, EnvPool, auto) and worker start-up
   train      a preset against plain SB3 with rl-zoo3's values: time and steps to a reward threshold
   solve      do the presets solve their envs, seed after seed: train, then evaluate the best model on fresh episodes
+  step       a gradient step and a vec env step: host reads, ops launched, graph breaks and time; SB3's own, sb3_gpu
+             eager and sb3_gpu compiled
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub.add_parser("train", help="a preset vs plain SB3 with rl-zoo3's values: time to a reward threshold"))
     _solve_parser(sub.add_parser("solve", help="presets trained seed after seed, each best model evaluated on fresh episodes"))
     _gpu_parser(sub.add_parser("gpu", help="the device data path vs SB3's: sample() of Atari frames, PPO and DQN env steps/s"))
+    step = sub.add_parser("step", help="host reads, ops, graph breaks and time per gradient step and per vec step")
+    step.add_argument(
+        "--cases", nargs="+", metavar="ALGO:ENV[:PROFILE]", help="default: DQN, QR-DQN, PPO CartPole (+ Pong on CUDA)"
+    )
+    step.add_argument("--device", default="auto", help="auto (default: cuda if there is one, else cpu), cpu, cuda, cuda:N")
+    step.add_argument("--repeats", type=positive_int, default=7, help="timed calls; medians are printed (default 7)")
+    step.add_argument("--vec-steps", type=positive_int, default=64, help="vec env steps per timed collection (default 64)")
+    step.add_argument("--out", default="bench-results", help="folder for step.json and step.md")
     auto = sub.add_parser("auto", help="auto's device, amp and threads against every alternative, idle and beside busy work")
     auto.add_argument("--cases", nargs="+", metavar="ALGO:ENV", help="default: PPO and DQN CartPole, PPO LunarLander, Pong")
     auto.add_argument("--steps", type=positive_int, default=5_000, help="env steps per run (default 5,000)")
@@ -133,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_gpu(args, command)
         if args.command == "auto":
             return _main_auto(args, command)
+        if args.command == "step":
+            return _main_step(args, command)
         return _main_per(args)
     except KeyboardInterrupt:
         print_error("interrupted; no results were written")
@@ -215,6 +227,36 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
     print(markdown)
     paths = write_results(Path(args.out), "envs", {"command": command, "rows": rows, "startup": startup}, markdown)
     print("written:", *paths)
+    return 0
+
+
+def _main_step(args: argparse.Namespace, command: str) -> int:
+    import torch as th
+
+    from sb3_gpu.benches.base import machine_line, write_results
+    from sb3_gpu.benches.step import CPU_CASES, GPU_CASES, bench_step, parse_case, rows_json, step_markdown
+
+    device = ("cuda" if th.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if not (device == "cpu" or device.startswith("cuda")):
+        print_error(f"--device: expected auto, cpu, cuda or cuda:N, got {args.device!r}")
+        return 2
+    if device.startswith("cuda") and not th.cuda.is_available():
+        print_error(f"--device {device}: this machine has no CUDA device")
+        return 2
+    cases = args.cases or (GPU_CASES if device.startswith("cuda") else CPU_CASES)
+    try:
+        for case in cases:
+            parse_case(case)
+    except ValueError as e:
+        print_error(f"--cases: {e}")
+        return 2
+    machine = machine_line() + f", device {device}"
+    print(machine)
+    rows = bench_step(cases, device, args.repeats, args.vec_steps)
+    markdown = step_markdown(rows, command, machine)
+    print(markdown)
+    paths = write_results(Path(args.out), "step", {"command": command, "machine": machine, "rows": rows_json(rows)}, markdown)
+    print("written: " + " ".join(str(p) for p in paths))
     return 0
 
 

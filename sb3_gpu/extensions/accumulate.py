@@ -16,6 +16,7 @@ from stable_baselines3 import PPO
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import OptimizerStep, guard_flags, optimizer_step, optimizer_steps, raise_for_guards
 
 
@@ -73,6 +74,10 @@ class GradAccumPPO(PPO):
         for key, value in values.items():
             self.logger.record(key, value)
         super().dump_logs(iteration)
+
+    def collect_rollouts(self, *args: Any, **kwargs: Any) -> bool:
+        with _no_argument_checks():  # building each step's distribution would read it back twice
+            return super().collect_rollouts(*args, **kwargs)
 
     def train(self) -> None:
         if self._accumulator is not None:
@@ -134,7 +139,11 @@ class GradAccumPPO(PPO):
         if kl_sum is not None:
             log.latest("train/approx_kl", kl_sum / kl_count)
         log.latest("train/loss", loss)
-        log.latest("train/explained_variance", _explained_variance(self.rollout_buffer.values, self.rollout_buffer.returns))
+        buffer = self.rollout_buffer
+        if isinstance(buffer, DeviceRolloutBuffer):  # its tensors where they are (values and returns copy to the host)
+            log.latest("train/explained_variance", _explained_variance(buffer.value_tensor, buffer.return_tensor))
+        else:
+            log.latest("train/explained_variance", _explained_variance(buffer.values, buffer.returns))
         if hasattr(self.policy, "log_std"):
             log.latest("train/std", th.exp(self.policy.log_std).mean())
         self.logger.record("train/n_updates", self._n_updates, exclude="tensorboard")

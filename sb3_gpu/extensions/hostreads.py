@@ -8,6 +8,7 @@ rather than timed: the count is the same on both, and a CPU test can hold it at 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -52,6 +53,10 @@ class HostReads(TorchFunctionMode):
         super().__init__()
         self.kinds: Counter[str] = Counter()
         self.sites: Counter[str] = Counter()
+        self._host_copies: dict[int, weakref.ref[th.Tensor]] = {}  # by id, each dropped when its tensor is
+
+    def _forget(self, key: int) -> Any:
+        return lambda _: self._host_copies.pop(key, None)
 
     @property
     def total(self) -> int:
@@ -60,10 +65,17 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = getattr(func, "__name__", "")
-        if name in READS and not _step_counter(args):
+        # The host copy of a read tensor: its .numpy() is a view of host memory that waits for nothing more (a
+        # GPU's `t.cpu().numpy()` is one wait).
+        copy = self._host_copies.get(id(args[0])) if name == "numpy" and args else None
+        copied = copy is not None and copy() is args[0]
+        if name in READS and not copied and not _step_counter(args):
             self.kinds[name] += 1
             self.sites[f"{name} at {_caller()}"] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if name == "cpu" and isinstance(out, th.Tensor):
+            self._host_copies[id(out)] = weakref.ref(out, self._forget(id(out)))
+        return out
 
 
 def _step_counter(args: Any) -> bool:

@@ -55,6 +55,17 @@ class DeviceRolloutBuffer(RolloutBuffer):
         self._generator = th.Generator(device=self.device)
 
     def reset(self) -> None:
+        if getattr(self, "_host_rows", None) is not None or isinstance(getattr(self, "value_tensor", None), th.Tensor):
+            # The same storage, zeroed: minibatches are copies (index_select), and on the CPU the host views of it
+            # stay valid (making them anew would read every tensor back).
+            for t in (self.observations, self.actions, self.rewards, self.episode_starts, self.value_tensor, self.log_probs):
+                t.zero_()
+            self.advantages.zero_()
+            self.return_tensor = th.zeros_like(self.advantages)
+            self.generator_ready = False
+            self.pos, self.full = 0, False
+            return
+
         def zeros(*shape: int, dtype: th.dtype = th.float32) -> th.Tensor:
             return th.zeros((self.buffer_size, self.n_envs, *shape), dtype=dtype, device=self.device)
 
@@ -108,11 +119,14 @@ class DeviceRolloutBuffer(RolloutBuffer):
             value.detach().reshape(self.n_envs),
             log_prob.detach().reshape(self.n_envs),
         )
+        storages = (self.observations, self.actions, self.rewards, self.episode_starts, self.value_tensor, self.log_probs)
         if self._host_rows is not None:
-            for stored, array in zip(self._host_rows, new, strict=True):
-                stored[row] = array
+            for stored, storage, array in zip(self._host_rows, storages, new, strict=True):
+                if isinstance(array, th.Tensor):  # the value and log-prob: a numpy write would read them back
+                    storage[row].copy_(array)
+                else:
+                    stored[row] = array
         else:
-            storages = (self.observations, self.actions, self.rewards, self.episode_starts, self.value_tensor, self.log_probs)
             for storage, array in zip(storages, new, strict=True):
                 # copy_ converts dtype and device in one transfer into the preallocated row
                 storage[row].copy_(th.as_tensor(array))

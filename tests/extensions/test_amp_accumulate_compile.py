@@ -14,12 +14,14 @@ import pytest
 import torch as th
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN, PPO
+from stable_baselines3.common.utils import explained_variance
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.amp import amp_state, enable_amp
 from sb3_gpu.extensions.compile import compile_policy
 from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step
 from sb3_gpu.planning.build import build_env, build_model, fused
 from sb3_gpu.planning.plan import make_plan
@@ -67,6 +69,20 @@ def test_grad_accum_of_one_is_plain_ppo_and_logs_the_same_figures_without_readin
     with HostReads() as reads:
         ours.train()
     assert reads.total == 0, reads.sites
+
+
+def test_ppo_on_the_device_rollout_buffer_reads_nothing_back_either():
+    model = GradAccumPPO(
+        "MlpPolicy", "CartPole-v1", seed=1, device="cpu", rollout_buffer_class=DeviceRolloutBuffer, **SMALL_PPO
+    )
+    model.learn(128)
+    model._device_log.read()
+    with HostReads() as reads:
+        model.train()
+    assert reads.total == 0, reads.sites  # explained variance too, from the buffer's tensors
+    buffer = model.rollout_buffer
+    expected = explained_variance(buffer.values.flatten(), buffer.returns.flatten())
+    assert model._device_log.read()["train/explained_variance"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_fused_optimizer_what_gpu_plans_take_updates_as_sb3s_does():

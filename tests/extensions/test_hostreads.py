@@ -7,9 +7,15 @@ import pickle
 
 import numpy as np
 import torch as th
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
+from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.per import PrioritizedDQN
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 
 
 def test_every_kind_of_read_is_counted_at_its_line_and_transfers_to_the_device_are_not():
@@ -19,8 +25,8 @@ def test_every_kind_of_read_is_counted_at_its_line_and_transfers_to_the_device_a
         bool(t.sum() > 0)
         float(t[0])
         int(t[1])
-        t.cpu()
         t.numpy()
+        t.cpu()
         t.tolist()
         np.asarray(t)
         t.nonzero()
@@ -38,6 +44,14 @@ def test_every_kind_of_read_is_counted_at_its_line_and_transfers_to_the_device_a
         "nonzero": 1,
     }
     assert reads.total == 9 and all(site.split(" at ")[1].startswith(__file__) for site in reads.sites)
+
+
+def test_the_numpy_view_of_a_host_copy_is_not_a_second_read():
+    t = th.arange(4.0)
+    with HostReads() as reads:
+        t.argmax().cpu().numpy()  # a GPU's actions for the envs: one wait
+        t.sum().cpu().numpy()
+    assert reads.kinds == {"cpu": 2}
 
 
 def test_an_optimizers_host_step_counters_are_not_reads_but_the_loss_is():
@@ -75,3 +89,32 @@ def test_the_log_copies_and_pickles_with_its_pending_figures():
         other.mean("train/loss", th.tensor(4.0))
         assert other.read() == {"train/loss": 3.0}
     assert log.read() == {"train/loss": 2.0}
+
+
+def _collect(model, vec_steps):
+    """``vec_steps`` steps of the model's own collection (SB3's ``collect_rollouts``), as ``learn`` runs it."""
+    _, callback = model._setup_learn(vec_steps * model.n_envs, None)
+    callback.on_training_start(locals(), globals())
+    if hasattr(model, "rollout_buffer"):
+        return model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=vec_steps)
+    freq = TrainFreq(vec_steps, TrainFrequencyUnit.STEP)
+    return model.collect_rollouts(model.env, callback, freq, model.replay_buffer, learning_starts=0)
+
+
+def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions():
+    # PPO on the device rollout buffer: values and log-probs stay tensors, distributions are built unchecked.
+    two_envs = make_vec_env("CartPole-v1", n_envs=2, seed=0)
+    ppo = GradAccumPPO("MlpPolicy", two_envs, n_steps=32, batch_size=32, rollout_buffer_class=DeviceRolloutBuffer, seed=0)
+    dqn = PrioritizedDQN(  # greedy: every action from the network
+        "MlpPolicy",
+        "CartPole-v1",
+        exploration_initial_eps=0.0,
+        exploration_final_eps=0.0,
+        seed=0,
+        replay_buffer_class=DeviceReplayBuffer,
+    )
+    for model in (ppo, dqn):
+        with HostReads() as reads:
+            _collect(model, 32)
+        assert reads.total == 32, reads.sites
+        assert all("stable_baselines3/common/" in site for site in reads.sites), reads.sites  # the actions' read

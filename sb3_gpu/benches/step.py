@@ -1,0 +1,254 @@
+"""``bench step``: what one gradient step and one vec env step cost, for SB3's own ``train()`` and collection,
+sb3_gpu's eager step (device buffers, nothing logged read back) and sb3_gpu's compiled step, in one process.
+
+Per gradient step and per vec step: host reads (the device's values read back: ``.item()``, ``.cpu()``,
+``bool(t)``, ...; counted by :class:`~sb3_gpu.extensions.hostreads.HostReads`), ops launched (the profiler's
+top-level aten ops and inductor's kernels on the CPU, kernels on CUDA: each one a launch on a GPU), graph breaks of
+the compiled step (0 where it compiled with ``fullgraph=True``), and medians of wall time. On CUDA also the GPU's
+busy share during training and whether a training passes under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch as th
+from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
+
+from sb3_gpu.config.schema import get_algo
+from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.planning.build import build_env, model_kwargs
+from sb3_gpu.planning.plan import make_plan
+
+# (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand.
+CPU_CASES = ["dqn:CartPole-v1", "qrdqn:CartPole-v1", "ppo:CartPole-v1"]
+GPU_CASES = [*CPU_CASES, "dqn:ALE/Pong-v5:large", "ppo:ALE/Pong-v5"]
+VARIANTS = ("sb3", "eager", "compiled")
+# aten ops that only make a view or change metadata: no kernel runs for them.
+_NO_KERNEL = frozenset(
+    (
+        *("view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "expand", "as_strided"),
+        *("t", "transpose", "permute", "select", "slice", "unbind", "split", "chunk", "alias", "detach"),
+        *("lift_fresh", "to", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg"),
+    )
+)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One variant of one case: per gradient step (``grad_*``) and per vec step (``vec_*``)."""
+
+    case: str
+    variant: str
+    grad_reads: float
+    grad_ops: float
+    grad_ms: float
+    vec_reads: float
+    vec_ops: float
+    vec_ms: float
+    graph_breaks: str  # "0" (fullgraph), "-" (not compiled), or why compiling fell back
+    gpu_busy: float | None = None
+    sync_free: str | None = None  # "yes", or the first line of what set_sync_debug_mode("error") raised
+
+
+def parse_case(text: str) -> tuple[str, str, str]:
+    """``algo:env[:profile]``, e.g. ``dqn:ALE/Pong-v5:large``."""
+    algo, _, rest = text.partition(":")
+    env, _, profile = rest.partition(":")
+    if not algo or not env:
+        raise ValueError(f"a case is ALGO:ENV or ALGO:ENV:PROFILE, got {text!r}")
+    return algo, env, profile or "auto"
+
+
+def _model(algo: str, env: str, profile: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
+    """A model of the variant, warmed up on its own data (buffers filled, compiled), and its graph-break note."""
+    off_policy = algo != "ppo"
+    overrides: dict[str, Any] = {"amp": "off", "compile": False, "device_buffers": variant != "sb3"}
+    if off_policy:
+        overrides |= {"per": False, "learning_starts": 1_000}  # SB3's own train() has no PER; a short warm-up
+    plan = make_plan(algo, env, device, seed=0, profile=profile, overrides=overrides, vec_env="dummy")
+    kwargs = model_kwargs(plan)
+    spec = get_algo(algo)
+    cls = plan.preset.model_class if variant == "sb3" else spec.extended_class
+    assert cls is not None
+    if variant == "sb3":
+        kwargs.pop("grad_accum_steps", None)
+    model: Any = cls(plan.preset.policy, build_env(plan), device=plan.device.device, seed=0, **kwargs)
+    breaks = "-"
+    if variant == "compiled":
+        compile_step = getattr(model, "compile_step", None)
+        if compile_step is None:
+            return model, "not built for this algorithm"
+        refused = compile_step("reduce-overhead" if plan.device.device.startswith("cuda") else "default")
+        if refused:
+            return model, f"not compiled: {refused}"
+    model.learn(model.learning_starts + 1_000 if off_policy else model.n_steps * model.n_envs)
+    if variant == "compiled":
+        _train(model)  # compiles now, if learn did not train yet
+        breaks = model._compiled_step.fallback or "0"  # fullgraph=True: compiled means no graph break
+    return model, breaks
+
+
+def _gradient_steps(model: Any) -> int:
+    """Gradient steps per ``train()`` call, as ``learn`` makes them."""
+    if hasattr(model, "n_epochs"):
+        return model.n_epochs * -(-model.n_steps * model.n_envs // model.batch_size)
+    return max(model.gradient_steps, 1)
+
+
+def _train(model: Any) -> None:
+    if hasattr(model, "n_epochs"):
+        model.train()
+    else:
+        model.train(gradient_steps=max(model.gradient_steps, 1), batch_size=model.batch_size)
+
+
+def _collector(model: Any, vec_steps: int) -> tuple[Callable[[], None], int]:
+    """A call of the model's own collection (``collect_rollouts``, exploring as ``learn`` does) and its vec steps:
+    ``vec_steps``, at most a rollout for PPO (whose buffer holds one)."""
+    # A learn of one step more than done: its progress is at the end, so that DQN explores at its final rate and
+    # most actions come from the network.
+    _, callback = model._setup_learn(1, None, reset_num_timesteps=False)
+    callback.on_training_start(locals(), globals())
+    if hasattr(model, "rollout_buffer"):
+        steps = min(vec_steps, model.n_steps)
+
+        def rollout() -> None:
+            model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=steps)
+
+        return rollout, steps
+    freq = TrainFreq(vec_steps, TrainFrequencyUnit.STEP)
+
+    def replay() -> None:
+        model.collect_rollouts(model.env, callback, freq, model.replay_buffer, learning_starts=0)
+
+    return replay, vec_steps
+
+
+def _sync(device: th.device) -> None:
+    if device.type == "cuda":
+        th.cuda.synchronize(device)
+
+
+def _count(fn: Callable[[], None], device: th.device) -> tuple[int, int, float | None]:
+    """Host reads and ops launched by one call of ``fn``, and on CUDA the GPU's busy share of its wall time."""
+    cuda = device.type == "cuda"
+    activities = [th.profiler.ProfilerActivity.CPU] + ([th.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with HostReads():  # a compiled step meets the counting mode here first: any recompiling for it is done now
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    with HostReads() as reads, th.profiler.profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    wall = time.perf_counter() - start
+    events = list(prof.events())
+    if cuda:
+        kernels = [e for e in events if e.device_type == th.autograd.DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / wall
+        return reads.total, len(kernels), min(busy, 1.0)
+    # On the CPU: the ops that would each be a kernel on a GPU, the innermost aten ops that compute (not views or
+    # no-op casts), and inductor's kernels (events of their own with enable_kernel_profile).
+    ops = 0
+    for e in events:
+        if e.name.startswith(("cpp_fused", "graph_")):
+            ops += 1
+        elif e.name.startswith("aten::") and e.name[6:] not in _NO_KERNEL:
+            ops += not any(c.name.startswith("aten::") for c in e.cpu_children)
+    return reads.total, ops, None
+
+
+def _median_seconds(fn: Callable[[], None], device: th.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync_free(fn: Callable[[], None], device: th.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    th.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "yes"
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0][:120]
+    finally:
+        th.cuda.set_sync_debug_mode("default")
+
+
+def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int) -> list[StepRow]:
+    """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled)."""
+    # Inductor's CPU kernels then show in the profiler, one event per kernel call, as CUDA kernels do.
+    th._inductor.config.cpp.enable_kernel_profile = True
+    rows = []
+    for text in cases:
+        algo, env, profile = parse_case(text)
+        for variant in VARIANTS:
+            model, breaks = _model(algo, env, profile, device, variant)
+            if breaks.startswith("not "):
+                print(f"  {text}, {variant}: {breaks}", flush=True)
+                continue
+            dev, per_train = model.device, _gradient_steps(model)
+            collect, vec_steps_done = _collector(model, vec_steps)
+
+            def train(model: Any = model) -> None:
+                _train(model)
+
+            grad_reads, grad_ops, busy = _count(train, dev)
+            vec_reads, vec_ops, _ = _count(collect, dev)
+            grad_s = _median_seconds(train, dev, repeats) / per_train
+            vec_s = _median_seconds(collect, dev, repeats) / vec_steps_done
+            row = StepRow(
+                text,
+                variant,
+                grad_reads / per_train,
+                grad_ops / per_train,
+                grad_s * 1e3,
+                vec_reads / vec_steps_done,
+                vec_ops / vec_steps_done,
+                vec_s * 1e3,
+                breaks,
+                busy,
+                _sync_free(train, dev),
+            )
+            rows.append(row)
+            print(f"  {text}, {variant}: done", flush=True)
+            del model
+    return rows
+
+
+def step_markdown(rows: list[StepRow], command: str, machine: str) -> str:
+    """The rows as a markdown table, with each variant's ops per gradient step as a share of SB3's."""
+    sb3_ops = {r.case: r.grad_ops for r in rows if r.variant == "sb3"}
+    lines = [
+        f"`{command}`",
+        "",
+        machine,
+        "",
+        "| case | variant | reads / grad step | ops / grad step | vs SB3 | ms / grad step | reads / vec step "
+        "| ops / vec step | ms / vec step | graph breaks | GPU busy | sync-free |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        share = f"{r.grad_ops / sb3_ops[r.case]:.2f}x" if sb3_ops.get(r.case) else "-"
+        busy = f"{r.gpu_busy:.0%}" if r.gpu_busy is not None else "-"
+        lines.append(
+            f"| {r.case} | {r.variant} | {r.grad_reads:.2f} | {r.grad_ops:.1f} | {share} | {r.grad_ms:.3f} "
+            f"| {r.vec_reads:.2f} | {r.vec_ops:.1f} | {r.vec_ms:.3f} | {r.graph_breaks} | {busy} | {r.sync_free or '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def rows_json(rows: list[StepRow]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]
