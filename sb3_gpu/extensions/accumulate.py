@@ -16,6 +16,7 @@ from stable_baselines3 import PPO
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.graphstep import CompiledStep, refusal
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import OptimizerStep, guard_flags, optimizer_step, optimizer_steps, raise_for_guards
 
@@ -48,7 +49,8 @@ class GradAccumPPO(PPO):
     step for step, but reads nothing back from the device to log: the losses, clip fraction, approx KL, explained
     variance and std stay tensors until ``dump_logs`` reads them in one go; and the action distributions it builds skip
     torch's argument checks (each a wait for the device). With ``target_kl`` set, each minibatch's approx KL is read,
-    as SB3 reads it, to stop early. The minibatches per epoch must be a multiple of ``grad_accum_steps``.
+    as SB3 reads it, to stop early. The minibatches per epoch must be a multiple of ``grad_accum_steps``. With
+    :meth:`compile_step` each minibatch's step after the slicing is one compiled graph (``extensions.graphstep``).
     """
 
     def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
@@ -60,11 +62,27 @@ class GradAccumPPO(PPO):
         self.grad_accum_steps = check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
+        self._compiled_step: CompiledStep | None = None
         for step in optimizer_steps(self):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_accumulator", "_device_log"]
+        return [*super()._excluded_save_params(), "_accumulator", "_device_log", "_compiled_step", "_clip_ranges"]
+
+    def compile_step(self, mode: str = "default") -> str | None:
+        """Run each minibatch's gradient step (after the slicing) as one compiled graph, a CUDA graph on CUDA with
+        ``mode="reduce-overhead"``; ``mode="eager"`` runs the same step uncompiled. Returns why the step stays
+        torch's own, or None. Call it again after ``load``."""
+        if self.target_kl is not None:
+            return "target_kl decides on the host, before each step, whether to take it"
+        optimizer = self.policy.optimizer
+        guard = optimizer_step(optimizer, self.policy)
+        reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])
+        if reason is None:
+            self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode)
+            # The clip ranges as tensors: a schedule's new float each train() would compile the step anew.
+            self._clip_ranges = th.zeros(2, device=self.device)
+        return reason
 
     def dump_logs(self, iteration: int = 0) -> None:
         for key, flag in guard_flags(self).items():
@@ -87,12 +105,54 @@ class GradAccumPPO(PPO):
         if self._accumulator is not None:
             self._accumulator.reset()  # target_kl may stop an epoch between micro-batches
 
+    def _minibatch_loss(
+        self,
+        observations: th.Tensor,
+        actions: th.Tensor,
+        old_values: th.Tensor,
+        old_log_prob: th.Tensor,
+        advantages: th.Tensor,
+        returns: th.Tensor,
+        clip_range: float | th.Tensor,
+        clip_range_vf: float | th.Tensor | None,
+    ) -> tuple[th.Tensor, tuple[th.Tensor, th.Tensor]]:
+        """SB3's PPO loss of a minibatch, with the figures it logs (stacked in ``_FIGURES``' order) and the approx KL."""
+        values, log_prob, entropy = self.policy.evaluate_actions(observations, actions)
+        values = values.flatten()
+        if self.normalize_advantage and len(advantages) > 1:  # one sample has no spread (SB3 issue #325)
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        ratio = th.exp(log_prob - old_log_prob)
+        policy_loss = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)).mean()  # type: ignore[arg-type]
+        clip_fraction = th.mean((th.abs(ratio - 1) > clip_range).float())
+        if clip_range_vf is None:
+            values_pred = values
+        else:  # the value's change from the rollout's, clipped (this depends on the reward scale)
+            values_pred = old_values + th.clamp(values - old_values, -clip_range_vf, clip_range_vf)  # type: ignore[arg-type]
+        value_loss = F.mse_loss(returns, values_pred)
+        entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
+        loss = policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
+        with th.no_grad():  # the approximate reverse KL (Schulman's k3 estimator), as SB3 computes it
+            log_ratio = log_prob - old_log_prob
+            approx_kl = th.mean((th.exp(log_ratio) - 1) - log_ratio)
+        figures = th.stack([policy_loss, clip_fraction, value_loss, entropy_loss]).detach()
+        return loss, (figures, approx_kl)
+
+    def _graph_loss(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, th.Tensor]]:
+        out = self._minibatch_loss(*inputs)
+        # SB3's evaluate_actions keeps the distribution on the policy: a tensor of the graph's autograd graph that
+        # would leave the compiled step (which dynamo refuses). Nothing reads it after the step.
+        self.policy.action_dist.distribution = None  # type: ignore[assignment]
+        return out
+
     def _train(self) -> None:
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         clip_range = self.clip_range(self._current_progress_remaining)  # type: ignore[operator]
         clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(self._current_progress_remaining)  # type: ignore[operator]
         log = self._device_log
+        compiled = self._compiled_step
+        if compiled is not None:
+            self._clip_ranges.copy_(th.tensor([clip_range, clip_range_vf or 0.0]))
         continue_training = True
         for epoch in range(self.n_epochs):
             kl_sum, kl_count = None, 0  # SB3 logs the approx KL of the last epoch only
@@ -100,30 +160,23 @@ class GradAccumPPO(PPO):
                 actions = rollout_data.actions
                 if isinstance(self.action_space, spaces.Discrete):
                     actions = rollout_data.actions.long().flatten()
-                values, log_prob, entropy = self.policy.evaluate_actions(rollout_data.observations, actions)
-                values = values.flatten()
-                advantages = rollout_data.advantages
-                if self.normalize_advantage and len(advantages) > 1:  # one sample has no spread (SB3 issue #325)
-                    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-                ratio = th.exp(log_prob - rollout_data.old_log_prob)
-                policy_loss = -th.min(advantages * ratio, advantages * th.clamp(ratio, 1 - clip_range, 1 + clip_range)).mean()
-                log.mean("train/policy_gradient_loss", policy_loss)
-                log.mean("train/clip_fraction", th.mean((th.abs(ratio - 1) > clip_range).float()))
-                if clip_range_vf is None:
-                    values_pred = values
-                else:  # the value's change from the rollout's, clipped (this depends on the reward scale)
-                    values_pred = rollout_data.old_values + th.clamp(
-                        values - rollout_data.old_values, -clip_range_vf, clip_range_vf
-                    )
-                value_loss = F.mse_loss(rollout_data.returns, values_pred)
-                log.mean("train/value_loss", value_loss)
-                entropy_loss = -th.mean(-log_prob) if entropy is None else -th.mean(entropy)
-                log.mean("train/entropy_loss", entropy_loss)
-                loss = policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss
-                with th.no_grad():  # the approximate reverse KL (Schulman's k3 estimator), as SB3 computes it
-                    log_ratio = log_prob - rollout_data.old_log_prob
-                    approx_kl = th.mean((th.exp(log_ratio) - 1) - log_ratio)
+                inputs = (
+                    rollout_data.observations,
+                    actions,
+                    rollout_data.old_values,
+                    rollout_data.old_log_prob,
+                    rollout_data.advantages,
+                    rollout_data.returns,
+                )
+                if compiled is not None:
+                    ranges = self._clip_ranges
+                    loss, (figures, approx_kl) = compiled(*inputs, ranges[0], None if clip_range_vf is None else ranges[1])
+                else:
+                    loss, (figures, approx_kl) = self._minibatch_loss(*inputs, clip_range, clip_range_vf)
+                log.means(_FIGURES, figures)
                 kl_sum, kl_count = approx_kl if kl_sum is None else kl_sum + approx_kl, kl_count + 1
+                if compiled is not None:
+                    continue
                 if self.target_kl is not None and float(approx_kl) > 1.5 * self.target_kl:  # the one read allowed
                     continue_training = False
                     if self.verbose >= 1:
@@ -150,6 +203,10 @@ class GradAccumPPO(PPO):
         self.logger.record("train/clip_range", clip_range)
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)
+
+
+# What each minibatch logs (their means over the minibatches since the last write), in _minibatch_loss's order.
+_FIGURES = ("train/policy_gradient_loss", "train/clip_fraction", "train/value_loss", "train/entropy_loss")
 
 
 def _explained_variance(predicted: th.Tensor | np.ndarray, returns: th.Tensor | np.ndarray) -> th.Tensor:

@@ -20,8 +20,8 @@ class DeviceLog:
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, th.Tensor] = {}
-        self._counts: dict[str, int] = {}
+        self._sums: dict[str | tuple[str, ...], th.Tensor] = {}
+        self._counts: dict[str | tuple[str, ...], int] = {}
         self._latest: dict[str, th.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -40,6 +40,10 @@ class DeviceLog:
             self._sums[key] = value.double() if total is None else total + value
             self._counts[key] = self._counts.get(key, 0) + 1
 
+    def means(self, keys: tuple[str, ...], values: th.Tensor) -> None:
+        """Add each element of ``values`` (1-dim) to the mean logged as the key at its position: one add for all."""
+        self.mean(keys, values)  # type: ignore[arg-type]
+
     def latest(self, key: str, value: th.Tensor) -> None:
         """Log ``value`` (a 0-dim tensor) as ``key``, unless a later one replaces it before the write."""
         with self._lock:
@@ -48,8 +52,15 @@ class DeviceLog:
     def read(self) -> dict[str, float]:
         """Every pending figure as a number, with one read from the device, and forget them."""
         with self._lock:
-            keys = [*self._sums, *self._latest]
-            tensors = [*(total / self._counts[k] for k, total in self._sums.items()), *self._latest.values()]
+            keys: list[str] = []
+            tensors: list[th.Tensor] = []
+            for key, total in self._sums.items():
+                mean = total / self._counts[key]
+                names = key if isinstance(key, tuple) else (key,)
+                keys += names
+                tensors += list(mean.reshape(len(names)).unbind())
+            keys += self._latest
+            tensors += self._latest.values()
             self._sums, self._counts, self._latest = {}, {}, {}
         if not keys:
             return {}

@@ -14,6 +14,7 @@ The same function runs uncompiled where compilation fails: it reads nothing back
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -34,7 +35,8 @@ class Batch(NamedTuple):
     rewards: th.Tensor
 
 
-LossFn = Callable[[Batch, "th.Tensor | float"], tuple[th.Tensor, th.Tensor]]
+# The loss of a minibatch and the figures to hand back with it (TD errors, logged values), from the step's inputs.
+LossFn = Callable[..., tuple[th.Tensor, tuple[th.Tensor, ...]]]
 
 
 def refusal(optimizer: th.optim.Optimizer, guard: OptimizerStep, observations: Any) -> str | None:
@@ -98,10 +100,11 @@ class _Adam:
 
 
 class CompiledStep:
-    """One gradient step of a loss over a :class:`Batch`, compiled whole; call it with the batch, the discounts and
-    the importance weights (or None). Returns the loss and the TD errors, detached, still on the device.
+    """One gradient step of a loss, compiled whole; call it with the loss function's inputs. Returns the loss and the
+    loss function's other outputs, detached, still on the device.
 
-    :param loss_fn: the per-sample loss and TD error of a batch (the model's, reading its networks)
+    :param loss_fn: the loss and the figures to return with it (the model's, reading its networks); float inputs
+        that change between calls (clip ranges) are better passed as 0-dim tensors, each new float compiles anew
     :param mode: torch.compile's mode (``default``, ``reduce-overhead`` for CUDA graphs, ``max-autotune``), or
         ``eager`` to run the same function uncompiled
     """
@@ -129,14 +132,18 @@ class CompiledStep:
         # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
         for t in (self.lr, self.skipped, self.first_bad, *(t for state in self.adam.state for t in state)):
             th._dynamo.mark_static_address(t)
-        self._compiled: Callable[..., tuple[th.Tensor, th.Tensor]] = self._step
+        self._compiled: Callable[..., tuple[th.Tensor, tuple[th.Tensor, ...]]] = self._step
         if self.mode != "eager":
-            self._compiled = th.compile(self._step, fullgraph=True, mode=None if self.mode == "default" else self.mode)
+            # A code object of its own: dynamo keeps compiled graphs per code object, and every model's step would
+            # otherwise count against one recompile limit (8), which a process training several models reaches.
+            raw = CompiledStep._step
+            own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
+            step = types.MethodType(own, self)
+            self._compiled = th.compile(step, fullgraph=True, mode=None if self.mode == "default" else self.mode)
         self._tried = self.mode == "eager"
 
-    def _step(self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
-        per_sample, td_errors = self.loss_fn(batch, discounts)
-        loss = (per_sample * weights).mean() if weights is not None else per_sample.mean()
+    def _step(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
+        loss, figures = self.loss_fn(*inputs)
         params = self.adam.params
         grads: list[th.Tensor | None] = list(th.autograd.grad(loss, params, allow_unused=True))
         with th.no_grad():
@@ -153,34 +160,32 @@ class CompiledStep:
             first = (~norms.isfinite()).int().argmax()  # 0 where only the loss was: the first parameter
             self.first_bad.copy_(th.where((self.first_bad < 0) & found, first, self.first_bad))
             self.skipped.add_(found.long())
-        return loss.detach(), td_errors.detach()
+        return loss.detach(), tuple(f.detach() for f in figures)
 
-    def __call__(self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None) -> tuple[th.Tensor, th.Tensor]:
+    def __call__(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         if not self.adam.current(self.optimizer):
             self._build()  # the optimizer's state was replaced (a load): step on the new one
         self.lr.fill_(self.optimizer.param_groups[0]["lr"])
         self._share_flags()
         if self._tried:
             with th._dynamo.config.patch(trace_autograd_ops=True):
-                out = self._compiled(batch, discounts, weights)
+                out = self._compiled(*inputs)
         else:
-            out = self._first_call(batch, discounts, weights)
+            out = self._first_call(*inputs)
         self.guard.steps += 1  # tried; the skipped ones are known when the flags are read
         return out
 
-    def _first_call(
-        self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None
-    ) -> tuple[th.Tensor, th.Tensor]:
+    def _first_call(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         self._tried = True
         try:  # a failure shows while tracing or compiling, before the step changes anything
             with th._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=False):
-                return self._compiled(batch, discounts, weights)
+                return self._compiled(*inputs)
         except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             self.fallback = f"the compiled gradient step failed ({type(e).__name__}: {first[:200]}); it runs uncompiled"
             warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=3)
             self._compiled = self._step
-            return self._step(batch, discounts, weights)
+            return self._step(*inputs)
 
     def _share_flags(self) -> None:
         """Make the NaN guard read this step's flags, carrying over what an uncompiled step counted before."""

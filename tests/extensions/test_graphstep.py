@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 import torch as th
 from sb3_contrib import QRDQN
-from stable_baselines3 import DQN
+from stable_baselines3 import DQN, PPO
 from stable_baselines3.common.logger import configure
 
 from sb3_gpu.common.errors import TrainingDiverged
+from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.amp import enable_amp
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, DeviceSumMinTree, PrioritizedDQN, PrioritizedQRDQN
+from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
@@ -208,3 +210,48 @@ def test_a_plan_that_compiles_dqn_compiles_its_gradient_step_and_learns():
     model.learn(400)
     assert model._n_updates > 0 and model._compiled_step.fallback is None
     assert int(model.policy.optimizer.state_dict()["state"][0]["step"]) == model._n_updates
+
+
+SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
+
+
+@pytest.mark.parametrize("clip_range_vf", [None, 0.2])
+def test_ppos_compiled_step_updates_and_logs_as_sb3s_train(clip_range_vf):
+    # One rollout each, then one train() (4 minibatch steps): the same actions, so the same data for both.
+    kwargs = dict(SMALL_PPO, clip_range_vf=clip_range_vf, clip_range=lambda p: 0.1 + 0.1 * p)
+    ours = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **kwargs)
+    assert ours.compile_step() is None
+    ours.learn(64)
+    plain = PPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **kwargs).learn(64)
+    assert ours._compiled_step.fallback is None and ours._n_updates == plain._n_updates == 2
+    for a, b in zip(ours.policy.parameters(), plain.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    pending = ours._device_log.read()
+    for key in ("policy_gradient_loss", "value_loss", "entropy_loss", "clip_fraction", "approx_kl", "loss"):
+        expected = float(plain.logger.name_to_value[f"train/{key}"])
+        assert pending[f"train/{key}"] == pytest.approx(expected, rel=1e-4, abs=1e-6), key
+
+
+def test_ppos_compiled_step_on_the_device_rollout_buffer_reads_nothing_back():
+    kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **kwargs)
+    assert model.compile_step() is None
+    model.learn(64)
+    with HostReads() as reads:
+        model.train()
+    assert reads.total == 0, reads.sites
+
+
+def test_ppo_with_target_kl_keeps_torchs_step():
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", device="cpu", target_kl=0.01, **SMALL_PPO)
+    assert "target_kl decides on the host" in model.compile_step()
+    assert model._compiled_step is None
+
+
+def test_many_models_in_one_process_each_compile_their_step():
+    # Dynamo's recompile limit (8) is per code object: each step has one of its own, as a tuning study needs.
+    for _ in range(9):
+        model = _device_per_dqn()
+        assert model.compile_step() is None
+        _train(model, seed=0)
+        assert model._compiled_step.fallback is None

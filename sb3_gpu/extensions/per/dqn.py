@@ -81,8 +81,15 @@ class _PrioritizedTraining:
         guard = optimizer_step(optimizer, self.policy)  # type: ignore[attr-defined]
         reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])  # type: ignore[attr-defined]
         if reason is None:
-            self._compiled_step = CompiledStep(self._per_sample_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
+            self._compiled_step = CompiledStep(self._weighted_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
         return reason
+
+    def _weighted_loss(
+        self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None
+    ) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
+        """The compiled step's loss: the batch mean, importance-weighted with PER; and the TD errors."""
+        per_sample, td_errors = self._per_sample_loss(batch, discounts)
+        return (per_sample * weights).mean() if weights is not None else per_sample.mean(), (td_errors,)
 
     def _anneal_beta(self) -> float:
         progress = 1.0 - self._current_progress_remaining  # type: ignore[attr-defined]
@@ -104,7 +111,7 @@ class _PrioritizedTraining:
             discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
             if compiled is not None:
                 batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
-                loss, td_errors = compiled(batch, discounts, data.weights.flatten() if per is not None else None)
+                loss, (td_errors,) = compiled(batch, discounts, data.weights.flatten() if per is not None else None)
                 self._device_log.mean("train/loss", loss)
                 if per is not None:  # a non-finite TD error is refused by the tree as it skipped the step
                     self._update_priorities(per, data.indices, td_errors)
