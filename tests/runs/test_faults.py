@@ -406,8 +406,11 @@ FUSED = {"policy_kwargs.optimizer_kwargs": {"fused": True}}
         # Fused optimizers: the guard skips the step on the device, and the run stops at the next log write.
         ("ppo", {"n_steps": 128, "grad_accum_steps": 2, **FUSED}),
         ("dqn", {"per": True, "device_buffers": True, "learning_starts": 200, **FUSED}),
+        # Compiled steps decide on the device too.
+        ("ppo", {"n_steps": 128, "compile": "default"}),
+        ("dqn", {"per": True, "device_buffers": True, "learning_starts": 200, "compile": "default"}),
     ],
-    ids=["ppo", "dqn", "dqn-per", "ppo-fused", "dqn-device-per-fused"],
+    ids=["ppo", "dqn", "dqn-per", "ppo-fused", "dqn-device-per-fused", "ppo-compiled", "dqn-device-per-compiled"],
 )
 def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, overrides):
     if overrides.get("device_buffers"):
@@ -429,7 +432,7 @@ def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, o
         assert first_non_finite(_load(tmp_path, state.model).policy) is None
     # A skipped step is read at the next log write: one more rollout (PPO) or a few episodes (DQN) may run first.
     assert zip_timesteps(tmp_path / "model.zip") <= 2 * 400 + 256 + (
-        512 if "policy_kwargs.optimizer_kwargs" in overrides else 0
+        512 if {"policy_kwargs.optimizer_kwargs", "compile"} & set(overrides) else 0
     )
     if overrides.get("per"):
         # The priorities kept their finite values, so the saved buffer stays usable.
