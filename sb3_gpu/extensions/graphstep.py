@@ -81,7 +81,9 @@ class _Adam:
         """Whether the optimizer still holds this state (``load_state_dict`` replaces it)."""
         return all(optimizer.state[p].get("exp_avg") is m for p, (_, m, _) in zip(self.params, self.state, strict=True))
 
-    def apply(self, grads: Sequence[th.Tensor | None], lr: th.Tensor, ok: th.Tensor) -> None:
+    def apply(self, grads: Sequence[th.Tensor | None], lr: th.Tensor, ok: th.Tensor) -> th.Tensor:
+        """Update where ``ok`` and every new weight is finite; returns whether the update was applied."""
+        updates = []
         for p, g, (step, m, v) in zip(self.params, grads, self.state, strict=True):
             if g is None:  # as torch's Adam, a parameter without a gradient is left alone
                 continue
@@ -93,10 +95,13 @@ class _Adam:
             bias1 = 1 - self.beta1**new_step
             bias2_sqrt = (1 - self.beta2**new_step).sqrt()
             new_p = p - (lr / bias1) * new_m / (new_v.sqrt() / bias2_sqrt + self.eps)
-            p.copy_(th.where(ok, new_p, p))
-            m.copy_(th.where(ok, new_m, m))
-            v.copy_(th.where(ok, new_v, v))
-            step.copy_(th.where(ok, new_step, step))
+            updates.append(((p, new_p), (m, new_m), (v, new_v), (step, new_step)))
+        # A finite gradient can still make a weight overflow: such a step is skipped too, so the weights stay finite.
+        ok = ok & th.stack([new_p.isfinite().all() for (_, new_p), *_ in updates]).all()
+        for pairs in updates:
+            for old, new in pairs:
+                old.copy_(th.where(ok, new, old))
+        return ok
 
 
 class CompiledStep:
@@ -129,6 +134,7 @@ class CompiledStep:
         self.skipped = th.zeros((), dtype=th.long, device=device)  # steps skipped for a non-finite gradient
         self.first_bad = th.full((), -1, dtype=th.long, device=device)  # the first one's parameter, by position
         self._names = [self.guard._names.get(id(p), "?") for p in self.adam.params]
+        self.guard.compiled = True  # the NaN guard need not read the weights at each rollout: they stay finite
         # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
         for t in (self.lr, self.skipped, self.first_bad, *(t for state in self.adam.state for t in state)):
             th._dynamo.mark_static_address(t)
@@ -155,9 +161,8 @@ class CompiledStep:
             if self.max_grad_norm is not None:  # as clip_grad_norm_
                 coef = th.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
                 grads = [g * coef if g is not None else None for g in grads]
-            self.adam.apply(grads, self.lr, ok)
-            found = ~ok
-            first = (~norms.isfinite()).int().argmax()  # 0 where only the loss was: the first parameter
+            found = ~self.adam.apply(grads, self.lr, ok)
+            first = (~norms.isfinite()).int().argmax()  # 0 where only the loss or a new weight was: the first
             self.first_bad.copy_(th.where((self.first_bad < 0) & found, first, self.first_bad))
             self.skipped.add_(found.long())
         return loss.detach(), tuple(f.detach() for f in figures)

@@ -103,6 +103,7 @@ class OptimizerStep:
         self.steps = 0
         self.listeners: list[Callable[[], None]] = []
         self.defer_checks = False
+        self.compiled = False  # a compiled step (extensions.graphstep) takes the steps and keeps the weights finite
         self._skipped: th.Tensor | None = None  # steps skipped on the device for a non-finite gradient
         self._first_bad: th.Tensor | None = None  # the position, among _bad_names, of the first one's parameter
         self._bad_names: list[str] = []

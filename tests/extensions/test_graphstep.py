@@ -23,6 +23,7 @@ from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.callbacks import NanGuard
 
 COMMON = dict(learning_rate=1e-3, batch_size=16, learning_starts=0, seed=3, device="cpu")
 ALGOS = {
@@ -91,8 +92,7 @@ def _device_per_dqn(**kwargs):
         replay_buffer_class=DevicePrioritizedReplayBuffer,
         replay_buffer_kwargs={"alpha": 0.6, "beta": 0.5},
         policy_kwargs={"net_arch": [16]},
-        **COMMON,
-        **kwargs,
+        **{**COMMON, **kwargs},
     )
     _fill(model)
     return model
@@ -255,3 +255,19 @@ def test_many_models_in_one_process_each_compile_their_step():
         assert model.compile_step() is None
         _train(model, seed=0)
         assert model._compiled_step.fallback is None
+
+
+def test_a_step_that_would_overflow_a_weight_is_skipped_and_the_guard_needs_no_read_per_rollout():
+    model = _device_per_dqn(learning_rate=1e38)  # finite gradients, but an update far beyond float32's range
+    model.compile_step()
+    guard = NanGuard()
+    guard.init_callback(model)
+    guard.on_training_start(locals(), globals())
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    _train(model, seed=0, steps=2)
+    assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
+    with HostReads() as reads:
+        guard.on_rollout_start()  # the weights cannot have turned non-finite: nothing read
+    assert reads.total == 0
+    with pytest.raises(TrainingDiverged, match=r"q_net\.q_net\.0\.weight is NaN or inf"):
+        settle_guards(model)
