@@ -2,8 +2,9 @@
 sb3_gpu's eager step (device buffers, nothing logged read back) and sb3_gpu's compiled step, in one process.
 
 Per gradient step and per vec step: host reads (the device's values read back: ``.item()``, ``.cpu()``,
-``bool(t)``, ...; counted by :class:`~sb3_gpu.extensions.hostreads.HostReads`), ops launched (the profiler's
-top-level aten ops and inductor's kernels on the CPU, kernels on CUDA: each one a launch on a GPU), graph breaks of
+``bool(t)``, ...; counted by :class:`~sb3_gpu.extensions.hostreads.HostReads`), ops launched (on the CPU the
+innermost aten ops that compute and inductor's kernels, each one a launch on a GPU; on CUDA the kernels that ran,
+those a CUDA graph replays with one launch included), graph breaks of
 the compiled step (0 where it compiled with ``fullgraph=True``), and medians of wall time. On CUDA also the GPU's
 busy share during training and whether a training passes under ``torch.cuda.set_sync_debug_mode("error")``.
 """

@@ -151,8 +151,11 @@ class GradAccumPPO(PPO):
         clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(self._current_progress_remaining)  # type: ignore[operator]
         log = self._device_log
         compiled = self._compiled_step
-        if compiled is not None:
-            self._clip_ranges.copy_(th.tensor([clip_range, clip_range_vf or 0.0]))
+        if compiled is not None and (self.target_kl is not None or not compiled.usable()):
+            compiled = None  # target_kl or an extension set since compile_step: torch's step, which honours them
+        if compiled is not None:  # fill_, not a copy from a host tensor: that copy would wait for the device
+            self._clip_ranges[0].fill_(clip_range)
+            self._clip_ranges[1].fill_(clip_range_vf or 0.0)
         continue_training = True
         for epoch in range(self.n_epochs):
             kl_sum, kl_count = None, 0  # SB3 logs the approx KL of the last epoch only

@@ -24,6 +24,9 @@ import torch as th
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.stepping import OptimizerStep
 
+# Modes whose compiled code CUDA replays as a graph (on CUDA; elsewhere they compile as the default does).
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
 
 class Batch(NamedTuple):
     """The tensors of a replay sample that a DQN-family loss reads."""
@@ -41,19 +44,28 @@ LossFn = Callable[..., tuple[th.Tensor, tuple[th.Tensor, ...]]]
 
 def refusal(optimizer: th.optim.Optimizer, guard: OptimizerStep, observations: Any) -> str | None:
     """Why ``optimizer``'s steps cannot be compiled whole, or None where they can."""
+    if not hasattr(th._dynamo.config, "trace_autograd_ops"):
+        return f"torch {th.__version__} cannot trace the backward pass into a graph (trace_autograd_ops)"
     if type(optimizer) is not th.optim.Adam:
         return f"the compiled step runs Adam's update, and this optimizer is {type(optimizer).__name__}"
     if len(optimizer.param_groups) != 1:
         return "the compiled step takes one parameter group"
     group = optimizer.param_groups[0]
-    if group["amsgrad"] or group["maximize"] or group["differentiable"] or isinstance(group["lr"], th.Tensor):
-        return "the compiled step runs plain Adam (no amsgrad, maximize, differentiable or tensor learning rate)"
+    plain = not (group["amsgrad"] or group["maximize"] or group["differentiable"] or group.get("decoupled_weight_decay"))
+    hyper = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+    if not plain or any(isinstance(h, th.Tensor) for h in hyper):
+        return "the compiled step runs plain Adam (no amsgrad, maximize, decoupled weight decay, tensor hyperparameters)"
+    if not isinstance(observations, th.Tensor):
+        return "dict observations"
+    return _running_refusal(guard)
+
+
+def _running_refusal(guard: OptimizerStep) -> str | None:
+    """What an extension switched on since may rule out: the step's own wrapper doing part of the work."""
     if guard.micro_batches > 1:
         return "gradient accumulation steps once per several backward passes"
     if guard.loss_scale is not None:
         return "fp16 loss scaling decides on the host whether to step"
-    if not isinstance(observations, th.Tensor):
-        return "dict observations"
     return None
 
 
@@ -63,6 +75,10 @@ class _Adam:
 
     def __init__(self, optimizer: th.optim.Optimizer):
         group = optimizer.param_groups[0]
+        if group["params"][0].device.type == "cuda" and not group["fused"]:
+            # Its step counts live on the device: a torch Adam that loads them must know (a host one would read
+            # them back at every step).
+            group["capturable"] = True
         self.params: list[th.Tensor] = [p for p in group["params"] if p.requires_grad]
         self.beta1, self.beta2 = group["betas"]
         self.eps, self.weight_decay = group["eps"], group["weight_decay"]
@@ -146,14 +162,14 @@ class CompiledStep:
             own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
             step = types.MethodType(own, self)
             self._compiled = th.compile(step, fullgraph=True, mode=None if self.mode == "default" else self.mode)
-        self._tried = self.mode == "eager"
 
     def _step(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         loss, figures = self.loss_fn(*inputs)
         params = self.adam.params
         grads: list[th.Tensor | None] = list(th.autograd.grad(loss, params, allow_unused=True))
         with th.no_grad():
-            norms = th.stack([th.linalg.vector_norm(g) for g in grads if g is not None])
+            # A parameter without a gradient counts as a zero norm: positions stay those of the guard's names.
+            norms = th.stack([th.linalg.vector_norm(g) if g is not None else self.lr.new_zeros(()) for g in grads])
             total = th.linalg.vector_norm(norms)
             # As the NaN guard's check: every gradient finite. And the loss: compiled, a NaN can reach a gradient as a
             # zero (smooth L1's backward takes its sign, and inductor's sign of NaN is 0).
@@ -172,23 +188,27 @@ class CompiledStep:
             self._build()  # the optimizer's state was replaced (a load): step on the new one
         self.lr.fill_(self.optimizer.param_groups[0]["lr"])
         self._share_flags()
-        if self._tried:
-            with th._dynamo.config.patch(trace_autograd_ops=True):
-                out = self._compiled(*inputs)
-        else:
-            out = self._first_call(*inputs)
+        loss, figures = self._guarded_call(*inputs)
         self.guard.steps += 1  # tried; the skipped ones are known when the flags are read
-        return out
+        if self.mode in _CUDA_GRAPH_MODES:  # a CUDA graph's outputs are overwritten by its next replay
+            return loss.clone(), tuple(f.clone() for f in figures)
+        return loss, figures
 
-    def _first_call(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-        self._tried = True
-        try:  # a failure shows while tracing or compiling, before the step changes anything
+    def usable(self) -> bool:
+        """Whether the optimizer's wrapper still leaves the whole step to this one (no accumulation or fp16 scaling
+        switched on since it was built)."""
+        return _running_refusal(self.guard) is None
+
+    def _guarded_call(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
+        if self._compiled == self._step:
+            return self._step(*inputs)
+        try:  # a failure shows while tracing or compiling (the first call, a recompile), before anything changes
             with th._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=False):
                 return self._compiled(*inputs)
         except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             self.fallback = f"the compiled gradient step failed ({type(e).__name__}: {first[:200]}); it runs uncompiled"
-            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=3)
+            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=4)
             self._compiled = self._step
             return self._step(*inputs)
 

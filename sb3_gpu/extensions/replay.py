@@ -300,12 +300,45 @@ class DeviceReplayBuffer(ReplayBuffer):
             batch_inds = self._randint(0, self.buffer_size if self.full else self.pos, batch_size)
         return self._get_samples(batch_inds, env)
 
+    # -- sampling inside a compiled step ---------------------------------------------------------------------------
+
+    def samples_in_graph(self, env: VecNormalize | None) -> bool:
+        """Whether :meth:`samples_at_draws` can stand for ``sample``: both observations kept (the one-copy layout skips
+        a slot by the write position) and no normalisation (its statistics change at every env step)."""
+        return not self.optimize_memory_usage and env is None
+
+    def fill_position(self, position: th.Tensor) -> None:
+        """Write :meth:`samples_at_draws`'s ``position``: the slots filled, and the newest one (int64, on the device)."""
+        position[0].fill_(self.size())  # fill_, not a copy from a host tensor: that copy would wait for the device
+        position[1].fill_((self.pos - 1) % self.buffer_size)
+
+    def storage(self) -> list[th.Tensor]:
+        """The tensors the buffer owns (a compiled step that samples inside its graph keeps them at fixed addresses)."""
+        return [t for name in _STORAGE if (t := getattr(self, name)) is not None]
+
+    def draws(self, batch_size: int) -> th.Tensor:
+        """Uniform draws in [0, 1) for :meth:`samples_at_draws`, from the buffer's generator: one op."""
+        return th.rand((2, batch_size), generator=self._rng(), device=self.device)
+
+    def samples_at_draws(self, draws: th.Tensor, position: th.Tensor) -> ReplayBufferSamples:
+        """The transitions that ``draws`` pick, uniformly over the filled slots and over the envs; ``position`` (see
+        :meth:`fill_position`) is a tensor, so that the write position moving does not compile the step anew. Pure
+        tensor ops, so that a compiled step can sample inside its graph."""
+        filled = position[0]
+        batch_inds = th.minimum((draws[0] * filled).long(), filled - 1)  # float rounding must not reach `filled`
+        env_inds = (draws[1] * self.n_envs).long().clamp(max=self.n_envs - 1) if self.n_envs > 1 else 0
+        return self._get_samples_at(batch_inds, env_inds, newest=position[1])
+
     def _get_samples(self, batch_inds: np.ndarray | th.Tensor, env: VecNormalize | None = None) -> ReplayBufferSamples:
         env_inds = self._randint(0, self.n_envs, len(batch_inds)) if self.n_envs > 1 else 0
         return self._get_samples_at(batch_inds, env_inds, env)
 
     def _get_samples_at(
-        self, batch_inds: np.ndarray | th.Tensor, env_inds: np.ndarray | th.Tensor | int, env: VecNormalize | None = None
+        self,
+        batch_inds: np.ndarray | th.Tensor,
+        env_inds: np.ndarray | th.Tensor | int,
+        env: VecNormalize | None = None,
+        newest: th.Tensor | None = None,
     ) -> ReplayBufferSamples:
         """The transitions at slots ``batch_inds`` of envs ``env_inds``, gathered on the device."""
         batch = th.as_tensor(batch_inds, device=self.device)  # no copy for sample()'s indices, already there
@@ -320,7 +353,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         # returns the last one the return took.
         end, end_flat, returns, discounts = batch, flat, None, None
         if self.n_steps > 1:
-            end, returns, discounts = self._n_step_returns(batch, env_t, env)
+            end, returns, discounts = self._n_step_returns(batch, env_t, env, newest)
             end_flat = end * self.n_envs + env_t
         if self.next_observations is not None:
             next_obs = gather(self.next_observations, end_flat)
@@ -343,7 +376,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         )
 
     def _n_step_returns(
-        self, batch: th.Tensor, env_t: th.Tensor | int, env: VecNormalize | None
+        self, batch: th.Tensor, env_t: th.Tensor | int, env: VecNormalize | None, newest: th.Tensor | None = None
     ) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
         """For each sampled slot: the last slot of its n-step return, the return, and ``gamma ** k`` for its ``k``
         slots. A return stops after the first slot that ends an episode (termination or time limit) and at the newest
@@ -352,7 +385,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         slots = (batch.unsqueeze(1) + steps) % self.buffer_size  # [batch, n]
         rows = slots * self.n_envs + (env_t if isinstance(env_t, int) else env_t.unsqueeze(1))
         rewards, dones, timeouts = self._scalars.view(-1, 3).index_select(0, rows.view(-1)).view(*rows.shape, 3).unbind(-1)
-        ends = (dones + timeouts > 0) | (slots == (self.pos - 1) % self.buffer_size)
+        ends = (dones + timeouts > 0) | (slots == ((self.pos - 1) % self.buffer_size if newest is None else newest))
         # argmax finds the first end; a row without one takes all n slots.
         taken = th.where(ends.any(dim=1), ends.to(th.uint8).argmax(dim=1), self.n_steps - 1) + 1
         weights = self.gamma ** steps.float() * (steps < taken.unsqueeze(1))

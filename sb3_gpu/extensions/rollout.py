@@ -55,7 +55,7 @@ class DeviceRolloutBuffer(RolloutBuffer):
         self._generator = th.Generator(device=self.device)
 
     def reset(self) -> None:
-        if getattr(self, "_host_rows", None) is not None or isinstance(getattr(self, "value_tensor", None), th.Tensor):
+        if self._storage_kept():
             # The same storage, zeroed: minibatches are copies (index_select), and on the CPU the host views of it
             # stay valid (making them anew would read every tensor back).
             for t in (self.observations, self.actions, self.rewards, self.episode_starts, self.value_tensor, self.log_probs):
@@ -83,6 +83,14 @@ class DeviceRolloutBuffer(RolloutBuffer):
         if self.device.type == "cpu":
             stored = (self.observations, self.actions, self.rewards, self.episode_starts, self.value_tensor, self.log_probs)
             self._host_rows = tuple(t.numpy() for t in stored)
+
+    def _storage_kept(self) -> bool:
+        """Whether reset can zero the storage in place: made already, and on the CPU its host views still its own (a
+        copy or an unpickled buffer has arrays of its own)."""
+        if not isinstance(getattr(self, "value_tensor", None), th.Tensor):
+            return False
+        rows = getattr(self, "_host_rows", None)
+        return rows is None or rows[0].ctypes.data == self.observations.data_ptr()
 
     @property
     def values(self) -> np.ndarray:  # type: ignore[override]

@@ -51,8 +51,8 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
 def model_class(plan: Plan) -> type[BaseAlgorithm]:
     """The preset's class (plain SB3 where no extension is on), or sb3_gpu's subclass where the plan overlaps training
     with collection, compiles, or trains on a GPU: there its ``train()``, which reads nothing back from the device to
-    log, spares the GPU the waits of SB3's (a read of every loss), and the DQN family's compiles each gradient step
-    whole. The updates are SB3's either way."""
+    log, spares the GPU the waits of SB3's (a read of every loss), and compiles each gradient step whole where the
+    plan compiles. The updates are SB3's either way."""
     extended = get_algo(plan.algo).extended_class
     on_gpu = plan.device.device.startswith("cuda")
     compiled = plan.speed is not None and plan.speed.compile != "false"

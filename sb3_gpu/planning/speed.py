@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import HardwareProfile
 from sb3_gpu.extensions.amp import enable_amp
-from sb3_gpu.extensions.compile import compile_policy
+from sb3_gpu.extensions.compile import CompileFallbackWarning, compile_policy
 from sb3_gpu.planning.device import PolicyKind
 
 # Below these sizes a policy's matmuls are too small for lower precision or more threads to pay: per-op overhead
@@ -163,7 +164,9 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
     if speed.compile == "false":
         return None
     failed = compile_policy(model, speed.compile, batch_size)
-    compile_step = getattr(model, "compile_step", None)  # the DQN family's gradient step, compiled whole
+    compile_step = getattr(model, "compile_step", None)  # PPO's and the DQN family's gradient step, compiled whole
     if failed is None and compile_step is not None:
-        compile_step(speed.compile)  # where the step cannot be (an optimizer other than Adam, ...) it stays torch's
+        refused = compile_step(speed.compile)
+        if refused:  # the networks are compiled; the step stays torch's, and the user is told why
+            warnings.warn(f"the gradient step is not compiled whole: {refused}", CompileFallbackWarning, stacklevel=2)
     return failed

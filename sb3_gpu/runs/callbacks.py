@@ -78,7 +78,8 @@ class NanGuard(BaseCallback):
     a NaN loss is caught before it reaches the weights and the model in memory stays the last finite one. Steps
     that fp16 AMP's loss scale skips are not errors: its overflows are expected and handled there. Parameters are
     checked again at the start of each rollout, for what the step cannot see (a finite gradient too large for the
-    weights).
+    weights), except where every step is compiled (``extensions.graphstep``): those skip such an update themselves,
+    and reading the weights would make the host wait for the device at each rollout.
     """
 
     def __init__(self, verbose: int = 0):

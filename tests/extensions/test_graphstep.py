@@ -11,6 +11,7 @@ import pytest
 import torch as th
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN, PPO
+from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
 
 from sb3_gpu.common.errors import TrainingDiverged
@@ -19,6 +20,7 @@ from sb3_gpu.extensions.amp import enable_amp
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, DeviceSumMinTree, PrioritizedDQN, PrioritizedQRDQN
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model
@@ -152,6 +154,7 @@ def test_the_compiled_step_follows_a_replaced_optimizer_state():
     [
         ({"policy_kwargs": {"optimizer_class": th.optim.SGD}}, "runs Adam's update, and this optimizer is SGD"),
         ({"policy_kwargs": {"optimizer_kwargs": {"amsgrad": True}}}, "plain Adam"),
+        ({"policy_kwargs": {"optimizer_kwargs": {"weight_decay": 0.1, "decoupled_weight_decay": True}}}, "plain Adam"),
         ({"grad_accum_steps": 2}, "gradient accumulation"),
     ],
 )
@@ -246,6 +249,11 @@ def test_ppo_with_target_kl_keeps_torchs_step():
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", device="cpu", target_kl=0.01, **SMALL_PPO)
     assert "target_kl decides on the host" in model.compile_step()
     assert model._compiled_step is None
+    late = GradAccumPPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    assert late.compile_step() is None
+    late.target_kl = 1e-12  # set after compile_step: torch's step runs, and stops the first epoch at once
+    late.learn(64)
+    assert late._n_updates == 1
 
 
 def test_many_models_in_one_process_each_compile_their_step():
@@ -271,3 +279,45 @@ def test_a_step_that_would_overflow_a_weight_is_skipped_and_the_guard_needs_no_r
     assert reads.total == 0
     with pytest.raises(TrainingDiverged, match=r"q_net\.q_net\.0\.weight is NaN or inf"):
         settle_guards(model)
+
+
+def _uniform_dqn(n_steps=3, **kwargs):
+    """A DQN on the uniform device buffer, with 3-step returns and two envs, filled past a wrap-around."""
+    model = PrioritizedDQN(
+        "MlpPolicy",
+        make_vec_env("CartPole-v1", n_envs=2, seed=0),
+        replay_buffer_class=DeviceReplayBuffer,
+        replay_buffer_kwargs={"n_steps": n_steps, "gamma": 0.99},
+        buffer_size=300,
+        policy_kwargs={"net_arch": [16]},
+        **{**COMMON, "learning_starts": 400, **kwargs},
+    )
+    model.learn(800)  # 400 vec steps into 150 slots of two envs: full, the write position inside the buffer
+    return model
+
+
+def test_samples_drawn_inside_the_graph_are_the_buffers_own():
+    buffer = _uniform_dqn().replay_buffer
+    assert buffer.full and 0 < buffer.pos < buffer.buffer_size == 150
+    draws = buffer.draws(64)
+    position = th.zeros(2, dtype=th.long)
+    buffer.fill_position(position)
+    ours = buffer.samples_at_draws(draws, position)
+    slots, envs = (draws[0] * 150).long(), (draws[1] * 2).long()
+    theirs = buffer._get_samples_at(slots, envs)  # the n-step returns stop at the newest slot, read from buffer.pos
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a is None and b is None) or th.equal(a, b)
+
+
+def test_a_step_that_samples_inside_its_graph_equals_the_same_step_run_eagerly():
+    compiled, eager = _uniform_dqn(), _uniform_dqn()
+    for model, mode in ((compiled, "default"), (eager, "eager")):
+        assert model.compile_step(mode) is None
+        model.replay_buffer._generator.manual_seed(7)  # the same draws for both
+        with HostReads() as reads:
+            _train(model, seed=0, steps=8)
+        assert reads.total == 0, reads.sites
+    assert compiled._compiled_step.fallback is None
+    for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert compiled._n_updates == eager._n_updates

@@ -18,6 +18,7 @@ from sb3_gpu.extensions.graphstep import Batch, CompiledStep, refusal
 from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import guard_flags, optimizer_step, optimizer_steps, raise_for_guards
 
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
@@ -62,7 +63,7 @@ class _PrioritizedTraining:
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_accumulator", "_device_log", "_compiled_step"]  # type: ignore[misc]
+        return [*super()._excluded_save_params(), "_accumulator", "_device_log", "_compiled_step", "_position"]  # type: ignore[misc]
 
     @property
     def per_beta0(self) -> float:
@@ -81,8 +82,23 @@ class _PrioritizedTraining:
         guard = optimizer_step(optimizer, self.policy)  # type: ignore[attr-defined]
         reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])  # type: ignore[attr-defined]
         if reason is None:
-            self._compiled_step = CompiledStep(self._weighted_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
+            self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
+            self._position = th.zeros(2, dtype=th.long, device=self.device)  # type: ignore[attr-defined]
+            buffer = self.replay_buffer  # type: ignore[attr-defined]
+            if type(buffer) is DeviceReplayBuffer:  # sampled inside the graph: a CUDA graph reads it in place
+                for t in [*buffer.storage(), self._position]:
+                    th._dynamo.mark_static_address(t)
         return reason
+
+    def _graph_loss(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
+        """The compiled step's loss: of a sampled batch (``batch, discounts, weights``), or of the batch that
+        ``draws`` pick from a uniform device buffer (``draws, position``), sampled inside the graph."""
+        if len(inputs) == 2:
+            data = self.replay_buffer.samples_at_draws(*inputs)  # type: ignore[attr-defined]
+            batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
+            discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
+            return self._weighted_loss(batch, discounts, None)
+        return self._weighted_loss(*inputs)
 
     def _weighted_loss(
         self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None
@@ -106,6 +122,17 @@ class _PrioritizedTraining:
         if self._accumulator is not None:
             self._accumulator.reset()
         compiled = self._compiled_step
+        if compiled is not None and not compiled.usable():
+            compiled = None  # accumulation or fp16 scaling switched on since compile_step: torch's step does them
+        env = self._vec_normalize_env  # type: ignore[attr-defined]
+        if compiled is not None and type(buffer) is DeviceReplayBuffer and buffer.samples_in_graph(env):
+            buffer.fill_position(self._position)  # where the envs have written to, as each sample() would read it
+            for _ in range(gradient_steps):  # one op outside the graph: the draws, from the buffer's generator
+                loss, _ = compiled(buffer.draws(batch_size), self._position)
+                self._device_log.mean("train/loss", loss)
+            self._n_updates += gradient_steps  # type: ignore[attr-defined]
+            self._log(per)
+            return
         for _ in range(gradient_steps * self.grad_accum_steps):
             data = buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[attr-defined]
             discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
