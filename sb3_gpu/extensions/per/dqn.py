@@ -103,7 +103,7 @@ class _PrioritizedTraining:
     def _weighted_loss(
         self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None
     ) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-        """The compiled step's loss: the batch mean, importance-weighted with PER; and the TD errors."""
+        """The loss of a batch, its mean importance-weighted with PER; and the TD errors."""
         per_sample, td_errors = self._per_sample_loss(batch, discounts)
         return (per_sample * weights).mean() if weights is not None else per_sample.mean(), (td_errors,)
 
@@ -143,11 +143,10 @@ class _PrioritizedTraining:
                 if per is not None:  # a non-finite TD error is refused by the tree as it skipped the step
                     self._update_priorities(per, data.indices, td_errors)
                 continue
-            per_sample, td_errors = self._per_sample_loss(data, discounts)
+            loss, (td_errors,) = self._weighted_loss(data, discounts, data.weights.flatten() if per is not None else None)
             if per is not None:
                 # Before the backward pass: a NaN TD error is refused before anything reaches the tree or the weights.
                 self._update_priorities(per, data.indices, td_errors.detach())
-            loss = (per_sample * data.weights.flatten()).mean() if per is not None else per_sample.mean()
             self._device_log.mean("train/loss", loss)
             optimizer.zero_grad()
             loss.backward()
