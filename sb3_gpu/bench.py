@@ -230,18 +230,26 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def _main_step(args: argparse.Namespace, command: str) -> int:
+def _device(given: str) -> str | None:
+    """``--device`` resolved (auto: cuda if there is one, else cpu), or None after saying why it cannot be used."""
     import torch as th
 
+    device = ("cuda" if th.cuda.is_available() else "cpu") if given == "auto" else given
+    if not (device == "cpu" or device.startswith("cuda")):
+        print_error(f"--device: expected auto, cpu, cuda or cuda:N, got {given!r}")
+        return None
+    if device.startswith("cuda") and not th.cuda.is_available():
+        print_error(f"--device {device}: this machine has no CUDA device")
+        return None
+    return device
+
+
+def _main_step(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.base import machine_line, write_results
     from sb3_gpu.benches.step import CPU_CASES, GPU_CASES, bench_step, parse_case, rows_json, step_markdown
 
-    device = ("cuda" if th.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if not (device == "cpu" or device.startswith("cuda")):
-        print_error(f"--device: expected auto, cpu, cuda or cuda:N, got {args.device!r}")
-        return 2
-    if device.startswith("cuda") and not th.cuda.is_available():
-        print_error(f"--device {device}: this machine has no CUDA device")
+    device = _device(args.device)
+    if device is None:
         return 2
     cases = args.cases or (GPU_CASES if device.startswith("cuda") else CPU_CASES)
     try:
@@ -261,17 +269,11 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
 
 
 def _main_gpu(args: argparse.Namespace, command: str) -> int:
-    import torch as th
-
     from sb3_gpu.benches.base import machine_line, write_results
     from sb3_gpu.benches.gpu import bench_sample, bench_training, gpu_markdown
 
-    device = ("cuda" if th.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if not (device == "cpu" or device.startswith("cuda")):
-        print_error(f"--device: expected auto, cpu, cuda or cuda:N, got {args.device!r}")
-        return 2
-    if device.startswith("cuda") and not th.cuda.is_available():
-        print_error(f"--device {device}: this machine has no CUDA device")
+    device = _device(args.device)
+    if device is None:
         return 2
     on_gpu = device.startswith("cuda")
     print(machine_line())
