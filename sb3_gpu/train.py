@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prioritized replay on/off for dqn and qrdqn (default: the preset's)",
     )
     p.add_argument("--amp", choices=AMP_MODES, help="mixed precision: auto (the plan says why), off, bf16, fp16 (CUDA)")
-    p.add_argument("--compile", choices=COMPILE_MODES, help="torch.compile the policy: false (default) or a mode")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        help="torch.compile the gradient step and policy: auto (default: on CUDA where the probe times it faster), false "
+        "or a torch.compile mode",
+    )
     p.add_argument("--threads", type=_threads, help="torch CPU threads: auto (default; chosen by policy size) or N")
     p.add_argument(
         "--no-probe",

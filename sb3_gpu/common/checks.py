@@ -227,11 +227,11 @@ def per_config(value: Any, where: str) -> dict[str, Any] | bool:
 
 
 AMP_MODES = ("auto", "off", "bf16", "fp16")
-COMPILE_MODES = ("false", "default", "reduce-overhead", "max-autotune")
+COMPILE_MODES = ("auto", "false", "default", "reduce-overhead", "max-autotune")
 
 
 def compile_mode(value: Any, where: str) -> str:
-    """``false`` (YAML bool or string) or a torch.compile mode."""
+    """``auto``, ``false`` (YAML bool or string) or a torch.compile mode."""
     if value is False or (isinstance(value, str) and value.strip().lower() == "false"):
         return "false"
     if value is True:

@@ -159,7 +159,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "env_kwargs": {},
     "eval_max_episode_steps": None,
     "amp": "auto",
-    "compile": "false",
+    "compile": "auto",
     "threads": "auto",
     "device_buffers": "auto",
     "probe": True,

@@ -12,6 +12,7 @@ from typing import Any, cast
 import gymnasium as gym
 import numpy as np
 import psutil
+import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
@@ -25,7 +26,7 @@ from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, prob
 from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
-from sb3_gpu.planning.probe import Candidate, Option, Prober, ProbeResult, Workload
+from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed
 
 
@@ -165,6 +166,8 @@ def make_plan(
     if training and prober is not None and chosen.resolved.probe:
         chosen, probed = _probed(chosen, variant, device, hardware, prober, facts)
         check(chosen)
+        if chosen.resolved.compile == "auto" and chosen.device.device.startswith("cuda"):
+            chosen = _compile_probed(chosen, prober, facts)
 
     resolved, vec = chosen.resolved, chosen.vec
     if training:
@@ -250,6 +253,58 @@ def _probed(
     device_vs = result.versus(lambda c: c.device != pick.device)
     choice = winner.device if device_vs is None else DeviceChoice(pick.device, device_vs)
     return dataclasses.replace(winner, device=choice, speed=speed), result
+
+
+# What compile=auto compiles with where the probe takes it: the step replayed as a CUDA graph.
+AUTO_COMPILE_MODE = "reduce-overhead"
+
+
+def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts) -> _Variant:
+    """Resolve ``compile: auto`` on ``v``'s device by timing its gradient step eager and compiled: compiled where
+    that is clearly faster and the run is long enough to earn the compile time back."""
+    refused = _compile_refusal(v.resolved, facts.observation_space, v.speed.amp)
+    workload = _workload(v, facts)
+    if refused is None and workload is None:
+        refused = "the schedule counts episodes, so the run's gradient steps are not known"
+    if refused is not None or workload is None:
+        return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile_reason=f"auto: not compiled: {refused}"))
+    option = Option(Candidate(v.device.device, v.speed.amp, v.speed.threads), workload, v.speed.cudnn_benchmark, v.speed.tf32)
+    try:
+        timing = prober.time_compile(option, AUTO_COMPILE_MODE)
+    except Exception as e:  # compilers fail in many ways; each means "train eager"
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        reason = f"probe: the compiled step failed here ({type(e).__name__}: {first}), so not compiled"
+        return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile="false", compile_reason=reason))
+    steps = workload.grads_per_env_step * v.resolved.n_timesteps
+    pays_after = timing.pays_after()
+    figures = (
+        f"probe: gradient step {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager, "
+        f"{timing.compile_s:.1f} s to compile"
+    )
+    if pays_after is not None and timing.compiled_s <= MARGIN * timing.eager_s and pays_after < steps:
+        mode, reason = AUTO_COMPILE_MODE, f"{figures}; pays after {pays_after:,.0f} of {steps:,.0f} gradient steps"
+    elif pays_after is None or timing.compiled_s > MARGIN * timing.eager_s:
+        mode, reason = "false", f"{figures}; not faster enough to take"
+    else:
+        mode, reason = "false", f"{figures}; would pay after {pays_after:,.0f} gradient steps, the run has {steps:,.0f}"
+    return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile=mode, compile_reason=reason))
+
+
+def _compile_refusal(preset: Preset, obs_space: spaces.Space, amp: str) -> str | None:
+    """Why the gradient step of ``preset`` could not be compiled whole (see ``extensions.graphstep.refusal``)."""
+    params: Any = preset.params
+    optimizer = preset.policy_kwargs.get("optimizer_class")
+    if optimizer not in (None, th.optim.Adam):
+        return "the compiled step runs Adam's update, and the preset names another optimizer"
+    if amp == "fp16":
+        return "fp16 loss scaling decides on the host whether to step"
+    if params.grad_accum_steps > 1:
+        return "gradient accumulation steps once per several backward passes"
+    if isinstance(obs_space, spaces.Dict):
+        return "dict observations"
+    if preset.algo == "ppo" and params.target_kl is not None:
+        return "target_kl reads the KL back at each minibatch"
+    return None
 
 
 def _amp_candidates(v: _Variant, hardware: HardwareProfile) -> list[str]:

@@ -10,6 +10,10 @@ from the preset's schedule. The rules' choice is probed first and kept unless an
 least ``1 - MARGIN`` faster (probe noise must not flip a choice); among candidates that close to the best, the rules'
 device and precision and the fewest threads win. Probing is bounded (``budget_s`` per plan) and its figures are
 cached per machine, torch version, policy shape and free cores in the user's cache directory.
+
+``compile: auto`` is probed apart, on the option chosen (:meth:`Prober.time_compile`): the same gradient step eager
+and compiled whole (:class:`~sb3_gpu.extensions.graphstep.CompiledStep`), and the seconds compiling took. Compiling is
+taken where the compiled step is clearly faster and the run is long enough to earn the compile time back.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import torch as th
 from gymnasium import spaces
 
 from sb3_gpu.common.io import atomic_write_text
+from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.graphstep import CompiledStep
+from sb3_gpu.extensions.stepping import OptimizerStep
 
 PROBE_BUDGET_S = 3.0
 MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
@@ -102,6 +109,21 @@ class Timing:
     def per_env_step(self, workload: Workload, env_s: float) -> float:
         collect, train = env_s + self.infer_s / workload.n_envs, workload.grads_per_env_step * self.train_s
         return max(collect, train) if workload.overlapped else collect + train
+
+
+@dataclass(frozen=True)
+class CompileTiming:
+    """Median seconds of one gradient step eager and compiled whole, and the seconds the compilation took."""
+
+    eager_s: float
+    compiled_s: float
+    compile_s: float
+    cached: bool = False
+
+    def pays_after(self) -> float | None:
+        """Gradient steps after which the compiled step has earned its compile time back (None: never)."""
+        saved = self.eager_s - self.compiled_s
+        return self.compile_s / saved if saved > 0 else None
 
 
 @dataclass(frozen=True)
@@ -239,13 +261,14 @@ def measure_option(option: Option, seconds: float) -> Timing:
         return Timing(_median_time(train, seconds / 2), _median_time(infer, seconds / 2))
 
 
-def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str) -> Callable[[], None]:
-    optimizer = policy.optimizer
+def _loss(policy: Any, w: Workload, obs: Any, device: th.device) -> Callable[[], th.Tensor]:
+    """A loss of the algorithm's shape: PPO's three terms, or the DQN family's online net against its target's."""
     if w.algo == "ppo":
         actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device)
 
         def loss() -> th.Tensor:
             values, log_prob, entropy = policy.evaluate_actions(obs, actions)
+            policy.action_dist.distribution = None  # kept on the policy, it would leave a compiled step's graph
             entropy = entropy if entropy is not None else -log_prob
             return (values.float() ** 2).mean() - log_prob.float().mean() - 0.01 * entropy.float().mean()
     else:  # the DQN family: the online net with gradients, the target net without
@@ -257,6 +280,12 @@ def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str)
                 goal = target(obs).float().amax(dim=-1, keepdim=True)
             return ((online(obs).float() - goal) ** 2).mean()
 
+    return loss
+
+
+def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str) -> Callable[[], None]:
+    optimizer, loss = policy.optimizer, _loss(policy, w, obs, device)
+
     def step() -> None:
         with _autocast(device, amp):
             value = loss()
@@ -266,6 +295,44 @@ def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str)
         optimizer.step()
 
     return step
+
+
+def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileTiming:
+    """Time ``option``'s gradient step eager and compiled whole with torch.compile's ``mode``; raises where it does
+    not compile (the step would fall back to eager)."""
+    w, c = option.workload, option.candidate
+    device = th.device(c.device)
+    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32):
+        policy: Any = w.policy_class(w.observation_space, w.action_space, lambda _: 1e-4, **w.policy_kwargs).to(device)
+        obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
+        eager = _train_step(policy, w, obs, device, c.amp)
+
+        def train() -> None:
+            eager()
+            _sync(device)
+
+        eager_s = _median_time(train, seconds / 2)
+        loss = _loss(policy, w, obs, device)
+
+        def loss_fn() -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
+            with _autocast(device, c.amp):
+                return loss(), ()
+
+        names = {id(p): name for name, p in policy.named_parameters()}
+        step = CompiledStep(loss_fn, policy.optimizer, OptimizerStep(policy.optimizer, names), 10.0, mode)
+
+        def compiled() -> None:
+            step()
+            _sync(device)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CompileFallbackWarning)  # a fallback times eager code: not a candidate
+            start = time.perf_counter()
+            for _ in range(3):  # tracing and compiling, then (CUDA graph modes) recording the graph
+                compiled()
+            compile_s = time.perf_counter() - start
+            compiled_s = _median_time(compiled, seconds / 2, warmup=0)
+    return CompileTiming(eager_s, compiled_s, compile_s)
 
 
 def _median_time(fn: Callable[[], None], seconds: float, warmup: int = 2, max_repeats: int = 15) -> float:
@@ -307,7 +374,7 @@ class ProbeCache:
                     raise ValueError(f"not a version {CACHE_VERSION} probe cache")
                 entries = data["entries"]
                 for key, value in entries.items():
-                    if not (isinstance(value, dict) and all(isinstance(value.get(k), float) for k in ("train_s", "infer_s"))):
+                    if not (isinstance(value, dict) and value and all(isinstance(v, float) for v in value.values())):
                         raise ValueError(f"entry {key[:60]!r} is malformed")
                 self._entries = entries
             except FileNotFoundError:
@@ -317,11 +384,25 @@ class ProbeCache:
         return self._entries
 
     def get(self, key: str) -> Timing | None:
-        entry = self._load().get(_digest(key))
+        entry = self._entry(key, ("train_s", "infer_s"))
         return None if entry is None else Timing(entry["train_s"], entry["infer_s"], cached=True)
 
     def put(self, key: str, timing: Timing) -> None:
-        self._load()[_digest(key)] = {"train_s": float(timing.train_s), "infer_s": float(timing.infer_s)}
+        self._put(key, {"train_s": float(timing.train_s), "infer_s": float(timing.infer_s)})
+
+    def get_compile(self, key: str) -> CompileTiming | None:
+        entry = self._entry(key, ("eager_s", "compiled_s", "compile_s"))
+        return None if entry is None else CompileTiming(entry["eager_s"], entry["compiled_s"], entry["compile_s"], True)
+
+    def put_compile(self, key: str, timing: CompileTiming) -> None:
+        self._put(key, {k: float(getattr(timing, k)) for k in ("eager_s", "compiled_s", "compile_s")})
+
+    def _entry(self, key: str, fields: tuple[str, ...]) -> dict[str, float] | None:
+        entry = self._load().get(_digest(key))
+        return entry if entry is not None and all(k in entry for k in fields) else None
+
+    def _put(self, key: str, entry: dict[str, float]) -> None:
+        self._load()[_digest(key)] = entry
         try:
             atomic_write_text(self.path, json.dumps({"version": CACHE_VERSION, "entries": self._entries}))
         except OSError as e:  # a read-only home, say: the figures still serve this plan
@@ -352,6 +433,7 @@ class Prober:
     budget_s: float = PROBE_BUDGET_S
     context: str = ""  # the machine and its free cores: part of every cache key
     usable: Callable[[str], bool] = device_usable
+    measure_compile: Callable[[Option, str], CompileTiming] = measure_compile
 
     def probe(self, options: Sequence[Option], rule: int, env_s: float) -> ProbeResult:
         """Time ``options`` (the rules' choice, ``options[rule]``, first) and choose among them."""
@@ -374,6 +456,18 @@ class Prober:
                 self.cache.put(self._key(options[i]), timings[i])  # type: ignore[arg-type]
         result = ProbeResult(tuple(options), tuple(timings), rule, rule, env_s, time.perf_counter() - start, tuple(failures))
         return dataclasses.replace(result, chosen=_choose(result))
+
+    def time_compile(self, option: Option, mode: str) -> CompileTiming:
+        """``option``'s gradient step eager and compiled with ``mode`` (through the cache; not bounded by the budget,
+        since compiling takes what it takes); raises where the step does not compile."""
+        key = f"{self._key(option)} | compiled {mode}"
+        cached = self.cache.get_compile(key) if self.cache is not None else None
+        if cached is not None:
+            return cached
+        timing = self.measure_compile(option, mode)
+        if self.cache is not None:
+            self.cache.put_compile(key, timing)
+        return timing
 
     def _cached(self, option: Option, timings: list[Timing | None], i: int) -> bool:
         timing = self.cache.get(self._key(option)) if self.cache is not None else None

@@ -27,6 +27,15 @@ LARGE_MLP_BATCH = 256
 LARGE_GPU_BATCH = 1024
 
 
+# compile=auto compiles the gradient step where the probe has timed it faster, compile time included: on CUDA, where
+# the step is replayed as a CUDA graph and the launches it saves are most of a small network's step.
+AUTO_COMPILE_UNPROBED = "auto: not probed (probe off), so not compiled"
+AUTO_COMPILE_OFF_GPU = (
+    "auto compiles on CUDA only, where the probe times it; on this device ask for it (compile=default): it pays on "
+    "long runs, after seconds of compiling"
+)
+
+
 @dataclass(frozen=True)
 class SpeedPlan:
     """What the speed switches resolved to, each with its reason."""
@@ -134,8 +143,12 @@ def choose_speed(
     width = _width(net_arch)
     amp_mode, amp_reason = choose_amp(amp, device, policy, width, batch_size, hardware)
     n_threads, threads_reason = choose_threads(threads, device, policy, width, batch_size, env_workers, hardware)
-    if compile_mode == "false":
-        compile_reason = "off by default: compiling costs tens of seconds and pays only on long runs"
+    if compile_mode == "auto":
+        compile_mode, compile_reason = "false", AUTO_COMPILE_UNPROBED
+        if not device.startswith("cuda"):
+            compile_mode, compile_reason = "false", AUTO_COMPILE_OFF_GPU
+    elif compile_mode == "false":
+        compile_reason = "asked for"
     else:
         compile_reason = "asked for; training goes on uncompiled, with the reason, if compilation fails"
     cudnn_benchmark = tf32 = False

@@ -15,7 +15,17 @@ from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_gpu.planning import probe as probe_module
 from sb3_gpu.planning.plan import _policy_space, make_plan
-from sb3_gpu.planning.probe import Option, ProbeCache, ProbeCacheWarning, Prober, Timing, Workload, measure_option
+from sb3_gpu.planning.probe import (
+    CompileTiming,
+    Option,
+    ProbeCache,
+    ProbeCacheWarning,
+    Prober,
+    Timing,
+    Workload,
+    measure_compile,
+    measure_option,
+)
 from sb3_gpu.train import main as train_main
 
 
@@ -35,8 +45,23 @@ class FakeTimes:
         return Timing(1.0, 1.0)  # anything not named is slow
 
 
-def fake_prober(times: FakeTimes, **kwargs) -> Prober:
-    return Prober(measure=times, cache=None, usable=lambda device: True, **kwargs)
+class FakeCompile:
+    """Compile timings (eager ms, compiled ms, compile s) for every option; records the labels it was asked for."""
+
+    def __init__(self, eager_ms: float = 2.0, compiled_ms: float = 0.5, compile_s: float = 5.0, error: str = ""):
+        self.figures, self.error = (eager_ms / 1e3, compiled_ms / 1e3, compile_s), error
+        self.asked: list[tuple[str, str]] = []
+
+    def __call__(self, option: Option, mode: str) -> CompileTiming:
+        self.asked.append((option.candidate.label, mode))
+        if self.error:
+            raise RuntimeError(self.error)
+        return CompileTiming(*self.figures)
+
+
+def fake_prober(times: FakeTimes, compile_times: FakeCompile | None = None, **kwargs) -> Prober:
+    compile_times = compile_times or FakeCompile()
+    return Prober(measure=times, cache=None, usable=lambda device: True, measure_compile=compile_times, **kwargs)
 
 
 def test_a_gpu_slower_than_the_cpu_loses_the_rules_choice(gpu_machine):
@@ -205,3 +230,90 @@ def test_overlapped_training_is_predicted_beside_collection_not_after_it():
     timing = Timing(train_s=0.004, infer_s=0.004)
     assert timing.per_env_step(w, env_s=0.001) == pytest.approx(0.001 + 0.001 + 0.002)
     assert timing.per_env_step(dataclasses.replace(w, overlapped=True), env_s=0.001) == pytest.approx(0.002)
+
+
+# --------------------------------------------------------------------------- compile=auto
+GPU_TIMES = {"cuda:0 fp32": (1.0, 0.2), "cpu fp32": (9.0, 0.5)}  # the GPU wins the device probe
+
+
+def test_compile_auto_on_a_gpu_takes_the_compiled_step_where_it_is_faster_and_the_run_earns_it_back(gpu_machine):
+    compile_times = FakeCompile(eager_ms=2.0, compiled_ms=0.5, compile_s=5.0)  # pays after 3,333 gradient steps
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), compile_times))
+    assert plan.device.device == "cuda:0" and plan.speed.compile == "reduce-overhead"
+    assert compile_times.asked == [("cuda:0 fp32", "reduce-overhead")]
+    steps = plan.preset.n_timesteps * plan.probe.options[plan.probe.chosen].workload.grads_per_env_step
+    assert plan.speed.compile_reason == (
+        "probe: gradient step 0.5 ms compiled vs 2 ms eager, 5.0 s to compile; "
+        f"pays after 3,333 of {steps:,.0f} gradient steps"
+    )
+    assert plan.to_config()["hyperparameters"]["compile"] == "auto"  # a resumed or copied run decides again
+
+
+def test_compile_auto_stays_eager_where_compiling_is_not_faster_or_would_not_pay_in_this_run(gpu_machine):
+    slower = FakeCompile(eager_ms=1.0, compiled_ms=0.95)
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), slower))
+    assert plan.speed.compile == "false" and plan.speed.compile_reason.endswith("; not faster enough to take")
+    short = FakeCompile(eager_ms=2.0, compiled_ms=0.5, compile_s=300.0)  # pays after 200,000 gradient steps
+    plan = make_plan(
+        "dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), short), n_timesteps=20_000
+    )
+    assert plan.speed.compile == "false"
+    assert "; would pay after 200,000 gradient steps, the run has " in plan.speed.compile_reason
+    failing = FakeCompile(error="inductor: no kernel for this op\ndetails")
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), failing))
+    assert plan.speed.compile == "false"
+    assert plan.speed.compile_reason == (
+        "probe: the compiled step failed here (RuntimeError: inductor: no kernel for this op), so not compiled"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({"amp": "fp16"}, "fp16 loss scaling decides on the host whether to step"),
+        ({"grad_accum_steps": 2, "batch_size": 32}, "gradient accumulation steps once per several backward passes"),
+        ({"target_kl": 0.02}, "target_kl reads the KL back at each minibatch"),
+    ],
+    ids=["fp16", "accumulation", "target-kl"],
+)
+def test_compile_auto_does_not_time_a_step_that_cannot_compile_whole(gpu_machine, overrides, why):
+    compile_times = FakeCompile()
+    prober = fake_prober(FakeTimes({"cuda:0": (1.0, 0.2), "cpu": (9.0, 0.5)}), compile_times)
+    plan = make_plan("ppo", "CartPole-v1", "cuda:0", hardware=gpu_machine, prober=prober, overrides=overrides)
+    assert compile_times.asked == []
+    assert plan.speed.compile == "false" and plan.speed.compile_reason == f"auto: not compiled: {why}"
+
+
+def test_compile_auto_is_off_on_the_cpu_and_where_nothing_is_probed(gpu_machine):
+    compile_times = FakeCompile()
+    plan = make_plan("ppo", "CartPole-v1", "cpu", hardware=gpu_machine, prober=fake_prober(FakeTimes(), compile_times))
+    assert plan.speed.compile == "false" and plan.speed.compile_reason.startswith("auto compiles on CUDA only")
+    plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine)  # an injected machine: nothing timed
+    assert plan.speed.compile == "false" and plan.speed.compile_reason == "auto: not probed (probe off), so not compiled"
+    assert compile_times.asked == []
+    plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine, overrides={"compile": "default"})
+    assert plan.speed.compile == "default" and plan.speed.compile_reason.startswith("asked for")
+
+
+def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
+    cache = ProbeCache(tmp_path / "probes.json")
+    compile_times = FakeCompile()
+
+    def plan():
+        prober = Prober(FakeTimes(GPU_TIMES), ProbeCache(cache.path), usable=lambda d: True, measure_compile=compile_times)
+        return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
+
+    first, second = plan(), plan()
+    assert len(compile_times.asked) == 1
+    assert (first.speed.compile, first.speed.compile_reason) == (second.speed.compile, second.speed.compile_reason)
+
+
+@pytest.mark.parametrize(
+    ("algo", "policy_class", "policy_kwargs"),
+    [("dqn", DQNPolicy, {"net_arch": [16]}), ("ppo", ActorCriticPolicy, {"net_arch": [16]})],
+    ids=["dqn", "ppo"],
+)
+def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy_class, policy_kwargs):
+    workload = Workload(algo, policy_class, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), policy_kwargs, 8, 2, 1)
+    timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
+    assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
