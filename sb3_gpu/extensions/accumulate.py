@@ -16,7 +16,7 @@ from stable_baselines3 import PPO
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
-from sb3_gpu.extensions.graphstep import CompiledStep, refusal
+from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledStep, refusal
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import OptimizerStep, guard_flags, optimizer_step, optimizer_steps, raise_for_guards
 
@@ -63,16 +63,20 @@ class GradAccumPPO(PPO):
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
         self._compiled_step: CompiledStep | None = None
+        self._compiled_act: CompiledFunction | None = None
         for step in optimizer_steps(self):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_accumulator", "_device_log", "_compiled_step", "_clip_ranges"]
+        excluded = ["_accumulator", "_device_log", "_compiled_step", "_compiled_act", "_clip_ranges"]
+        return [*super()._excluded_save_params(), *excluded]
 
     def compile_step(self, mode: str = "default") -> str | None:
         """Run each minibatch's gradient step (after the slicing) as one compiled graph, a CUDA graph on CUDA with
         ``mode="reduce-overhead"``; ``mode="eager"`` runs the same step uncompiled. Returns why the step stays
-        torch's own, or None. Call it again after ``load``."""
+        torch's own, or None. The rollout's forward pass (observations to actions, values and log-probabilities)
+        is compiled too. Call it again after ``load``."""
+        self._compiled_act = CompiledFunction(self._act, mode, "rollout forward pass")
         if self.target_kl is not None:
             return "target_kl decides on the host, before each step, whether to take it"
         optimizer = self.policy.optimizer
@@ -95,7 +99,19 @@ class GradAccumPPO(PPO):
 
     def collect_rollouts(self, *args: Any, **kwargs: Any) -> bool:
         with _no_argument_checks():  # building each step's distribution would read it back twice
-            return super().collect_rollouts(*args, **kwargs)
+            if self._compiled_act is None:
+                return super().collect_rollouts(*args, **kwargs)
+            self.policy.forward = self._compiled_act  # type: ignore[method-assign,assignment]  # what SB3's rollout calls
+            try:
+                return super().collect_rollouts(*args, **kwargs)
+            finally:
+                del self.policy.forward
+
+    def _act(self, obs: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
+        """The policy's own forward pass (sampled actions, values, log-probabilities), for one compiled graph."""
+        out = type(self.policy).forward(self.policy, obs)
+        self.policy.action_dist.distribution = None  # type: ignore[assignment]  # kept, it would leave the graph
+        return out
 
     def train(self) -> None:
         if self._accumulator is not None:

@@ -120,6 +120,47 @@ class _Adam:
         return ok
 
 
+def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) with a code object of its own: dynamo keeps compiled graphs per code object, and every
+    model's function would otherwise count against one recompile limit (8), which a process with several models
+    reaches."""
+    raw: Any = getattr(method, "__func__", method)
+    own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
+    bound = getattr(method, "__self__", None)
+    return own if bound is None else types.MethodType(own, bound)
+
+
+class CompiledFunction:
+    """A function of tensors compiled whole (``fullgraph=True``); where compiling fails, the function itself, with a
+    ``CompileFallbackWarning``. Under CUDA-graph modes its outputs are cloned, since the next replay overwrites them.
+
+    :param fn: returns a tuple of tensors
+    :param mode: torch.compile's mode, or ``eager`` to run ``fn`` uncompiled
+    :param what: what it computes, for the warning
+    """
+
+    def __init__(self, fn: Callable[..., tuple[th.Tensor, ...]], mode: str, what: str):
+        self.fn, self.mode, self.what = fn, mode, what
+        self.fallback: str | None = None
+        self._compiled: Callable[..., tuple[th.Tensor, ...]] | None = None  # None: run fn itself (mode "eager")
+        if mode != "eager":
+            self._compiled = th.compile(_own_code(fn), fullgraph=True, mode=None if mode == "default" else mode)
+
+    def __call__(self, *inputs: Any) -> tuple[th.Tensor, ...]:
+        if self._compiled is None:
+            return self.fn(*inputs)
+        try:
+            with th._dynamo.config.patch(suppress_errors=False):
+                out = self._compiled(*inputs)
+        except Exception as e:  # as CompiledStep: any failure means "run it uncompiled"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self.fallback = f"the compiled {self.what} failed ({type(e).__name__}: {first[:200]}); it runs uncompiled"
+            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=2)
+            self._compiled = None
+            return self.fn(*inputs)
+        return tuple(t.clone() for t in out) if self.mode in _CUDA_GRAPH_MODES else out
+
+
 class CompiledStep:
     """One gradient step of a loss, compiled whole; call it with the loss function's inputs. Returns the loss and the
     loss function's other outputs, detached, still on the device.
@@ -156,11 +197,7 @@ class CompiledStep:
             th._dynamo.mark_static_address(t)
         self._compiled: Callable[..., tuple[th.Tensor, tuple[th.Tensor, ...]]] = self._step
         if self.mode != "eager":
-            # A code object of its own: dynamo keeps compiled graphs per code object, and every model's step would
-            # otherwise count against one recompile limit (8), which a process training several models reaches.
-            raw = CompiledStep._step
-            own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
-            step = types.MethodType(own, self)
+            step = _own_code(self._step)
             self._compiled = th.compile(step, fullgraph=True, mode=None if self.mode == "default" else self.mode)
 
     def _step(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:

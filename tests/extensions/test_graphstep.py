@@ -235,6 +235,32 @@ def test_ppos_compiled_step_updates_and_logs_as_sb3s_train(clip_range_vf):
         assert pending[f"train/{key}"] == pytest.approx(expected, rel=1e-4, abs=1e-6), key
 
 
+def test_ppos_compiled_rollout_forward_collects_what_sb3s_forward_collects():
+    # Random ops as torch's own (inductor would otherwise draw from its own generator on some devices).
+    kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
+    ours = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=2, device="cpu", **kwargs)
+    assert ours.compile_step() is None
+    with th._inductor.config.patch(fallback_random=True):
+        ours.learn(64)  # one rollout (then one train())
+    plain = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=2, device="cpu", **kwargs).learn(64)  # seeded as ours was
+    assert ours._compiled_act.fallback is None and "forward" not in vars(ours.policy)  # put back after the rollout
+    for name in ("observations", "actions", "value_tensor", "log_probs", "rewards", "episode_starts"):
+        th.testing.assert_close(getattr(ours.rollout_buffer, name), getattr(plain.rollout_buffer, name), msg=name)
+
+
+def test_a_rollout_forward_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch):
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
+    assert model.compile_step() is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(model._compiled_act, "_compiled", broken)
+    with pytest.warns(CompileFallbackWarning, match=r"the compiled rollout forward pass failed \(RuntimeError: no C"):
+        model.learn(64)
+    assert model.num_timesteps == 64 and model._compiled_act._compiled is None
+
+
 def test_ppos_compiled_step_on_the_device_rollout_buffer_reads_nothing_back():
     kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **kwargs)

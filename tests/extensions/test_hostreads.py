@@ -6,6 +6,7 @@ import copy
 import pickle
 
 import numpy as np
+import pytest
 import torch as th
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
@@ -101,10 +102,13 @@ def _collect(model, vec_steps):
     return model.collect_rollouts(model.env, callback, freq, model.replay_buffer, learning_starts=0)
 
 
-def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions(compiled):
     # PPO on the device rollout buffer: values and log-probs stay tensors, distributions are built unchecked.
     two_envs = make_vec_env("CartPole-v1", n_envs=2, seed=0)
     ppo = GradAccumPPO("MlpPolicy", two_envs, n_steps=32, batch_size=32, rollout_buffer_class=DeviceRolloutBuffer, seed=0)
+    if compiled:  # the rollout's forward pass in one compiled graph
+        assert ppo.compile_step() is None
     dqn = PrioritizedDQN(  # greedy: every action from the network
         "MlpPolicy",
         "CartPole-v1",
@@ -118,3 +122,4 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions():
             _collect(model, 32)
         assert reads.total == 32, reads.sites
         assert all("stable_baselines3/common/" in site for site in reads.sites), reads.sites  # the actions' read
+    assert not compiled or ppo._compiled_act.fallback is None
