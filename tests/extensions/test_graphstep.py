@@ -347,3 +347,41 @@ def test_a_step_that_samples_inside_its_graph_equals_the_same_step_run_eagerly()
     for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
         th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert compiled._n_updates == eager._n_updates
+
+
+def _prioritized_dqn():
+    """A DQN on the prioritized device buffer, with 3-step returns and two envs, filled past a wrap-around."""
+    model = PrioritizedDQN(
+        "MlpPolicy",
+        make_vec_env("CartPole-v1", n_envs=2, seed=0),
+        replay_buffer_class=DevicePrioritizedReplayBuffer,
+        replay_buffer_kwargs={"n_steps": 3, "gamma": 0.99, "alpha": 0.6, "beta": 0.5, "normalize": "buffer"},
+        buffer_size=300,
+        policy_kwargs={"net_arch": [16]},
+        **{**COMMON, "learning_starts": 400},
+    )
+    model.learn(800)
+    return model
+
+
+def test_prioritized_sampling_and_updates_inside_the_graph_equal_the_buffers_own_sample_and_update():
+    compiled, eager = _prioritized_dqn(), _prioritized_dqn()
+    assert compiled.compile_step() is None
+    compiled.replay_buffer.sample = None  # the in-graph draws, never the buffer's sample()
+    for model in (compiled, eager):
+        model.replay_buffer._generator.manual_seed(7)  # the same draws for both
+        model._current_progress_remaining = 0.5  # beta annealed half-way: a tensor in the graph, a float eagerly
+        with HostReads() as reads:
+            _train(model, seed=0, steps=8)
+        assert reads.total == 0 or model is eager, reads.sites
+    assert compiled._compiled_step.fallback is None
+    for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    mine, theirs = compiled.replay_buffer, eager.replay_buffer
+    leaves = th.arange(300)
+    th.testing.assert_close(mine.tree[leaves], theirs.tree[leaves], rtol=1e-5, atol=0)
+    th.testing.assert_close(mine.tree.total, theirs.tree.total, rtol=1e-6, atol=0)  # the ancestors follow the leaves
+    th.testing.assert_close(mine.tree.total, mine.tree[leaves].sum(), rtol=1e-12, atol=0)
+    th.testing.assert_close(mine.max_priority, theirs.max_priority, rtol=1e-5, atol=0)
+    assert int(mine.refused_updates) == int(theirs.refused_updates) == 0
+    assert not th.equal(mine.tree[leaves], mine._new_leaf.expand(300))  # the priorities did move

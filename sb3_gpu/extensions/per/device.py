@@ -200,7 +200,7 @@ class DeviceSumMinTree:
         return th.from_numpy(nodes), th.from_numpy(values)
 
 
-_TENSORS = ("max_priority", "_new_leaf", "_last_max_weight", "_strata", "refused_updates")  # pickled as arrays
+_TENSORS = ("max_priority", "_new_leaf", "_last_max_weight", "_strata", "refused_updates", "_beta")  # pickled as arrays
 
 
 class DevicePrioritizedReplayBufferSamples(NamedTuple):
@@ -268,6 +268,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         # once per train()), not at each of its gradient steps' samples.
         self._last_draw: tuple[th.Tensor, th.Tensor, int] | None = None
         self._strata = th.arange(0, dtype=th.float64, device=self.device)  # 0 .. batch_size - 1, kept between samples
+        self._beta = th.zeros((), dtype=th.float64, device=self.device)  # beta for a compiled step (a float recompiles)
 
     @property
     def last_max_weight(self) -> th.Tensor:
@@ -283,7 +284,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
             self.tree.to(device)
             self.max_priority, self._new_leaf = self.max_priority.to(device), self._new_leaf.to(device)
             self._last_max_weight = self.last_max_weight.to(device)
-            self._strata = self._strata.to(device)
+            self._strata, self._beta = self._strata.to(device), self._beta.to(device)
             self.refused_updates = self.refused_updates.to(device)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -301,6 +302,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         state.setdefault("_strata", th.arange(0, dtype=th.float64))
         state.setdefault("_last_draw", None)
         state.setdefault("refused_updates", th.zeros((), dtype=th.int64))
+        state.setdefault("_beta", th.zeros((), dtype=th.float64))
         super().__setstate__(state)  # then _place moves them, and the tree, to the buffer's device
 
     def reset(self) -> None:
@@ -329,33 +331,70 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> DevicePrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
-        total = self.tree.total
         if len(self._strata) != batch_size:
             self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
-        indices, priorities = self.tree.find((self._strata + self._uniforms(batch_size)) * (total / batch_size))
+        samples, smallest, total = self._prioritized(self._uniforms(batch_size), self.beta, env)
+        self._last_draw = (smallest, total, self.size() * self.n_envs)
+        return samples
+
+    def _prioritized(
+        self, uniforms: th.Tensor, beta: float | th.Tensor, env: VecNormalize | None, newest: th.Tensor | None = None
+    ) -> tuple[DevicePrioritizedReplayBufferSamples, th.Tensor, th.Tensor]:
+        """The samples that ``uniforms`` (one per stratum) pick, with the tree's minimum and total they were drawn at."""
+        total = self.tree.total
+        indices, priorities = self.tree.find((self._strata + uniforms) * (total / len(uniforms)))
         # w_i = (N * P(i)) ** -beta divided by the largest weight, that of the smallest priority: (p_i / p_min) ** -beta,
         # p_min the batch's or the buffer's (see normalize).
         smallest = self.tree.min
-        weights = (priorities / (priorities.amin() if self.normalize == "batch" else smallest)).pow(-self.beta).float()
-        self._last_draw = (smallest, total, self.size() * self.n_envs)
+        weights = (priorities / (priorities.amin() if self.normalize == "batch" else smallest)).pow(-beta).float()
         # With one env, a scalar env index makes the gathers cheaper than a tensor of zeros.
         batch_inds, env_inds = (indices, 0) if self.n_envs == 1 else (indices // self.n_envs, indices % self.n_envs)
-        samples = self._get_samples_at(batch_inds, env_inds, env)
-        return DevicePrioritizedReplayBufferSamples(*samples, weights=weights, indices=indices)
+        samples = self._get_samples_at(batch_inds, env_inds, env, newest)
+        return DevicePrioritizedReplayBufferSamples(*samples, weights=weights, indices=indices), smallest, total
+
+    # -- sampling and updating inside a compiled step ----------------------------------------------------------------
+
+    def samples_in_graph(self, env: VecNormalize | None) -> bool:
+        """As the uniform buffer's, and the trees searched by tensor ops (not the host's compiled loops)."""
+        return super().samples_in_graph(env) and self.tree.backend == "torch"
+
+    def storage(self) -> list[th.Tensor]:
+        tree = self.tree
+        state = [tree.sums, tree.mins, *tree._level_sums, *tree._level_mins, tree._ranks, tree._top_ranks]
+        return [*super().storage(), *state, self.max_priority, self._new_leaf, self.refused_updates, self._beta]
+
+    def prepare_graph_sampling(self, batch_size: int) -> None:
+        """Before a compiled step's draws: the tree's pending refreshes done, the strata and ``beta`` in place, and
+        the logged weight's figures taken (at the first of this train()'s samples rather than the last)."""
+        self.tree._refresh()
+        if len(self._strata) != batch_size:
+            self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
+        self._beta.fill_(self.beta)
+        self._last_draw = (self.tree.min, self.tree.total, self.size() * self.n_envs)
+
+    def uniforms(self, batch_size: int) -> th.Tensor:
+        """One uniform draw per stratum, from the buffer's generator (what :meth:`sample` draws): one op."""
+        return self._uniforms(batch_size)
+
+    def samples_at_uniforms(self, uniforms: th.Tensor, position: th.Tensor) -> DevicePrioritizedReplayBufferSamples:
+        """What :meth:`sample` returns for these draws, by tensor ops only, with ``beta`` and the write position
+        (``fill_position``) as tensors, so that a compiled step samples inside its graph and compiles once."""
+        return self._prioritized(uniforms, self._beta, None, position[1])[0]
 
     def update_priorities(self, indices: th.Tensor | np.ndarray, td_errors: th.Tensor | np.ndarray) -> None:
         """Set the priorities of sampled transitions from their new TD errors (tensors, or arrays).
 
         A NaN or inf TD error would poison the sum tree (its total, so every later draw). Such an update is refused
         on the device, without waiting for it: its transitions keep their priorities and ``refused_updates`` counts
-        it; :meth:`check` raises for it (the DQN family's training calls it when it writes its logs).
+        it; :meth:`check` raises for it (the DQN family's training calls it when it writes its logs). The state is
+        updated in place, so that a compiled step can do it inside its graph.
         """
         priorities = th.as_tensor(td_errors, device=self.device).detach().to(th.float64).abs().reshape(-1) + self.eps
         indices = th.as_tensor(indices, device=self.device)
         finite = th.isfinite(priorities).all()
-        self.refused_updates = self.refused_updates + (~finite).long()
-        self.max_priority = th.where(finite, th.maximum(self.max_priority, priorities.max()), self.max_priority)
-        self._new_leaf = self.max_priority**self.alpha
+        self.refused_updates.add_((~finite).long())
+        self.max_priority.copy_(th.where(finite, th.maximum(self.max_priority, priorities.max()), self.max_priority))
+        self._new_leaf.copy_(self.max_priority**self.alpha)
         self.tree.update(indices, th.where(finite, priorities**self.alpha, self.tree[indices]))
 
     def check(self, refused: float | None = None) -> None:

@@ -85,20 +85,29 @@ class _PrioritizedTraining:
             self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
             self._position = th.zeros(2, dtype=th.long, device=self.device)  # type: ignore[attr-defined]
             buffer = self.replay_buffer  # type: ignore[attr-defined]
-            if type(buffer) is DeviceReplayBuffer:  # sampled inside the graph: a CUDA graph reads it in place
+            if type(buffer) in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer):
+                # Sampled (and with PER, updated) inside the graph: a CUDA graph reads and writes them in place.
                 for t in [*buffer.storage(), self._position]:
                     th._dynamo.mark_static_address(t)
         return reason
 
-    def _graph_loss(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-        """The compiled step's loss: of a sampled batch (``batch, discounts, weights``), or of the batch that
-        ``draws`` pick from a uniform device buffer (``draws, position``), sampled inside the graph."""
-        if len(inputs) == 2:
-            data = self.replay_buffer.samples_at_draws(*inputs)  # type: ignore[attr-defined]
-            batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
-            discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
+    def _graph_loss(self, source: str, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
+        """The compiled step's loss, by ``source``: ``batch`` (a sampled batch: ``batch, discounts, weights``),
+        ``uniform`` (the batch that ``draws, position`` pick from a uniform device buffer) or ``prioritized`` (the
+        batch that ``uniforms, position`` pick from a prioritized device buffer, whose priorities the TD errors then
+        update): the last two sampled inside the graph."""
+        if source == "batch":
+            return self._weighted_loss(*inputs)
+        buffer = self.replay_buffer  # type: ignore[attr-defined]
+        data = buffer.samples_at_draws(*inputs) if source == "uniform" else buffer.samples_at_uniforms(*inputs)
+        batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
+        discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
+        if source == "uniform":
             return self._weighted_loss(batch, discounts, None)
-        return self._weighted_loss(*inputs)
+        loss, (td_errors,) = self._weighted_loss(batch, discounts, data.weights.flatten())
+        # Before the backward pass, as the eager step: a NaN TD error is refused before it reaches the tree.
+        buffer.update_priorities(data.indices, td_errors.detach())
+        return loss, (td_errors,)
 
     def _weighted_loss(
         self, batch: Batch, discounts: th.Tensor | float, weights: th.Tensor | None
@@ -125,10 +134,16 @@ class _PrioritizedTraining:
         if compiled is not None and not compiled.usable():
             compiled = None  # accumulation or fp16 scaling switched on since compile_step: torch's step does them
         env = self._vec_normalize_env  # type: ignore[attr-defined]
-        if compiled is not None and type(buffer) is DeviceReplayBuffer and buffer.samples_in_graph(env):
+        in_graph = type(buffer) in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer) and buffer.samples_in_graph(env)
+        if compiled is not None and in_graph:
             buffer.fill_position(self._position)  # where the envs have written to, as each sample() would read it
+            if per is not None:
+                buffer.prepare_graph_sampling(batch_size)
             for _ in range(gradient_steps):  # one op outside the graph: the draws, from the buffer's generator
-                loss, _ = compiled(buffer.draws(batch_size), self._position)
+                if per is None:
+                    loss, _ = compiled("uniform", buffer.draws(batch_size), self._position)
+                else:
+                    loss, _ = compiled("prioritized", buffer.uniforms(batch_size), self._position)
                 self._device_log.mean("train/loss", loss)
             self._n_updates += gradient_steps  # type: ignore[attr-defined]
             self._log(per)
@@ -138,7 +153,7 @@ class _PrioritizedTraining:
             discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
             if compiled is not None:
                 batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
-                loss, (td_errors,) = compiled(batch, discounts, data.weights.flatten() if per is not None else None)
+                loss, (td_errors,) = compiled("batch", batch, discounts, data.weights.flatten() if per is not None else None)
                 self._device_log.mean("train/loss", loss)
                 if per is not None:  # a non-finite TD error is refused by the tree as it skipped the step
                     self._update_priorities(per, data.indices, td_errors)
