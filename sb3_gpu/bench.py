@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     _gpu_parser(sub.add_parser("gpu", help="the device data path vs SB3's: sample() of Atari frames, PPO and DQN env steps/s"))
     step = sub.add_parser("step", help="host reads, ops, graph breaks and time per gradient step and per vec step")
     step.add_argument(
-        "--cases", nargs="+", metavar="ALGO:ENV[:PROFILE]", help="default: DQN, QR-DQN, PPO CartPole (+ Pong on CUDA)"
+        "--cases",
+        nargs="+",
+        metavar="ALGO:ENV[:PROFILE]",
+        help="default: DQN (uniform and dqn+per), QR-DQN, PPO CartPole (+ Pong on CUDA)",
     )
     step.add_argument("--device", default="auto", help="auto (default: cuda if there is one, else cpu), cpu, cuda, cuda:N")
     step.add_argument("--repeats", type=positive_int, default=7, help="timed calls; medians are printed (default 7)")

@@ -23,11 +23,14 @@ from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.per import DeviceSumMinTree
 from sb3_gpu.planning.build import build_env, model_kwargs
 from sb3_gpu.planning.plan import make_plan
 
-# (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand.
-CPU_CASES = ["dqn:CartPole-v1", "qrdqn:CartPole-v1", "ppo:CartPole-v1"]
+# (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand. ``dqn+per``: sb3_gpu's
+# variants with prioritized replay on the device, its trees searched by tensor ops as on a GPU (SB3's row is uniform
+# DQN, since SB3 has no PER).
+CPU_CASES = ["dqn:CartPole-v1", "dqn+per:CartPole-v1", "qrdqn:CartPole-v1", "ppo:CartPole-v1"]
 GPU_CASES = [*CPU_CASES, "dqn:ALE/Pong-v5:large", "ppo:ALE/Pong-v5"]
 VARIANTS = ("sb3", "eager", "compiled")
 # aten ops that only make a view or change metadata: no kernel runs for them.
@@ -58,20 +61,22 @@ class StepRow:
 
 
 def parse_case(text: str) -> tuple[str, str, str]:
-    """``algo:env[:profile]``, e.g. ``dqn:ALE/Pong-v5:large``."""
+    """``algo[+per]:env[:profile]``, e.g. ``dqn:ALE/Pong-v5:large``."""
     algo, _, rest = text.partition(":")
     env, _, profile = rest.partition(":")
-    if not algo or not env:
-        raise ValueError(f"a case is ALGO:ENV or ALGO:ENV:PROFILE, got {text!r}")
+    if not algo or not env or algo.partition("+")[2] not in ("", "per"):
+        raise ValueError(f"a case is ALGO:ENV or ALGO:ENV:PROFILE (ALGO may be dqn+per or qrdqn+per), got {text!r}")
     return algo, env, profile or "auto"
 
 
 def _model(algo: str, env: str, profile: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
     """A model of the variant, warmed up on its own data (buffers filled, compiled), and its graph-break note."""
+    algo, _, extension = algo.partition("+")
+    per = extension == "per" and variant != "sb3"
     off_policy = algo != "ppo"
     overrides: dict[str, Any] = {"amp": "off", "compile": False, "device_buffers": variant != "sb3"}
     if off_policy:
-        overrides |= {"per": False, "learning_starts": 1_000}  # SB3's own train() has no PER; a short warm-up
+        overrides |= {"per": per, "learning_starts": 1_000}  # SB3's own train() has no PER; a short warm-up
     plan = make_plan(algo, env, device, seed=0, profile=profile, overrides=overrides, vec_env="dummy")
     kwargs = model_kwargs(plan)
     spec = get_algo(algo)
@@ -80,6 +85,9 @@ def _model(algo: str, env: str, profile: str, device: str, variant: str) -> tupl
     if variant == "sb3":
         kwargs.pop("grad_accum_steps", None)
     model: Any = cls(plan.preset.policy, build_env(plan), device=plan.device.device, seed=0, **kwargs)
+    if per:  # the trees' tensor ops (a GPU's only backend; the CPU would take numba's loops, outside any graph)
+        buffer = model.replay_buffer
+        buffer.tree = DeviceSumMinTree(buffer.tree.capacity, buffer.device, backend="torch")
     breaks = "-"
     if variant == "compiled":
         compile_step = getattr(model, "compile_step", None)
