@@ -361,7 +361,8 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
     def storage(self) -> list[th.Tensor]:
         tree = self.tree
         state = [tree.sums, tree.mins, *tree._level_sums, *tree._level_mins, tree._ranks, tree._top_ranks]
-        return [*super().storage(), *state, self.max_priority, self._new_leaf, self.refused_updates, self._beta]
+        mine = [self.max_priority, self._new_leaf, self.refused_updates, self._beta, self._strata]
+        return [*super().storage(), *state, *mine]
 
     def prepare_graph_sampling(self, batch_size: int) -> None:
         """Before a compiled step's draws: the tree's pending refreshes done, the strata and ``beta`` in place, and

@@ -86,6 +86,8 @@ class _PrioritizedTraining:
             self._position = th.zeros(2, dtype=th.long, device=self.device)  # type: ignore[attr-defined]
             buffer = self.replay_buffer  # type: ignore[attr-defined]
             if type(buffer) in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer):
+                if isinstance(buffer, DevicePrioritizedReplayBuffer):
+                    buffer.prepare_graph_sampling(self.batch_size)  # type: ignore[attr-defined]  # strata sized, then fixed
                 # Sampled (and with PER, updated) inside the graph: a CUDA graph reads and writes them in place.
                 for t in [*buffer.storage(), self._position]:
                     th._dynamo.mark_static_address(t)
