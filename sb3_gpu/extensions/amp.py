@@ -44,8 +44,10 @@ def _to_float(out: Any) -> Any:
 
 def _scale_gradients(out: Any, scaler: LossScale) -> Any:
     """Make each float output that carries a gradient multiply it by the loss scale on the way back."""
+    if scaler.hooks_off:
+        return out
     if isinstance(out, th.Tensor) and out.is_floating_point() and out.requires_grad:
-        out.register_hook(lambda grad: grad * scaler.scale)
+        out.register_hook(lambda grad: grad * scaler.factor)
     elif isinstance(out, tuple):
         for o in out:
             _scale_gradients(o, scaler)
@@ -115,9 +117,15 @@ def _scale_logger(model: BaseAlgorithm, scaler: LossScale) -> Any:
 
     def log() -> None:
         algo = owner()
-        if algo is not None and getattr(algo, "_logger", None) is not None:
-            algo.logger.record("amp/scale", scaler.scale)
-            algo.logger.record("amp/skipped_steps", scaler.skipped_steps)
+        if algo is None or getattr(algo, "_logger", None) is None:
+            return
+        log = getattr(algo, "_device_log", None)
+        if scaler.tensors is not None and log is not None:  # read with the other figures, when the logs are written
+            log.latest("amp/scale", scaler.tensors[0])
+            log.latest("amp/skipped_steps", scaler.tensors[2])
+            return
+        algo.logger.record("amp/scale", scaler.scale)
+        algo.logger.record("amp/skipped_steps", scaler.skipped_steps)
 
     return log
 

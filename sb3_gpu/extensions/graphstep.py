@@ -64,8 +64,6 @@ def _running_refusal(guard: OptimizerStep) -> str | None:
     """What an extension switched on since may rule out: the step's own wrapper doing part of the work."""
     if guard.micro_batches > 1:
         return "gradient accumulation steps once per several backward passes"
-    if guard.loss_scale is not None:
-        return "fp16 loss scaling decides on the host whether to step"
     return None
 
 
@@ -192,8 +190,13 @@ class CompiledStep:
         self.first_bad = th.full((), -1, dtype=th.long, device=device)  # the first one's parameter, by position
         self._names = [self.guard._names.get(id(p), "?") for p in self.adam.params]
         self.guard.compiled = True  # the NaN guard need not read the weights at each rollout: they stay finite
+        self.scaler = self.guard.loss_scale  # fp16: the step scales its loss and updates the scale on the device
+        if self.scaler is not None:
+            self.scaler.to_device(device)
+            self.scaler.hooks_off = True
+        scale_state = self.scaler.tensors if self.scaler is not None and self.scaler.tensors is not None else ()
         # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
-        for t in (self.lr, self.skipped, self.first_bad, *(t for state in self.adam.state for t in state)):
+        for t in (self.lr, self.skipped, self.first_bad, *scale_state, *(t for state in self.adam.state for t in state)):
             th._dynamo.mark_static_address(t)
         self._compiled: Callable[..., tuple[th.Tensor, tuple[th.Tensor, ...]]] = self._step
         if self.mode != "eager":
@@ -203,8 +206,12 @@ class CompiledStep:
     def _step(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         loss, figures = self.loss_fn(*inputs)
         params = self.adam.params
-        grads: list[th.Tensor | None] = list(th.autograd.grad(loss, params, allow_unused=True))
+        scale = self.scaler.tensors[0] if self.scaler is not None and self.scaler.tensors is not None else None
+        scaled = loss * scale if scale is not None else loss  # fp16: small gradients kept above fp16's underflow
+        grads: list[th.Tensor | None] = list(th.autograd.grad(scaled, params, allow_unused=True))
         with th.no_grad():
+            if scale is not None:
+                grads = [g / scale if g is not None else None for g in grads]
             # A parameter without a gradient counts as a zero norm: positions stay those of the guard's names.
             norms = th.stack([th.linalg.vector_norm(g) if g is not None else self.lr.new_zeros(()) for g in grads])
             total = th.linalg.vector_norm(norms)
@@ -215,6 +222,11 @@ class CompiledStep:
                 coef = th.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
                 grads = [g * coef if g is not None else None for g in grads]
             found = ~self.adam.apply(grads, self.lr, ok)
+            if scale is not None and self.scaler is not None:
+                # As the host's rule: above a scale of 1 a non-finite gradient is an overflow, the scale's to handle.
+                real = found & (scale <= 1.0)
+                self.scaler.update_on_device(found)
+                found = real
             first = (~norms.isfinite()).int().argmax()  # 0 where only the loss or a new weight was: the first
             self.first_bad.copy_(th.where((self.first_bad < 0) & found, first, self.first_bad))
             self.skipped.add_(found.long())
@@ -232,9 +244,12 @@ class CompiledStep:
         return loss, figures
 
     def usable(self) -> bool:
-        """Whether the optimizer's wrapper still leaves the whole step to this one (no accumulation or fp16 scaling
-        switched on since it was built)."""
-        return _running_refusal(self.guard) is None
+        """Whether the optimizer's wrapper still leaves the whole step to this one (no accumulation switched on since
+        it was built, and no loss scale other than the one it took)."""
+        usable = _running_refusal(self.guard) is None and self.guard.loss_scale is self.scaler
+        if not usable and self.scaler is not None:
+            self.scaler.hooks_off = False  # torch's step takes over: the outputs' hooks scale the gradients again
+        return usable
 
     def _guarded_call(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         if self._compiled == self._step:

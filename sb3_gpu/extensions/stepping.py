@@ -57,7 +57,8 @@ class LossScale:
     """A dynamic fp16 loss scale that follows ``torch.amp.GradScaler``'s rules (a test runs the two side by side).
 
     An overflow skips the step and multiplies the scale by ``backoff_factor``; ``growth_interval`` good steps in a
-    row multiply it by ``growth_factor``.
+    row multiply it by ``growth_factor``. Where steps are skipped on the device (a fused optimizer, a compiled step)
+    the scale lives there too (:meth:`to_device`): updated without a wait, and read only as :attr:`scale`.
     """
 
     def __init__(
@@ -67,23 +68,60 @@ class LossScale:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ):
-        self.scale = float(init_scale)
+        self._scale = float(init_scale)
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.skipped_steps = 0
+        self._skipped_steps = 0
         self._good_steps = 0
+        # On the device: the scale, the good steps in a row, the steps skipped for an overflow (None: on the host).
+        self.tensors: tuple[th.Tensor, th.Tensor, th.Tensor] | None = None
+        self.hooks_off = False  # a compiled step scales its loss itself, so the output hooks stay out of its graph
+
+    @property
+    def scale(self) -> float:
+        """The current scale (on the device: read back, a wait)."""
+        return float(self.tensors[0]) if self.tensors is not None else self._scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.tensors[2]) if self.tensors is not None else self._skipped_steps
+
+    @property
+    def factor(self) -> float | th.Tensor:
+        """What gradients are multiplied by: the scale, as a tensor where it lives on the device."""
+        return self.tensors[0] if self.tensors is not None else self._scale
+
+    def to_device(self, device: th.device) -> None:
+        """Keep the scale on ``device`` from now on (once; later calls do nothing)."""
+        if self.tensors is None:
+            self.tensors = (
+                th.full((), self._scale, dtype=th.float32, device=device),
+                th.full((), self._good_steps, dtype=th.int32, device=device),
+                th.full((), self._skipped_steps, dtype=th.int64, device=device),
+            )
 
     def update(self, found_inf: bool) -> None:
         """Account for one optimizer step that overflowed (and was skipped) or did not."""
         if found_inf:
-            self.scale *= self.backoff_factor
-            self.skipped_steps += 1
+            self._scale *= self.backoff_factor
+            self._skipped_steps += 1
             self._good_steps = 0
             return
         self._good_steps += 1
         if self._good_steps == self.growth_interval:
-            grown = self.scale * self.growth_factor
-            self.scale = grown if math.isfinite(grown) else self.scale
+            grown = self._scale * self.growth_factor
+            self._scale = grown if math.isfinite(grown) else self._scale
             self._good_steps = 0
+
+    def update_on_device(self, found_inf: th.Tensor) -> None:
+        """:meth:`update` on the device tensors, by tensor ops only (``found_inf``: a 0-dim bool tensor)."""
+        assert self.tensors is not None
+        scale, good, skipped = self.tensors
+        good_now = th.where(found_inf, 0, good + 1)
+        grow = good_now >= self.growth_interval
+        grown = scale * self.growth_factor
+        scale.copy_(th.where(found_inf, scale * self.backoff_factor, th.where(grow & grown.isfinite(), grown, scale)))
+        good.copy_(th.where(grow, 0, good_now))
+        skipped.add_(found_inf.long())
 
 
 class OptimizerStep:
@@ -123,6 +161,7 @@ class OptimizerStep:
     def scale_losses(self, loss_scale: LossScale) -> None:
         """Gradients arrive multiplied by ``loss_scale.scale`` (see :mod:`sb3_gpu.extensions.amp`); divide it out."""
         self.loss_scale = loss_scale
+        self._scale_on_device()
         self._hook_gradients()
 
     def reset(self) -> None:
@@ -142,7 +181,8 @@ class OptimizerStep:
         for param, saved in self._saved.items():  # a parameter without a gradient in the last micro-batch
             param.grad = self._unscaled(saved)
         self._saved.clear()
-        if self.on_non_finite is not None and self.loss_scale is None and self.skips_on_device:
+        if self.skips_on_device and (self.on_non_finite is not None or self.loss_scale is not None):
+            self._scale_on_device()
             return self._step_or_skip_on_device(closure)
         bad = self._non_finite_gradient() if self.loss_scale is not None or self.on_non_finite is not None else None
         # An fp16 overflow is expected now and then, and the scale handles it; at a scale of 1 or less nothing was
@@ -167,6 +207,11 @@ class OptimizerStep:
         return self.defer_checks and bool(self.optimizer.defaults.get("fused"))
 
     # ------------------------------------------------------------------ internals
+    def _scale_on_device(self) -> None:
+        if self.loss_scale is not None and self.skips_on_device:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            self.loss_scale.to_device(params[0].device)
+
     def _step_or_skip_on_device(self, closure: Callable[[], Any] | None) -> Any:
         with_grads = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = ~th.stack(th._foreach_norm([p.grad for p in with_grads])).isfinite()
@@ -176,6 +221,12 @@ class OptimizerStep:
             out = self._step() if closure is None else self._step(closure)
         finally:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
+        if self.loss_scale is not None and self.loss_scale.tensors is not None:
+            # As on the host: an overflow above a scale of 1 is the scale's to handle; at 1 or less the gradient
+            # itself is NaN or inf, which the guard reports (if it is on).
+            real = found & (self.loss_scale.tensors[0] <= 1.0)
+            self.loss_scale.update_on_device(found)
+            found = real if self.on_non_finite is not None else th.zeros_like(found)
         first = bad.int().argmax()
         if self._skipped is None or self._first_bad is None:
             self._skipped, self._first_bad = found.long(), th.where(found, first, -1)
@@ -209,8 +260,8 @@ class OptimizerStep:
         self._unscaled(param.grad)
 
     def _unscaled(self, grad: th.Tensor) -> th.Tensor:
-        divisor = self.micro_batches * (self.loss_scale.scale if self.loss_scale is not None else 1.0)
-        return grad.div_(divisor) if divisor != 1.0 else grad
+        divisor = self.micro_batches * (self.loss_scale.factor if self.loss_scale is not None else 1.0)
+        return grad.div_(divisor) if isinstance(divisor, th.Tensor) or divisor != 1.0 else grad
 
     def _non_finite_gradient(self) -> str | None:
         with_grads = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]

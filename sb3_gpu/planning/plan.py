@@ -262,7 +262,7 @@ AUTO_COMPILE_MODE = "reduce-overhead"
 def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts) -> _Variant:
     """Resolve ``compile: auto`` on ``v``'s device by timing its gradient step eager and compiled: compiled where
     that is clearly faster and the run is long enough to earn the compile time back."""
-    refused = _compile_refusal(v.resolved, facts.observation_space, v.speed.amp)
+    refused = _compile_refusal(v.resolved, facts.observation_space)
     workload = _workload(v, facts)
     if refused is None and workload is None:
         refused = "the schedule counts episodes, so the run's gradient steps are not known"
@@ -290,14 +290,12 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts) -> _Variant:
     return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile=mode, compile_reason=reason))
 
 
-def _compile_refusal(preset: Preset, obs_space: spaces.Space, amp: str) -> str | None:
+def _compile_refusal(preset: Preset, obs_space: spaces.Space) -> str | None:
     """Why the gradient step of ``preset`` could not be compiled whole (see ``extensions.graphstep.refusal``)."""
     params: Any = preset.params
     optimizer = preset.policy_kwargs.get("optimizer_class")
     if optimizer not in (None, th.optim.Adam):
         return "the compiled step runs Adam's update, and the preset names another optimizer"
-    if amp == "fp16":
-        return "fp16 loss scaling decides on the host whether to step"
     if params.grad_accum_steps > 1:
         return "gradient accumulation steps once per several backward passes"
     if isinstance(obs_space, spaces.Dict):

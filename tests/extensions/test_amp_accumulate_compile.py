@@ -14,15 +14,16 @@ import pytest
 import torch as th
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN, PPO
+from stable_baselines3.common.logger import KVWriter, Logger
 from stable_baselines3.common.utils import explained_variance
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.extensions.accumulate import GradAccumPPO
+from sb3_gpu.extensions.accumulate import GradAccumPPO, _no_argument_checks
 from sb3_gpu.extensions.amp import amp_state, enable_amp
 from sb3_gpu.extensions.compile import compile_policy
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
-from sb3_gpu.extensions.stepping import LossScale, optimizer_step
+from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model, fused
 from sb3_gpu.planning.plan import make_plan
 
@@ -220,12 +221,24 @@ def _sb3_step(model, obs, actions, inject_inf=False, max_grad_norm=0.5):
     return norm
 
 
-def test_fp16_overflow_skips_the_step_halves_the_scale_and_grows_it_back():
-    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+def _fused_ppo():
+    """PPO whose optimizer is fused and whose step skips on the device (as CUDA plans train)."""
+    kwargs = dict(SMALL_PPO, policy_kwargs={**SMALL_PPO["policy_kwargs"], "optimizer_kwargs": {"fused": True}})
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **kwargs)
+    optimizer_step(model.policy.optimizer, model.policy).defer_checks = True
+    return model
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_grows_it_back(where):
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO) if where == "host" else _fused_ppo()
     state = enable_amp(model, "fp16", init_scale=1024.0, growth_interval=2)
     obs, actions = _ppo_batch(model)
     before = _params(model)
-    _sb3_step(model, obs, actions, inject_inf=True)
+    with HostReads() as reads, _no_argument_checks():  # (torch.distributions' own checks read too)
+        _sb3_step(model, obs, actions, inject_inf=True)
+    assert (reads.total == 0) == (where == "device"), reads.sites  # on the device: decided without a wait
+    assert (state.scaler.tensors is not None) == (where == "device")
     assert all(th.equal(a, b) for a, b in zip(before, _params(model), strict=True)), "the overflowed step was skipped"
     assert state.scaler.scale == 512.0 and state.scaler.skipped_steps == 1
     _sb3_step(model, obs, actions)
@@ -270,6 +283,77 @@ def test_fp16_with_ppo_accumulation_counts_only_real_optimizer_steps():
     state = enable_amp(model, "fp16", init_scale=64.0, growth_interval=2)
     model.learn(64)  # 4 micro-batches: 2 optimizer steps, so the scale doubles once (not twice)
     assert state.scaler.skipped_steps == 0 and state.scaler.scale == 128.0
+
+
+class _Kept(KVWriter):
+    """A log output that keeps what each write wrote."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def write(self, key_values, key_excluded, step=0):
+        self.rows.append(dict(key_values))
+
+
+def test_fp16_scale_on_the_device_is_logged_when_the_logs_are_written():
+    model = GradAccumPPO(
+        "MlpPolicy",
+        "CartPole-v1",
+        seed=0,
+        device="cpu",
+        **{**SMALL_PPO, "policy_kwargs": {"net_arch": [32, 32], "optimizer_kwargs": {"fused": True}}},
+    )
+    state = enable_amp(model, "fp16", init_scale=2.0**40, growth_interval=2)  # overflows fp16 at first
+    kept = _Kept()
+    model.set_logger(Logger(None, [kept]))
+    model.learn(128)
+    assert state.scaler.tensors is not None
+    logged = kept.rows[-1]  # written before the last train(), as SB3's PPO writes its logs
+    assert 2.0**40 > logged["amp/scale"] >= state.scaler.scale and logged["amp/skipped_steps"] >= 1
+    assert all(th.isfinite(p).all() for p in model.policy.parameters())
+
+
+@pytest.mark.parametrize("algo", ["ppo", "dqn"])
+def test_the_compiled_step_scales_fp16_losses_on_the_device_as_the_eager_step(algo):
+    from sb3_gpu.extensions.per import PrioritizedDQN
+
+    def make():
+        if algo == "ppo":
+            return GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
+        return PrioritizedDQN(
+            "MlpPolicy",
+            "CartPole-v1",
+            learning_starts=32,
+            batch_size=16,
+            seed=0,
+            device="cpu",
+            policy_kwargs={"net_arch": [32]},
+        )
+
+    # A scale that grows (PPO trains 8 steps here, DQN 24) but stays far from fp16's overflow: the same steps taken.
+    interval = 3 if algo == "ppo" else 10
+    models, states = [], []
+    for compile_it in (False, True):  # each seeded, set up and trained in turn: the same data for both
+        model = make()
+        states.append(enable_amp(model, "fp16", init_scale=2.0**8, growth_interval=interval))
+        assert not compile_it or model.compile_step() is None  # fp16 scaling no longer keeps torch's step
+        models.append(model.learn(128))
+    eager, compiled = models
+    assert compiled._compiled_step.fallback is None
+    eager_scale, compiled_scale = (s.scaler for s in states)
+    assert compiled_scale.tensors is not None and compiled_scale.hooks_off
+    assert (compiled_scale.scale, compiled_scale.skipped_steps) == (eager_scale.scale, eager_scale.skipped_steps)
+    assert compiled_scale.scale > 2.0**8  # it grew
+    for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # fp16 against fp32 moves them by about 3e-5
+    # A scale that overflows fp16 at first: skipped steps back it off on the device; no NaN guard error.
+    overflowing = make()
+    state = enable_amp(overflowing, "fp16", init_scale=2.0**40)
+    assert overflowing.compile_step() is None
+    overflowing.learn(128)
+    assert state.scaler.skipped_steps >= 1 and state.scaler.scale < 2.0**40
+    assert all(th.isfinite(p).all() for p in overflowing.policy.parameters())
+    settle_guards(overflowing)  # overflows are the scale's to handle, not the guard's
 
 
 def test_loss_scaler_never_steps_on_nan():
