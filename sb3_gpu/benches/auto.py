@@ -17,7 +17,7 @@ import torch as th
 
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
-from sb3_gpu.planning.plan import Plan, make_plan
+from sb3_gpu.planning.plan import AUTO_COMPILE_MODE, Plan, make_plan
 from sb3_gpu.planning.probe import Candidate
 
 # (algo, env): the cases `bench auto` runs by default; the Atari ones where ale-py is installed.
@@ -52,16 +52,23 @@ def competing(processes: int) -> Iterator[None]:
 
 def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, device, overrides) of every candidate of the plan's probe, and on the CPU each of them with one thread
-    and with every physical core, whether the probe took that count into account or not."""
+    and with every physical core, whether the probe took that count into account or not. On CUDA auto's device,
+    precision and threads also run with the compile choice it passed over (compile=auto is probed there only)."""
     assert plan.speed is not None
     options = plan.probe.options if plan.probe else ()
-    auto = (plan.device.device, plan.speed.amp, plan.speed.threads)
-    candidates = {(o.candidate.device, o.candidate.amp, o.candidate.threads) for o in options} | {auto}
-    for device, amp, _ in list(candidates):
+    compiled = plan.speed.compile
+    auto = (plan.device.device, plan.speed.amp, plan.speed.threads, compiled)
+    candidates = {(o.candidate.device, o.candidate.amp, o.candidate.threads, "false") for o in options} | {auto}
+    for device, amp, _, _ in list(candidates):
         if device == "cpu":
-            candidates |= {(device, amp, 1), (device, amp, plan.hardware.physical_cores)}
+            candidates |= {(device, amp, 1, "false"), (device, amp, plan.hardware.physical_cores, "false")}
+    if plan.device.device.startswith("cuda"):
+        candidates.add((auto[0], auto[1], auto[2], "false" if compiled != "false" else AUTO_COMPILE_MODE))
     ordered = sorted(candidates, key=lambda c: (c != auto, c))
-    return [(Candidate(d, a, t).label, d, {"amp": a, "threads": t}) for d, a, t in ordered]
+    return [
+        (Candidate(d, a, t).label + ("" if c == "false" else f" compiled {c}"), d, {"amp": a, "threads": t, "compile": c})
+        for d, a, t, c in ordered
+    ]
 
 
 def _short(algo: str, steps: int) -> dict[str, Any]:
@@ -95,10 +102,12 @@ def bench_auto(
         for phase, n in phases:
             with competing(n):
                 plan = make_plan(algo, env, "auto", seed=0, overrides=_short(algo, steps))
-                assert plan.speed is not None
                 params: Any = plan.preset.params
                 # At least two PPO rollouts, so that every run trains.
                 case_steps = max(steps, 2 * params.n_steps * plan.preset.n_envs) if algo == "ppo" else steps
+                # Planned again for the short run it times: compile=auto weighs the compile time against its length.
+                plan = make_plan(algo, env, "auto", n_timesteps=case_steps, seed=0, overrides=_short(algo, steps))
+                assert plan.speed is not None
                 alternatives = _alternatives(plan)
                 runs: dict[str, list[float]] = {label: [] for label, _, _ in alternatives}
                 for round_ in range(repeats):

@@ -316,3 +316,18 @@ def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy
     workload = Workload(algo, policy_class, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), policy_kwargs, 8, 2, 1)
     timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
     assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
+
+
+@pytest.mark.parametrize("compile_ms", [0.5, 1.95], ids=["compiled", "eager"])
+def test_bench_auto_runs_auto_against_the_compile_choice_it_passed_over(gpu_machine, compile_ms):
+    from sb3_gpu.benches.auto import _alternatives
+
+    prober = fake_prober(FakeTimes(GPU_TIMES), FakeCompile(eager_ms=2.0, compiled_ms=compile_ms))
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
+    chosen = plan.speed.compile
+    assert chosen == ("reduce-overhead" if compile_ms == 0.5 else "false")
+    alternatives = _alternatives(plan)
+    assert alternatives[0][2]["compile"] == chosen  # auto's own choice first
+    twins = [o for label, device, o in alternatives if device == "cuda:0" and o["amp"] == plan.speed.amp]
+    assert {o["compile"] for o in twins} == {"false", "reduce-overhead"}
+    assert all(o["compile"] == "false" for _, device, o in alternatives if device == "cpu")
