@@ -193,7 +193,6 @@ class CompiledStep:
         self.scaler = self.guard.loss_scale  # fp16: the step scales its loss and updates the scale on the device
         if self.scaler is not None:
             self.scaler.to_device(device)
-            self.scaler.hooks_off = True
         scale_state = self.scaler.tensors if self.scaler is not None and self.scaler.tensors is not None else ()
         # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
         for t in (self.lr, self.skipped, self.first_bad, *scale_state, *(t for state in self.adam.state for t in state)):
@@ -237,8 +236,15 @@ class CompiledStep:
             self._build()  # the optimizer's state was replaced (a load): step on the new one
         self.lr.fill_(self.optimizer.param_groups[0]["lr"])
         self._share_flags()
-        loss, figures = self._guarded_call(*inputs)
+        if self.scaler is not None:
+            self.scaler.hooks_off = True
+        try:
+            loss, figures = self._guarded_call(*inputs)
+        finally:
+            if self.scaler is not None:
+                self.scaler.hooks_off = False  # torch's own step, wherever it runs, scales by the outputs' hooks
         self.guard.steps += 1  # tried; the skipped ones are known when the flags are read
+        self.guard._notify()  # AMP's scale logger, as after torch's step
         if self.mode in _CUDA_GRAPH_MODES:  # a CUDA graph's outputs are overwritten by its next replay
             return loss.clone(), tuple(f.clone() for f in figures)
         return loss, figures
@@ -246,10 +252,7 @@ class CompiledStep:
     def usable(self) -> bool:
         """Whether the optimizer's wrapper still leaves the whole step to this one (no accumulation switched on since
         it was built, and no loss scale other than the one it took)."""
-        usable = _running_refusal(self.guard) is None and self.guard.loss_scale is self.scaler
-        if not usable and self.scaler is not None:
-            self.scaler.hooks_off = False  # torch's step takes over: the outputs' hooks scale the gradients again
-        return usable
+        return _running_refusal(self.guard) is None and self.guard.loss_scale is self.scaler
 
     def _guarded_call(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         if self._compiled == self._step:

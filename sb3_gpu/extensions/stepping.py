@@ -74,7 +74,7 @@ class LossScale:
         self._good_steps = 0
         # On the device: the scale, the good steps in a row, the steps skipped for an overflow (None: on the host).
         self.tensors: tuple[th.Tensor, th.Tensor, th.Tensor] | None = None
-        self.hooks_off = False  # a compiled step scales its loss itself, so the output hooks stay out of its graph
+        self.hooks_off = False  # True during a compiled step, which scales its loss itself: no output hooks in its graph
 
     @property
     def scale(self) -> float:
@@ -101,6 +101,9 @@ class LossScale:
 
     def update(self, found_inf: bool) -> None:
         """Account for one optimizer step that overflowed (and was skipped) or did not."""
+        if self.tensors is not None:  # torch's step after a compiled one: the scale stays where it lives
+            self.update_on_device(th.tensor(found_inf, device=self.tensors[0].device))
+            return
         if found_inf:
             self._scale *= self.backoff_factor
             self._skipped_steps += 1

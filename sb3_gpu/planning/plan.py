@@ -167,7 +167,8 @@ def make_plan(
         chosen, probed = _probed(chosen, variant, device, hardware, prober, facts)
         check(chosen)
         if chosen.resolved.compile == "auto" and chosen.device.device.startswith("cuda"):
-            chosen = _compile_probed(chosen, prober, facts)
+            timing = probed.timings[probed.chosen] if probed is not None else None
+            chosen = _compile_probed(chosen, prober, facts, timing.train_s if timing is not None else None)
 
     resolved, vec = chosen.resolved, chosen.vec
     if training:
@@ -257,15 +258,23 @@ def _probed(
 
 # What compile=auto compiles with where the probe takes it: the step replayed as a CUDA graph.
 AUTO_COMPILE_MODE = "reduce-overhead"
+# Compiling a gradient step and a forward pass takes at least this long (more, often much more): a run whose eager
+# training takes less cannot earn it back, and is not timed compiled.
+MIN_COMPILE_S = 5.0
 
 
-def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts) -> _Variant:
+def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s: float | None) -> _Variant:
     """Resolve ``compile: auto`` on ``v``'s device by timing its gradient step eager and compiled: compiled where
-    that is clearly faster and the run is long enough to earn the compile time back."""
+    that is clearly faster and the run is long enough to earn the compile time back. ``eager_step_s``: the device
+    probe's figure for the eager step, where it has one (a run too short to earn any compile back is not timed)."""
     refused = _compile_refusal(v.resolved, facts.observation_space)
     workload = _workload(v, facts)
     if refused is None and workload is None:
         refused = "the schedule counts episodes, so the run's gradient steps are not known"
+    if refused is None and workload is not None and eager_step_s is not None:
+        eager_total = eager_step_s * workload.grads_per_env_step * v.resolved.n_timesteps
+        if eager_total < MIN_COMPILE_S:
+            refused = f"the run's gradient steps take about {eager_total:.1f} s eager, less than compiling takes"
     if refused is not None or workload is None:
         return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile_reason=f"auto: not compiled: {refused}"))
     option = Option(Candidate(v.device.device, v.speed.amp, v.speed.threads), workload, v.speed.cudnn_benchmark, v.speed.tf32)
@@ -296,6 +305,9 @@ def _compile_refusal(preset: Preset, obs_space: spaces.Space) -> str | None:
     optimizer = preset.policy_kwargs.get("optimizer_class")
     if optimizer not in (None, th.optim.Adam):
         return "the compiled step runs Adam's update, and the preset names another optimizer"
+    adam_kwargs = preset.policy_kwargs.get("optimizer_kwargs") or {}
+    if any(adam_kwargs.get(k) for k in ("amsgrad", "maximize", "differentiable", "decoupled_weight_decay")):
+        return "the compiled step runs plain Adam (no amsgrad, maximize, decoupled weight decay)"
     if params.grad_accum_steps > 1:
         return "gradient accumulation steps once per several backward passes"
     if isinstance(obs_space, spaces.Dict):

@@ -332,7 +332,29 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
                 compiled()
             compile_s = time.perf_counter() - start
             compiled_s = _median_time(compiled, seconds / 2, warmup=0)
+        # The run compiles its rollout forward pass too: part of what the compiled step must earn back.
+        act = th.compile(_forward(policy, w), fullgraph=True, mode=None if mode == "default" else mode)
+        rollout_obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.n_envs))
+        start = time.perf_counter()
+        with th.no_grad():
+            for _ in range(3):
+                act(rollout_obs)
+        _sync(device)
+        compile_s += time.perf_counter() - start
     return CompileTiming(eager_s, compiled_s, compile_s)
+
+
+def _forward(policy: Any, w: Workload) -> Callable[[th.Tensor], Any]:
+    """The policy's forward pass at collection: PPO's actions, values and log-probabilities, or the Q-values."""
+    if w.algo == "ppo":
+
+        def forward(obs: th.Tensor) -> Any:
+            out = type(policy).forward(policy, obs)
+            policy.action_dist.distribution = None  # kept on the policy, it would leave the graph
+            return out
+
+        return forward
+    return getattr(policy, "q_net", None) or policy.quantile_net
 
 
 def _median_time(fn: Callable[[], None], seconds: float, warmup: int = 2, max_repeats: int = 15) -> float:
@@ -397,6 +419,12 @@ class ProbeCache:
     def put_compile(self, key: str, timing: CompileTiming) -> None:
         self._put(key, {k: float(getattr(timing, k)) for k in ("eager_s", "compiled_s", "compile_s")})
 
+    def put_failure(self, key: str) -> None:
+        self._put(key, {"failed": 1.0})
+
+    def failed(self, key: str) -> bool:
+        return self._entry(key, ("failed",)) is not None
+
     def _entry(self, key: str, fields: tuple[str, ...]) -> dict[str, float] | None:
         entry = self._load().get(_digest(key))
         return entry if entry is not None and all(k in entry for k in fields) else None
@@ -434,6 +462,7 @@ class Prober:
     context: str = ""  # the machine and its free cores: part of every cache key
     usable: Callable[[str], bool] = device_usable
     measure_compile: Callable[[Option, str], CompileTiming] = measure_compile
+    _compile_figures: ProbeCache | None = field(default=None, repr=False)
 
     def probe(self, options: Sequence[Option], rule: int, env_s: float) -> ProbeResult:
         """Time ``options`` (the rules' choice, ``options[rule]``, first) and choose among them."""
@@ -459,15 +488,33 @@ class Prober:
 
     def time_compile(self, option: Option, mode: str) -> CompileTiming:
         """``option``'s gradient step eager and compiled with ``mode`` (through the cache; not bounded by the budget,
-        since compiling takes what it takes); raises where the step does not compile."""
+        since compiling takes what it takes); raises where the step does not compile (and, from the cache, where it
+        did not compile before)."""
         key = f"{self._key(option)} | compiled {mode}"
-        cached = self.cache.get_compile(key) if self.cache is not None else None
+        cache = self._compile_cache()
+        if cache is not None and cache.failed(key):
+            raise RuntimeError(f"it failed on this machine before (remove {cache.path} to try again)")
+        cached = cache.get_compile(key) if cache is not None else None
         if cached is not None:
             return cached
-        timing = self.measure_compile(option, mode)
-        if self.cache is not None:
-            self.cache.put_compile(key, timing)
+        try:
+            timing = self.measure_compile(option, mode)
+        except Exception:
+            if cache is not None:
+                cache.put_failure(key)
+            raise
+        if cache is not None:
+            cache.put_compile(key, timing)
         return timing
+
+    def _compile_cache(self) -> ProbeCache | None:
+        """Compile figures, in a file of their own beside the cache (so that an older sb3_gpu, which reads only the
+        device figures, keeps reading its file)."""
+        if self.cache is None:
+            return None
+        if self._compile_figures is None or self._compile_figures.path.parent != self.cache.path.parent:
+            self._compile_figures = ProbeCache(self.cache.path.with_name("compile-probes.json"))
+        return self._compile_figures
 
     def _cached(self, option: Option, timings: list[Timing | None], i: int) -> bool:
         timing = self.cache.get(self._key(option)) if self.cache is not None else None

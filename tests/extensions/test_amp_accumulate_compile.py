@@ -341,7 +341,7 @@ def test_the_compiled_step_scales_fp16_losses_on_the_device_as_the_eager_step(al
     eager, compiled = models
     assert compiled._compiled_step.fallback is None
     eager_scale, compiled_scale = (s.scaler for s in states)
-    assert compiled_scale.tensors is not None and compiled_scale.hooks_off
+    assert compiled_scale.tensors is not None and not compiled_scale.hooks_off  # off only during a compiled step
     assert (compiled_scale.scale, compiled_scale.skipped_steps) == (eager_scale.scale, eager_scale.skipped_steps)
     assert compiled_scale.scale > 2.0**8  # it grew
     for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
@@ -406,3 +406,28 @@ def test_a_real_compiler_failure_falls_back_and_training_goes_on(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "REASON torch.compile failed (" in result.stdout and "training uncompiled" in result.stdout
     assert "TRAINED 128" in result.stdout
+
+
+def test_torchs_step_after_a_compiled_one_keeps_the_device_scale_moving_and_logs_it():
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
+    state = enable_amp(model, "fp16", init_scale=2.0**40)  # overflows fp16 at first
+    assert model.compile_step() is None  # the scale now lives on the device
+    model.target_kl = 1e9  # set late: torch's step runs, with the outputs' hooks scaling the gradients
+    kept = _Kept()
+    model.set_logger(Logger(None, [kept]))
+    model.learn(192)
+    assert state.scaler.tensors is not None and not state.scaler.hooks_off
+    assert state.scaler.skipped_steps >= 1 and state.scaler.scale < 2.0**40  # it backed off, on the device
+    assert all(th.isfinite(p).all() for p in model.policy.parameters())
+    assert kept.rows[-1]["amp/skipped_steps"] >= 1
+
+
+def test_a_compiled_fp16_step_logs_its_scale():
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
+    state = enable_amp(model, "fp16", init_scale=2.0**40)
+    assert model.compile_step() is None
+    kept = _Kept()
+    model.set_logger(Logger(None, [kept]))
+    model.learn(192)
+    assert model._compiled_step.fallback is None
+    assert 2.0**40 > kept.rows[-1]["amp/scale"] >= state.scaler.scale and kept.rows[-1]["amp/skipped_steps"] >= 1

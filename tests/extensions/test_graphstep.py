@@ -385,3 +385,12 @@ def test_prioritized_sampling_and_updates_inside_the_graph_equal_the_buffers_own
     th.testing.assert_close(mine.max_priority, theirs.max_priority, rtol=1e-5, atol=0)
     assert int(mine.refused_updates) == int(theirs.refused_updates) == 0
     assert not th.equal(mine.tree[leaves], mine._new_leaf.expand(300))  # the priorities did move
+
+
+def test_a_buffer_loaded_after_compile_step_is_the_one_fixed_and_sampled():
+    model = _prioritized_dqn()
+    assert model.compile_step() is None
+    first = model.replay_buffer
+    model.replay_buffer = copy.deepcopy(first)  # what a resumed run's load_replay_buffer does after compile_step
+    _train(model, seed=0, steps=2)
+    assert model._fixed_buffer is model.replay_buffer is not first and model._compiled_step.fallback is None

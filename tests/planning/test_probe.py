@@ -253,12 +253,19 @@ def test_compile_auto_stays_eager_where_compiling_is_not_faster_or_would_not_pay
     slower = FakeCompile(eager_ms=1.0, compiled_ms=0.95)
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), slower))
     assert plan.speed.compile == "false" and plan.speed.compile_reason.endswith("; not faster enough to take")
-    short = FakeCompile(eager_ms=2.0, compiled_ms=0.5, compile_s=300.0)  # pays after 200,000 gradient steps
-    plan = make_plan(
-        "dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), short), n_timesteps=20_000
-    )
+    slow_to_compile = FakeCompile(eager_ms=2.0, compiled_ms=0.5, compile_s=300.0)  # pays after 200,000 steps
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), slow_to_compile))
     assert plan.speed.compile == "false"
-    assert "; would pay after 200,000 gradient steps, the run has " in plan.speed.compile_reason
+    assert "; would pay after 200,000 gradient steps, the run has 12,500" in plan.speed.compile_reason
+    # A run whose eager training (2,500 steps of the probe's 1 ms) takes less than any compiling: not even timed.
+    untimed = FakeCompile()
+    short = make_plan(
+        "dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), untimed), n_timesteps=20_000
+    )
+    assert short.speed.compile == "false" and untimed.asked == []
+    assert short.speed.compile_reason == (
+        "auto: not compiled: the run's gradient steps take about 2.5 s eager, less than compiling takes"
+    )
     failing = FakeCompile(error="inductor: no kernel for this op\ndetails")
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), failing))
     assert plan.speed.compile == "false"
@@ -303,7 +310,8 @@ def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
         return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
 
     first, second = plan(), plan()
-    assert len(compile_times.asked) == 1
+    assert len(compile_times.asked) == 1 and (tmp_path / "compile-probes.json").is_file()
+    assert all("failed" not in v for v in json.loads((tmp_path / "compile-probes.json").read_text())["entries"].values())
     assert (first.speed.compile, first.speed.compile_reason) == (second.speed.compile, second.speed.compile_reason)
 
 
@@ -331,3 +339,16 @@ def test_bench_auto_runs_auto_against_the_compile_choice_it_passed_over(gpu_mach
     twins = [o for label, device, o in alternatives if device == "cuda:0" and o["amp"] == plan.speed.amp]
     assert {o["compile"] for o in twins} == {"false", "reduce-overhead"}
     assert all(o["compile"] == "false" for _, device, o in alternatives if device == "cpu")
+
+
+def test_a_step_that_failed_to_compile_is_not_compiled_again_on_the_next_plan(tmp_path, gpu_machine):
+    failing = FakeCompile(error="no kernel")
+
+    def plan():
+        prober = Prober(FakeTimes(GPU_TIMES), ProbeCache(tmp_path / "probes.json"), usable=lambda d: True)
+        prober.measure_compile = failing
+        return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
+
+    first, second = plan(), plan()
+    assert len(failing.asked) == 1 and first.speed.compile == second.speed.compile == "false"
+    assert "it failed on this machine before (remove " in second.speed.compile_reason

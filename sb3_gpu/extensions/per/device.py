@@ -331,8 +331,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> DevicePrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
-        if len(self._strata) != batch_size:
-            self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
+        self.size_strata(batch_size)
         samples, smallest, total = self._prioritized(self._uniforms(batch_size), self.beta, env)
         self._last_draw = (smallest, total, self.size() * self.n_envs)
         return samples
@@ -364,12 +363,16 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         mine = [self.max_priority, self._new_leaf, self.refused_updates, self._beta, self._strata]
         return [*super().storage(), *state, *mine]
 
+    def size_strata(self, batch_size: int) -> None:
+        """The strata for batches of ``batch_size`` (a compiled step fixes their address once they are sized)."""
+        if len(self._strata) != batch_size:
+            self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
+
     def prepare_graph_sampling(self, batch_size: int) -> None:
         """Before a compiled step's draws: the tree's pending refreshes done, the strata and ``beta`` in place, and
         the logged weight's figures taken (at the first of this train()'s samples rather than the last)."""
         self.tree._refresh()
-        if len(self._strata) != batch_size:
-            self._strata = th.arange(batch_size, dtype=th.float64, device=self.device)
+        self.size_strata(batch_size)
         self._beta.fill_(self.beta)
         self._last_draw = (self.tree.min, self.tree.total, self.size() * self.n_envs)
 

@@ -63,7 +63,8 @@ class _PrioritizedTraining:
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
-        return [*super()._excluded_save_params(), "_accumulator", "_device_log", "_compiled_step", "_position"]  # type: ignore[misc]
+        excluded = ["_accumulator", "_device_log", "_compiled_step", "_position", "_fixed_buffer"]
+        return [*super()._excluded_save_params(), *excluded]  # type: ignore[misc]
 
     @property
     def per_beta0(self) -> float:
@@ -84,14 +85,21 @@ class _PrioritizedTraining:
         if reason is None:
             self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
             self._position = th.zeros(2, dtype=th.long, device=self.device)  # type: ignore[attr-defined]
-            buffer = self.replay_buffer  # type: ignore[attr-defined]
-            if type(buffer) in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer):
-                if isinstance(buffer, DevicePrioritizedReplayBuffer):
-                    buffer.prepare_graph_sampling(self.batch_size)  # type: ignore[attr-defined]  # strata sized, then fixed
-                # Sampled (and with PER, updated) inside the graph: a CUDA graph reads and writes them in place.
-                for t in [*buffer.storage(), self._position]:
-                    th._dynamo.mark_static_address(t)
+            th._dynamo.mark_static_address(self._position)
+            self._fixed_buffer: Any = None
+            self._fix_buffer(self.replay_buffer)  # type: ignore[attr-defined]
         return reason
+
+    def _fix_buffer(self, buffer: Any) -> None:
+        """Fix the addresses of what the compiled step samples from (and with PER, updates) inside its graph, so that
+        a CUDA graph reads and writes them in place: once per buffer (a resumed run loads another one)."""
+        if buffer is self._fixed_buffer or type(buffer) not in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer):
+            return
+        if isinstance(buffer, DevicePrioritizedReplayBuffer):
+            buffer.size_strata(self.batch_size)  # type: ignore[attr-defined]
+        for t in buffer.storage():
+            th._dynamo.mark_static_address(t)
+        self._fixed_buffer = buffer
 
     def _graph_loss(self, source: str, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         """The compiled step's loss, by ``source``: ``batch`` (a sampled batch: ``batch, discounts, weights``),
@@ -138,6 +146,7 @@ class _PrioritizedTraining:
         env = self._vec_normalize_env  # type: ignore[attr-defined]
         in_graph = type(buffer) in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer) and buffer.samples_in_graph(env)
         if compiled is not None and in_graph:
+            self._fix_buffer(buffer)
             buffer.fill_position(self._position)  # where the envs have written to, as each sample() would read it
             if per is not None:
                 buffer.prepare_graph_sampling(batch_size)
