@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -97,15 +98,22 @@ class GradAccumPPO(PPO):
             self.logger.record(key, value)
         super().dump_logs(iteration)
 
-    def collect_rollouts(self, *args: Any, **kwargs: Any) -> bool:
-        with _no_argument_checks():  # building each step's distribution would read it back twice
-            if self._compiled_act is None:
-                return super().collect_rollouts(*args, **kwargs)
-            self.policy.forward = self._compiled_act  # type: ignore[method-assign,assignment]  # what SB3's rollout calls
-            try:
-                return super().collect_rollouts(*args, **kwargs)
-            finally:
-                del self.policy.forward
+    def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:
+        act = self._compiled_act or partial(type(self.policy).forward, self.policy)
+
+        def forward(obs: th.Tensor, deterministic: bool = False) -> Any:
+            # SB3's loop copies the observations to the device for this call, then passes the host array to the
+            # buffer's add: handing it this copy makes that one crossing instead of two.
+            if isinstance(rollout_buffer, DeviceRolloutBuffer) and isinstance(self._last_obs, np.ndarray):
+                rollout_buffer.stage(self._last_obs, obs)
+            return act(obs)
+
+        self.policy.forward = forward  # type: ignore[method-assign]  # what SB3's rollout calls, through policy(obs)
+        try:
+            with _no_argument_checks():  # building each step's distribution would read it back twice
+                return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+        finally:
+            del self.policy.forward
 
     def _act(self, obs: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
         """The policy's own forward pass (sampled actions, values, log-probabilities), for one compiled graph."""

@@ -19,8 +19,9 @@ class DeviceRolloutBuffer(RolloutBuffer):
     """SB3's RolloutBuffer with torch tensors on ``device`` for storage, GAE and minibatch sampling.
 
     Observations keep the observation space's dtype (uint8 frames stay uint8, as in SB3, and the policy scales
-    them); everything else is float32. Each ``add`` copies each array to the device once. Minibatches follow
-    ``torch.randperm`` on the device, seeded from numpy's global RNG, so SB3's ``set_random_seed`` repeats a run.
+    them); everything else is float32. Each ``add`` copies each array to the device once, the observations not at
+    all where :meth:`stage` handed it the copy made for the policy. Minibatches follow ``torch.randperm`` on the
+    device, seeded from numpy's global RNG, so SB3's ``set_random_seed`` repeats a run.
 
     ``values`` and ``returns`` read as host numpy arrays, because SB3's ``PPO.train`` and ``A2C.train`` pass them to
     the numpy ``explained_variance``; their device tensors are ``value_tensor`` and ``return_tensor``.
@@ -51,6 +52,8 @@ class DeviceRolloutBuffer(RolloutBuffer):
                 "DeviceRolloutBuffer does not support Dict observations;"
                 " use SB3's DictRolloutBuffer (rollout_buffer_class=None)"
             )
+        self._staged: tuple[np.ndarray, th.Tensor] | None = None
+        self.host_observation_copies = 0  # adds whose observations came from the host, not from stage()
         super().__init__(buffer_size, observation_space, action_space, device, gae_lambda, gamma, n_envs)
         self._generator = th.Generator(device=self.device)
 
@@ -113,10 +116,14 @@ class DeviceRolloutBuffer(RolloutBuffer):
     ) -> None:
         """Store one step of ``n_envs`` transitions, as SB3's ``collect_rollouts`` passes them.
 
-        ``obs`` may already be a tensor on the device; SB3's loop passes the numpy one, so on a GPU the step's
-        observations cross to the device twice (once for the policy, once here). Sharing the policy's copy needs an
-        override of SB3's whole ``collect_rollouts``, which has no smaller seam; not done.
+        Where ``obs`` is the array last passed to :meth:`stage`, the staged device copy is stored instead: one
+        crossing to the device per step, not two.
         """
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] is obs:
+            obs = staged[1]
+        else:
+            self.host_observation_copies += 1
         row = self.pos
         # reshape covers Discrete observations and actions, and the 0-d log_prob of one env, as SB3's add does.
         new = (
@@ -141,6 +148,11 @@ class DeviceRolloutBuffer(RolloutBuffer):
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True
+
+    def stage(self, host_obs: np.ndarray, device_obs: th.Tensor) -> None:
+        """Note that ``device_obs`` holds ``host_obs`` on the device already (the copy made for the policy's forward
+        pass), for the next :meth:`add` of that same array to store it from there."""
+        self._staged = (host_obs, device_obs)
 
     def compute_returns_and_advantage(self, last_values: th.Tensor, dones: np.ndarray) -> None:
         """GAE(lambda) advantages and TD(lambda) returns, SB3's recursion in the same float32 operations."""

@@ -95,6 +95,21 @@ def test_add_accepts_an_observation_tensor():
         assert th.equal(getattr(twin, name), getattr(ours, name)), name
 
 
+def test_add_stores_the_staged_copy_of_the_same_array_only():
+    sb3, _ = _buffers(compute=False)
+    buffer = DeviceRolloutBuffer(sb3.buffer_size, VECTOR, ACTIONS, device="cpu", n_envs=sb3.n_envs)
+    host = sb3.observations[0]
+    row = (sb3.actions[0], sb3.rewards[0], sb3.episode_starts[0], th.zeros(sb3.n_envs), th.zeros(sb3.n_envs))
+    buffer.stage(host, th.full(host.shape, 7.0))  # stands for the device copy: told apart from the host array
+    buffer.add(host, *row)
+    buffer.stage(host, th.full(host.shape, 7.0))
+    buffer.add(host.copy(), *row)  # another array: the staged copy is not its own
+    buffer.add(host, *row)  # staged once, used once
+    assert (buffer.observations[0] == 7).all() and buffer.host_observation_copies == 2
+    for pos in (1, 2):
+        np.testing.assert_array_equal(buffer.observations[pos].numpy(), host)
+
+
 def test_minibatches_cover_each_index_once_per_epoch():
     n_steps, n_envs = 12, 5
     _, ours = _buffers(n_steps=n_steps, n_envs=n_envs, obs_space=spaces.Box(0, 100, (1,), np.float32))
@@ -152,6 +167,8 @@ def test_updates_equal_sb3_buffer_with_the_same_permutation(monkeypatch, algo, e
         models.append(model)
     sb3, ours = models
     assert isinstance(ours.rollout_buffer, DeviceRolloutBuffer) and ours._n_updates == sb3._n_updates == 4
+    # GradAccumPPO's rollout stores the policy's device copy of each step's observations; SB3's PPO copies them again.
+    assert ours.rollout_buffer.host_observation_copies == (0 if algo is GradAccumPPO else 2 * 32)
     for a, b in zip(sb3.policy.parameters(), ours.policy.parameters(), strict=True):
         assert th.equal(a, b)
     logged = sb3.logger.name_to_value, ours.logger.name_to_value
