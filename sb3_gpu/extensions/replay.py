@@ -74,6 +74,8 @@ class DeviceReplayBuffer(ReplayBuffer):
 
     n_steps: int = 1  # class defaults: buffers pickled before n-step returns existed load with one-step returns
     gamma: float = 0.99
+    host_observation_copies: int = 0  # adds whose observations came from the host, not from stage()
+    _staged: tuple[np.ndarray, th.Tensor] | None = None
 
     # The base class declares numpy arrays; here the same names hold tensors (and None where a layout has none).
     observations: th.Tensor  # type: ignore[assignment]
@@ -184,6 +186,7 @@ class DeviceReplayBuffer(ReplayBuffer):
             state[name] = None if state[name] is None else state[name].cpu().numpy()
         for name in (*_VIEWS, "_generator", "_host_views"):
             del state[name]
+        state.pop("_staged", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -206,14 +209,23 @@ class DeviceReplayBuffer(ReplayBuffer):
         # From pageable memory a copy waits for the GPU to finish its queue; from pinned memory it need not.
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _write(self, name: str, pos: int, array: np.ndarray) -> None:
-        """``storage[pos] = array`` for the storage ``name``, converted to its dtype: one copy to the device."""
+    def _write(self, name: str, pos: int, array: np.ndarray | th.Tensor) -> None:
+        """``storage[pos] = array`` for the storage ``name``, converted to its dtype: one copy to the device, none
+        from a tensor there already."""
+        storage = getattr(self, name)
+        if isinstance(array, th.Tensor):
+            storage[pos] = array.reshape(storage.shape[1:])
+            return
         view = self._host_views.get(name)
         if view is not None:
             view[pos] = array
         else:
-            storage = getattr(self, name)
             storage[pos] = self._to_device(array, storage.dtype)
+
+    def stage(self, host_obs: np.ndarray, device_obs: th.Tensor) -> None:
+        """Note that ``device_obs`` holds ``host_obs`` on the device already (the copy made for the policy's forward
+        pass), for the next :meth:`add` whose ``obs`` is that same array to store it from there."""
+        self._staged = (host_obs, device_obs)
 
     def add(
         self,
@@ -224,15 +236,21 @@ class DeviceReplayBuffer(ReplayBuffer):
         done: np.ndarray,
         infos: list[dict[str, Any]],
     ) -> None:
+        staged, self._staged = self._staged, None
+        stored_obs: np.ndarray | th.Tensor = obs
+        if staged is not None and staged[0] is obs:
+            stored_obs = staged[1]
+        else:
+            self.host_observation_copies += 1
         if isinstance(self.observation_space, spaces.Discrete):
-            obs = obs.reshape((self.n_envs, *self.obs_shape))
+            stored_obs = stored_obs.reshape((self.n_envs, *self.obs_shape))
             next_obs = next_obs.reshape((self.n_envs, *self.obs_shape))
         timeouts = [info.get("TimeLimit.truncated", False) for info in infos] if self.handle_timeout_termination else 0.0
         scalars = np.empty((self.n_envs, 3), dtype=np.float32)
         scalars[:, 0], scalars[:, 1], scalars[:, 2] = reward, done, timeouts
         pos = self.pos
 
-        self._write("observations", pos, obs)
+        self._write("observations", pos, stored_obs)
         if self.next_observations is not None:
             self._write("next_observations", pos, next_obs)
         else:

@@ -321,3 +321,35 @@ def test_prioritized_dqn_and_qrdqn_train_on_it_in_both_layouts(algo, policy_kwar
     # A second learn() truncates the last episode of a one-copy buffer (SB3 writes through the dones view).
     model.learn(100)
     assert isinstance(model.replay_buffer, DeviceReplayBuffer) and model.replay_buffer.full
+
+
+class _RecordingAdds(DeviceReplayBuffer):
+    """Keeps a copy of each observation passed to add."""
+
+    def add(self, obs, *rest):
+        self.added = [*getattr(self, "added", []), obs.copy()]
+        super().add(obs, *rest)
+
+
+@pytest.mark.parametrize("optimize_memory_usage", [False, True])
+@pytest.mark.parametrize("writes", WRITES.values(), ids=WRITES.keys())
+def test_collection_stores_the_policys_device_copy_of_greedy_steps_observations(optimize_memory_usage, writes):
+    model = PrioritizedDQN(
+        "MlpPolicy",
+        DummyVecEnv([lambda: gym.make("CartPole-v1")] * 2),
+        replay_buffer_class=_RecordingAdds,
+        optimize_memory_usage=optimize_memory_usage,
+        replay_buffer_kwargs=dict(handle_timeout_termination=False),
+        learning_starts=0,
+        exploration_fraction=0.5,
+        buffer_size=1000,
+        seed=3,
+        device="cpu",
+        policy_kwargs=dict(net_arch=[8]),
+    )
+    buffer = writes(model.replay_buffer)
+    model.learn(300)
+    adds = len(buffer.added)
+    # Random actions skip the policy, so their steps copy from the host; greedy ones store the policy's copy.
+    assert 2 * adds == model.num_timesteps and 0 < buffer.host_observation_copies < adds
+    np.testing.assert_array_equal(buffer.observations[:adds].numpy(), np.stack(buffer.added))

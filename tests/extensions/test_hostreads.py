@@ -123,4 +123,5 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions(comp
         assert reads.total == 32, reads.sites
         assert all("stable_baselines3/common/" in site for site in reads.sites), reads.sites  # the actions' read
     assert not compiled or ppo._compiled_act.fallback is None
-    assert ppo.rollout_buffer.host_observation_copies == 0  # the observations crossed once, for the policy
+    # The observations crossed once, for the policy; the buffers stored that copy.
+    assert ppo.rollout_buffer.host_observation_copies == dqn.replay_buffer.host_observation_copies == 0

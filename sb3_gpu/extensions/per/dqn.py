@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import numpy as np
 import torch as th
 import torch.nn.functional as F
 from gymnasium import spaces
@@ -89,6 +90,27 @@ class _PrioritizedTraining:
             self._fixed_buffer: Any = None
             self._fix_buffer(self.replay_buffer)  # type: ignore[attr-defined]
         return reason
+
+    def _sample_action(self, *args: Any, **kwargs: Any) -> Any:
+        # SB3's loop copies the observations to the device for the policy, then passes the host array to the buffer's
+        # add: handing the buffer that copy makes one crossing instead of two. (An overlapped run adds its transitions
+        # later, so the staged copy is not its own by then and the buffer copies from the host.)
+        s: Any = self
+        buffer, obs, policy = s.replay_buffer, s._last_obs, s.policy
+        if not isinstance(buffer, DeviceReplayBuffer) or not isinstance(obs, np.ndarray):
+            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
+
+        def obs_to_tensor(observation: Any) -> tuple[th.Tensor, bool]:
+            tensor, vectorized = type(policy).obs_to_tensor(policy, observation)
+            if observation is obs:
+                buffer.stage(obs, tensor)
+            return tensor, vectorized
+
+        policy.obs_to_tensor = obs_to_tensor
+        try:
+            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            del policy.obs_to_tensor
 
     def _fix_buffer(self, buffer: Any) -> None:
         """Fix the addresses of what the compiled step samples from (and with PER, updates) inside its graph, so that
