@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -41,6 +40,24 @@ def accumulating_step(model: Any, grad_accum_steps: int) -> OptimizerStep | None
     step = optimizer_step(model.policy.optimizer, model.policy)
     step.accumulate(grad_accum_steps)
     return step
+
+
+class _StagingCallback:
+    """The run's callback, which SB3's ``collect_rollouts`` hands its locals after each env step and before the
+    buffer's ``add``: there it tells the buffer that ``obs_tensor`` (the device copy made for the policy) holds
+    ``_last_obs``, so that the observations cross to the device once, not twice."""
+
+    def __init__(self, callback: Any, buffer: DeviceRolloutBuffer):
+        self._callback, self._buffer = callback, buffer
+
+    def update_locals(self, locals_: dict[str, Any]) -> None:
+        host, device = getattr(locals_.get("self"), "_last_obs", None), locals_.get("obs_tensor")
+        if isinstance(host, np.ndarray) and isinstance(device, th.Tensor):
+            self._buffer.stage(host, device)
+        self._callback.update_locals(locals_)
+
+    def __getattr__(self, name: str) -> Any:  # on_step, on_rollout_start, ...: the callback's own
+        return getattr(self._callback, name)
 
 
 class GradAccumPPO(PPO):
@@ -99,21 +116,16 @@ class GradAccumPPO(PPO):
         super().dump_logs(iteration)
 
     def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:
-        act = self._compiled_act or partial(type(self.policy).forward, self.policy)
-
-        def forward(obs: th.Tensor, deterministic: bool = False) -> Any:
-            # SB3's loop copies the observations to the device for this call, then passes the host array to the
-            # buffer's add: handing it this copy makes that one crossing instead of two.
-            if isinstance(rollout_buffer, DeviceRolloutBuffer) and isinstance(self._last_obs, np.ndarray):
-                rollout_buffer.stage(self._last_obs, obs)
-            return act(obs)
-
-        self.policy.forward = forward  # type: ignore[method-assign]  # what SB3's rollout calls, through policy(obs)
-        try:
-            with _no_argument_checks():  # building each step's distribution would read it back twice
+        if isinstance(rollout_buffer, DeviceRolloutBuffer):
+            callback = _StagingCallback(callback, rollout_buffer)
+        with _no_argument_checks():  # building each step's distribution would read it back twice
+            if self._compiled_act is None:
                 return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
-        finally:
-            del self.policy.forward
+            self.policy.forward = self._compiled_act  # type: ignore[method-assign,assignment]  # what SB3's rollout calls
+            try:
+                return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
+            finally:
+                del self.policy.forward
 
     def _act(self, obs: th.Tensor) -> tuple[th.Tensor, th.Tensor, th.Tensor]:
         """The policy's own forward pass (sampled actions, values, log-probabilities), for one compiled graph."""

@@ -36,6 +36,8 @@ class DeviceRolloutBuffer(RolloutBuffer):
     log_probs: th.Tensor  # type: ignore[assignment]
     value_tensor: th.Tensor
     return_tensor: th.Tensor
+    host_observation_copies: int = 0  # adds whose observations came from the host, not from stage()
+    _staged: tuple[np.ndarray, th.Tensor] | None = None
 
     def __init__(
         self,
@@ -52,8 +54,6 @@ class DeviceRolloutBuffer(RolloutBuffer):
                 "DeviceRolloutBuffer does not support Dict observations;"
                 " use SB3's DictRolloutBuffer (rollout_buffer_class=None)"
             )
-        self._staged: tuple[np.ndarray, th.Tensor] | None = None
-        self.host_observation_copies = 0  # adds whose observations came from the host, not from stage()
         super().__init__(buffer_size, observation_space, action_space, device, gae_lambda, gamma, n_envs)
         self._generator = th.Generator(device=self.device)
 

@@ -8,6 +8,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3 import A2C, PPO
 from stable_baselines3.common.buffers import RolloutBuffer
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.policies import ActorCriticCnnPolicy
 
@@ -217,3 +218,37 @@ def test_dict_observations_refused():
     obs_space = spaces.Dict({"x": VECTOR})
     with pytest.raises(ConfigError, match=r"does not support Dict observations; use SB3's DictRolloutBuffer"):
         DeviceRolloutBuffer(8, obs_space, ACTIONS, device="cpu")
+
+
+class _RecordingAdds(DeviceRolloutBuffer):
+    def add(self, obs, *rest):
+        self.added = [*getattr(self, "added", []), np.array(obs, copy=True)]
+        super().add(obs, *rest)
+
+
+class _ForwardInOnStep(BaseCallback):
+    """A callback that runs the policy on other observations between SB3's forward pass and the buffer's add."""
+
+    def _on_step(self) -> bool:
+        with th.no_grad():
+            self.model.policy(th.zeros((self.model.n_envs, *self.model.observation_space.shape)))
+        return True
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rollout_stores_the_observations_it_was_given_whatever_a_callback_runs(compiled):
+    model = GradAccumPPO(
+        "MlpPolicy",
+        make_vec_env("CartPole-v1", n_envs=2, seed=1),
+        n_steps=16,
+        batch_size=32,
+        seed=1,
+        rollout_buffer_class=_RecordingAdds,
+        device="cpu",
+    )
+    if compiled:
+        assert model.compile_step() is None
+    model.learn(32, callback=_ForwardInOnStep())
+    buffer = model.rollout_buffer
+    assert buffer.host_observation_copies == 0
+    np.testing.assert_array_equal(buffer.observations.numpy(), np.stack(buffer.added))
