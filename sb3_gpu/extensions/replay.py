@@ -15,6 +15,7 @@ from stable_baselines3.common.utils import get_device
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.handoff import ObservationHandOff
 
 # The tensors a buffer owns (None where its layout has none); the rewards, dones and timeouts are views of _scalars.
 _STORAGE = ("observations", "next_observations", "actions", "_scalars", "_terminal_obs", "_terminal_row")
@@ -58,7 +59,7 @@ def _resolve(device: th.device | str) -> th.device:
     return device
 
 
-class DeviceReplayBuffer(ReplayBuffer):
+class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
     """SB3's ReplayBuffer with its storage as tensors on ``device``, sampled and normalised there (no host round trip).
 
     Pass it as ``replay_buffer_class=DeviceReplayBuffer`` to DQN or QR-DQN. Observations keep their space's dtype
@@ -74,8 +75,6 @@ class DeviceReplayBuffer(ReplayBuffer):
 
     n_steps: int = 1  # class defaults: buffers pickled before n-step returns existed load with one-step returns
     gamma: float = 0.99
-    host_observation_copies: int = 0  # adds whose observations came from the host, not from stage()
-    _staged: tuple[np.ndarray, th.Tensor] | None = None
 
     # The base class declares numpy arrays; here the same names hold tensors (and None where a layout has none).
     observations: th.Tensor  # type: ignore[assignment]
@@ -222,11 +221,6 @@ class DeviceReplayBuffer(ReplayBuffer):
         else:
             storage[pos] = self._to_device(array, storage.dtype)
 
-    def stage(self, host_obs: np.ndarray, device_obs: th.Tensor) -> None:
-        """Note that ``device_obs`` holds ``host_obs`` on the device already (the copy made for the policy's forward
-        pass), for the next :meth:`add` whose ``obs`` is that same array to store it from there."""
-        self._staged = (host_obs, device_obs)
-
     def add(
         self,
         obs: np.ndarray,
@@ -236,12 +230,7 @@ class DeviceReplayBuffer(ReplayBuffer):
         done: np.ndarray,
         infos: list[dict[str, Any]],
     ) -> None:
-        staged, self._staged = self._staged, None
-        stored_obs: np.ndarray | th.Tensor = obs
-        if staged is not None and staged[0] is obs:
-            stored_obs = staged[1]
-        else:
-            self.host_observation_copies += 1
+        stored_obs = self._observations_to_store(obs, "observations" in self._host_views)
         if isinstance(self.observation_space, spaces.Discrete):
             stored_obs = stored_obs.reshape((self.n_envs, *self.obs_shape))
             next_obs = next_obs.reshape((self.n_envs, *self.obs_shape))

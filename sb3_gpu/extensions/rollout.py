@@ -13,9 +13,10 @@ from stable_baselines3.common.type_aliases import RolloutBufferSamples
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.handoff import ObservationHandOff
 
 
-class DeviceRolloutBuffer(RolloutBuffer):
+class DeviceRolloutBuffer(ObservationHandOff, RolloutBuffer):
     """SB3's RolloutBuffer with torch tensors on ``device`` for storage, GAE and minibatch sampling.
 
     Observations keep the observation space's dtype (uint8 frames stay uint8, as in SB3, and the policy scales
@@ -36,8 +37,6 @@ class DeviceRolloutBuffer(RolloutBuffer):
     log_probs: th.Tensor  # type: ignore[assignment]
     value_tensor: th.Tensor
     return_tensor: th.Tensor
-    host_observation_copies: int = 0  # adds whose observations came from the host, not from stage()
-    _staged: tuple[np.ndarray, th.Tensor] | None = None
 
     def __init__(
         self,
@@ -119,11 +118,7 @@ class DeviceRolloutBuffer(RolloutBuffer):
         Where ``obs`` is the array last passed to :meth:`stage`, the staged device copy is stored instead: one
         crossing to the device per step, not two.
         """
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[0] is obs:
-            obs = staged[1]
-        else:
-            self.host_observation_copies += 1
+        obs = self._observations_to_store(obs, self._host_rows is not None)  # type: ignore[arg-type]
         row = self.pos
         # reshape covers Discrete observations and actions, and the 0-d log_prob of one env, as SB3's add does.
         new = (
@@ -148,11 +143,6 @@ class DeviceRolloutBuffer(RolloutBuffer):
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True
-
-    def stage(self, host_obs: np.ndarray, device_obs: th.Tensor) -> None:
-        """Note that ``device_obs`` holds ``host_obs`` on the device already (the copy made for the policy's forward
-        pass), for the next :meth:`add` of that same array to store it from there."""
-        self._staged = (host_obs, device_obs)
 
     def compute_returns_and_advantage(self, last_values: th.Tensor, dones: np.ndarray) -> None:
         """GAE(lambda) advantages and TD(lambda) returns, SB3's recursion in the same float32 operations."""

@@ -99,6 +99,7 @@ def test_add_accepts_an_observation_tensor():
 def test_add_stores_the_staged_copy_of_the_same_array_only():
     sb3, _ = _buffers(compute=False)
     buffer = DeviceRolloutBuffer(sb3.buffer_size, VECTOR, ACTIONS, device="cpu", n_envs=sb3.n_envs)
+    buffer._host_rows = None  # write as on a GPU: a CPU buffer stores the host array, which holds the same values
     host = sb3.observations[0]
     row = (sb3.actions[0], sb3.rewards[0], sb3.episode_starts[0], th.zeros(sb3.n_envs), th.zeros(sb3.n_envs))
     buffer.stage(host, th.full(host.shape, 7.0))  # stands for the device copy: told apart from the host array
@@ -236,7 +237,8 @@ class _ForwardInOnStep(BaseCallback):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_rollout_stores_the_observations_it_was_given_whatever_a_callback_runs(compiled):
+@pytest.mark.parametrize("host_rows", [True, False], ids=["numpy views", "tensor copies"])
+def test_rollout_stores_the_observations_it_was_given_whatever_a_callback_runs(compiled, host_rows):
     model = GradAccumPPO(
         "MlpPolicy",
         make_vec_env("CartPole-v1", n_envs=2, seed=1),
@@ -248,6 +250,8 @@ def test_rollout_stores_the_observations_it_was_given_whatever_a_callback_runs(c
     )
     if compiled:
         assert model.compile_step() is None
+    if not host_rows:
+        model.rollout_buffer._host_rows = None  # store as on a GPU, from the staged tensor
     model.learn(32, callback=_ForwardInOnStep())
     buffer = model.rollout_buffer
     assert buffer.host_observation_copies == 0
