@@ -22,7 +22,7 @@ from pathlib import Path
 
 from sb3_gpu.benches import CALLBACK_SETS
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
-from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import command as command_name
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import logical_cores
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_per(args)
     except KeyboardInterrupt:
         print_error("interrupted; no results were written")
-        return 130
+        return interrupted()
 
 
 def _main_per(args: argparse.Namespace) -> int:

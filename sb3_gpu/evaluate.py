@@ -9,7 +9,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from sb3_gpu.common.cli import Parser, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.errors import ConfigError
 
 
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 143
     except KeyboardInterrupt:
         print_error("interrupted; nothing was evaluated")
-        return 130
+        return interrupted()
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sb3_gpu.common.cli import Parser, print_error
+from sb3_gpu.common.cli import Parser, interrupted, print_error
 from sb3_gpu.common.errors import ConfigError
 
 
@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print_error("interrupted; no plot was written")
-        return 130
+        return interrupted()
     print(f"wrote {path}")
     return 0
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sb3_gpu import __version__
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS
-from sb3_gpu.common.cli import Parser, command, count_int, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, command, count_int, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
 
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the signal handlers were in place: building envs, say
         _remove_if_empty(run, new=args.resume is None)
         print_error("interrupted before training began; nothing was saved")
-        return 130
+        return interrupted()
     except (EnvWorkerError, TrainingDiverged) as e:
         print_error(str(e).splitlines()[0])
         print_error(_saved_note(run))
@@ -328,14 +328,14 @@ def _stopped_at_once(run: RunDir | None, *, new: bool) -> int:
             print_error(f"to evaluate it: {command()} -m sb3_gpu.evaluate {run}")
         else:
             print_error("stopped at once by a second signal before any model was saved; nothing was kept")
-        return 130
+        return interrupted()
     assert run is not None
     print_error(f"stopped at once by a second signal; nothing more was saved, the last good model is {states[0].model}")
     if _trained_to_the_end(run, states[0].timesteps):
         print_error(f"training was complete; to evaluate: {command()} -m sb3_gpu.evaluate {run}")
     else:
         print_error(f"continue with: {command()} -m sb3_gpu.train --resume {run} ({states[0].timesteps:,} timesteps done)")
-    return 130
+    return interrupted()
 
 
 def _trained_to_the_end(run: RunDir, timesteps: int) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS
-from sb3_gpu.common.cli import Parser, command, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, command, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.tuning import PRUNERS, SAMPLERS
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print_error("interrupted before any trial began")
-        return 130
+        return interrupted()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for note in narrowed:
         console.print(f"search space: {note}", highlight=False)
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sb3_gpu.tuning.study import TrialInterrupted
 
         print_error(f"{str(e) or 'interrupted'}; a running trial was marked failed. Run the same command to go on")
-        return 128 + int(signal.Signals[e.signal_name]) if isinstance(e, TrialInterrupted) else 130
+        return interrupted(128 + int(signal.Signals[e.signal_name]) if isinstance(e, TrialInterrupted) else 130)
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1

@@ -55,6 +55,17 @@ def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
+def interrupted(code: int = 130) -> int:
+    """``code``, the exit status for a stop by a signal, made to hold once ``main`` returns it.
+
+    CPython remembers a KeyboardInterrupt that left code run from a string (``exec`` of source, as sympy's import
+    does) even when a caller caught it, and then ends the process by SIGINT instead of with the status ``main``
+    returned. Running source again resets that memory.
+    """
+    exec("pass")  # a constant: nothing from the user is run
+    return code
+
+
 def command(program: str = "python") -> str:
     """How the user's shell starts ``program`` (``python``, ``tensorboard``) of the environment running this one: its
     bare name where the shell finds this environment's own, else its path (a virtual environment that is not active),

@@ -1,8 +1,10 @@
-"""The commands the CLIs print are runnable as printed: bare names where the shell finds this environment's."""
+"""The commands the CLIs print are runnable as printed: bare names where the shell finds this environment's; and the
+exit status a CLI returns after a Ctrl-C is the one the process ends with."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,3 +30,29 @@ def test_a_command_is_its_bare_name_only_where_the_shell_finds_this_environments
 def test_a_script_missing_beside_the_interpreter_runs_as_its_module(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert command("no_such_script") == f"{sys.executable} -m no_such_script.main"
+
+
+# sympy's import runs source with exec; a Ctrl-C landing there once made `tune` end by SIGINT (-2), not with 130.
+_CAUGHT = """
+import sys
+from sb3_gpu.common.cli import interrupted
+try:
+    exec("raise KeyboardInterrupt")
+except KeyboardInterrupt:
+    code = {}
+sys.exit(code)
+"""
+
+
+def test_a_caught_ctrl_c_inside_exec_ends_with_the_status_main_returned(tmp_path):
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{tmp_path}"}
+
+    def status(code: str) -> int:  # run with -m, as the CLIs are
+        (tmp_path / "stop_demo.py").write_text(_CAUGHT.format(code))
+        return subprocess.run([sys.executable, "-m", "stop_demo"], env=env, cwd=tmp_path).returncode
+
+    if sys.version_info[:2] == (3, 11):  # CPython's quirk, which interrupted() undoes (seen on 3.11)
+        assert status("130") == -2
+    assert status("interrupted()") == 130
+    assert status("interrupted(143)") == 143
