@@ -51,7 +51,7 @@ VECNORMALIZE_PICKLE = {
 REPLAY_BUFFER_PICKLE = {
     **_DATA,
     "torch": {"device"},
-    "stable_baselines3.common.buffers": {"ReplayBuffer", "DictReplayBuffer"},
+    "stable_baselines3.common.buffers": {"ReplayBuffer", "DictReplayBuffer", "NStepReplayBuffer"},
     "sb3_gpu.extensions.per.buffer": {"PrioritizedReplayBuffer"},
     "sb3_gpu.extensions.replay": {"DeviceReplayBuffer"},
     "sb3_gpu.extensions.per.tree": {"SumMinTree"},
