@@ -300,7 +300,7 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
 def _main_auto(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.auto import auto_markdown, bench_auto, default_cases
     from sb3_gpu.benches.base import machine_line, write_results
-    from sb3_gpu.common.checks import ALGO_NAMES
+    from sb3_gpu.common.checks import ALGO_NAMES, CONTINUOUS_ALGOS
 
     cases = default_cases()
     if args.cases:
@@ -309,6 +309,9 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
             algo, _, env = text.partition(":")
             if algo not in ALGO_NAMES or not env:
                 print_error(f"--cases: expected ALGO:ENV with ALGO one of {', '.join(ALGO_NAMES)}, got {text!r}")
+                return 2
+            if algo in CONTINUOUS_ALGOS:  # nothing auto to compare: their plan turns AMP and compile off
+                print_error(f"--cases: {algo} trains with SB3's own train(), so auto has nothing to choose for it yet")
                 return 2
             cases.append((algo, env))
     if args.compete < 0:
@@ -339,7 +342,7 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
         Case(algo, env, per, amp, seed, args.timesteps, args.preset)
         for algo in args.algos
         for env in args.envs
-        for per in (pers if algo != "ppo" else [None])
+        for per in (pers if algo in ("dqn", "qrdqn") else [None])
         for amp in args.amp
         for seed in args.seeds
     ]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from sb3_gpu import __version__
-from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS
+from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS, default_env
 from sb3_gpu.common.cli import Parser, command, count_int, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
@@ -27,15 +27,17 @@ if TYPE_CHECKING:
     from sb3_gpu.planning.plan import Plan
     from sb3_gpu.runs.rundir import RunDir
 
-DEFAULT_ENV = "CartPole-v1"
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.train", description="Train an SB3 model with presets that fit this machine.")
     p.add_argument(
         "algo", nargs="?", type=str.lower, help=f"algorithm: {', '.join(ALGO_NAMES)} (taken from --config if omitted)"
     )
-    p.add_argument("--env", help=f"Gymnasium id or 'package.module:EnvClass' (a gymnasium.Env) (default {DEFAULT_ENV})")
+    p.add_argument(
+        "--env",
+        help="Gymnasium id or 'package.module:EnvClass' (a gymnasium.Env) (default CartPole-v1; Pendulum-v1 for sac, "
+        "td3, tqc)",
+    )
     p.add_argument("--device", default=None, help="auto (default), cpu, cuda, cuda:N or mps")
     p.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's n_timesteps)")
     p.add_argument("--n-envs", type=positive_int, help="number of parallel envs (default: the preset's)")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         metavar="FILE",
-        help="a preset YAML file to use instead of the bundled one; zoo:ppo (zoo:dqn, zoo:qrdqn) for an installed "
+        help="a preset YAML file to use instead of the bundled one; zoo:ppo (zoo:dqn, zoo:sac, ...) for an installed "
         "rl_zoo3's tuned values, zoo:PATH.yml for an rl-zoo3 file",
     )
     p.add_argument("--profile", default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large")
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--save-replay-buffer",
         action="store_true",
-        help="dqn, qrdqn: save the replay buffer (and PER priorities) with the model and checkpoints, for --resume",
+        help="off-policy algorithms: save the replay buffer (and PER priorities) with the model and checkpoints, for --resume",
     )
     p.add_argument(
         "--resume",
@@ -133,7 +135,7 @@ def _make_plan(args: argparse.Namespace, algo: str, config: RunConfig | None, ov
 
     return make_plan(
         algo,
-        args.env or (config.env if config else DEFAULT_ENV),
+        args.env or (config.env if config else default_env(algo)),
         args.device or (config.device if config else "auto"),
         n_envs=args.n_envs,
         n_timesteps=args.timesteps,

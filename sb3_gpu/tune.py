@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS
+from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS, default_env
 from sb3_gpu.common.cli import Parser, command, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError
@@ -56,7 +56,9 @@ def best_table(study: Any, top: int = 5) -> Table:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.tune", description="Tune a preset with optuna; share one storage across machines.")
     p.add_argument("algo", type=str.lower, choices=ALGO_NAMES, help=f"algorithm: {', '.join(ALGO_NAMES)}")
-    p.add_argument("--env", default="CartPole-v1", help="Gymnasium id or 'package.module:EnvClass' (default CartPole-v1)")
+    p.add_argument(
+        "--env", help="Gymnasium id or 'package.module:EnvClass' (default CartPole-v1; Pendulum-v1 for sac, td3, tqc)"
+    )
     p.add_argument("--trials", type=positive_int, default=20, help="finished trials the study should reach (default 20)")
     p.add_argument("--storage", help="optuna storage URL shared by all workers (default: sqlite in the study dir)")
     p.add_argument("--study-name", help="default: ALGO-ENV")
@@ -89,7 +91,7 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
 
     return TrialSettings(
         algo=args.algo,
-        env=args.env,
+        env=args.env or default_env(args.algo),
         device=args.device,
         vec_env=args.vec_env,
         timesteps=args.timesteps,
@@ -103,6 +105,7 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.env = args.env or default_env(args.algo)  # as settings_from_args() fills it in
     try:
         from sb3_gpu.common.io import make_dir, refuse_links
         from sb3_gpu.config.schema import get_algo

@@ -66,6 +66,8 @@ def parse_case(text: str) -> tuple[str, str, str]:
     env, _, profile = rest.partition(":")
     if not algo or not env or algo.partition("+")[2] not in ("", "per"):
         raise ValueError(f"a case is ALGO:ENV or ALGO:ENV:PROFILE (ALGO may be dqn+per or qrdqn+per), got {text!r}")
+    if algo.partition("+")[0] not in ("ppo", "dqn", "qrdqn"):
+        raise ValueError(f"{text!r}: the steps compared are those of ppo, dqn and qrdqn (sac, td3, tqc train with SB3's own)")
     return algo, env, profile or "auto"
 
 

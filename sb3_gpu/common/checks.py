@@ -70,7 +70,15 @@ def _finite(value: float) -> bool:
 
 
 # The algorithms and vec env kinds the CLIs accept, named here so that building a parser imports no torch or SB3.
-ALGO_NAMES = ("ppo", "dqn", "qrdqn")
+ALGO_NAMES = ("ppo", "dqn", "qrdqn", "sac", "td3", "tqc")
+CONTINUOUS_ALGOS = ("sac", "td3", "tqc")  # these need continuous (Box) actions
+
+
+def default_env(algo: str) -> str:
+    """The env a CLI trains ``algo`` on when none is named: CartPole-v1, or Pendulum-v1 for continuous actions."""
+    return "Pendulum-v1" if algo in CONTINUOUS_ALGOS else "CartPole-v1"
+
+
 VEC_ENV_KINDS = ("auto", "dummy", "subproc", "batched", "envpool")
 
 # Counts (timesteps, envs, episodes, buffer sizes) above this are typos: they would overflow numpy and torch later.
@@ -198,6 +206,31 @@ def train_freq(value: Any, where: str) -> int | tuple[int, str]:
 POS_INT = integer(1, "a positive int")
 UNIT = number(0.0, 1.0, "a number in [0, 1]")
 POSITIVE = number(0.0, math.inf, "a positive number", low_open=True)
+
+
+def ent_coef(value: Any, where: str) -> float | str:
+    """SAC's entropy coefficient: ``auto`` (learned, from 1.0), ``auto_0.1`` (learned, from 0.1) or a fixed number."""
+    what = "auto, auto_<initial value> or a positive number"
+    if isinstance(value, str) and value.startswith("auto"):
+        if value != "auto":
+            head, _, start = value.partition("_")
+            try:
+                number(0.0, math.inf, what, low_open=True)(start, where)
+            except ConfigError:
+                start = ""
+            if head != "auto" or not start:
+                raise ConfigError(f"{where}: expected {what}, got {value!r}") from None
+        return value
+    return number(0.0, math.inf, what, low_open=True)(value, where)
+
+
+def target_entropy(value: Any, where: str) -> float | str:
+    """SAC's target entropy: ``auto`` (minus the action dimension) or a number."""
+    if value == "auto":
+        return value
+    return number(-math.inf, math.inf, "auto or a finite number")(value, where)
+
+
 NON_NEGATIVE = number(0.0, math.inf, "a number >= 0")
 
 

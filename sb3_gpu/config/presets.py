@@ -138,6 +138,7 @@ class Preset:
         grad_accum_steps = kwargs.pop("grad_accum_steps", 1)
         kwargs.pop("per", None)
         kwargs.pop("overlap_training", None)  # auto, true or false: the plan decides (planning.buffers)
+        kwargs.pop("action_noise_std", None)  # the plan builds the noise object, which needs the action space
         if self.model_class is not get_algo(self.algo).model_class:
             kwargs["grad_accum_steps"] = grad_accum_steps
         if per:

@@ -7,8 +7,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sb3_contrib import QRDQN
-from stable_baselines3 import DQN, PPO
+from gymnasium import spaces
+from sb3_contrib import QRDQN, TQC
+from stable_baselines3 import DQN, PPO, SAC, TD3
 from stable_baselines3.common.base_class import BaseAlgorithm
 from torch import nn
 
@@ -93,25 +94,92 @@ class QRDQNParams(DQNParams):
     max_grad_norm: float | None = c.param(None, c.optional(c.POSITIVE))
 
 
-AlgoParams = PPOParams | DQNParams
+@dataclass(frozen=True)
+class TD3Params:
+    """TD3's keyword arguments, as SB3 names them; SAC and TQC share the replay part."""
+
+    learning_rate: float | Schedule = c.param(1e-3, c.schedulable(c.POSITIVE))
+    buffer_size: int = c.param(1_000_000, c.POS_INT)
+    learning_starts: int = c.param(100, c.integer(0, "an int >= 0"))
+    batch_size: int = c.param(256, c.POS_INT)
+    tau: float = c.param(0.005, c.number(0.0, 1.0, "a number in (0, 1]", low_open=True))
+    gamma: float = c.param(0.99, c.UNIT)
+    train_freq: int | tuple[int, str] = c.param(1, c.train_freq)
+    gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
+    optimize_memory_usage: bool = c.param(False, c.boolean)
+    n_steps: int = c.param(1, c.POS_INT)
+    policy_delay: int = c.param(2, c.POS_INT)
+    target_policy_noise: float = c.param(0.2, c.NON_NEGATIVE)
+    target_noise_clip: float = c.param(0.5, c.NON_NEGATIVE)
+    # Gaussian exploration noise added to the actor's actions (std, in units of the action range's half-width; SB3's
+    # NormalActionNoise); none by default, as in SB3.
+    action_noise_std: float | None = c.param(None, c.optional(c.NON_NEGATIVE))
+
+
+@dataclass(frozen=True)
+class SACParams:
+    """SAC's keyword arguments, as SB3 names them."""
+
+    learning_rate: float | Schedule = c.param(3e-4, c.schedulable(c.POSITIVE))
+    buffer_size: int = c.param(1_000_000, c.POS_INT)
+    learning_starts: int = c.param(100, c.integer(0, "an int >= 0"))
+    batch_size: int = c.param(256, c.POS_INT)
+    tau: float = c.param(0.005, c.number(0.0, 1.0, "a number in (0, 1]", low_open=True))
+    gamma: float = c.param(0.99, c.UNIT)
+    train_freq: int | tuple[int, str] = c.param(1, c.train_freq)
+    gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
+    optimize_memory_usage: bool = c.param(False, c.boolean)
+    n_steps: int = c.param(1, c.POS_INT)
+    ent_coef: float | str = c.param("auto", c.ent_coef)
+    target_update_interval: int = c.param(1, c.POS_INT)
+    target_entropy: float | str = c.param("auto", c.target_entropy)
+    use_sde: bool = c.param(False, c.boolean)
+    sde_sample_freq: int = c.param(-1, c.integer(-1, "an int >= -1"))
+    use_sde_at_warmup: bool = c.param(False, c.boolean)
+    action_noise_std: float | None = c.param(None, c.optional(c.NON_NEGATIVE))  # as TD3Params'
+
+
+@dataclass(frozen=True)
+class TQCParams(SACParams):
+    """TQC's keyword arguments (sb3-contrib): SAC's and how many of the top quantiles each critic drops."""
+
+    top_quantiles_to_drop_per_net: int = c.param(2, c.integer(0, "an int >= 0"))
+
+
+AlgoParams = PPOParams | DQNParams | TD3Params | SACParams
+ParamsClass = type[PPOParams] | type[DQNParams] | type[TD3Params] | type[SACParams]
 
 
 @dataclass(frozen=True)
 class Algo:
     name: str
     model_class: type[BaseAlgorithm]
-    params_class: type[PPOParams] | type[DQNParams]
+    params_class: ParamsClass
     on_policy: bool
     # The subclass that runs sb3_gpu's training extensions; the plain SB3 class is used when they are off.
     extended_class: type[BaseAlgorithm] | None = None
+    # The action space the algorithm needs (None: any that SB3 takes).
+    action_space: type[spaces.Space] | None = None
+    # Whether sb3_gpu's speed machinery (AMP, compiled steps, device buffers, the probe) drives its training; where
+    # not, the model trains with SB3's own train() and the plan says so.
+    extended_training: bool = True
+    # The widest hidden layer of SB3's default network for the algorithm's MLP policy (what the speed rules size).
+    default_width: int = 64
 
 
+# SAC, TD3 and TQC train with SB3's own train() so far: presets, the plan, the NaN guard, telemetry, checkpoints
+# and resume apply; AMP, compiled steps, device buffers and PER do not yet.
 ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
-    "dqn": Algo("dqn", DQN, DQNParams, on_policy=False, extended_class=PrioritizedDQN),
-    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, on_policy=False, extended_class=PrioritizedQRDQN),
+    "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),
+    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete),
+    "sac": Algo("sac", SAC, SACParams, False, action_space=spaces.Box, extended_training=False, default_width=256),
+    "td3": Algo("td3", TD3, TD3Params, False, action_space=spaces.Box, extended_training=False, default_width=400),
+    "tqc": Algo("tqc", TQC, TQCParams, False, action_space=spaces.Box, extended_training=False, default_width=256),
 }
 EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training")  # sb3_gpu's own, not SB3 arguments
+# Not an SB3 argument: the plan builds SB3's NormalActionNoise from it (SB3 takes the noise object, `action_noise`).
+CONVERTED_KEYS = ("action_noise_std",)
 OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval", "overlap_training")
 
 
@@ -180,8 +248,13 @@ def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
     mapping = c.mapping(mapping, where)
     checks = valid_keys(algo)
     for key in mapping:
+        if key in checks:
+            continue
+        others = ", ".join(a.name for a in ALGOS.values() if key in _param_checks(a))
         if algo.on_policy and key in OFF_POLICY_ONLY:
-            raise ConfigError(f"{where}: {key!r} is for off-policy algorithms (dqn, qrdqn); {algo.name} is on-policy")
+            raise ConfigError(f"{where}: {key!r} is for off-policy algorithms ({others}); {algo.name} is on-policy")
+        if others:
+            raise ConfigError(f"{where}: {key!r} is for {others}, not {algo.name}")
     c.check_keys(mapping, set(checks), where)
     return {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
 

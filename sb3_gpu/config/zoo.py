@@ -22,7 +22,7 @@ from sb3_gpu.config.files import read_yaml
 from sb3_gpu.config.schema import ACTIVATIONS, Algo, validate_entry
 from sb3_gpu.envs.spec import looks_atari
 
-ZOO_ALGOS = ("ppo", "dqn", "qrdqn")  # the rl-zoo3 files whose algorithms sb3_gpu trains
+ZOO_ALGOS = ("ppo", "dqn", "qrdqn", "sac", "td3", "tqc")  # the rl-zoo3 files whose algorithms sb3_gpu trains
 MAX_SOURCE_CHARS = 2000  # a policy_kwargs string is a line or two; anything longer is not a literal worth parsing
 
 # nn.<Name> (also th.nn.<Name>, torch.nn.<Name>) -> the activation_fn name of a preset.
@@ -46,8 +46,9 @@ class _Activation(str):
 
 
 def zoo_file(spec: str) -> Path:
-    """The file named by ``zoo:<spec>``: ``ppo``, ``dqn``, ``qrdqn`` (an installed rl_zoo3's own) or a path."""
-    if spec in ZOO_ALGOS or spec in ("a2c", "sac", "td3", "ddpg", "tqc", "trpo", "ars", "crossq", "her", "ppo_lstm"):
+    """The file named by ``zoo:<spec>``: ``ppo``, ``dqn``, ``qrdqn``, ``sac``, ``td3``, ``tqc`` (an installed
+    rl_zoo3's own) or a path."""
+    if spec in ZOO_ALGOS or spec in ("a2c", "ddpg", "trpo", "ars", "crossq", "her", "ppo_lstm"):
         if spec not in ZOO_ALGOS:
             raise ConfigError(f"zoo:{spec}: sb3_gpu trains {', '.join(ZOO_ALGOS)}; there is no preset for {spec}")
         found = importlib.util.find_spec("rl_zoo3")
@@ -79,6 +80,8 @@ class ZooEntries(Mapping[str, dict[str, Any]]):
 
 def load_zoo_file(algo: Algo, spec: str) -> tuple[ZooEntries, str]:
     """The entries of an rl-zoo3 file for ``algo`` (converted when read) and the file's label (``zoo:ppo.yml``)."""
+    if spec in ZOO_ALGOS and spec != algo.name:
+        raise ConfigError(f"zoo:{spec} holds rl-zoo3's values for {spec}; this run trains {algo.name} (zoo:{algo.name})")
     path = zoo_file(spec)
     data = read_yaml(path, "rl-zoo3 hyperparameter file")
     if not isinstance(data, Mapping) or not data:
@@ -92,11 +95,14 @@ def convert_entry(algo: Algo, name: str, entry: Any, file: str) -> dict[str, Any
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping of hyperparameters, got {type(entry).__name__}")
     out: dict[str, Any] = {}
+    noise: dict[str, Any] = {}
     for key, value in entry.items():
         at = f"{where}, key {key}"
-        if key in _UNSUPPORTED_KEYS:
+        if key in ("noise_type", "noise_std"):
+            noise[key] = value
+        elif key in _UNSUPPORTED_KEYS:
             raise ConfigError(f"{at}: not supported ({_UNSUPPORTED_KEYS[key]}): {_short(value)}")
-        if key == "env_wrapper":
+        elif key == "env_wrapper":
             _check_wrappers(value, name, at)
         elif key == "policy_kwargs":
             kwargs = _read(value, at) if isinstance(value, str) else value
@@ -111,6 +117,10 @@ def convert_entry(algo: Algo, name: str, entry: Any, file: str) -> dict[str, Any
             out[key] = {"schedule": "linear", "start": _number(match.group(1), at), "end": 0.0}
         else:
             out[key] = value
+    if "noise_type" in noise:  # rl-zoo3 adds action noise only where a type is named
+        if noise["noise_type"] != "normal":
+            raise ConfigError(f"{where}, key noise_type: only 'normal' is supported, got {_short(noise['noise_type'])}")
+        out["action_noise_std"] = noise.get("noise_std", 0.0)
     return validate_entry(algo, out, where)
 
 

@@ -277,15 +277,19 @@ class OptimizerStep:
             listener()
 
 
-def optimizer_step(optimizer: th.optim.Optimizer, module: th.nn.Module | None = None) -> OptimizerStep:
+def optimizer_step(
+    optimizer: th.optim.Optimizer, module: th.nn.Module | None = None, names: dict[int, str] | None = None
+) -> OptimizerStep:
     """The :class:`OptimizerStep` of ``optimizer``, wrapping it on first use.
 
     :param module: names the parameters in messages (the policy)
+    :param names: or the names themselves, by ``id`` of the parameter
     """
     installed = getattr(optimizer.step, "__self__", None)
     if isinstance(installed, OptimizerStep):
         return installed
-    names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
+    if names is None:
+        names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
     return OptimizerStep(optimizer, names)
 
 
@@ -326,5 +330,10 @@ def policy_optimizers(policy: th.nn.Module) -> list[th.optim.Optimizer]:
 
 
 def optimizer_steps(model: BaseAlgorithm) -> list[OptimizerStep]:
-    """The :class:`OptimizerStep` of every optimizer of ``model``'s policy."""
-    return [optimizer_step(o, model.policy) for o in policy_optimizers(model.policy)]
+    """The :class:`OptimizerStep` of every optimizer of ``model``'s policy, and of SAC's and TQC's learned entropy
+    coefficient (a parameter of the model, not of the policy, with an optimizer of its own)."""
+    steps = [optimizer_step(o, model.policy) for o in policy_optimizers(model.policy)]
+    entropy = getattr(model, "ent_coef_optimizer", None)
+    if isinstance(entropy, th.optim.Optimizer):
+        steps.append(optimizer_step(entropy, names={id(model.log_ent_coef): "log_ent_coef"}))  # type: ignore[attr-defined]
+    return steps

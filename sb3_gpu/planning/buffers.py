@@ -49,8 +49,10 @@ def choose_overlap(preset: Preset, device: str) -> BufferChoice:
     """Resolve ``overlap_training`` (auto, true, false; off-policy only) for a plan on ``device``: ``kind`` is
     ``overlapped`` or ``sync`` (SB3's schedule)."""
     request = getattr(preset.params, "overlap_training", None)
-    if request is None:
+    if request is None and preset.algo == "ppo":
         return BufferChoice("sync", "on-policy: collection and training alternate by design")
+    if request is None:
+        return BufferChoice("sync", f"SB3's schedule: overlapped training is for dqn and qrdqn so far, not {preset.algo}")
     source = preset.sources.get("overlap_training", "sb3_gpu default")
     if request == "false":
         return BufferChoice("sync", f"SB3's schedule: overlap_training=false ({source})")

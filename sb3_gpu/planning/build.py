@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import gymnasium as gym
+import numpy as np
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
@@ -81,8 +83,14 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
         kwargs["replay_buffer_kwargs"] = {**kwargs.get("replay_buffer_kwargs", {}), "n_steps": kwargs["n_steps"]}
         kwargs["replay_buffer_kwargs"]["gamma"] = kwargs["gamma"]
         kwargs["n_steps"] = 1
-    if plan.device.device.startswith("cuda"):
-        kwargs["policy_kwargs"] = fused(kwargs.get("policy_kwargs") or {}, on_policy=get_algo(preset.algo).on_policy)
+    std = getattr(preset.params, "action_noise_std", None)
+    if std:  # SB3 takes the noise object; its shape is the action space's, which the plan has
+        assert plan.action_shape is not None, "a continuous algorithm's plan records its action shape"
+        zeros = np.zeros(plan.action_shape, dtype=np.float32)
+        kwargs["action_noise"] = NormalActionNoise(mean=zeros, sigma=np.full_like(zeros, std))
+    algo = get_algo(preset.algo)
+    if plan.device.device.startswith("cuda") and algo.extended_training:
+        kwargs["policy_kwargs"] = fused(kwargs.get("policy_kwargs") or {}, on_policy=algo.on_policy)
     return kwargs
 
 
@@ -155,7 +163,7 @@ def make_model(
         model, timesteps = make_model("ppo", "CartPole-v1", device="auto")
         model.learn(timesteps)
 
-    :param algo: ``ppo``, ``dqn`` or ``qrdqn``
+    :param algo: ``ppo``, ``dqn``, ``qrdqn``, ``sac``, ``td3`` or ``tqc``
     :param env: a registered id, ``package.module:EnvClass`` or a zero-argument env factory
     :param device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``
     :param profile: ``auto`` (by device), ``cpu``, ``gpu`` or ``large`` (a big workstation; DQN family)

@@ -58,6 +58,8 @@ class Plan:
     training_reason: str = ""
     # The timings behind the auto choices (None: nothing was probed; the rules decided).
     probe: ProbeResult | None = None
+    # A Box action space's shape (None for discrete actions): the shape of TD3's and SAC's action noise.
+    action_shape: tuple[int, ...] | None = None
 
     def to_config(self) -> dict[str, Any]:
         """Plain data that :func:`~sb3_gpu.config.runconfig.load_config` turns back into the same hyperparameters."""
@@ -138,8 +140,9 @@ def make_plan(
     provisional = resolve_preset(algo_, entry, entry_label, "cpu", layered)
     spec = resolve_env(env, provisional.env_kwargs)
     facts = _probe(spec, measure=vec_env == "auto")
-    if not algo_.on_policy and not isinstance(facts.action_space, spaces.Discrete):
-        raise ConfigError(f"{algo_.name} needs a Discrete action space; {spec.name} has {facts.action_space}")
+    needed = algo_.action_space
+    if needed is not None and not isinstance(facts.action_space, needed):
+        raise ConfigError(f"{algo_.name} needs a {needed.__name__} action space; {spec.name} has {facts.action_space}")
 
     policy = provisional.policy if provisional.policy != "auto" else _policy_for(facts.observation_space)
     kind = _policy_kind(policy, facts.observation_space)
@@ -147,11 +150,15 @@ def make_plan(
     def variant(choice: DeviceChoice) -> _Variant:
         chosen_profile, profile_reason = _profile(profile, choice, entry, entry_label)
         resolved = resolve_preset(algo_, entry, entry_label, chosen_profile, layered)
+        if not algo_.extended_training:
+            resolved = _sb3_training(resolved)
         if resolved.policy == "auto":
             sources = {**resolved.sources, "policy": "auto (observation space)"}
             resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
         vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
         speed = _speed(resolved, choice.device, kind, vec.workers, hardware)
+        if not algo_.extended_training:
+            speed = dataclasses.replace(speed, amp_reason=_SB3_TRAINING, compile_reason=_SB3_TRAINING)
         return _Variant(choice, profile_reason, resolved, vec, speed)
 
     def check(v: _Variant) -> _Variant:
@@ -159,7 +166,11 @@ def make_plan(
         _check_combinations(v.resolved, facts.observation_space)
         return v
 
-    chosen = check(variant(choose_device(device, kind, algo_.on_policy, hardware)))
+    device_choice = choose_device(device, kind, algo_.on_policy, hardware)
+    if not algo_.extended_training and device == "auto" and device_choice.device != "cpu":
+        reason = f"{device_choice.reason} (the rule's choice: the probe times ppo, dqn and qrdqn only, so far)"
+        device_choice = dataclasses.replace(device_choice, reason=reason)
+    chosen = check(variant(device_choice))
     probed: ProbeResult | None = None
     if prober is None and hardware_detected:
         prober = Prober(context=hardware.describe() + f", {hardware.busy_cores} busy cores")
@@ -191,9 +202,34 @@ def make_plan(
         seed=seed,
         speed=chosen.speed,
         probe=probed,
+        action_shape=facts.action_space.shape if isinstance(facts.action_space, spaces.Box) else None,
         **_eval_step_cap(resolved, facts),
         **_buffers(resolved, chosen.device.device, facts),
     )
+
+
+_SB3_TRAINING = "SB3's own train(): sb3_gpu's AMP and compiled steps are for ppo, dqn and qrdqn so far"
+
+
+def _sb3_training(preset: Preset) -> Preset:
+    """``preset`` with the speed machinery off, for an algorithm that trains with SB3's own ``train()``; asking for
+    any part of it is an error, not a silent no-op."""
+    asked = {
+        "amp": preset.amp not in ("auto", "off"),
+        "compile": preset.compile not in ("auto", "false"),
+        "device_buffers": preset.device_buffers == "true",
+        "probe": preset.probe and preset.sources.get("probe") != "sb3_gpu default",
+    }
+    for key, refused in asked.items():
+        if refused:
+            value, source = getattr(preset, key), preset.sources.get(key, "preset")
+            raise ConfigError(
+                f"{key}={value} ({source}): {preset.algo} trains with SB3's own train(), so sb3_gpu's AMP, compiled "
+                f"steps, device buffers and probe do not apply to it yet; leave {key} unset"
+            )
+    turned_off = ("amp", "compile", "device_buffers", "probe")
+    sources = {**preset.sources, **{k: f"{preset.algo}: SB3's own train()" for k in turned_off}}
+    return dataclasses.replace(preset, amp="off", compile="false", device_buffers="false", probe=False, sources=sources)
 
 
 @dataclass(frozen=True)
@@ -413,7 +449,7 @@ def _speed(preset: Preset, device: str, policy: PolicyKind, env_workers: int, ha
         preset.threads,
         device=device,
         policy=policy,
-        net_arch=preset.net_arch,
+        net_arch=preset.net_arch if preset.net_arch is not None else [get_algo(preset.algo).default_width],
         batch_size=preset.params.batch_size,
         env_workers=env_workers,
         hardware=hardware,
@@ -525,6 +561,11 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         if params.n_steps * preset.n_envs < 2:
             raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")
         check_accumulation(params.grad_accum_steps, params.n_steps, preset.n_envs, params.batch_size)
+    freq = getattr(params, "train_freq", None)
+    if isinstance(freq, tuple) and freq[1] == "episode" and preset.n_envs > 1:
+        raise ConfigError(
+            f"train_freq [{freq[0]}, episode] needs n_envs=1 (SB3 counts the episodes of one env), got n_envs={preset.n_envs}"
+        )
     if getattr(params, "optimize_memory_usage", False):
         raise ConfigError(
             "optimize_memory_usage=true is not supported: SB3 refuses it beside timeout handling, which stays on"

@@ -196,7 +196,8 @@ class ThroughputCallback(BaseCallback):
         self._next_record = 0.0
 
     def _steps_taken(self) -> int:
-        return sum(step.steps for step in self._optimizer_steps)
+        # One per gradient step: SAC's actor and critic each step once per gradient step (TD3's actor less often).
+        return max((step.steps for step in self._optimizer_steps), default=0)
 
     def _on_rollout_start(self) -> None:
         now = time.perf_counter()

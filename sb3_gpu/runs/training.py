@@ -60,7 +60,8 @@ class RunOptions:
             raise ConfigError(f"save_replay_buffer must be true or false, got {self.save_replay_buffer!r}")
         if self.save_replay_buffer and get_algo(plan.algo).on_policy:
             raise ConfigError(
-                f"--save-replay-buffer is for off-policy algorithms (dqn, qrdqn); {plan.algo} keeps no replay buffer"
+                f"--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc); {plan.algo} keeps no "
+                "replay buffer"
             )
 
     @classmethod

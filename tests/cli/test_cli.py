@@ -119,7 +119,7 @@ BAD_INPUTS = [
         ["ppo", "--set", "learning_rate={{schedule: linear, start: 1.0e-3, end: -1}}"],
         "learning_rate.end: expected a number >= 0",
     ),
-    (["ppo", "--save-replay-buffer"], "--save-replay-buffer is for off-policy algorithms (dqn, qrdqn)"),
+    (["ppo", "--save-replay-buffer"], "--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc)"),
     # --resume: the run dir and what may be given with it
     (["--resume", "{missing}"], "--resume: no such run dir"),
     (["--resume", "{existing}"], "holds no config.yaml; is it a run dir written by sb3_gpu.train?"),

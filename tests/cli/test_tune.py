@@ -233,7 +233,7 @@ def test_search_space_keys_and_values_are_checked_like_presets(tmp_path, text, m
         load_space("ppo", path)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "dqn", "qrdqn"])
+@pytest.mark.parametrize("algo", ["ppo", "dqn", "qrdqn", "sac", "td3", "tqc"])
 def test_bundled_search_spaces_load(algo):
     assert load_space(algo)
 

@@ -5,6 +5,7 @@ import inspect
 
 import pytest
 import yaml
+from gymnasium import spaces
 from stable_baselines3.common.utils import ConstantSchedule, LinearSchedule
 from torch import nn
 
@@ -12,7 +13,7 @@ from sb3_gpu.common.checks import Schedule
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.config.files import presets_dir
 from sb3_gpu.config.presets import load_preset_file, parse_override, resolve_preset, select_entry
-from sb3_gpu.config.schema import ALGOS, EXTENSION_KEYS, get_algo, validate_entry, validate_flat
+from sb3_gpu.config.schema import ALGOS, CONVERTED_KEYS, EXTENSION_KEYS, get_algo, validate_entry, validate_flat
 
 PPO_ = get_algo("ppo")
 DQN_ = get_algo("dqn")
@@ -27,10 +28,12 @@ def write(tmp_path, text: str, name: str = "preset.yaml"):
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_bundled_preset_files_load_and_validate(algo):
     entries, label = load_preset_file(get_algo(algo))
-    assert {"default", "atari", "CartPole-v1"} <= set(entries)
+    continuous = get_algo(algo).action_space is spaces.Box
+    generic, classic = (["default"], "Pendulum-v1") if continuous else (["default", "atari"], "CartPole-v1")
+    assert {*generic, classic} <= set(entries)
     assert label.endswith(f"{algo}.yaml")
     for profile in ("cpu", "gpu"):
-        assert profile in entries["default"] and profile in entries["atari"]
+        assert all(profile in entries[name] for name in generic)
 
 
 @pytest.mark.parametrize("algo", list(ALGOS))
@@ -40,6 +43,9 @@ def test_dataclass_defaults_equal_sb3_defaults(algo):
     for f in dataclasses.fields(spec.params_class):
         if f.name in EXTENSION_KEYS:  # sb3_gpu's own extensions: off by default, or auto (decided by the plan)
             assert f.default in (False, 1, "auto")
+            continue
+        if f.name in CONVERTED_KEYS:  # turned into SB3's argument by the plan: none by default, as SB3's
+            assert f.default is None and signature["action_noise"].default is None
             continue
         assert f.name in signature, f"{f.name} is not an argument of {spec.model_class.__name__}"
         assert f.default == signature[f.name].default, f.name

@@ -16,8 +16,8 @@ from sb3_gpu.envs.spec import register_ale
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.train import main as train_main
 
-# The entries of rl_zoo3's ppo, dqn and qrdqn files that are refused, and why: env wrappers that sb3_gpu does not
-# apply (it applies only AtariWrapper, to Atari games). Every other entry must load.
+# The entries of rl_zoo3's files that are refused, and why: env wrappers that sb3_gpu does not apply (it applies only
+# AtariWrapper, to Atari games), HER's buffer, Ornstein-Uhlenbeck noise. Every other entry must load.
 REFUSED = {
     **{
         ("ppo", name): "env wrapper 'minigrid.wrappers.FlatObsWrapper' is not supported"
@@ -37,9 +37,29 @@ REFUSED = {
         )
     },
     ("ppo", "CarRacing-v3"): "env wrapper 'rl_zoo3.wrappers.FrameSkip' is not supported",
+    ("sac", "CarRacing-v3"): "env wrapper 'rl_zoo3.wrappers.FrameSkip' is not supported",
+    ("sac", "donkey-generated-track-v0"): "env wrapper 'gymnasium.wrappers.time_limit.TimeLimit' is not supported",
+    ("sac", "NeckEnvRelative-v2"): "env wrapper 'rl_zoo3.wrappers.HistoryWrapper' is not supported",
+    ("tqc", "CarRacing-v0"): "env wrapper 'rl_zoo3.wrappers.FrameSkip' is not supported",
+    ("tqc", "RocketLander-v0"): "env wrapper 'rl_zoo3.wrappers.FrameSkip' is not supported",
+    ("td3", "MountainCarContinuous-v0"): "noise_type: only 'normal' is supported, got 'ornstein-uhlenbeck'",
+    # Hindsight experience replay (goal-conditioned robotics tasks): its buffer class is not run.
+    **{
+        (algo, name): "replay_buffer_class: not supported .*'HerReplayBuffer'"
+        for algo, names in {
+            "sac": ["FetchReach-v1"],
+            "tqc": ["FetchReach-v1", "FetchPush-v1", "FetchSlide-v1", "FetchPickAndPlace-v1", "parking-v0"]
+            + [f"Panda{task}-v1" for task in ("Reach", "Push", "Slide", "PickAndPlace", "Stack")],
+        }.items()
+        for name in names
+    },
 }
-# An env for the entries that are not env ids.
-ENTRY_ENV = {"atari": "ALE/Pong-v5", "default": "FrozenLake-v1"}  # no file has an entry for FrozenLake
+# An env for the entries that are not env ids: ids that no file has an entry for, so that the entry itself is taken.
+ENTRY_ENV = {"atari": "ALE/Pong-v5", "default": "FrozenLake-v1"}
+CONTINUOUS = ("sac", "td3", "tqc")
+# Pendulum under an id of its own: an env with continuous actions for which no rl-zoo3 file has an entry.
+PENDULUM = "gymnasium.envs.classic_control.pendulum:PendulumEnv"
+gym.register("ZooDefault/Pendulum-v1", entry_point=PENDULUM, max_episode_steps=200)
 
 
 def _installed(env_id: str) -> bool:
@@ -66,7 +86,7 @@ def test_every_zoo_entry_loads_or_is_refused_for_a_listed_reason_and_installed_o
                 listing["refused"].append(f"{algo}:{name}")
                 continue
             entries[name]  # converted and validated as a bundled preset's entry is
-            env = ENTRY_ENV.get(name, name)
+            env = "ZooDefault/Pendulum-v1" if (name == "default" and algo in CONTINUOUS) else ENTRY_ENV.get(name, name)
             if not _installed(env):
                 listing["loaded, env not installed"].append(f"{algo}:{name}")
                 continue
@@ -80,6 +100,7 @@ def test_every_zoo_entry_loads_or_is_refused_for_a_listed_reason_and_installed_o
             print(f"\nrl-zoo3 entries {outcome}: {len(names)}: {', '.join(names)}")
     # rl_zoo3's classic-control, Box2D and Atari entries of all three files run here.
     assert {"ppo:CartPole-v1", "ppo:atari", "ppo:LunarLander-v3", "dqn:atari", "qrdqn:Acrobot-v1"} <= set(listing["planned"])
+    assert {"sac:Pendulum-v1", "td3:LunarLanderContinuous-v3", "tqc:default"} <= set(listing["planned"])
     assert len(listing["refused"]) == len(REFUSED)
 
 
@@ -149,7 +170,9 @@ def test_an_atari_wrapper_is_kept_only_for_atari_games_and_without_arguments():
 def test_a_zoo_value_the_preset_checks_refuse_names_the_file_and_entry():
     with pytest.raises(ConfigError, match=r"my.yml, entry CartPole-v1: unknown key 'n_step'.*did you mean 'n_steps'"):
         convert_entry(get_algo("ppo"), "CartPole-v1", {"n_step": 32}, "my.yml")
-    with pytest.raises(ConfigError, match="sb3_gpu trains ppo, dqn, qrdqn; there is no preset for sac"):
+    with pytest.raises(ConfigError, match="sb3_gpu trains ppo, dqn, qrdqn, sac, td3, tqc; there is no preset for a2c"):
+        load_preset_file(get_algo("ppo"), "zoo:a2c")
+    with pytest.raises(ConfigError, match=r"zoo:sac holds rl-zoo3's values for sac; this run trains ppo \(zoo:ppo\)"):
         load_preset_file(get_algo("ppo"), "zoo:sac")
 
 
