@@ -19,9 +19,9 @@ def test_wheel_installs_into_a_fresh_venv_and_works_outside_the_repo(tmp_path):
     )
     wheel = next(dist.glob("sb3_gpu-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"sb3_gpu/presets/ppo.yaml", "sb3_gpu/presets/dqn.yaml", "sb3_gpu/presets/qrdqn.yaml", "sb3_gpu/py.typed"} <= set(
-        names
-    )
+    algos = ("ppo", "dqn", "qrdqn", "sac", "td3", "tqc")
+    presets = {f"sb3_gpu/presets/{a}.yaml" for a in algos} | {f"sb3_gpu/presets/search/{a}.yaml" for a in algos}
+    assert presets | {"sb3_gpu/py.typed"} <= set(names)
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
