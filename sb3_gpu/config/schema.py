@@ -59,8 +59,8 @@ class PPOParams:
 
 
 @dataclass(frozen=True)
-class DQNParams:
-    """DQN's keyword arguments, as SB3 names them."""
+class _ReplayParams:
+    """The arguments of every off-policy algorithm of SB3, with DQN's defaults; subclasses set their own."""
 
     learning_rate: float | Schedule = c.param(1e-4, c.schedulable(c.POSITIVE))
     buffer_size: int = c.param(1_000_000, c.POS_INT)
@@ -72,6 +72,12 @@ class DQNParams:
     gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
     optimize_memory_usage: bool = c.param(False, c.boolean)
     n_steps: int = c.param(1, c.POS_INT)
+
+
+@dataclass(frozen=True)
+class DQNParams(_ReplayParams):
+    """DQN's keyword arguments, as SB3 names them."""
+
     target_update_interval: int = c.param(10_000, c.POS_INT)
     exploration_fraction: float = c.param(0.1, c.UNIT)
     exploration_initial_eps: float = c.param(1.0, c.UNIT)
@@ -95,48 +101,38 @@ class QRDQNParams(DQNParams):
 
 
 @dataclass(frozen=True)
-class TD3Params:
-    """TD3's keyword arguments, as SB3 names them; SAC and TQC share the replay part."""
+class _ContinuousParams(_ReplayParams):
+    """The arguments that SAC, TD3 and TQC share, with SB3's defaults (SAC's learning rate)."""
 
-    learning_rate: float | Schedule = c.param(1e-3, c.schedulable(c.POSITIVE))
-    buffer_size: int = c.param(1_000_000, c.POS_INT)
-    learning_starts: int = c.param(100, c.integer(0, "an int >= 0"))
+    learning_rate: float | Schedule = c.param(3e-4, c.schedulable(c.POSITIVE))
     batch_size: int = c.param(256, c.POS_INT)
     tau: float = c.param(0.005, c.number(0.0, 1.0, "a number in (0, 1]", low_open=True))
-    gamma: float = c.param(0.99, c.UNIT)
     train_freq: int | tuple[int, str] = c.param(1, c.train_freq)
-    gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
-    optimize_memory_usage: bool = c.param(False, c.boolean)
-    n_steps: int = c.param(1, c.POS_INT)
-    policy_delay: int = c.param(2, c.POS_INT)
-    target_policy_noise: float = c.param(0.2, c.NON_NEGATIVE)
-    target_noise_clip: float = c.param(0.5, c.NON_NEGATIVE)
     # Gaussian exploration noise added to the actor's actions (std, in units of the action range's half-width; SB3's
     # NormalActionNoise); none by default, as in SB3.
     action_noise_std: float | None = c.param(None, c.optional(c.NON_NEGATIVE))
 
 
 @dataclass(frozen=True)
-class SACParams:
+class TD3Params(_ContinuousParams):
+    """TD3's keyword arguments, as SB3 names them."""
+
+    learning_rate: float | Schedule = c.param(1e-3, c.schedulable(c.POSITIVE))
+    policy_delay: int = c.param(2, c.POS_INT)
+    target_policy_noise: float = c.param(0.2, c.NON_NEGATIVE)
+    target_noise_clip: float = c.param(0.5, c.NON_NEGATIVE)
+
+
+@dataclass(frozen=True)
+class SACParams(_ContinuousParams):
     """SAC's keyword arguments, as SB3 names them."""
 
-    learning_rate: float | Schedule = c.param(3e-4, c.schedulable(c.POSITIVE))
-    buffer_size: int = c.param(1_000_000, c.POS_INT)
-    learning_starts: int = c.param(100, c.integer(0, "an int >= 0"))
-    batch_size: int = c.param(256, c.POS_INT)
-    tau: float = c.param(0.005, c.number(0.0, 1.0, "a number in (0, 1]", low_open=True))
-    gamma: float = c.param(0.99, c.UNIT)
-    train_freq: int | tuple[int, str] = c.param(1, c.train_freq)
-    gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
-    optimize_memory_usage: bool = c.param(False, c.boolean)
-    n_steps: int = c.param(1, c.POS_INT)
     ent_coef: float | str = c.param("auto", c.ent_coef)
     target_update_interval: int = c.param(1, c.POS_INT)
     target_entropy: float | str = c.param("auto", c.target_entropy)
     use_sde: bool = c.param(False, c.boolean)
     sde_sample_freq: int = c.param(-1, c.integer(-1, "an int >= -1"))
     use_sde_at_warmup: bool = c.param(False, c.boolean)
-    action_noise_std: float | None = c.param(None, c.optional(c.NON_NEGATIVE))  # as TD3Params'
 
 
 @dataclass(frozen=True)
