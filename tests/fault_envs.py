@@ -51,23 +51,19 @@ class FaultyCartPoleV1(TimeLimit):
 
 
 class NanPendulum(TimeLimit):
-    """Pendulum-v1 (continuous actions, 200-step episodes) whose rewards (or, with ``obs``, observations) turn NaN
-    from its own step ``nan_at`` on."""
+    """Pendulum-v1 (continuous actions, 200-step episodes) whose rewards turn NaN from its own step ``nan_at`` on."""
 
-    def __init__(self, nan_at: int = 0, obs: bool = False, **kwargs: Any):
+    def __init__(self, nan_at: int = 0, **kwargs: Any):
         from gymnasium.envs.classic_control import PendulumEnv
 
         super().__init__(PendulumEnv(**kwargs), max_episode_steps=200)
-        self.nan_at, self.nan_obs, self.steps = nan_at, obs, 0
+        self.nan_at, self.steps = nan_at, 0
 
     def step(self, action: Any) -> Any:
         self.steps += 1
         obs, reward, terminated, truncated, info = super().step(action)
         if self.nan_at and self.steps >= self.nan_at:
-            if self.nan_obs:
-                obs = np.full_like(obs, np.nan)
-            else:
-                reward = float("nan")
+            reward = float("nan")
         return obs, reward, terminated, truncated, info
 
 

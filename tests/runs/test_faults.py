@@ -439,21 +439,11 @@ def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, o
         assert not (tmp_path / "replay_buffer.pkl").exists()
 
 
-@pytest.mark.parametrize(
-    "algo, nan_obs, first",
-    [
-        ("sac", False, "critic"),
-        ("td3", False, "critic"),
-        # A NaN observation reaches the entropy coefficient's loss first: its own optimizer is guarded too.
-        ("sac", True, "log_ent_coef"),
-        ("tqc", True, "log_ent_coef"),
-    ],
-)
-def test_nan_data_stops_continuous_control_before_any_weight_turns_nan(tmp_path, algo, nan_obs, first):
-    env_kwargs = {"nan_at": 300, "obs": nan_obs}
-    overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "env_kwargs": env_kwargs}
+@pytest.mark.parametrize("algo", ["sac", "td3", "tqc"])
+def test_nan_rewards_stop_continuous_control_before_any_weight_turns_nan(tmp_path, algo):
+    overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "env_kwargs": {"nan_at": 300}}
     plan = make_plan(algo, "tests.fault_envs:NanPendulum", "cpu", n_timesteps=5_000, vec_env="dummy", overrides=overrides)
-    with pytest.raises(TrainingDiverged, match=f"the gradient of {first}.* is NaN or inf"):
+    with pytest.raises(TrainingDiverged, match=r"the gradient of critic.* is NaN or inf"):
         train_run(plan, tmp_path, eval_freq=100_000, checkpoint_freq=200, progress=False, report_s=None)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["error"].startswith("TrainingDiverged") and summary["model"]
@@ -461,7 +451,7 @@ def test_nan_data_stops_continuous_control_before_any_weight_turns_nan(tmp_path,
         model = _load(tmp_path, state.model)
         assert first_non_finite(model.policy) is None
         assert bool(th.isfinite(getattr(model, "log_ent_coef", th.zeros(1))).all())
-    # The first NaN reaches a sampled batch within a few gradient steps of step 300.
+    # The first NaN reward reaches a sampled batch within a few gradient steps of step 300.
     assert zip_timesteps(tmp_path / "model.zip") <= 400
 
 
@@ -490,6 +480,19 @@ def test_nan_guard_refuses_a_nan_gradient_and_leaves_the_weights_alone():
     assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
     guard.close()
     optimizer.step()  # the guard is off again
+
+
+@pytest.mark.parametrize("algo", ["sac", "tqc"])
+def test_nan_guard_covers_the_entropy_coefficients_own_optimizer(algo):
+    plan = make_plan(algo, "Pendulum-v1", "cpu", vec_env="dummy", overrides={"probe": False, "net_arch": [16]})
+    model = build_model(plan, build_env(plan))
+    guard = _guarded(model)
+    before = model.log_ent_coef.detach().clone()
+    model.log_ent_coef.grad = th.full_like(model.log_ent_coef, float("nan"))
+    with pytest.raises(TrainingDiverged, match="the gradient of log_ent_coef is NaN or inf"):
+        model.ent_coef_optimizer.step()
+    assert th.equal(model.log_ent_coef.detach(), before)
+    guard.close()
 
 
 @pytest.mark.parametrize("algo", ["ppo", "dqn"])
