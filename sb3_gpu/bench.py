@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cases",
         nargs="+",
         metavar="ALGO:ENV[:PROFILE]",
-        help="default: DQN (uniform and dqn+per), QR-DQN, PPO CartPole (+ Pong on CUDA)",
+        help="default: DQN (uniform and dqn+per), QR-DQN, PPO CartPole; SAC, TD3, TQC Pendulum (+ Pong on CUDA)",
     )
     step.add_argument("--device", default="auto", help="auto (default: cuda if there is one, else cpu), cpu, cuda, cuda:N")
     step.add_argument("--repeats", type=positive_int, default=7, help="timed calls; medians are printed (default 7)")

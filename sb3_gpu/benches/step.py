@@ -30,7 +30,11 @@ from sb3_gpu.planning.plan import make_plan
 # (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand. ``dqn+per``: sb3_gpu's
 # variants with prioritized replay on the device, its trees searched by tensor ops as on a GPU (SB3's row is uniform
 # DQN, since SB3 has no PER).
-CPU_CASES = ["dqn:CartPole-v1", "dqn+per:CartPole-v1", "qrdqn:CartPole-v1", "ppo:CartPole-v1"]
+# SAC's family on Pendulum-v1 with its presets' networks (SAC and TQC 256x256, as on HalfCheetah; TD3 400x300).
+CPU_CASES = [
+    *("dqn:CartPole-v1", "dqn+per:CartPole-v1", "qrdqn:CartPole-v1", "ppo:CartPole-v1"),
+    *("sac:Pendulum-v1", "td3:Pendulum-v1", "tqc:Pendulum-v1"),
+]
 GPU_CASES = [*CPU_CASES, "dqn:ALE/Pong-v5:large", "ppo:ALE/Pong-v5"]
 VARIANTS = ("sb3", "eager", "compiled")
 # aten ops that only make a view or change metadata: no kernel runs for them.
@@ -66,8 +70,10 @@ def parse_case(text: str) -> tuple[str, str, str]:
     env, _, profile = rest.partition(":")
     if not algo or not env or algo.partition("+")[2] not in ("", "per"):
         raise ValueError(f"a case is ALGO:ENV or ALGO:ENV:PROFILE (ALGO may be dqn+per or qrdqn+per), got {text!r}")
-    if algo.partition("+")[0] not in ("ppo", "dqn", "qrdqn"):
-        raise ValueError(f"{text!r}: the steps compared are those of ppo, dqn and qrdqn (sac, td3, tqc train with SB3's own)")
+    if algo.partition("+")[0] not in ("ppo", "dqn", "qrdqn", "sac", "td3", "tqc"):
+        raise ValueError(f"{text!r}: the algorithm is one of ppo, dqn, qrdqn, sac, td3, tqc")
+    if algo.partition("+")[2] and algo.partition("+")[0] not in ("dqn", "qrdqn"):
+        raise ValueError(f"{text!r}: +per is for dqn and qrdqn")
     return algo, env, profile or "auto"
 
 
@@ -78,7 +84,9 @@ def _model(algo: str, env: str, profile: str, device: str, variant: str) -> tupl
     off_policy = algo != "ppo"
     overrides: dict[str, Any] = {"amp": "off", "compile": False, "device_buffers": variant != "sb3"}
     if off_policy:
-        overrides |= {"per": per, "learning_starts": 1_000}  # SB3's own train() has no PER; a short warm-up
+        overrides["learning_starts"] = 1_000  # a short warm-up
+    if algo in ("dqn", "qrdqn"):
+        overrides["per"] = per  # SB3's own train() has no PER
     plan = make_plan(algo, env, device, seed=0, profile=profile, overrides=overrides, vec_env="dummy")
     kwargs = model_kwargs(plan)
     spec = get_algo(algo)
@@ -101,22 +109,24 @@ def _model(algo: str, env: str, profile: str, device: str, variant: str) -> tupl
     model.learn(model.learning_starts + 1_000 if off_policy else model.n_steps * model.n_envs)
     if variant == "compiled":
         _train(model)  # compiles now, if learn did not train yet
-        breaks = model._compiled_step.fallback or "0"  # fullgraph=True: compiled means no graph break
+        compiled = getattr(model, "_compiled_step", None) or model._compiled  # the DQN family and PPO's, SAC's family's
+        breaks = compiled.fallback or "0"  # fullgraph=True: compiled means no graph break
     return model, breaks
 
 
 def _gradient_steps(model: Any) -> int:
-    """Gradient steps per ``train()`` call, as ``learn`` makes them."""
+    """Gradient steps per timed ``train()`` call: as ``learn`` makes them, or for TD3 a whole cycle of its delayed
+    actor update (a step with it, one without: two compiled graphs)."""
     if hasattr(model, "n_epochs"):
         return model.n_epochs * -(-model.n_steps * model.n_envs // model.batch_size)
-    return max(model.gradient_steps, 1)
+    return max(model.gradient_steps, 1) * getattr(model, "policy_delay", 1)
 
 
 def _train(model: Any) -> None:
     if hasattr(model, "n_epochs"):
         model.train()
     else:
-        model.train(gradient_steps=max(model.gradient_steps, 1), batch_size=model.batch_size)
+        model.train(gradient_steps=_gradient_steps(model), batch_size=model.batch_size)
 
 
 def _collector(model: Any, vec_steps: int) -> tuple[Callable[[], None], int]:

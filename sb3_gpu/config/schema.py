@@ -17,6 +17,7 @@ from sb3_gpu.common import checks as c
 from sb3_gpu.common.checks import AMP_MODES, Check, Schedule
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.extensions.accumulate import GradAccumPPO
+from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
 from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN
 
 # `cpu`/`gpu` follow the chosen device; `large` is asked for by name (`--profile large`): a big workstation.
@@ -156,22 +157,21 @@ class Algo:
     extended_class: type[BaseAlgorithm] | None = None
     # The action space the algorithm needs (None: any that SB3 takes).
     action_space: type[spaces.Space] | None = None
-    # Whether sb3_gpu's speed machinery (AMP, compiled steps, device buffers, the probe) drives its training; where
-    # not, the model trains with SB3's own train() and the plan says so.
-    extended_training: bool = True
+    # Whether the probe times its training, and so decides AMP (and compile: auto) for it; where not, AMP and the
+    # probe stay off and the plan says so.
+    probed: bool = True
     # The widest hidden layer of SB3's default network for the algorithm's MLP policy (what the speed rules size).
     default_width: int = 64
 
 
-# SAC, TD3 and TQC train with SB3's own train() so far: presets, the plan, the NaN guard, telemetry, checkpoints
-# and resume apply; AMP, compiled steps, device buffers and PER do not yet.
+# SAC, TD3 and TQC: device buffers and the compiled, sync-free step apply; the probe, AMP and PER do not yet.
 ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
     "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),
     "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete),
-    "sac": Algo("sac", SAC, SACParams, False, action_space=spaces.Box, extended_training=False, default_width=256),
-    "td3": Algo("td3", TD3, TD3Params, False, action_space=spaces.Box, extended_training=False, default_width=400),
-    "tqc": Algo("tqc", TQC, TQCParams, False, action_space=spaces.Box, extended_training=False, default_width=256),
+    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, probed=False, default_width=256),
+    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, probed=False, default_width=400),
+    "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, probed=False, default_width=256),
 }
 EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training")  # sb3_gpu's own, not SB3 arguments
 # Not an SB3 argument: the plan builds SB3's NormalActionNoise from it (SB3 takes the noise object, `action_noise`).

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -17,6 +15,7 @@ from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledStep, refusal
+from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import OptimizerStep, guard_flags, optimizer_step, optimizer_steps, raise_for_guards
 
@@ -118,7 +117,7 @@ class GradAccumPPO(PPO):
     def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:
         if isinstance(rollout_buffer, DeviceRolloutBuffer):
             callback = _StagingCallback(callback, rollout_buffer)
-        with _no_argument_checks():  # building each step's distribution would read it back twice
+        with no_argument_checks():  # building each step's distribution would read it back twice
             if self._compiled_act is None:
                 return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
             self.policy.forward = self._compiled_act  # type: ignore[method-assign,assignment]  # what SB3's rollout calls
@@ -136,7 +135,7 @@ class GradAccumPPO(PPO):
     def train(self) -> None:
         if self._accumulator is not None:
             self._accumulator.reset()
-        with _no_argument_checks():
+        with no_argument_checks():
             self._train()
         if self._accumulator is not None:
             self._accumulator.reset()  # target_kl may stop an epoch between micro-batches
@@ -254,14 +253,3 @@ def _explained_variance(predicted: th.Tensor | np.ndarray, returns: th.Tensor | 
     y_pred, y_true = th.as_tensor(predicted).flatten().double(), th.as_tensor(returns).flatten().double()
     var_y = th.var(y_true, correction=0)
     return th.where(var_y == 0, th.nan, 1 - th.var(y_true - y_pred, correction=0) / var_y)
-
-
-@contextmanager
-def _no_argument_checks() -> Iterator[None]:
-    """torch.distributions without argument validation: each check reads a tensor back (a wait on a GPU)."""
-    before = th.distributions.Distribution._validate_args
-    th.distributions.Distribution.set_default_validate_args(False)
-    try:
-        yield
-    finally:
-        th.distributions.Distribution.set_default_validate_args(before)

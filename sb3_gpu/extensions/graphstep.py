@@ -159,27 +159,15 @@ class CompiledFunction:
         return tuple(t.clone() for t in out) if self.mode in _CUDA_GRAPH_MODES else out
 
 
-class CompiledStep:
-    """One gradient step of a loss, compiled whole; call it with the loss function's inputs. Returns the loss and the
-    loss function's other outputs, detached, still on the device.
+class Descent:
+    """One optimizer's part of a compiled update: the gradients of a loss, the NaN guard's check, clipping and Adam's
+    update, traced into the caller's graph by calling it with the loss. Its flags are the ones the NaN guard reads.
 
-    :param loss_fn: the loss and the figures to return with it (the model's, reading its networks); float inputs
-        that change between calls (clip ranges) are better passed as 0-dim tensors, each new float compiles anew
-    :param mode: torch.compile's mode (``default``, ``reduce-overhead`` for CUDA graphs, ``max-autotune``), or
-        ``eager`` to run the same function uncompiled
+    Call :meth:`prepare` before and :meth:`finish` after each (compiled) call of the function that calls it.
     """
 
-    def __init__(
-        self,
-        loss_fn: LossFn,
-        optimizer: th.optim.Optimizer,
-        guard: OptimizerStep,
-        max_grad_norm: float | None,
-        mode: str = "default",
-    ):
-        self.optimizer, self.guard, self.mode = optimizer, guard, mode
-        self.loss_fn, self.max_grad_norm = loss_fn, max_grad_norm
-        self.fallback: str | None = None
+    def __init__(self, optimizer: th.optim.Optimizer, guard: OptimizerStep, max_grad_norm: float | None):
+        self.optimizer, self.guard, self.max_grad_norm = optimizer, guard, max_grad_norm
         self._build()
 
     def _build(self) -> None:
@@ -197,13 +185,34 @@ class CompiledStep:
         # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
         for t in (self.lr, self.skipped, self.first_bad, *scale_state, *(t for state in self.adam.state for t in state)):
             th._dynamo.mark_static_address(t)
-        self._compiled: Callable[..., tuple[th.Tensor, tuple[th.Tensor, ...]]] = self._step
-        if self.mode != "eager":
-            step = _own_code(self._step)
-            self._compiled = th.compile(step, fullgraph=True, mode=None if self.mode == "default" else self.mode)
 
-    def _step(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-        loss, figures = self.loss_fn(*inputs)
+    def prepare(self) -> bool:
+        """Ready the next call (the learning rate, the guard's flags); True where the optimizer's state was replaced
+        (a load) and the descent now steps on the new one, so that a compiled caller must compile anew."""
+        rebuilt = not self.adam.current(self.optimizer)
+        if rebuilt:
+            self._build()
+        self.lr.fill_(self.optimizer.param_groups[0]["lr"])
+        self._share_flags()
+        if self.scaler is not None:
+            self.scaler.hooks_off = True
+        return rebuilt
+
+    def finish(self, stepped: bool) -> None:
+        """After the call: ``stepped`` where it returned, and so took its step (or skipped it: known when the flags
+        are read)."""
+        if self.scaler is not None:
+            self.scaler.hooks_off = False  # torch's own step, wherever it runs, scales by the outputs' hooks
+        if stepped:
+            self.guard.steps += 1
+            self.guard._notify()  # AMP's scale logger, as after torch's step
+
+    def usable(self) -> bool:
+        """Whether the optimizer's wrapper still leaves the whole step to this one (no accumulation switched on since
+        it was built, and no loss scale other than the one it took)."""
+        return _running_refusal(self.guard) is None and self.guard.loss_scale is self.scaler
+
+    def __call__(self, loss: th.Tensor) -> None:
         params = self.adam.params
         scale = self.scaler.tensors[0] if self.scaler is not None and self.scaler.tensors is not None else None
         scaled = loss * scale if scale is not None else loss  # fp16: small gradients kept above fp16's underflow
@@ -229,46 +238,9 @@ class CompiledStep:
             first = (~norms.isfinite()).int().argmax()  # 0 where only the loss or a new weight was: the first
             self.first_bad.copy_(th.where((self.first_bad < 0) & found, first, self.first_bad))
             self.skipped.add_(found.long())
-        return loss.detach(), tuple(f.detach() for f in figures)
-
-    def __call__(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-        if not self.adam.current(self.optimizer):
-            self._build()  # the optimizer's state was replaced (a load): step on the new one
-        self.lr.fill_(self.optimizer.param_groups[0]["lr"])
-        self._share_flags()
-        if self.scaler is not None:
-            self.scaler.hooks_off = True
-        try:
-            loss, figures = self._guarded_call(*inputs)
-        finally:
-            if self.scaler is not None:
-                self.scaler.hooks_off = False  # torch's own step, wherever it runs, scales by the outputs' hooks
-        self.guard.steps += 1  # tried; the skipped ones are known when the flags are read
-        self.guard._notify()  # AMP's scale logger, as after torch's step
-        if self.mode in _CUDA_GRAPH_MODES:  # a CUDA graph's outputs are overwritten by its next replay
-            return loss.clone(), tuple(f.clone() for f in figures)
-        return loss, figures
-
-    def usable(self) -> bool:
-        """Whether the optimizer's wrapper still leaves the whole step to this one (no accumulation switched on since
-        it was built, and no loss scale other than the one it took)."""
-        return _running_refusal(self.guard) is None and self.guard.loss_scale is self.scaler
-
-    def _guarded_call(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-        if self._compiled == self._step:
-            return self._step(*inputs)
-        try:  # a failure shows while tracing or compiling (the first call, a recompile), before anything changes
-            with th._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=False):
-                return self._compiled(*inputs)
-        except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            self.fallback = f"the compiled gradient step failed ({type(e).__name__}: {first[:200]}); it runs uncompiled"
-            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=4)
-            self._compiled = self._step
-            return self._step(*inputs)
 
     def _share_flags(self) -> None:
-        """Make the NaN guard read this step's flags, carrying over what an uncompiled step counted before."""
+        """Make the NaN guard read this descent's flags, carrying over what an uncompiled step counted before."""
         guard = self.guard
         if guard._skipped is self.skipped:
             return
@@ -276,3 +248,97 @@ class CompiledStep:
             self.skipped.copy_(guard._skipped)
             self.first_bad.copy_(guard._first_bad)
         guard._skipped, guard._first_bad, guard._bad_names = self.skipped, self.first_bad, self._names
+
+
+class CompiledUpdate:
+    """An update of one or more optimizers compiled whole: ``update_fn`` computes its losses and calls each
+    :class:`Descent` with its own, in the order the algorithm steps them; it returns the tensors to log. Outputs are
+    detached and stay on the device.
+
+    :param mode: torch.compile's mode (``default``, ``reduce-overhead`` for CUDA graphs, ``max-autotune``), or
+        ``eager`` to run the same function uncompiled
+    """
+
+    def __init__(self, update_fn: Callable[..., tuple[th.Tensor, ...]], descents: Sequence[Descent], mode: str):
+        self.update_fn, self.descents, self.mode = update_fn, list(descents), mode
+        self.fallback: str | None = None
+        self._compile()
+
+    def _run(self, *inputs: Any) -> tuple[th.Tensor, ...]:
+        # Detached inside the graph: an output whose grad_fn a backward pass consumed cannot leave a compiled one.
+        return tuple(t.detach() for t in self.update_fn(*inputs))
+
+    def _compile(self) -> None:
+        self._compiled: Callable[..., tuple[th.Tensor, ...]] = self._run
+        if self.mode != "eager" and self.fallback is None:
+            self._compiled = th.compile(
+                _own_code(self._run), fullgraph=True, mode=None if self.mode == "default" else self.mode
+            )
+
+    def __call__(self, *inputs: Any) -> tuple[th.Tensor, ...]:
+        if any([d.prepare() for d in self.descents]):  # every one prepared; a replaced state compiles anew
+            self._compile()
+        stepped = False
+        try:
+            out = self._guarded_call(*inputs)
+            stepped = True
+        finally:
+            for d in self.descents:
+                d.finish(stepped)
+        if self.mode in _CUDA_GRAPH_MODES:  # a CUDA graph's outputs are overwritten by its next replay
+            return tuple(t.clone() for t in out)
+        return out
+
+    def usable(self) -> bool:
+        """Whether every optimizer's wrapper still leaves its whole step to this update."""
+        return all(d.usable() for d in self.descents)
+
+    def _guarded_call(self, *inputs: Any) -> tuple[th.Tensor, ...]:
+        if self._compiled == self._run:
+            return self._run(*inputs)
+        try:  # a failure shows while tracing or compiling (the first call, a recompile), before anything changes
+            with th._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=False):
+                return self._compiled(*inputs)
+        except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self.fallback = f"the compiled gradient step failed ({type(e).__name__}: {first[:200]}); it runs uncompiled"
+            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=4)
+            self._compiled = self._run
+            return self._run(*inputs)
+
+
+class CompiledStep(CompiledUpdate):
+    """One gradient step of a loss, compiled whole; call it with the loss function's inputs. Returns the loss and the
+    loss function's other outputs, detached, still on the device.
+
+    :param loss_fn: the loss and the figures to return with it (the model's, reading its networks); float inputs
+        that change between calls (clip ranges) are better passed as 0-dim tensors, each new float compiles anew
+    :param mode: torch.compile's mode (``default``, ``reduce-overhead`` for CUDA graphs, ``max-autotune``), or
+        ``eager`` to run the same function uncompiled
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: th.optim.Optimizer,
+        guard: OptimizerStep,
+        max_grad_norm: float | None,
+        mode: str = "default",
+    ):
+        self.loss_fn = loss_fn
+        self.descent = Descent(optimizer, guard, max_grad_norm)
+        super().__init__(self._step, [self.descent], mode)
+
+    @property
+    def skipped(self) -> th.Tensor:
+        """Steps skipped for a non-finite gradient (a device tensor)."""
+        return self.descent.skipped
+
+    def _step(self, *inputs: Any) -> tuple[th.Tensor, ...]:
+        loss, figures = self.loss_fn(*inputs)
+        self.descent(loss)
+        return (loss, *figures)
+
+    def __call__(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:  # type: ignore[override]
+        loss, *figures = super().__call__(*inputs)
+        return loss, tuple(figures)

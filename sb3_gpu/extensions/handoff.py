@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch as th
 
@@ -27,3 +29,29 @@ class ObservationHandOff:
             return obs if host_writes else staged[1]
         self.host_observation_copies += 1
         return obs
+
+
+class StagedObservations:
+    """For an off-policy algorithm (a mixin before SB3's class): the policy's device copy of the observations is
+    handed to a device buffer (:class:`ObservationHandOff`), so that each observation crosses to the device once."""
+
+    def _sample_action(self, *args: Any, **kwargs: Any) -> Any:
+        # SB3's loop copies the observations to the device for the policy, then passes the host array to the buffer's
+        # add: handing the buffer that copy makes one crossing instead of two. (An overlapped run adds its transitions
+        # later, so the staged copy is not its own by then and the buffer copies from the host.)
+        s: Any = self
+        buffer, obs, policy = s.replay_buffer, s._last_obs, s.policy
+        if not isinstance(buffer, ObservationHandOff) or not isinstance(obs, np.ndarray):
+            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
+
+        def obs_to_tensor(observation: Any) -> tuple[th.Tensor, bool]:
+            tensor, vectorized = type(policy).obs_to_tensor(policy, observation)
+            if observation is obs:
+                buffer.stage(obs, tensor)
+            return tensor, vectorized
+
+        policy.obs_to_tensor = obs_to_tensor
+        try:
+            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            del policy.obs_to_tensor

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch as th
@@ -94,3 +96,14 @@ def _caller() -> str:
     if frame is None:
         return "?"
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+@contextmanager
+def no_argument_checks() -> Iterator[None]:
+    """torch.distributions without argument validation: each check reads a tensor back (a wait on a GPU)."""
+    before = th.distributions.Distribution._validate_args
+    th.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        th.distributions.Distribution.set_default_validate_args(before)

@@ -89,7 +89,7 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
         zeros = np.zeros(plan.action_shape, dtype=np.float32)
         kwargs["action_noise"] = NormalActionNoise(mean=zeros, sigma=np.full_like(zeros, std))
     algo = get_algo(preset.algo)
-    if plan.device.device.startswith("cuda") and algo.extended_training:
+    if plan.device.device.startswith("cuda") and algo.extended_class is not None:
         kwargs["policy_kwargs"] = fused(kwargs.get("policy_kwargs") or {}, on_policy=algo.on_policy)
     return kwargs
 

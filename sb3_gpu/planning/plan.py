@@ -150,15 +150,17 @@ def make_plan(
     def variant(choice: DeviceChoice) -> _Variant:
         chosen_profile, profile_reason = _profile(profile, choice, entry, entry_label)
         resolved = resolve_preset(algo_, entry, entry_label, chosen_profile, layered)
-        if not algo_.extended_training:
-            resolved = _sb3_training(resolved)
+        if not algo_.probed:
+            resolved = _unprobed(resolved)
         if resolved.policy == "auto":
             sources = {**resolved.sources, "policy": "auto (observation space)"}
             resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
         vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
         speed = _speed(resolved, choice.device, kind, vec.workers, hardware)
-        if not algo_.extended_training:
-            speed = dataclasses.replace(speed, amp_reason=_SB3_TRAINING, compile_reason=_SB3_TRAINING)
+        if not algo_.probed:
+            speed = dataclasses.replace(speed, amp_reason=_UNPROBED.format(algo=algo_.name))
+            if resolved.compile == "auto":
+                speed = dataclasses.replace(speed, compile_reason=_UNPROBED_COMPILE.format(algo=algo_.name))
         return _Variant(choice, profile_reason, resolved, vec, speed)
 
     def check(v: _Variant) -> _Variant:
@@ -167,7 +169,7 @@ def make_plan(
         return v
 
     device_choice = choose_device(device, kind, algo_.on_policy, hardware)
-    if not algo_.extended_training and device == "auto" and device_choice.device != "cpu":
+    if not algo_.probed and device == "auto" and device_choice.device != "cpu":
         reason = f"{device_choice.reason} (the rule's choice: the probe times ppo, dqn and qrdqn only, so far)"
         device_choice = dataclasses.replace(device_choice, reason=reason)
     chosen = check(variant(device_choice))
@@ -208,28 +210,29 @@ def make_plan(
     )
 
 
-_SB3_TRAINING = "SB3's own train(): sb3_gpu's AMP and compiled steps are for ppo, dqn and qrdqn so far"
+_UNPROBED = "off: AMP is for ppo, dqn and qrdqn so far (the probe does not time {algo}'s step yet)"
+_UNPROBED_COMPILE = (
+    "auto: not compiled (the probe does not time {algo}'s step yet); compile=default compiles the whole gradient "
+    "step, compile=reduce-overhead also replays it as a CUDA graph"
+)
 
 
-def _sb3_training(preset: Preset) -> Preset:
-    """``preset`` with the speed machinery off, for an algorithm that trains with SB3's own ``train()``; asking for
-    any part of it is an error, not a silent no-op."""
+def _unprobed(preset: Preset) -> Preset:
+    """``preset`` with AMP and the probe off, for an algorithm whose step the probe does not time; asking for either
+    is an error, not a silent no-op."""
     asked = {
         "amp": preset.amp not in ("auto", "off"),
-        "compile": preset.compile not in ("auto", "false"),
-        "device_buffers": preset.device_buffers == "true",
         "probe": preset.probe and preset.sources.get("probe") != "sb3_gpu default",
     }
     for key, refused in asked.items():
         if refused:
             value, source = getattr(preset, key), preset.sources.get(key, "preset")
             raise ConfigError(
-                f"{key}={value} ({source}): {preset.algo} trains with SB3's own train(), so sb3_gpu's AMP, compiled "
-                f"steps, device buffers and probe do not apply to it yet; leave {key} unset"
+                f"{key}={value} ({source}): the probe and AMP are for ppo, dqn and qrdqn so far, not {preset.algo}; "
+                f"leave {key} unset"
             )
-    turned_off = ("amp", "compile", "device_buffers", "probe")
-    sources = {**preset.sources, **{k: f"{preset.algo}: SB3's own train()" for k in turned_off}}
-    return dataclasses.replace(preset, amp="off", compile="false", device_buffers="false", probe=False, sources=sources)
+    sources = {**preset.sources, **{k: f"{preset.algo}: not probed yet" for k in ("amp", "probe")}}
+    return dataclasses.replace(preset, amp="off", probe=False, sources=sources)
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,8 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
         enable_amp(model, speed.amp)
     if speed.compile == "false":
         return None
-    failed = compile_policy(model, speed.compile, batch_size)
+    # SAC's family compiles its whole step only (its networks' rollout forward stays eager).
+    failed = None if getattr(model, "compiles_step_only", False) else compile_policy(model, speed.compile, batch_size)
     compile_step = getattr(model, "compile_step", None)  # PPO's and the DQN family's gradient step, compiled whole
     if failed is None and compile_step is not None:
         refused = compile_step(speed.compile)

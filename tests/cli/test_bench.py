@@ -149,15 +149,16 @@ def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp
 def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path):
     import json
 
-    cases = ["qrdqn+per:CartPole-v1", "ppo:CartPole-v1"]  # QR-DQN with prioritized replay inside its graph
+    # QR-DQN with prioritized replay inside its graph; TD3 with its delayed actor (a graph with it, one without).
+    cases = ["qrdqn+per:CartPole-v1", "ppo:CartPole-v1", "td3:Pendulum-v1"]
     assert bench.main(["step", "--cases", *cases, "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = {(r["case"], r["variant"]): r for r in json.loads((tmp_path / "step.json").read_text())["rows"]}
-    assert set(rows) == {(c, v) for c in ("qrdqn+per:CartPole-v1", "ppo:CartPole-v1") for v in ("sb3", "eager", "compiled")}
-    for case in ("qrdqn+per:CartPole-v1", "ppo:CartPole-v1"):
+    assert set(rows) == {(c, v) for c in cases for v in ("sb3", "eager", "compiled")}
+    for case in cases:
         sb3, eager, compiled = rows[case, "sb3"], rows[case, "eager"], rows[case, "compiled"]
         assert sb3["grad_reads"] >= 1 and eager["grad_reads"] == compiled["grad_reads"] == 0  # SB3 reads its losses
         assert eager["vec_reads"] <= 1  # the envs' actions (DQN's random ones read nothing)
-        assert compiled["graph_breaks"] == "0" and compiled["grad_ops"] < 0.5 * sb3["grad_ops"]
+        assert compiled["graph_breaks"] == "0" and compiled["grad_ops"] < 0.5 * sb3["grad_ops"], case
     # The actions, torch.distributions' two checks, and once per rollout the last values for the returns.
     assert rows["ppo:CartPole-v1", "sb3"]["vec_reads"] == pytest.approx(3, abs=0.1)
     assert rows["ppo:CartPole-v1", "eager"]["vec_reads"] == 1

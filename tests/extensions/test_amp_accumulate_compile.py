@@ -18,10 +18,10 @@ from stable_baselines3.common.logger import KVWriter, Logger
 from stable_baselines3.common.utils import explained_variance
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.extensions.accumulate import GradAccumPPO, _no_argument_checks
+from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.amp import amp_state, enable_amp
 from sb3_gpu.extensions.compile import compile_policy
-from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.hostreads import HostReads, no_argument_checks
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model, fused
@@ -235,7 +235,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_grows_it_back(where):
     state = enable_amp(model, "fp16", init_scale=1024.0, growth_interval=2)
     obs, actions = _ppo_batch(model)
     before = _params(model)
-    with HostReads() as reads, _no_argument_checks():  # (torch.distributions' own checks read too)
+    with HostReads() as reads, no_argument_checks():  # (torch.distributions' own checks read too)
         _sb3_step(model, obs, actions, inject_inf=True)
     assert (reads.total == 0) == (where == "device"), reads.sites  # on the device: decided without a wait
     assert (state.scaler.tensors is not None) == (where == "device")

@@ -3,6 +3,8 @@ machinery (AMP, compiled steps, device buffers, PER, overlap) does not apply to 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from sb3_contrib import TQC
@@ -13,28 +15,38 @@ from stable_baselines3.common.noise import NormalActionNoise
 from sb3_gpu import make_model, make_plan
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.evaluate import main as evaluate_main
-from sb3_gpu.planning.build import model_kwargs
+from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.runs.telemetry import ThroughputCallback
 from sb3_gpu.train import main as train_main
 
 CLASSES = {"sac": SAC, "td3": TD3, "tqc": TQC}
+SYNC_FREE = {"sac": SyncFreeSAC, "td3": SyncFreeTD3, "tqc": SyncFreeTQC}
 
 
 @pytest.mark.parametrize("algo", list(CLASSES))
 @pytest.mark.parametrize("machine", ["cpu_machine", "gpu_machine"])
-def test_the_plan_takes_the_env_entry_and_sb3s_own_training_on_any_device(algo, machine, request):
+def test_the_plan_takes_the_env_entry_and_says_why_amp_and_compile_stay_off(algo, machine, request):
     plan = make_plan(algo, "Pendulum-v1", hardware=request.getfixturevalue(machine))
     assert plan.preset.entry == f"{algo}.yaml:Pendulum-v1" and plan.preset.n_timesteps == 20_000
     speed = plan.speed
     assert speed is not None and speed.amp == "off" and speed.compile == "false"
-    assert "SB3's own train()" in speed.amp_reason and "SB3's own train()" in speed.compile_reason
-    assert plan.buffers == "host" and plan.training == "sync" and f"not {algo}" in plan.training_reason
+    assert "AMP is for ppo, dqn and qrdqn so far" in speed.amp_reason
+    assert f"the probe does not time {algo}'s step yet); compile=default compiles" in speed.compile_reason
+    assert plan.training == "sync" and f"not {algo}" in plan.training_reason
     assert plan.action_shape == (1,)
+    kwargs = model_kwargs(plan)
+    optimizer_kwargs = kwargs["policy_kwargs"].get("optimizer_kwargs") or {}
     if machine == "gpu_machine":  # the rules' choice, and the plan says that nothing timed it
         assert plan.device.device == "cuda:0" and "the probe times ppo, dqn and qrdqn only" in plan.device.reason
-    kwargs = model_kwargs(plan)
-    assert "fused" not in (kwargs["policy_kwargs"].get("optimizer_kwargs") or {})  # sb3_gpu's fused step is not used
-    assert "replay_buffer_class" not in kwargs
+        # On the GPU: the replay buffer there, sb3_gpu's sync-free step, fused Adam (the NaN guard skips on the device)
+        assert plan.buffers == "device" and kwargs["replay_buffer_class"] is DeviceReplayBuffer
+        assert model_class(plan) is SYNC_FREE[algo] and optimizer_kwargs == {"fused": True}
+    else:  # on the CPU, SB3's own classes, as nothing is compiled
+        assert plan.buffers == "host" and "replay_buffer_class" not in kwargs and "fused" not in optimizer_kwargs
+        assert model_class(plan) is CLASSES[algo]
 
 
 class _NoProbe:
@@ -47,7 +59,7 @@ class _NoProbe:
 @pytest.mark.parametrize("algo", list(CLASSES))
 def test_the_plan_times_nothing_for_them_even_where_it_could(algo, cpu_machine):
     plan = make_plan(algo, "Pendulum-v1", hardware=cpu_machine, prober=_NoProbe())  # type: ignore[arg-type]
-    assert plan.probe is None and plan.preset.probe is False and plan.preset.sources["probe"] == f"{algo}: SB3's own train()"
+    assert plan.probe is None and plan.preset.probe is False and plan.preset.sources["probe"] == f"{algo}: not probed yet"
 
 
 def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
@@ -66,10 +78,8 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("sac", "Pendulum-v1", {"per": True}, "'per' is for dqn, qrdqn, not sac"),
         ("td3", "Pendulum-v1", {"exploration_fraction": 0.1}, "'exploration_fraction' is for dqn, qrdqn, not td3"),
         ("dqn", "CartPole-v1", {"action_noise_std": 0.1}, "'action_noise_std' is for sac, td3, tqc, not dqn"),
-        ("tqc", "Pendulum-v1", {"amp": "bf16"}, "amp=bf16 .*tqc trains with SB3's own train()"),
-        ("sac", "Pendulum-v1", {"compile": True}, "compile=default .*sac trains with SB3's own train()"),
-        ("td3", "Pendulum-v1", {"device_buffers": True}, "device_buffers=true .*leave device_buffers unset"),
-        ("sac", "Pendulum-v1", {"probe": True}, "probe=True .*sac trains with SB3's own train()"),
+        ("tqc", "Pendulum-v1", {"amp": "bf16"}, "amp=bf16 .*the probe and AMP are for ppo, dqn and qrdqn so far, not tqc"),
+        ("sac", "Pendulum-v1", {"probe": True}, "probe=True .*not sac; leave probe unset"),
         ("sac", "Pendulum-v1", {"train_freq": [1, "episode"], "n_envs": 2}, r"train_freq \[1, episode\] needs n_envs=1"),
         ("sac", "Pendulum-v1", {"ent_coef": "auto_x"}, "ent_coef: expected auto, auto_<initial value> or a positive"),
         ("sac", "Pendulum-v1", {"ent_coef": 0}, "ent_coef: expected auto"),
@@ -110,10 +120,25 @@ def test_each_learns_a_few_hundred_steps_and_counts_one_gradient_step_per_env_st
     assert any(not np.allclose(a, b.detach()) for a, b in zip(weights, model.policy.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("algo", list(CLASSES))
+def test_asked_to_compile_each_trains_with_its_whole_step_compiled_on_a_device_buffer(algo):
+    overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "probe": False}
+    model, _ = make_model(algo, "Pendulum-v1", "cpu", seed=0, compile="default", device_buffers=True, **overrides)
+    assert type(model) is SYNC_FREE[algo] and type(model.replay_buffer) is DeviceReplayBuffer
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)  # a graph break or a failure would warn
+        model.learn(400, callback=callback)
+    assert model._compiled is not None and model._compiled.fallback is None
+    assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(750, rel=0.02)
+    assert all(p.isfinite().all() for p in model.policy.parameters())
+
+
 def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_main):
     run = str(tmp_path / "run")
     common = ["--vec-env", "dummy", "--eval-episodes", "1", "--no-progress", "--device", "cpu"]
     tiny = ["--set", "learning_starts=100", "--set", "batch_size=32", "--set", "net_arch=[32, 32]"]
+    tiny += ["--set", "compile=default", "--set", "device_buffers=true"]  # resumed: compiled anew, buffer restored
     first = call_main(train_main, "td3", *tiny, *common, "--timesteps", "300", "--save-replay-buffer", "--run-dir", run)
     assert first.returncode == 0, first.stderr
     assert "Pendulum-v1" in first.stdout and "td3.yaml:Pendulum-v1" in first.stdout.replace("\n", "")

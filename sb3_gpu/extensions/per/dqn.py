@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import numpy as np
 import torch as th
 import torch.nn.functional as F
 from gymnasium import spaces
@@ -16,6 +15,7 @@ from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import Batch, CompiledStep, refusal
+from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
@@ -25,7 +25,7 @@ from sb3_gpu.extensions.stepping import guard_flags, optimizer_step, optimizer_s
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
 
-class _PrioritizedTraining:
+class _PrioritizedTraining(StagedObservations):
     """``train()`` for the DQN family with importance-weighted losses and priority updates.
 
     It follows SB3's ``DQN.train`` step for step; subclasses supply only ``_per_sample_loss``. Each gradient step
@@ -90,27 +90,6 @@ class _PrioritizedTraining:
             self._fixed_buffer: Any = None
             self._fix_buffer(self.replay_buffer)  # type: ignore[attr-defined]
         return reason
-
-    def _sample_action(self, *args: Any, **kwargs: Any) -> Any:
-        # SB3's loop copies the observations to the device for the policy, then passes the host array to the buffer's
-        # add: handing the buffer that copy makes one crossing instead of two. (An overlapped run adds its transitions
-        # later, so the staged copy is not its own by then and the buffer copies from the host.)
-        s: Any = self
-        buffer, obs, policy = s.replay_buffer, s._last_obs, s.policy
-        if not isinstance(buffer, DeviceReplayBuffer) or not isinstance(obs, np.ndarray):
-            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
-
-        def obs_to_tensor(observation: Any) -> tuple[th.Tensor, bool]:
-            tensor, vectorized = type(policy).obs_to_tensor(policy, observation)
-            if observation is obs:
-                buffer.stage(obs, tensor)
-            return tensor, vectorized
-
-        policy.obs_to_tensor = obs_to_tensor
-        try:
-            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            del policy.obs_to_tensor
 
     def _fix_buffer(self, buffer: Any) -> None:
         """Fix the addresses of what the compiled step samples from (and with PER, updates) inside its graph, so that

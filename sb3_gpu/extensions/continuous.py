@@ -1,0 +1,360 @@
+"""SAC, TD3 and TQC whose gradient steps read nothing back from the device, and compile whole.
+
+SB3's ``train()`` for these reads every loss with ``.item()`` at each gradient step: on a GPU the host waits for the
+device several times per step. Here the same updates, in the same order and on the same random draws, keep their
+logged figures on the device until the logger writes (:class:`~sb3_gpu.extensions.devicelog.DeviceLog`), and the NaN
+guard decides on the device where it can. With :meth:`compile_step` a whole gradient step (the sampling from a
+device replay buffer, the entropy coefficient's update, the critics', the actor's and the target networks') is one
+compiled graph (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), which CUDA replays as a CUDA graph.
+
+The random draws of the step (SAC's reparametrised actions, TD3's target smoothing noise) are made before it, by the
+same calls and in the same order as SB3's: so a step equals SB3's, compiled or not (tests pin both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch as th
+import torch.nn.functional as F
+from sb3_contrib import TQC
+from sb3_contrib.common.utils import quantile_huber_loss
+from stable_baselines3 import SAC, TD3
+from stable_baselines3.common.type_aliases import ReplayBufferSamples
+
+from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent, refusal
+from sb3_gpu.extensions.handoff import StagedObservations
+from sb3_gpu.extensions.hostreads import no_argument_checks
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.extensions.stepping import guard_flags, optimizer_step, optimizer_steps, raise_for_guards
+
+# A step's descent of one optimizer, by its position in ``_optimizers()``, on a loss.
+Descend = Callable[[int, th.Tensor], None]
+
+_LOG_2PI_HALF = math.log(math.sqrt(2 * math.pi))
+_SQUASH_EPSILON = 1e-6  # SB3's SquashedDiagGaussianDistribution's, in the tanh's log-Jacobian
+
+
+def squashed_sample(actor: Any, observations: th.Tensor, eps: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+    """SB3's ``actor.action_log_prob(observations)`` (no gSDE) with its standard normal draw ``eps`` given: the
+    tanh-squashed action and its log-probability, by the same formulas as SB3's and torch's Normal."""
+    mean, log_std, _ = actor.get_action_dist_params(observations)
+    std = th.ones_like(mean) * log_std.exp()
+    gaussian = mean + eps * std
+    actions = th.tanh(gaussian)
+    log_prob = (-((gaussian - mean) ** 2) / (2 * std**2) - std.log() - _LOG_2PI_HALF).sum(dim=1)
+    return actions, log_prob - th.log(1 - actions**2 + _SQUASH_EPSILON).sum(dim=1)
+
+
+def polyak(params: Sequence[th.Tensor], targets: Sequence[th.Tensor], tau: float) -> None:
+    """SB3's ``polyak_update``, op for op, also inside a graph."""
+    with th.no_grad():
+        for param, target in zip(params, targets, strict=True):
+            target.mul_(1 - tau)
+            target.add_(param, alpha=tau)
+
+
+class _ActorCriticTraining(StagedObservations):
+    """``train()`` for SB3's off-policy actor-critics: SB3's updates step for step, with nothing read back from the
+    device to log. Subclasses supply the optimizers, the random draws and the update of one gradient step."""
+
+    _device_log: DeviceLog
+    _compiled: CompiledUpdate | None
+    compiles_step_only = True  # compile=...: the whole gradient step is compiled, the rollout's forward stays eager
+
+    def _setup_model(self) -> None:
+        super()._setup_model()  # type: ignore[misc]
+        s: Any = self
+        entropy = getattr(s, "ent_coef_optimizer", None)
+        fused = bool(s.actor.optimizer.defaults.get("fused"))
+        if fused and type(entropy) is th.optim.Adam and not entropy.defaults.get("fused"):
+            # SB3 makes it plain; fused as the policy's, the NaN guard skips its steps on the device without a wait.
+            s.ent_coef_optimizer = th.optim.Adam([s.log_ent_coef], lr=s.lr_schedule(1), fused=True)
+        self._device_log = DeviceLog()
+        self._compiled = None
+        for step in optimizer_steps(s):
+            step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
+
+    def _excluded_save_params(self) -> list[str]:
+        excluded = ["_device_log", "_compiled", "_position", "_fixed_buffer"]
+        return [*super()._excluded_save_params(), *excluded]  # type: ignore[misc]
+
+    # -- what each algorithm supplies ------------------------------------------------------------------------------
+
+    def _optimizers(self) -> list[th.optim.Optimizer]:
+        """The optimizers a gradient step steps, in its order."""
+        raise NotImplementedError
+
+    def _draws(self, batch_size: int, actions: th.Tensor | None) -> tuple[th.Tensor, ...]:
+        """The step's random draws, as SB3 makes them (``actions``: the sampled batch's, where it is known)."""
+        raise NotImplementedError
+
+    def _update(
+        self, descend: Descend, data: ReplayBufferSamples, draws: Sequence[th.Tensor], due: bool
+    ) -> dict[str, th.Tensor]:
+        """One gradient step on ``data``; ``due``: the step updates the actor and targets too (TD3's delay, SAC's
+        ``target_update_interval``). Returns the figures to log, by key."""
+        raise NotImplementedError
+
+    def _due(self, gradient_step: int) -> bool:
+        raise NotImplementedError
+
+    # -- compiling -------------------------------------------------------------------------------------------------
+
+    def compile_step(self, mode: str = "default") -> str | None:
+        """Run each gradient step as one compiled graph, a CUDA graph on CUDA with ``mode="reduce-overhead"``;
+        ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. Call it again
+        after ``load``."""
+        s: Any = self
+        if s.use_sde:
+            return "gSDE's exploration matrix is resampled outside the step"
+        descents = []
+        observation = s.policy.obs_to_tensor(s.observation_space.sample())[0]
+        for optimizer in self._optimizers():
+            guard = optimizer_step(optimizer, s.policy)
+            reason = refusal(optimizer, guard, observation)
+            if reason is not None:
+                return reason
+            descents.append(Descent(optimizer, guard, None))
+        self._compiled = CompiledUpdate(self._graph_update, descents, mode)
+        self._position = th.zeros(2, dtype=th.long, device=s.device)
+        th._dynamo.mark_static_address(self._position)
+        self._fixed_buffer: Any = None
+        return None
+
+    def _graph_update(self, due: bool, source: str, *inputs: Any) -> tuple[th.Tensor, ...]:
+        """The compiled step, by ``source``: ``batch`` (``data, *draws``: a batch sampled before) or ``uniform``
+        (``draws, position, *draws``: the batch a uniform device buffer picks, sampled inside the graph)."""
+        s: Any = self
+        if source == "uniform":
+            picks, position, *draws = inputs
+            data = s.replay_buffer.samples_at_draws(picks, position)
+        else:
+            data, *draws = inputs
+        descents = self._compiled.descents if self._compiled is not None else []
+
+        def descend(i: int, loss: th.Tensor) -> None:
+            descents[i](loss)
+
+        return tuple(self._update(descend, data, draws, due).values())
+
+    def _fix_buffer(self, buffer: Any) -> None:
+        """Fix the addresses of what the compiled step samples from, so that a CUDA graph reads them in place."""
+        if buffer is not self._fixed_buffer:
+            for t in buffer.storage():
+                th._dynamo.mark_static_address(t)
+            self._fixed_buffer = buffer
+
+    # -- training --------------------------------------------------------------------------------------------------
+
+    def collect_rollouts(self, *args: Any, **kwargs: Any) -> Any:
+        with no_argument_checks():  # building each step's action distribution would read it back twice
+            return super().collect_rollouts(*args, **kwargs)  # type: ignore[misc]
+
+    def train(self, gradient_steps: int, batch_size: int = 64) -> None:
+        s: Any = self
+        if s.use_sde:  # gSDE resamples its exploration matrix at each step, outside what this step takes
+            super().train(gradient_steps, batch_size)  # type: ignore[misc]
+            return
+        s.policy.set_training_mode(True)
+        optimizers = self._optimizers()
+        s._update_learning_rate(optimizers)
+        compiled = self._compiled if self._compiled is not None and self._compiled.usable() else None
+        buffer, env = s.replay_buffer, s._vec_normalize_env
+        in_graph = compiled is not None and type(buffer) is DeviceReplayBuffer and buffer.samples_in_graph(env)
+        if in_graph:
+            self._fix_buffer(buffer)
+            buffer.fill_position(self._position)
+        for gradient_step in range(gradient_steps):
+            due = self._due(gradient_step)
+            if compiled is not None and in_graph:  # the batch's draws and the step's, then one graph
+                picks = buffer.draws(batch_size)
+                figures = compiled(due, "uniform", picks, self._position, *self._draws(batch_size, None))
+                self._log(figures, due)
+                continue
+            data = buffer.sample(batch_size, env=env)
+            draws = self._draws(batch_size, data.actions)
+            if compiled is not None:
+                self._log(compiled(due, "batch", data, *draws), due)
+                continue
+
+            def descend(i: int, loss: th.Tensor) -> None:
+                optimizers[i].zero_grad()
+                loss.backward()
+                optimizers[i].step()
+
+            for key, value in self._update(descend, data, draws, due).items():
+                self._device_log.mean(key, value)
+        self._count_updates(gradient_steps)
+        s.logger.record("train/n_updates", s._n_updates, exclude="tensorboard")
+
+    def _count_updates(self, gradient_steps: int) -> None:
+        s: Any = self
+        s._n_updates += gradient_steps
+
+    def _log(self, figures: Sequence[th.Tensor], due: bool) -> None:
+        """Log a compiled step's figures under the keys its update returned them by."""
+        for key, value in zip(self._log_keys(due), figures, strict=True):
+            self._device_log.mean(key, value)
+
+    def _log_keys(self, due: bool) -> list[str]:
+        raise NotImplementedError
+
+    def dump_logs(self) -> None:
+        """Read the figures kept on the device, and the NaN guard's flags, with one wait; then write as SB3 does."""
+        for key, flag in guard_flags(self).items():  # type: ignore[arg-type]
+            self._device_log.latest(key, flag)
+        values = self._device_log.read()
+        raise_for_guards(self, values)  # type: ignore[arg-type]
+        for key, value in values.items():
+            self.logger.record(key, value)  # type: ignore[attr-defined]
+        super().dump_logs()  # type: ignore[misc]
+
+
+class _EntropyRegularised(_ActorCriticTraining):
+    """SAC's and TQC's step: the entropy coefficient's update, the critics', the actor's, and the target critics'."""
+
+    def _optimizers(self) -> list[th.optim.Optimizer]:
+        s: Any = self
+        entropy = [s.ent_coef_optimizer] if s.ent_coef_optimizer is not None else []
+        return [*entropy, s.critic.optimizer, s.actor.optimizer]
+
+    def _draws(self, batch_size: int, actions: th.Tensor | None) -> tuple[th.Tensor, ...]:
+        # As Normal.rsample draws them: for the batch's observations, then for the next ones.
+        s: Any = self
+        shape = (batch_size, *(s.action_space.shape or ()))
+        return th.empty(shape, device=s.device).normal_(), th.empty(shape, device=s.device).normal_()
+
+    def _due(self, gradient_step: int) -> bool:
+        return gradient_step % self.target_update_interval == 0  # type: ignore[attr-defined]
+
+    def _log_keys(self, due: bool) -> list[str]:
+        entropy = ["train/ent_coef_loss"] if self.ent_coef_optimizer is not None else []  # type: ignore[attr-defined]
+        return [*entropy, "train/ent_coef", "train/critic_loss", "train/actor_loss"]
+
+    def _target_q(self, data: ReplayBufferSamples, next_actions: th.Tensor, next_log_prob: th.Tensor) -> th.Tensor:
+        """The critics' regression target (no gradient)."""
+        raise NotImplementedError
+
+    def _critic_loss(self, data: ReplayBufferSamples, target: th.Tensor) -> th.Tensor:
+        raise NotImplementedError
+
+    def _actor_q(self, observations: th.Tensor, actions: th.Tensor) -> th.Tensor:
+        """The Q-value the actor's loss maximises, shape (batch, 1)."""
+        raise NotImplementedError
+
+    def _update(
+        self, descend: Descend, data: ReplayBufferSamples, draws: Sequence[th.Tensor], due: bool
+    ) -> dict[str, th.Tensor]:
+        s: Any = self
+        figures: dict[str, th.Tensor] = {}
+        actions_pi, log_prob = squashed_sample(s.actor, data.observations, draws[0])
+        log_prob = log_prob.reshape(-1, 1)
+        position = 0
+        if s.ent_coef_optimizer is not None:
+            ent_coef = th.exp(s.log_ent_coef.detach())
+            # Detached: the entropy coefficient's loss must not move the actor (SB3's note, after softlearning's).
+            ent_coef_loss = -(s.log_ent_coef * (log_prob + s.target_entropy).detach()).mean()
+            figures["train/ent_coef_loss"] = ent_coef_loss
+            descend(0, ent_coef_loss)
+            position = 1
+        else:
+            ent_coef = s.ent_coef_tensor
+        figures["train/ent_coef"] = ent_coef.reshape(())
+        with th.no_grad():
+            next_actions, next_log_prob = squashed_sample(s.actor, data.next_observations, draws[1])
+            target = self._target_q(data, next_actions, ent_coef * next_log_prob.reshape(-1, 1))
+        critic_loss = self._critic_loss(data, target)
+        figures["train/critic_loss"] = critic_loss
+        descend(position, critic_loss)
+        actor_loss = (ent_coef * log_prob - self._actor_q(data.observations, actions_pi)).mean()
+        figures["train/actor_loss"] = actor_loss
+        descend(position + 1, actor_loss)
+        if due:
+            polyak(list(s.critic.parameters()), list(s.critic_target.parameters()), s.tau)
+            polyak(s.batch_norm_stats, s.batch_norm_stats_target, 1.0)  # running stats: copied (SB3's issue 996)
+        return figures
+
+
+def _discounts(data: ReplayBufferSamples, gamma: float) -> th.Tensor | float:
+    return data.discounts if data.discounts is not None else gamma
+
+
+class SyncFreeSAC(_EntropyRegularised, SAC):
+    """SB3's SAC whose gradient steps read nothing back from the device, and compile whole (:meth:`compile_step`)."""
+
+    def _target_q(self, data: ReplayBufferSamples, next_actions: th.Tensor, entropy_term: th.Tensor) -> th.Tensor:
+        next_q, _ = th.min(th.cat(self.critic_target(data.next_observations, next_actions), dim=1), dim=1, keepdim=True)
+        return data.rewards + (1 - data.dones) * _discounts(data, self.gamma) * (next_q - entropy_term)
+
+    def _critic_loss(self, data: ReplayBufferSamples, target: th.Tensor) -> th.Tensor:
+        current = self.critic(data.observations, data.actions)
+        return 0.5 * sum(F.mse_loss(q, target) for q in current)  # type: ignore[return-value]
+
+    def _actor_q(self, observations: th.Tensor, actions: th.Tensor) -> th.Tensor:
+        min_q, _ = th.min(th.cat(self.critic(observations, actions), dim=1), dim=1, keepdim=True)
+        return min_q
+
+
+class SyncFreeTQC(_EntropyRegularised, TQC):
+    """sb3-contrib's TQC with SyncFreeSAC's step: nothing read back from the device, compiled whole where asked."""
+
+    def _target_q(self, data: ReplayBufferSamples, next_actions: th.Tensor, entropy_term: th.Tensor) -> th.Tensor:
+        next_quantiles = self.critic_target(data.next_observations, next_actions)
+        n_target = self.critic.quantiles_total - self.top_quantiles_to_drop_per_net * self.critic.n_critics
+        next_quantiles, _ = th.sort(next_quantiles.reshape(next_quantiles.shape[0], -1))
+        target = next_quantiles[:, :n_target] - entropy_term
+        return (data.rewards + (1 - data.dones) * _discounts(data, self.gamma) * target).unsqueeze(dim=1)
+
+    def _critic_loss(self, data: ReplayBufferSamples, target: th.Tensor) -> th.Tensor:
+        current = self.critic(data.observations, data.actions)
+        return quantile_huber_loss(current, target, sum_over_quantiles=False)
+
+    def _actor_q(self, observations: th.Tensor, actions: th.Tensor) -> th.Tensor:
+        return self.critic(observations, actions).mean(dim=2).mean(dim=1, keepdim=True)
+
+
+class SyncFreeTD3(_ActorCriticTraining, TD3):
+    """SB3's TD3 whose gradient steps read nothing back from the device, and compile whole (:meth:`compile_step`).
+    The delayed actor update is a second graph, chosen on the host by the step count (no read)."""
+
+    def _optimizers(self) -> list[th.optim.Optimizer]:
+        return [self.critic.optimizer, self.actor.optimizer]
+
+    def _draws(self, batch_size: int, actions: th.Tensor | None) -> tuple[th.Tensor, ...]:
+        # As SB3 draws the target policy's smoothing noise: normal_ on a tensor of the actions' shape.
+        shape = (batch_size, *(self.action_space.shape or ()))
+        like = actions if actions is not None else th.empty(shape, device=self.device)
+        return (th.empty_like(like).normal_(0, self.target_policy_noise),)
+
+    def _due(self, gradient_step: int) -> bool:
+        # SB3 counts the update before it checks the delay: the n-th update of this call is _n_updates + n + 1.
+        return (self._n_updates + gradient_step + 1) % self.policy_delay == 0
+
+    def _log_keys(self, due: bool) -> list[str]:
+        return ["train/critic_loss", "train/actor_loss"] if due else ["train/critic_loss"]
+
+    def _update(
+        self, descend: Descend, data: ReplayBufferSamples, draws: Sequence[th.Tensor], due: bool
+    ) -> dict[str, th.Tensor]:
+        with th.no_grad():
+            noise = draws[0].clamp(-self.target_noise_clip, self.target_noise_clip)
+            next_actions = (self.actor_target(data.next_observations) + noise).clamp(-1, 1)
+            next_q, _ = th.min(th.cat(self.critic_target(data.next_observations, next_actions), dim=1), dim=1, keepdim=True)
+            target = data.rewards + (1 - data.dones) * _discounts(data, self.gamma) * next_q
+        current = self.critic(data.observations, data.actions)
+        critic_loss: th.Tensor = sum(F.mse_loss(q, target) for q in current)  # type: ignore[assignment]
+        descend(0, critic_loss)
+        figures = {"train/critic_loss": critic_loss}
+        if due:
+            actor_loss = -self.critic.q1_forward(data.observations, self.actor(data.observations)).mean()
+            figures["train/actor_loss"] = actor_loss
+            descend(1, actor_loss)
+            polyak(list(self.critic.parameters()), list(self.critic_target.parameters()), self.tau)
+            polyak(list(self.actor.parameters()), list(self.actor_target.parameters()), self.tau)
+            polyak(self.critic_batch_norm_stats, self.critic_batch_norm_stats_target, 1.0)
+            polyak(self.actor_batch_norm_stats, self.actor_batch_norm_stats_target, 1.0)
+        return figures

@@ -1,0 +1,140 @@
+"""SAC, TD3 and TQC trained by sb3_gpu's step (extensions.continuous): SB3's updates, uncompiled and compiled, with
+nothing read back from the device and every figure logged."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch as th
+from sb3_contrib import TQC
+from stable_baselines3 import SAC, TD3
+from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
+from stable_baselines3.common.utils import set_random_seed
+
+from sb3_gpu.common.errors import TrainingDiverged
+from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
+from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.extensions.stepping import optimizer_steps, settle_guards
+from sb3_gpu.planning.build import fused
+
+PAIRS = {"sac": (SAC, SyncFreeSAC), "td3": (TD3, SyncFreeTD3), "tqc": (TQC, SyncFreeTQC)}
+SMALL = {"learning_starts": 40, "batch_size": 16, "gradient_steps": 3, "policy_kwargs": {"net_arch": [16, 16]}}
+# Each variant reaches a branch the others do not: SAC's delayed target update and fixed entropy coefficient, TD3's
+# delayed actor (3 gradient steps per call against a delay of 2: the due steps move between calls), TQC's quantiles.
+EXTRA = {
+    "sac": {"target_update_interval": 2},
+    "sac-fixed": {"ent_coef": 0.05},
+    "td3": {},
+    "tqc": {"top_quantiles_to_drop_per_net": 1, "policy_kwargs": {"net_arch": [16, 16], "n_quantiles": 5}},
+}
+
+
+def _pair(case: str) -> tuple[type, type]:
+    return PAIRS[case.split("-")[0]]
+
+
+def _state(model) -> list[th.Tensor]:
+    tensors = [t.detach().clone() for t in model.policy.state_dict().values()]
+    if getattr(model, "log_ent_coef", None) is not None:
+        tensors.append(model.log_ent_coef.detach().clone())
+    return tensors
+
+
+def _learned(cls: type, case: str, steps: int = 100, mode: str | None = None, **kwargs):
+    # Deep-copied: SB3 writes into the policy_kwargs it is given (SAC adds use_sde, which TD3's policy refuses).
+    model = cls("MlpPolicy", "Pendulum-v1", seed=3, device="cpu", **copy.deepcopy({**SMALL, **EXTRA[case], **kwargs}))
+    if mode is not None:
+        assert model.compile_step(mode) is None
+    return model.learn(steps)
+
+
+@pytest.mark.parametrize("case", list(EXTRA))
+def test_the_uncompiled_step_updates_as_sb3s_train_and_logs_the_same_figures(case):
+    plain_cls, ours_cls = _pair(case)
+    plain, ours = _learned(plain_cls, case), _learned(ours_cls, case)
+    assert ours._n_updates == plain._n_updates == 3 * 60
+    for a, b in zip(_state(ours), _state(plain), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # One more train() each, on the same draws: SB3 records that call's means, and they are what ours logs too.
+    ours._device_log.read()
+    for model in (plain, ours):
+        set_random_seed(7)
+        model.train(gradient_steps=3, batch_size=16)
+    pending = ours._device_log.read()
+    recorded = ("train/n_updates", "train/learning_rate")  # recorded on the host, as SB3 does
+    keys = [k for k in plain.logger.name_to_value if k.startswith("train/") and k not in recorded]
+    assert [ours.logger.name_to_value[k] for k in recorded] == [plain.logger.name_to_value[k] for k in recorded]
+    assert sorted(pending) == sorted(keys)
+    for key in keys:
+        assert pending[key] == pytest.approx(plain.logger.name_to_value[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
+def test_the_compiled_step_updates_as_the_uncompiled_one_without_a_graph_break(case):
+    _, cls = _pair(case)
+    eager = _learned(cls, case, mode="eager")
+    compiled = _learned(cls, case, mode="default")
+    assert compiled._compiled is not None and compiled._compiled.fallback is None  # fullgraph=True: no break
+    for a, b in zip(_state(compiled), _state(eager), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert compiled._device_log.read() == pytest.approx(eager._device_log.read(), rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("case", ["sac", "td3"])
+def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back(case):
+    _, cls = _pair(case)
+    kwargs = {"replay_buffer_class": DeviceReplayBuffer}
+    model = _learned(cls, case, mode="eager", **kwargs)
+    kwargs["policy_kwargs"] = fused(SMALL["policy_kwargs"], on_policy=False)
+    uncompiled = _learned(cls, case, **kwargs)  # fused: the NaN guard skips a step on the device
+    entropy = getattr(uncompiled, "ent_coef_optimizer", None)
+    assert entropy is None or entropy.defaults["fused"]
+    for m in (model, uncompiled):
+        _guarded(m)  # as a run's: the NaN guard checks every step, here on the device
+        m._device_log.read()
+        before = [t.clone() for t in _state(m)]
+        with HostReads() as reads:
+            m.train(gradient_steps=4, batch_size=16)
+        assert reads.total == 0, reads.sites
+        assert any(not th.equal(a, b) for a, b in zip(before, _state(m), strict=True))
+        figures = m._device_log.read()
+        assert "train/critic_loss" in figures and all(np.isfinite(v) for v in figures.values())
+
+
+def _guarded(model) -> None:
+    for step in optimizer_steps(model):
+        step.on_non_finite = lambda name: TrainingDiverged(f"non-finite gradient in {name}")
+
+
+@pytest.mark.parametrize("case", ["sac", "td3"])
+def test_a_nan_reward_skips_the_critics_step_on_the_device_and_is_named_when_the_flags_are_read(case):
+    _, cls = _pair(case)
+    model = _learned(cls, case, mode="eager", replay_buffer_class=DeviceReplayBuffer)
+    _guarded(model)
+    settle_guards(model)
+    critic = [p.detach().clone() for p in model.critic.parameters()]
+    actor = [p.detach().clone() for p in model.actor.parameters()]
+    model.replay_buffer.rewards[:] = float("nan")  # every critic target, loss and gradient is NaN from here
+    with HostReads() as reads:
+        model.train(gradient_steps=4, batch_size=16)
+    assert reads.total == 0, reads.sites
+    for a, b in zip(critic, model.critic.parameters(), strict=True):
+        assert th.equal(a, b)  # skipped, on the device
+    # The actor's steps read the untouched critics: still finite, and taken (TD3 at its delayed steps).
+    assert any(not th.equal(a, b) for a, b in zip(actor, model.actor.parameters(), strict=True))
+    with pytest.raises(TrainingDiverged, match=r"non-finite gradient in critic\.qf0\.0\.weight"):
+        model.dump_logs()
+    assert all(p.isfinite().all() for p in model.policy.parameters())
+
+
+def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions():
+    model = _learned(SyncFreeSAC, "sac", replay_buffer_class=DeviceReplayBuffer)  # past learning_starts: the actor acts
+    _, callback = model._setup_learn(1, None, reset_num_timesteps=False)
+    copies = model.replay_buffer.host_observation_copies  # the warm-up's random actions used no device copy
+    with HostReads() as reads:
+        model.collect_rollouts(model.env, callback, TrainFreq(8, TrainFrequencyUnit.STEP), model.replay_buffer)
+    assert reads.total == 8, reads.sites  # torch.distributions' argument checks would add two per step
+    assert model.replay_buffer.host_observation_copies == copies  # each step stored the policy's device copy
