@@ -8,11 +8,13 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sb3_contrib import QRDQN
-from stable_baselines3 import DQN, PPO
+import numpy as np
+from sb3_contrib import QRDQN, TQC
+from stable_baselines3 import DQN, PPO, SAC, TD3
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.env_util import make_atari_env
 from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
+from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.utils import LinearSchedule
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
@@ -62,6 +64,21 @@ ZOO: dict[tuple[str, str], dict[str, Any]] = {
 }
 # rl-zoo3 gives QR-DQN on CartPole DQN's values, with 10 quantiles.
 ZOO["qrdqn", "CartPole-v1"] = {**ZOO["dqn", "CartPole-v1"], "policy_kwargs": dict(net_arch=[256, 256], n_quantiles=10)}
+# Pendulum (hyperparams/sac.yml, tqc.yml, td3.yml): SAC's and TQC's defaults with a larger learning rate; TD3 with
+# Gaussian exploration noise of std 0.1 (`noise_std`: built as SB3's NormalActionNoise of the action shape).
+ZOO["sac", "Pendulum-v1"] = dict(n_envs=1, learning_rate=1e-3)
+ZOO["tqc", "Pendulum-v1"] = dict(n_envs=1, learning_rate=1e-3)
+ZOO["td3", "Pendulum-v1"] = dict(
+    n_envs=1,
+    gamma=0.98,
+    buffer_size=200_000,
+    learning_starts=10_000,
+    noise_std=0.1,
+    gradient_steps=1,
+    train_freq=1,
+    learning_rate=1e-3,
+    policy_kwargs=dict(net_arch=[400, 300]),
+)
 
 
 # rl-zoo3's values for every Atari game (its `atari` entries), run with its AtariWrapper and a 4-frame stack.
@@ -107,7 +124,11 @@ def zoo_model(
     else:
         env = sb3_make_vec_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls)
     policy = "CnnPolicy" if atari else "MlpPolicy"
-    algo_class: Any = {"ppo": PPO, "dqn": DQN, "qrdqn": QRDQN}[algo]
+    std = kwargs.pop("noise_std", None)
+    if std is not None:
+        shape = env.action_space.shape or ()
+        kwargs["action_noise"] = NormalActionNoise(mean=np.zeros(shape), sigma=np.full(shape, std))
+    algo_class: Any = {"ppo": PPO, "dqn": DQN, "qrdqn": QRDQN, "sac": SAC, "td3": TD3, "tqc": TQC}[algo]
     return algo_class(policy, env, seed=seed, verbose=0, device=device, **kwargs)
 
 
