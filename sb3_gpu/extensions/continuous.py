@@ -8,7 +8,9 @@ device replay buffer, the entropy coefficient's update, the critics', the actor'
 compiled graph (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), which CUDA replays as a CUDA graph.
 
 The random draws of the step (SAC's reparametrised actions, TD3's target smoothing noise) are made before it, by the
-same calls and in the same order as SB3's: so a step equals SB3's, compiled or not (tests pin both).
+same calls and in the same order as SB3's: so a step equals SB3's, compiled or not (tests pin both). As the DQN
+family's, the logged losses are their means over the gradient steps since the last log write (SB3's logger keeps the
+last ``train()`` call's).
 """
 
 from __future__ import annotations
@@ -111,14 +113,13 @@ class _ActorCriticTraining(StagedObservations):
         s: Any = self
         if s.use_sde:
             return "gSDE's exploration matrix is resampled outside the step"
-        descents = []
         observation = s.policy.obs_to_tensor(s.observation_space.sample())[0]
-        for optimizer in self._optimizers():
-            guard = optimizer_step(optimizer, s.policy)
+        guards = [(optimizer, optimizer_step(optimizer, s.policy)) for optimizer in self._optimizers()]
+        for optimizer, guard in guards:  # all checked before any is changed
             reason = refusal(optimizer, guard, observation)
             if reason is not None:
                 return reason
-            descents.append(Descent(optimizer, guard, None))
+        descents = [Descent(optimizer, guard, None) for optimizer, guard in guards]
         self._compiled = CompiledUpdate(self._graph_update, descents, mode)
         self._position = th.zeros(2, dtype=th.long, device=s.device)
         th._dynamo.mark_static_address(self._position)
@@ -172,13 +173,13 @@ class _ActorCriticTraining(StagedObservations):
             due = self._due(gradient_step)
             if compiled is not None and in_graph:  # the batch's draws and the step's, then one graph
                 picks = buffer.draws(batch_size)
-                figures = compiled(due, "uniform", picks, self._position, *self._draws(batch_size, None))
-                self._log(figures, due)
+                draws = self._draws(batch_size, None)
+                self._log(compiled(due, "uniform", picks, self._position, *draws, stepping=self._stepping(due)), due)
                 continue
             data = buffer.sample(batch_size, env=env)
             draws = self._draws(batch_size, data.actions)
             if compiled is not None:
-                self._log(compiled(due, "batch", data, *draws), due)
+                self._log(compiled(due, "batch", data, *draws, stepping=self._stepping(due)), due)
                 continue
 
             def descend(i: int, loss: th.Tensor) -> None:
@@ -202,6 +203,10 @@ class _ActorCriticTraining(StagedObservations):
 
     def _log_keys(self, due: bool) -> list[str]:
         raise NotImplementedError
+
+    def _stepping(self, due: bool) -> list[int]:
+        """The positions (in ``_optimizers()``) of the optimizers a step takes."""
+        return list(range(len(self._optimizers())))
 
     def dump_logs(self) -> None:
         """Read the figures kept on the device, and the NaN guard's flags, with one wait; then write as SB3 does."""
@@ -336,6 +341,9 @@ class SyncFreeTD3(_ActorCriticTraining, TD3):
 
     def _log_keys(self, due: bool) -> list[str]:
         return ["train/critic_loss", "train/actor_loss"] if due else ["train/critic_loss"]
+
+    def _stepping(self, due: bool) -> list[int]:
+        return [0, 1] if due else [0]  # the actor's optimizer only at its delayed steps
 
     def _update(
         self, descend: Descend, data: ReplayBufferSamples, draws: Sequence[th.Tensor], due: bool

@@ -185,6 +185,9 @@ class Descent:
         # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
         for t in (self.lr, self.skipped, self.first_bad, *scale_state, *(t for state in self.adam.state for t in state)):
             th._dynamo.mark_static_address(t)
+        for p in self.adam.params:  # a plain tensor stepped in place (SAC's log_ent_coef), as parameters are
+            if not isinstance(p, th.nn.Parameter):
+                th._dynamo.mark_static_address(p)
 
     def prepare(self) -> bool:
         """Ready the next call (the learning rate, the guard's flags); True where the optimizer's state was replaced
@@ -275,7 +278,9 @@ class CompiledUpdate:
                 _own_code(self._run), fullgraph=True, mode=None if self.mode == "default" else self.mode
             )
 
-    def __call__(self, *inputs: Any) -> tuple[th.Tensor, ...]:
+    def __call__(self, *inputs: Any, stepping: Sequence[int] | None = None) -> tuple[th.Tensor, ...]:
+        """Run the update on ``inputs``; ``stepping``: the positions of the descents it takes (default: all), for an
+        update that leaves some optimizers alone at some steps (TD3's delayed actor)."""
         if any([d.prepare() for d in self.descents]):  # every one prepared; a replaced state compiles anew
             self._compile()
         stepped = False
@@ -283,8 +288,8 @@ class CompiledUpdate:
             out = self._guarded_call(*inputs)
             stepped = True
         finally:
-            for d in self.descents:
-                d.finish(stepped)
+            for i, d in enumerate(self.descents):
+                d.finish(stepped and (stepping is None or i in stepping))
         if self.mode in _CUDA_GRAPH_MODES:  # a CUDA graph's outputs are overwritten by its next replay
             return tuple(t.clone() for t in out)
         return out

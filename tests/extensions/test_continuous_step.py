@@ -17,7 +17,7 @@ from sb3_gpu.common.errors import TrainingDiverged
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import optimizer_steps, settle_guards
+from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, settle_guards
 from sb3_gpu.planning.build import fused
 
 PAIRS = {"sac": (SAC, SyncFreeSAC), "td3": (TD3, SyncFreeTD3), "tqc": (TQC, SyncFreeTQC)}
@@ -81,6 +81,12 @@ def test_the_compiled_step_updates_as_the_uncompiled_one_without_a_graph_break(c
     for a, b in zip(_state(compiled), _state(eager), strict=True):
         th.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert compiled._device_log.read() == pytest.approx(eager._device_log.read(), rel=1e-3, abs=1e-5)
+    # Each optimizer's steps counted as taken: TD3's actor at every second step only, as SB3 steps it.
+    counts = [step.steps for step in optimizer_steps(compiled)]
+    assert counts == [step.steps for step in optimizer_steps(eager)]
+    critic = optimizer_step(compiled.critic.optimizer).steps
+    assert critic == compiled._n_updates == 180
+    assert optimizer_step(compiled.actor.optimizer).steps == (90 if case == "td3" else 180)
 
 
 @pytest.mark.parametrize("case", ["sac", "td3"])
