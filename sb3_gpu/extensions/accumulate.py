@@ -17,7 +17,7 @@ from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledStep, refusal
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
-from sb3_gpu.extensions.stepping import OptimizerStep, guard_flags, optimizer_step, optimizer_steps, raise_for_guards
+from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step, optimizer_steps, read_with_guards
 
 
 def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
@@ -106,11 +106,7 @@ class GradAccumPPO(PPO):
         return reason
 
     def dump_logs(self, iteration: int = 0) -> None:
-        for key, flag in guard_flags(self).items():
-            self._device_log.latest(key, flag)
-        values = self._device_log.read()
-        raise_for_guards(self, values)
-        for key, value in values.items():
+        for key, value in read_with_guards(self, self._device_log).items():
             self.logger.record(key, value)
         super().dump_logs(iteration)
 

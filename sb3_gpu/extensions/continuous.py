@@ -31,7 +31,7 @@ from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import guard_flags, optimizer_step, optimizer_steps, raise_for_guards
+from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
 
 # A step's descent of one optimizer, by its position in ``_optimizers()``, on a loss.
 Descend = Callable[[int, th.Tensor], None]
@@ -210,11 +210,7 @@ class _ActorCriticTraining(StagedObservations):
 
     def dump_logs(self) -> None:
         """Read the figures kept on the device, and the NaN guard's flags, with one wait; then write as SB3 does."""
-        for key, flag in guard_flags(self).items():  # type: ignore[arg-type]
-            self._device_log.latest(key, flag)
-        values = self._device_log.read()
-        raise_for_guards(self, values)  # type: ignore[arg-type]
-        for key, value in values.items():
+        for key, value in read_with_guards(self, self._device_log).items():  # type: ignore[arg-type]
             self.logger.record(key, value)  # type: ignore[attr-defined]
         super().dump_logs()  # type: ignore[misc]
 

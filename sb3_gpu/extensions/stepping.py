@@ -28,6 +28,8 @@ from typing import Any
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
+from sb3_gpu.extensions.devicelog import DeviceLog
+
 
 def all_finite(tensors: list[th.Tensor]) -> bool:
     """Whether no element of ``tensors`` is NaN or inf (one device sync)."""
@@ -310,6 +312,16 @@ def raise_for_guards(model: BaseAlgorithm, values: dict[str, float]) -> None:
         skipped, first = values.pop(f"{_GUARD}{i}/skipped", 0.0), values.pop(f"{_GUARD}{i}/first", -1.0)
         if skipped and step.on_non_finite is not None:
             raise step.on_non_finite(step._bad_names[int(first)] if 0 <= first < len(step._bad_names) else "?")
+
+
+def read_with_guards(model: BaseAlgorithm, log: DeviceLog) -> dict[str, float]:
+    """``log``'s pending figures and the device-side NaN guard's flags, read with one wait; raises the guard's error
+    where a step was skipped. Returns the figures to record (the flags removed)."""
+    for key, flag in guard_flags(model).items():
+        log.latest(key, flag)
+    values = log.read()
+    raise_for_guards(model, values)
+    return values
 
 
 def settle_guards(model: BaseAlgorithm) -> None:

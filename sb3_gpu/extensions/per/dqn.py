@@ -20,7 +20,7 @@ from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import guard_flags, optimizer_step, optimizer_steps, raise_for_guards
+from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
 
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
@@ -212,10 +212,7 @@ class _PrioritizedTraining(StagedObservations):
         buffer = getattr(self, "replay_buffer", None)
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
             self._device_log.latest(REFUSED, buffer.refused_updates)
-        for key, flag in guard_flags(self).items():  # type: ignore[arg-type]
-            self._device_log.latest(key, flag)
-        values = self._device_log.read()
-        raise_for_guards(self, values)  # type: ignore[arg-type]
+        values = read_with_guards(self, self._device_log)  # type: ignore[arg-type]
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
             buffer.check(values.pop(REFUSED, None))
         for key, value in values.items():
