@@ -189,12 +189,8 @@ class _ActorCriticTraining(StagedObservations):
 
             for key, value in self._update(descend, data, draws, due).items():
                 self._device_log.mean(key, value)
-        self._count_updates(gradient_steps)
-        s.logger.record("train/n_updates", s._n_updates, exclude="tensorboard")
-
-    def _count_updates(self, gradient_steps: int) -> None:
-        s: Any = self
         s._n_updates += gradient_steps
+        s.logger.record("train/n_updates", s._n_updates, exclude="tensorboard")
 
     def _log(self, figures: Sequence[th.Tensor], due: bool) -> None:
         """Log a compiled step's figures under the keys its update returned them by."""
