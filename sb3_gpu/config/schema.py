@@ -157,21 +157,20 @@ class Algo:
     extended_class: type[BaseAlgorithm] | None = None
     # The action space the algorithm needs (None: any that SB3 takes).
     action_space: type[spaces.Space] | None = None
-    # Whether the probe times its training, and so decides AMP (and compile: auto) for it; where not, AMP and the
-    # probe stay off and the plan says so.
-    probed: bool = True
+    # Whether fp16's loss scale runs on its step (it spans one optimizer: an actor-critic's several take bf16 only).
+    fp16: bool = True
     # The widest hidden layer of SB3's default network for the algorithm's MLP policy (what the speed rules size).
     default_width: int = 64
 
 
-# SAC, TD3 and TQC: device buffers and the compiled, sync-free step apply; the probe, AMP and PER do not yet.
+# SAC, TD3 and TQC: device buffers, the compiled, sync-free step, the probe and bf16 apply; fp16 and PER do not yet.
 ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
     "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),
     "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete),
-    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, probed=False, default_width=256),
-    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, probed=False, default_width=400),
-    "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, probed=False, default_width=256),
+    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, fp16=False, default_width=256),
+    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, fp16=False, default_width=400),
+    "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, fp16=False, default_width=256),
 }
 EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training")  # sb3_gpu's own, not SB3 arguments
 # Not an SB3 argument: the plan builds SB3's NormalActionNoise from it (SB3 takes the noise object, `action_noise`).

@@ -1,9 +1,10 @@
 """Mixed precision for SB3 models without copying their ``train()``.
 
 ``enable_amp(model, "bf16" | "fp16")`` wraps the networks' forward passes (PPO's feature extractor, MLP extractor
-and heads; the DQN family's online and target networks) in ``torch.autocast`` and hands their outputs back as
-float32, so distributions and losses are computed in full precision. The DQN family's last layer, which gives the
-Q-values themselves, stays in float32. fp16 also gets dynamic loss scaling: a
+and heads; the DQN family's online and target networks; SAC's, TD3's and TQC's actors and critics) in
+``torch.autocast`` and hands their outputs back as float32, so distributions and losses are computed in full
+precision. The last layer of each Q-network (and TD3's actor), which gives the values themselves, stays in float32,
+as do SAC's Gaussian heads. fp16 (PPO and the DQN family) also gets dynamic loss scaling: a
 gradient hook on each output that feeds the loss multiplies the incoming gradient by the scale (before it is cast to
 fp16, where small gradients would underflow), which is what scaling the loss does; the model's
 :class:`~sb3_gpu.extensions.stepping.OptimizerStep` divides it back out before clipping, skips steps whose gradients
@@ -92,9 +93,14 @@ def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, 
     device_type = model.device.type
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"AMP runs on cpu (bf16) or cuda, not {device_type}")
+    networks = policy_networks(model)
+    if mode == "fp16" and not networks.loss_scaled:
+        raise ConfigError(
+            f"amp=fp16 is for one-optimizer policies (PPO, the DQN family), not {type(model).__name__}: its loss scale "
+            "would have to span the several optimizers a step takes; use bf16 or off"
+        )
     scaler = LossScale(init_scale, growth_interval=growth_interval) if mode == "fp16" else None
     state = AmpState(mode, device_type, scaler)
-    networks = policy_networks(model)
     for module in networks.compute:
         setattr(module, "_sb3_gpu_amp_module", state)  # noqa: B010 - plain attributes, not nn.Module state
         setattr(module, "_sb3_gpu_amp_scaled", any(module is m for m in networks.loss_facing))  # noqa: B010

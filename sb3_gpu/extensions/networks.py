@@ -8,6 +8,7 @@ from typing import Any
 
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
 from sb3_gpu.common.errors import ConfigError
 
@@ -20,6 +21,10 @@ _ACTOR_CRITIC = (
     "action_net",
     "value_net",
 )
+# SB3's off-policy actor-critics (SAC, TD3, sb3-contrib's TQC): each part's children are its networks.
+_OFF_POLICY_PARTS = ("actor", "actor_target", "critic", "critic_target")
+# SAC's and TQC's Gaussian heads: the mean and log-std that the squashing and the entropy term read stay float32.
+_GAUSSIAN_HEADS = ("mu", "log_std")
 
 
 @dataclass(frozen=True)
@@ -29,28 +34,48 @@ class PolicyNetworks:
     :ivar compute: modules with parameters whose forward passes do the policy's math
     :ivar loss_facing: those whose outputs feed the loss directly (the DQN family's Q-networks)
     :ivar loss_methods: policy methods whose outputs feed the loss (PPO's ``evaluate_actions``)
-    :ivar value_heads: the last linear layer of each Q-network: its outputs are the values that bootstrap targets
-        and pick actions by argmax, so AMP keeps it in float32
+    :ivar value_heads: the last linear layer of each Q-network (and of TD3's actor): its outputs are the values that
+        bootstrap targets and pick actions, so AMP keeps it in float32
+    :ivar loss_scaled: whether fp16's loss scale can run on the policy (one optimizer steps it)
     """
 
     compute: list[th.nn.Module]
     loss_facing: list[th.nn.Module]
     loss_methods: list[str]
     value_heads: Sequence[th.nn.Module] = ()
+    loss_scaled: bool = True
 
 
 def policy_networks(model: BaseAlgorithm) -> PolicyNetworks:
-    """The networks of an actor-critic (PPO, A2C) or DQN-family policy.
+    """The networks of an actor-critic (PPO, A2C), DQN-family or off-policy actor-critic (SAC, TD3, TQC) policy.
 
-    PPO's distribution math (log-probabilities, entropy) is not in them: it stays in float32 under AMP.
+    PPO's distribution math (log-probabilities, entropy) is not in them, nor are SAC's Gaussian heads: they stay in
+    float32 under AMP.
     """
     policy: Any = model.policy
     q_nets = [m for name in _Q_NETS if isinstance(m := getattr(policy, name, None), th.nn.Module)]
     if q_nets:
-        heads = [linears[-1] for net in q_nets if (linears := [m for m in net.modules() if isinstance(m, th.nn.Linear)])]
-        return PolicyNetworks(q_nets, q_nets, [], heads)
+        return PolicyNetworks(q_nets, q_nets, [], _last_linears(q_nets))
+    if all(isinstance(getattr(policy, name, None), th.nn.Module) for name in ("actor", "critic", "critic_target")):
+        found: dict[int, th.nn.Module] = {}  # by identity: a features extractor may be shared by actor and critic
+        for part in (getattr(policy, name, None) for name in _OFF_POLICY_PARTS):
+            for name, child in part.named_children() if part is not None else ():
+                gaussian_head = name in _GAUSSIAN_HEADS and isinstance(child, th.nn.Linear)  # TD3's mu is a network
+                if not gaussian_head and any(True for _ in child.parameters()):
+                    found[id(child)] = child
+        nets = list(found.values())
+        valued = [
+            n for n in nets if not isinstance(n, BaseFeaturesExtractor) and n is not getattr(policy.actor, "latent_pi", None)
+        ]
+        return PolicyNetworks(nets, [], [], _last_linears(valued), loss_scaled=False)
     if hasattr(policy, "evaluate_actions") and hasattr(policy, "mlp_extractor"):
         found = {id(m): m for name in _ACTOR_CRITIC if isinstance(m := getattr(policy, name, None), th.nn.Module)}
         compute = [m for m in found.values() if any(True for _ in m.parameters())]
         return PolicyNetworks(compute, [], ["evaluate_actions"])
-    raise ConfigError(f"AMP and compile support actor-critic (PPO, A2C) and DQN-family policies, not {type(policy).__name__}")
+    raise ConfigError(
+        f"AMP and compile support actor-critic (PPO, A2C, SAC, TD3, TQC) and DQN-family policies, not {type(policy).__name__}"
+    )
+
+
+def _last_linears(nets: Sequence[th.nn.Module]) -> list[th.nn.Module]:
+    return [linears[-1] for net in nets if (linears := [m for m in net.modules() if isinstance(m, th.nn.Linear)])]

@@ -150,17 +150,17 @@ def make_plan(
     def variant(choice: DeviceChoice) -> _Variant:
         chosen_profile, profile_reason = _profile(profile, choice, entry, entry_label)
         resolved = resolve_preset(algo_, entry, entry_label, chosen_profile, layered)
-        if not algo_.probed:
-            resolved = _unprobed(resolved)
         if resolved.policy == "auto":
             sources = {**resolved.sources, "policy": "auto (observation space)"}
             resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
         vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
         speed = _speed(resolved, choice.device, kind, vec.workers, hardware)
-        if not algo_.probed:
-            speed = dataclasses.replace(speed, amp_reason=_UNPROBED.format(algo=algo_.name))
-            if resolved.compile == "auto":
-                speed = dataclasses.replace(speed, compile_reason=_UNPROBED_COMPILE.format(algo=algo_.name))
+        if speed.amp == "fp16" and not algo_.fp16:
+            if resolved.amp == "fp16":
+                source, gpu = resolved.sources.get("amp", "preset"), hardware.gpu(choice.device)
+                use = "bf16 or off" if gpu.bf16 else f"off ({gpu.name} has no bf16)"
+                raise ConfigError(f"amp=fp16 ({source}): {_NO_FP16.format(algo=algo_.name)}; use {use}")
+            speed = dataclasses.replace(speed, amp="off", amp_reason=f"off: {_NO_FP16.format(algo=algo_.name)}")
         return _Variant(choice, profile_reason, resolved, vec, speed)
 
     def check(v: _Variant) -> _Variant:
@@ -169,9 +169,6 @@ def make_plan(
         return v
 
     device_choice = choose_device(device, kind, algo_.on_policy, hardware)
-    if not algo_.probed and device == "auto" and device_choice.device != "cpu":
-        reason = f"{device_choice.reason} (the rule's choice: the probe times ppo, dqn and qrdqn only, so far)"
-        device_choice = dataclasses.replace(device_choice, reason=reason)
     chosen = check(variant(device_choice))
     probed: ProbeResult | None = None
     if prober is None and hardware_detected:
@@ -210,29 +207,8 @@ def make_plan(
     )
 
 
-_UNPROBED = "off: AMP is for ppo, dqn and qrdqn so far (the probe does not time {algo}'s step yet)"
-_UNPROBED_COMPILE = (
-    "auto: not compiled (the probe does not time {algo}'s step yet); compile=default compiles the whole gradient "
-    "step, compile=reduce-overhead also replays it as a CUDA graph"
-)
-
-
-def _unprobed(preset: Preset) -> Preset:
-    """``preset`` with AMP and the probe off, for an algorithm whose step the probe does not time; asking for either
-    is an error, not a silent no-op."""
-    asked = {
-        "amp": preset.amp not in ("auto", "off"),
-        "probe": preset.probe and preset.sources.get("probe") != "sb3_gpu default",
-    }
-    for key, refused in asked.items():
-        if refused:
-            value, source = getattr(preset, key), preset.sources.get(key, "preset")
-            raise ConfigError(
-                f"{key}={value} ({source}): the probe and AMP are for ppo, dqn and qrdqn so far, not {preset.algo}; "
-                f"leave {key} unset"
-            )
-    sources = {**preset.sources, **{k: f"{preset.algo}: not probed yet" for k in ("amp", "probe")}}
-    return dataclasses.replace(preset, amp="off", probe=False, sources=sources)
+# fp16's loss scale is kept per optimizer; an off-policy actor-critic steps several per gradient step.
+_NO_FP16 = "{algo} steps several optimizers per gradient step and fp16's loss scale spans one, so it takes bf16 only"
 
 
 @dataclass(frozen=True)
@@ -347,10 +323,12 @@ def _compile_refusal(preset: Preset, obs_space: spaces.Space) -> str | None:
     adam_kwargs = preset.policy_kwargs.get("optimizer_kwargs") or {}
     if any(adam_kwargs.get(k) for k in ("amsgrad", "maximize", "differentiable", "decoupled_weight_decay")):
         return "the compiled step runs plain Adam (no amsgrad, maximize, decoupled weight decay)"
-    if params.grad_accum_steps > 1:
+    if getattr(params, "grad_accum_steps", 1) > 1:
         return "gradient accumulation steps once per several backward passes"
     if isinstance(obs_space, spaces.Dict):
         return "dict observations"
+    if preset.algo != "ppo" and getattr(params, "use_sde", False):  # PPO's compiled step takes gSDE
+        return "gSDE's exploration matrix is resampled outside the step"
     if preset.algo == "ppo" and params.target_kl is not None:
         return "target_kl reads the KL back at each minibatch"
     return None
@@ -363,8 +341,8 @@ def _amp_candidates(v: _Variant, hardware: HardwareProfile) -> list[str]:
     if device == "cpu":
         modes = ["off", "bf16"] if hardware.cpu_bf16 else ["off"]  # emulated bf16 is slower than fp32 everywhere
     elif device.startswith("cuda"):
-        gpu = hardware.gpu(device)
-        modes = ["off", *(["bf16"] if gpu.bf16 else []), *(["fp16"] if gpu.fp16 else [])]
+        gpu, fp16 = hardware.gpu(device), get_algo(v.resolved.algo).fp16
+        modes = ["off", *(["bf16"] if gpu.bf16 else []), *(["fp16"] if gpu.fp16 and fp16 else [])]
     else:
         modes = ["off"]
     return sorted(modes, key=lambda m: m != v.speed.amp)  # the rules' choice first
@@ -390,7 +368,7 @@ def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:
         if per_rollout == 0:
             return None
         steps = params.gradient_steps if params.gradient_steps >= 0 else per_rollout
-        grads = steps * params.grad_accum_steps / per_rollout
+        grads = steps * getattr(params, "grad_accum_steps", 1) / per_rollout
     kwargs = preset.policy_kwargs_for_sb3()
     obs_space = _policy_space(facts.observation_space, preset.frame_stack or 1)
     overlapped = choose_overlap(preset, v.device.device).kind == "overlapped"

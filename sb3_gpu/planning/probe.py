@@ -12,7 +12,7 @@ device and precision and the fewest threads win. Probing is bounded (``budget_s`
 cached per machine, torch version, policy shape and free cores in the user's cache directory.
 
 ``compile: auto`` is probed apart, on the option chosen (:meth:`Prober.time_compile`): the same gradient step eager
-and compiled whole (:class:`~sb3_gpu.extensions.graphstep.CompiledStep`), and the seconds compiling took. Compiling is
+and compiled whole (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), and the seconds compiling took. Compiling is
 taken where the compiled step is clearly faster and the run is long enough to earn the compile time back.
 """
 
@@ -37,13 +37,14 @@ from gymnasium import spaces
 
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning
-from sb3_gpu.extensions.graphstep import CompiledStep
+from sb3_gpu.extensions.continuous import squashed_sample
+from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
 from sb3_gpu.extensions.stepping import OptimizerStep
 
 PROBE_BUDGET_S = 3.0
 MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
 MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps
 
 
 class ProbeCacheWarning(UserWarning):
@@ -250,9 +251,10 @@ def measure_option(option: Option, seconds: float) -> Timing:
         rollout_obs = _batch(w.observation_space, w.n_envs)
         step = _train_step(policy, w, obs, device, c.amp)
 
-        def infer() -> None:
-            with _autocast(device, c.amp):
-                policy.predict(rollout_obs)  # the observation copy in, the forward pass, the action copy out
+        def infer() -> None:  # the observation copy in, the forward pass, the action copy out (as predict's)
+            with th.no_grad(), _autocast(device, c.amp):
+                actions = policy._predict(policy.obs_to_tensor(rollout_obs)[0])
+            actions.float().cpu().numpy()  # a bf16 head (a probe's plain autocast) cannot go to numpy as it is
 
         def train() -> None:
             step()
@@ -261,8 +263,18 @@ def measure_option(option: Option, seconds: float) -> Timing:
         return Timing(_median_time(train, seconds / 2), _median_time(infer, seconds / 2))
 
 
-def _loss(policy: Any, w: Workload, obs: Any, device: th.device) -> Callable[[], th.Tensor]:
-    """A loss of the algorithm's shape: PPO's three terms, or the DQN family's online net against its target's."""
+# SB3's off-policy actor-critics: a step descends the critics, then the actor (SAC's entropy coefficient, a scalar,
+# costs next to nothing and is left out).
+OFF_POLICY_ACTOR_CRITICS = ("sac", "td3", "tqc")
+_MAX_GRAD_NORM = 10.0  # the DQN family's default (PPO's is 0.5: the same work)
+
+# One optimizer's part of a gradient step: the optimizer, the loss it descends, the norm its gradients are clipped to.
+_Part = tuple[th.optim.Optimizer, Callable[[], th.Tensor], float | None]
+
+
+def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]:
+    """A gradient step of the algorithm's shape: PPO's three-term loss, the DQN family's online net against its
+    target's, or an off-policy actor-critic's critics against their targets and then its actor against the critics."""
     if w.algo == "ppo":
         actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device)
 
@@ -271,28 +283,62 @@ def _loss(policy: Any, w: Workload, obs: Any, device: th.device) -> Callable[[],
             policy.action_dist.distribution = None  # kept on the policy, it would leave a compiled step's graph
             entropy = entropy if entropy is not None else -log_prob
             return (values.float() ** 2).mean() - log_prob.float().mean() - 0.01 * entropy.float().mean()
-    else:  # the DQN family: the online net with gradients, the target net without
-        online = getattr(policy, "q_net", None) or policy.quantile_net
-        target = getattr(policy, "q_net_target", None) or policy.quantile_net_target
 
-        def loss() -> th.Tensor:
-            with th.no_grad():
-                goal = target(obs).float().amax(dim=-1, keepdim=True)
-            return ((online(obs).float() - goal) ** 2).mean()
+        return [(policy.optimizer, loss, _MAX_GRAD_NORM)]
+    if w.algo in OFF_POLICY_ACTOR_CRITICS:
+        return _actor_critic_parts(policy, w, obs, device)
+    online = getattr(policy, "q_net", None) or policy.quantile_net
+    target = getattr(policy, "q_net_target", None) or policy.quantile_net_target
 
-    return loss
+    def q_loss() -> th.Tensor:
+        with th.no_grad():
+            goal = target(obs).float().amax(dim=-1, keepdim=True)
+        return ((online(obs).float() - goal) ** 2).mean()
+
+    return [(policy.optimizer, q_loss, _MAX_GRAD_NORM)]
+
+
+def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]:
+    actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device, dtype=th.float32)
+    eps = th.randn(actions.shape, device=device)  # SAC's and TQC's draw, made outside the step as theirs is
+    actor, critic, critic_target = policy.actor, policy.critic, policy.critic_target
+    actor_target = getattr(policy, "actor_target", None)
+
+    def act(net: Any, o: Any) -> tuple[th.Tensor, th.Tensor]:
+        if hasattr(net, "latent_pi"):  # a squashed Gaussian, sampled with its log-probability
+            return squashed_sample(net, o, eps)
+        return net(o), th.zeros((), device=device)
+
+    def values(out: Any) -> th.Tensor:  # SAC's and TD3's critics give a tuple of Q-values, TQC's a quantile tensor
+        return th.cat(out, dim=1) if isinstance(out, tuple) else out.flatten(1)
+
+    def critic_loss() -> th.Tensor:
+        with th.no_grad():
+            next_actions, log_prob = act(actor_target if actor_target is not None else actor, obs)
+            goal = values(critic_target(obs, next_actions)).amin(dim=1, keepdim=True) - 0.1 * log_prob.reshape(-1, 1)
+        return ((values(critic(obs, actions)) - goal) ** 2).mean()
+
+    def actor_loss() -> th.Tensor:
+        new_actions, log_prob = act(actor, obs)
+        if actor_target is not None:  # TD3's actor climbs its first critic only
+            return -critic.q1_forward(obs, new_actions).mean()
+        return (0.1 * log_prob).mean() - values(critic(obs, new_actions)).mean()
+
+    return [(critic.optimizer, critic_loss, None), (actor.optimizer, actor_loss, None)]
 
 
 def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str) -> Callable[[], None]:
-    optimizer, loss = policy.optimizer, _loss(policy, w, obs, device)
+    parts = _parts(policy, w, obs, device)
 
     def step() -> None:
-        with _autocast(device, amp):
-            value = loss()
-        optimizer.zero_grad()
-        value.backward()
-        th.nn.utils.clip_grad_norm_(policy.parameters(), 10.0)
-        optimizer.step()
+        for optimizer, loss, max_grad_norm in parts:
+            with _autocast(device, amp):
+                value = loss()
+            optimizer.zero_grad()
+            value.backward()
+            if max_grad_norm is not None:
+                th.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
+            optimizer.step()
 
     return step
 
@@ -312,14 +358,20 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             _sync(device)
 
         eager_s = _median_time(train, seconds / 2)
-        loss = _loss(policy, w, obs, device)
-
-        def loss_fn() -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-            with _autocast(device, c.amp):
-                return loss(), ()
-
+        parts = _parts(policy, w, obs, device)
         names = {id(p): name for name, p in policy.named_parameters()}
-        step = CompiledStep(loss_fn, policy.optimizer, OptimizerStep(policy.optimizer, names), 10.0, mode)
+        descents = [Descent(opt, OptimizerStep(opt, names), max_grad_norm) for opt, _, max_grad_norm in parts]
+
+        def update() -> tuple[th.Tensor, ...]:
+            losses = []
+            for (_, loss, _), descent in zip(parts, descents, strict=True):
+                with _autocast(device, c.amp):
+                    value = loss()
+                descent(value)
+                losses.append(value)
+            return tuple(losses)
+
+        step = CompiledUpdate(update, descents, mode)
 
         def compiled() -> None:
             step()
@@ -332,6 +384,8 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
                 compiled()
             compile_s = time.perf_counter() - start
             compiled_s = _median_time(compiled, seconds / 2, warmup=0)
+        if w.algo in OFF_POLICY_ACTOR_CRITICS:  # their runs compile the gradient step only
+            return CompileTiming(eager_s, compiled_s, compile_s)
         # The run compiles its rollout forward pass too: part of what the compiled step must earn back.
         act = th.compile(_forward(policy, w), fullgraph=True, mode=None if mode == "default" else mode)
         rollout_obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.n_envs))

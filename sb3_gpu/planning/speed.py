@@ -80,7 +80,7 @@ def choose_amp(
             raise ConfigError("amp=fp16 needs a CUDA GPU (fp16 tensor cores, loss scaling); on the CPU use bf16 or off")
         if request == "bf16" and gpu is not None and not gpu.bf16:
             sm = f"sm_{gpu.capability[0]}{gpu.capability[1]}"
-            raise ConfigError(f"amp=bf16: {gpu.name} ({sm}) has no bf16 tensor cores; use fp16")
+            raise ConfigError(f"amp=bf16: {gpu.name} ({sm}) has no bf16 tensor cores; use fp16 (ppo, dqn, qrdqn) or off")
         if request == "bf16" and gpu is None and not hardware.cpu_bf16:
             return "bf16", "asked for; this CPU has no native bf16, so expect it slower than fp32"
         return request, "asked for"

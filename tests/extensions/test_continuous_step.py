@@ -13,7 +13,9 @@ from stable_baselines3 import SAC, TD3
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 from stable_baselines3.common.utils import set_random_seed
 
-from sb3_gpu.common.errors import TrainingDiverged
+from sb3_gpu.common.errors import ConfigError, TrainingDiverged
+from sb3_gpu.extensions.amp import enable_amp
+from sb3_gpu.extensions.compile import compile_policy
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -144,3 +146,70 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions():
         model.collect_rollouts(model.env, callback, TrainFreq(8, TrainFrequencyUnit.STEP), model.replay_buffer)
     assert reads.total == 8, reads.sites  # torch.distributions' argument checks would add two per step
     assert model.replay_buffer.host_observation_copies == copies  # each step stored the policy's device copy
+
+
+def _bf16(case: str, mode: str):
+    _, cls = _pair(case)
+    model = cls("MlpPolicy", "Pendulum-v1", seed=3, device="cpu", **copy.deepcopy({**SMALL, **EXTRA[case]}))
+    enable_amp(model, "bf16")
+    assert model.compile_step(mode) is None
+    return model.learn(100)
+
+
+@pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
+def test_bf16_autocasts_the_hidden_layers_and_keeps_the_heads_float32(case):
+    model = _bf16(case, "eager")
+    dtypes: dict[str, th.dtype] = {}
+
+    def record(name: str):
+        def hook(module, args, out) -> None:
+            dtypes.setdefault(name, out.dtype)
+
+        return hook
+
+    linears = [(n, m) for n, m in model.policy.named_modules() if isinstance(m, th.nn.Linear)]
+    hooks = [module.register_forward_hook(record(name)) for name, module in linears]
+    model.train(gradient_steps=2, batch_size=16)
+    for hook in hooks:
+        hook.remove()
+    # net_arch [16, 16]: Linear, ReLU, Linear, ReLU, Linear; the last gives the values themselves.
+    assert dtypes["critic.qf0.0"] == dtypes["critic.qf1.2"] == th.bfloat16
+    assert dtypes["critic.qf0.4"] == dtypes["critic_target.qf1.4"] == th.float32
+    if case == "td3":
+        assert dtypes["actor.mu.0"] == dtypes["actor_target.mu.2"] == th.bfloat16 and dtypes["actor.mu.4"] == th.float32
+    else:  # the squashed Gaussian's mean and log-std, which the entropy term reads
+        assert dtypes["actor.latent_pi.0"] == th.bfloat16 and dtypes["actor.mu"] == dtypes["actor.log_std"] == th.float32
+    assert all(p.isfinite().all() for p in model.policy.parameters())
+
+
+@pytest.mark.slow  # about a minute and a half of compiling on 2 cores
+def test_bf16_compiles_whole_close_to_eager_and_reads_nothing_back():
+    # TD3: the cheapest to compile on 2 cores; SAC's and TQC's autocast the same way and compile whole in float32.
+    eager, compiled = _bf16("td3", "eager"), _bf16("td3", "default")
+    assert compiled._compiled is not None and compiled._compiled.fallback is None
+    # The compiled step rounds where inductor fuses, not where eager ops do: close, not equal; and closer to the eager
+    # bf16 step than float32 is (so it did run in bf16).
+    for a, b in zip(_state(compiled), _state(eager), strict=True):
+        th.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+    fp32 = _learned(SyncFreeTD3, "td3", mode="eager")
+
+    def distance(x, y) -> float:
+        return sum(float((a - b).abs().sum()) for a, b in zip(_state(x), _state(y), strict=True))
+
+    assert distance(compiled, eager) < distance(fp32, eager)
+    with HostReads() as reads:
+        compiled.train(gradient_steps=4, batch_size=16)
+    assert reads.total == 0, reads.sites
+    assert all(p.isfinite().all() for p in compiled.policy.parameters())
+
+
+def test_fp16_is_refused_in_one_line_for_their_several_optimizers():
+    model = SyncFreeSAC("MlpPolicy", "Pendulum-v1", device="cpu", **copy.deepcopy(SMALL))
+    with pytest.raises(ConfigError, match=r"amp=fp16 is for one-optimizer policies .* not SyncFreeSAC.*use bf16 or off"):
+        enable_amp(model, "fp16")
+
+
+def test_compiling_their_networks_apart_is_refused_for_the_whole_step():
+    model = SAC("MlpPolicy", "Pendulum-v1", device="cpu", **copy.deepcopy(SMALL))
+    with pytest.raises(ConfigError, match=r"compile_policy is for PPO and the DQN family; SAC compiles its whole"):
+        compile_policy(model, "default", 16)

@@ -1,5 +1,5 @@
-"""SAC, TD3 and TQC: planned from their presets, trained with SB3's own train(), and refused where sb3_gpu's speed
-machinery (AMP, compiled steps, device buffers, PER, overlap) does not apply to them yet."""
+"""SAC, TD3 and TQC: planned from their presets (the probe timing their step for the device, bf16 and compile), trained
+with SB3's classes or sb3_gpu's step, and refused where sb3_gpu's machinery (fp16, PER, overlap) does not apply yet."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
+from gymnasium import spaces
 from sb3_contrib import TQC
 from stable_baselines3 import SAC, TD3
 from stable_baselines3.common.buffers import ReplayBuffer
@@ -15,12 +16,16 @@ from stable_baselines3.common.noise import NormalActionNoise
 from sb3_gpu import make_model, make_plan
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.evaluate import main as evaluate_main
+from sb3_gpu.extensions.amp import amp_state
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.planning.build import model_class, model_kwargs
+from sb3_gpu.planning.probe import Candidate, Option, Workload, measure_compile, measure_option
 from sb3_gpu.runs.telemetry import ThroughputCallback
 from sb3_gpu.train import main as train_main
+from tests.conftest import machine
+from tests.planning.test_probe import FakeCompile, FakeTimes, fake_prober
 
 CLASSES = {"sac": SAC, "td3": TD3, "tqc": TQC}
 SYNC_FREE = {"sac": SyncFreeSAC, "td3": SyncFreeTD3, "tqc": SyncFreeTQC}
@@ -28,38 +33,86 @@ SYNC_FREE = {"sac": SyncFreeSAC, "td3": SyncFreeTD3, "tqc": SyncFreeTQC}
 
 @pytest.mark.parametrize("algo", list(CLASSES))
 @pytest.mark.parametrize("machine", ["cpu_machine", "gpu_machine"])
-def test_the_plan_takes_the_env_entry_and_says_why_amp_and_compile_stay_off(algo, machine, request):
-    plan = make_plan(algo, "Pendulum-v1", hardware=request.getfixturevalue(machine))
+def test_the_plan_takes_the_env_entry_and_the_rules_choices_where_nothing_is_timed(algo, machine, request):
+    plan = make_plan(algo, "Pendulum-v1", hardware=request.getfixturevalue(machine))  # an injected machine: no probe
     assert plan.preset.entry == f"{algo}.yaml:Pendulum-v1" and plan.preset.n_timesteps == 20_000
     speed = plan.speed
     assert speed is not None and speed.amp == "off" and speed.compile == "false"
-    assert "AMP is for ppo, dqn and qrdqn so far" in speed.amp_reason
-    assert f"the probe does not time {algo}'s step yet); compile=default compiles" in speed.compile_reason
     assert plan.training == "sync" and f"not {algo}" in plan.training_reason
     assert plan.action_shape == (1,)
     kwargs = model_kwargs(plan)
     optimizer_kwargs = kwargs["policy_kwargs"].get("optimizer_kwargs") or {}
-    if machine == "gpu_machine":  # the rules' choice, and the plan says that nothing timed it
-        assert plan.device.device == "cuda:0" and "the probe times ppo, dqn and qrdqn only" in plan.device.reason
+    if machine == "gpu_machine":
+        assert plan.device.device == "cuda:0" and speed.compile_reason == "auto: not probed (probe off), so not compiled"
+        assert "too small for tensor cores" in speed.amp_reason
         # On the GPU: the replay buffer there, sb3_gpu's sync-free step, fused Adam (the NaN guard skips on the device)
         assert plan.buffers == "device" and kwargs["replay_buffer_class"] is DeviceReplayBuffer
         assert model_class(plan) is SYNC_FREE[algo] and optimizer_kwargs == {"fused": True}
     else:  # on the CPU, SB3's own classes, as nothing is compiled
+        assert "no native bf16" in speed.amp_reason and speed.compile_reason.startswith("auto compiles on CUDA only")
         assert plan.buffers == "host" and "replay_buffer_class" not in kwargs and "fused" not in optimizer_kwargs
         assert model_class(plan) is CLASSES[algo]
 
 
-class _NoProbe:
-    """A prober that fails the test if the plan asks it anything: nothing is timed for these algorithms."""
+@pytest.mark.parametrize("algo", list(CLASSES))
+def test_the_probe_times_their_step_and_takes_bf16_and_the_compiled_step_where_faster(algo, gpu_machine):
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.3), "cuda:0 bf16": (1.2, 0.3), "cpu fp32": (9.0, 0.5)})
+    compile_times = FakeCompile(eager_ms=2.0, compiled_ms=0.4, compile_s=30.0)
+    plan = make_plan(algo, "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(times, compile_times))
+    assert plan.probe is not None and {o.workload.algo for o in plan.probe.options} == {algo}
+    assert not any("fp16" in label for label in times.asked)  # not a candidate: see the next test
+    assert plan.device.device == "cuda:0" and plan.speed.amp == "bf16"
+    assert plan.speed.amp_reason.startswith("probe: ") and "vs cuda:0 fp32" in plan.speed.amp_reason
+    assert compile_times.asked == [("cuda:0 bf16", "reduce-overhead")] and plan.speed.compile == "reduce-overhead"
+    assert model_class(plan) is SYNC_FREE[algo]
+    # Slower in bf16: fp32 stays.
+    slower = FakeTimes({"cuda:0 fp32": (1.0, 0.3), "cuda:0 bf16": (1.2, 0.3), "cpu fp32": (9.0, 0.5)})
+    plan = make_plan(algo, "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(slower, compile_times))
+    assert plan.speed.amp == "off" and "vs cuda:0 bf16" in plan.speed.amp_reason
 
-    def __getattr__(self, name):
-        raise AssertionError(f"the plan called the prober's {name}")
+
+def test_a_gpu_with_fp16_only_leaves_them_in_float32_and_refuses_fp16_in_one_line():
+    t4 = machine(gpus=1, capability=(7, 5), gpu_name="Fake T4")
+    wide = {"net_arch": [1024, 1024]}  # wide enough that the rules would take fp16 for PPO or DQN
+    plan = make_plan("sac", "Pendulum-v1", "cuda:0", hardware=t4, overrides=wide)
+    assert plan.speed.amp == "off" and "sac steps several optimizers" in plan.speed.amp_reason
+    assert make_plan("dqn", "CartPole-v1", "cuda:0", hardware=t4, overrides=wide).speed.amp == "fp16"
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.3), "cuda:0 fp16": (0.5, 0.3)})
+    probed = make_plan("td3", "Pendulum-v1", "cuda:0", hardware=t4, overrides=wide, prober=fake_prober(times))
+    assert probed.speed.amp == "off" and probed.probe is None and times.asked == []  # one candidate: nothing to time
+    refused = r"amp=fp16 \(.*\): tqc steps several optimizers .*; use off \(Fake T4 has no bf16\)"
+    with pytest.raises(ConfigError, match=refused) as info:
+        make_plan("tqc", "Pendulum-v1", "cuda:0", hardware=t4, overrides={"amp": "fp16"})
+    assert "\n" not in str(info.value)
+
+
+def test_bf16_asked_for_on_the_cpu_trains_with_its_networks_autocast():
+    overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "probe": False}
+    model, _ = make_model("sac", "Pendulum-v1", "cpu", seed=0, amp="bf16", **overrides)
+    state = amp_state(model)
+    assert state is not None and state.mode == "bf16"
+    model.learn(300)
+    assert all(p.isfinite().all() for p in model.policy.parameters())
 
 
 @pytest.mark.parametrize("algo", list(CLASSES))
-def test_the_plan_times_nothing_for_them_even_where_it_could(algo, cpu_machine):
-    plan = make_plan(algo, "Pendulum-v1", hardware=cpu_machine, prober=_NoProbe())  # type: ignore[arg-type]
-    assert plan.probe is None and plan.preset.probe is False and plan.preset.sources["probe"] == f"{algo}: not probed yet"
+def test_measuring_times_their_real_step_eager_and_in_bf16(algo):
+    policy_class = CLASSES[algo].policy_aliases["MlpPolicy"]
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    workload = Workload(algo, policy_class, box, spaces.Box(-1, 1, (2,), np.float32), {"net_arch": [8]}, 8, 2, 1.0)
+    for amp in ("off", "bf16"):
+        timing = measure_option(Option(Candidate("cpu", amp, 1), workload), 0.01)
+        assert timing.train_s > 0 and timing.infer_s > 0
+
+
+@pytest.mark.slow  # compiling a step takes half a minute or more on 2 cores
+@pytest.mark.parametrize("algo", ["sac", "td3"])
+def test_measuring_compile_runs_their_step_compiled_whole_on_this_cpu(algo):
+    policy_class = CLASSES[algo].policy_aliases["MlpPolicy"]
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    workload = Workload(algo, policy_class, box, spaces.Box(-1, 1, (2,), np.float32), {"net_arch": [8]}, 8, 2, 1.0)
+    timing = measure_compile(Option(Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
+    assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
 
 
 def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
@@ -78,8 +131,6 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("sac", "Pendulum-v1", {"per": True}, "'per' is for dqn, qrdqn, not sac"),
         ("td3", "Pendulum-v1", {"exploration_fraction": 0.1}, "'exploration_fraction' is for dqn, qrdqn, not td3"),
         ("dqn", "CartPole-v1", {"action_noise_std": 0.1}, "'action_noise_std' is for sac, td3, tqc, not dqn"),
-        ("tqc", "Pendulum-v1", {"amp": "bf16"}, "amp=bf16 .*the probe and AMP are for ppo, dqn and qrdqn so far, not tqc"),
-        ("sac", "Pendulum-v1", {"probe": True}, "probe=True .*not sac; leave probe unset"),
         ("sac", "Pendulum-v1", {"train_freq": [1, "episode"], "n_envs": 2}, r"train_freq \[1, episode\] needs n_envs=1"),
         ("sac", "Pendulum-v1", {"ent_coef": "auto_x"}, "ent_coef: expected auto, auto_<initial value> or a positive"),
         ("sac", "Pendulum-v1", {"ent_coef": 0}, "ent_coef: expected auto"),

@@ -128,7 +128,7 @@ def test_the_cache_serves_the_same_machine_and_torch_and_is_stale_after_an_upgra
 
     first = plan()
     n = len(times.asked)
-    assert n == len(first.probe.options) and json.loads(cache_file.read_text())["version"] == 1
+    assert n == len(first.probe.options) and json.loads(cache_file.read_text())["version"] == probe_module.CACHE_VERSION
     second = plan()
     assert len(times.asked) == n and second.device.device == first.device.device  # every figure from the cache
     assert second.probe.summary().endswith(f"({n} from the cache)")
@@ -139,7 +139,11 @@ def test_the_cache_serves_the_same_machine_and_torch_and_is_stale_after_an_upgra
 
 @pytest.mark.parametrize(
     "content",
-    ["{not json", json.dumps({"version": 1, "entries": {"k": {"train_s": "fast"}}}), json.dumps([1, 2])],
+    [
+        "{not json",
+        json.dumps({"version": probe_module.CACHE_VERSION, "entries": {"k": {"train_s": "fast"}}}),
+        json.dumps([1, 2]),
+    ],
     ids=["not-json", "bad-entry", "not-a-mapping"],
 )
 def test_a_corrupt_cache_is_ignored_with_a_warning_and_replaced(tmp_path, content, gpu_machine):
