@@ -112,6 +112,8 @@ class _ContinuousParams(_ReplayParams):
     # Gaussian exploration noise added to the actor's actions (std, in units of the action range's half-width; SB3's
     # NormalActionNoise); none by default, as in SB3.
     action_noise_std: float | None = c.param(None, c.optional(c.NON_NEGATIVE))
+    # sb3_gpu extension (extensions.continuous): k micro-batches per gradient step, each optimizer in its stage.
+    grad_accum_steps: int = c.param(1, c.POS_INT)
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,8 @@ class Algo:
     default_width: int = 64
 
 
-# SAC, TD3 and TQC: device buffers, the compiled, sync-free step, the probe and bf16 apply; fp16 and PER do not yet.
+# SAC, TD3 and TQC: device buffers, the compiled, sync-free step, the probe, bf16 and gradient accumulation apply;
+# fp16 and PER do not yet.
 ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
     "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),

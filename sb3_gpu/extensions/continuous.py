@@ -11,6 +11,12 @@ The random draws of the step (SAC's reparametrised actions, TD3's target smoothi
 same calls and in the same order as SB3's: so a step equals SB3's, compiled or not (tests pin both). As the DQN
 family's, the logged losses are their means over the gradient steps since the last log write (SB3's logger keeps the
 last ``train()`` call's).
+
+With ``grad_accum_steps=k`` a gradient step takes k micro-batches of ``batch_size`` and goes in stages, as one step on
+their union would: each optimizer's loss is backpropagated on every micro-batch before it steps on their mean gradient
+(:meth:`~sb3_gpu.extensions.stepping.OptimizerStep.accumulate`), so the actor's loss reads critics updated on all of
+them. The critics' activations are freed micro-batch by micro-batch; the actor's sampled actions are kept for its own
+stage. A test pins that k micro-batches step as one batch k times larger.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from sb3_contrib.common.utils import quantile_huber_loss
 from stable_baselines3 import SAC, TD3
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
+from sb3_gpu.common.checks import POS_INT
+from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
@@ -35,6 +43,8 @@ from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_wi
 
 # A step's descent of one optimizer, by its position in ``_optimizers()``, on a loss.
 Descend = Callable[[int, th.Tensor], None]
+# A micro-batch of a gradient step and the step's random draws for it.
+Micro = tuple[ReplayBufferSamples, Sequence[th.Tensor]]
 
 _LOG_2PI_HALF = math.log(math.sqrt(2 * math.pi))
 _SQUASH_EPSILON = 1e-6  # SB3's SquashedDiagGaussianDistribution's, in the tanh's log-Jacobian
@@ -67,9 +77,16 @@ class _ActorCriticTraining(StagedObservations):
     _compiled: CompiledUpdate | None
     compiles_step_only = True  # compile=...: the whole gradient step is compiled, the rollout's forward stays eager
 
+    def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
+        self.grad_accum_steps = grad_accum_steps  # read by _setup_model, which SB3's __init__ calls
+        super().__init__(*args, **kwargs)
+
     def _setup_model(self) -> None:
         super()._setup_model()  # type: ignore[misc]
         s: Any = self
+        self.grad_accum_steps = POS_INT(self.grad_accum_steps, "grad_accum_steps")
+        if s.use_sde and self.grad_accum_steps > 1:  # train() leaves gSDE to SB3's step, which takes one batch
+            raise ConfigError("grad_accum_steps > 1 does not apply with use_sde=true (gSDE steps as SB3 does)")
         entropy = getattr(s, "ent_coef_optimizer", None)
         fused = bool(s.actor.optimizer.defaults.get("fused"))
         if fused and type(entropy) is th.optim.Adam and not entropy.defaults.get("fused"):
@@ -79,6 +96,8 @@ class _ActorCriticTraining(StagedObservations):
         self._compiled = None
         for step in optimizer_steps(s):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
+            if self.grad_accum_steps > 1:
+                step.accumulate(self.grad_accum_steps)
 
     def _excluded_save_params(self) -> list[str]:
         excluded = ["_device_log", "_compiled", "_position", "_fixed_buffer"]
@@ -94,11 +113,10 @@ class _ActorCriticTraining(StagedObservations):
         """The step's random draws, as SB3 makes them (``actions``: the sampled batch's, where it is known)."""
         raise NotImplementedError
 
-    def _update(
-        self, descend: Descend, data: ReplayBufferSamples, draws: Sequence[th.Tensor], due: bool
-    ) -> dict[str, th.Tensor]:
-        """One gradient step on ``data``; ``due``: the step updates the actor and targets too (TD3's delay, SAC's
-        ``target_update_interval``). Returns the figures to log, by key."""
+    def _update(self, descend: Descend, batches: Sequence[Micro], due: bool) -> dict[str, th.Tensor]:
+        """One gradient step on ``batches`` (its micro-batches: one, unless gradients accumulate), each optimizer's
+        stage on all of them before the next; ``due``: the step updates the actor and targets too (TD3's delay,
+        SAC's ``target_update_interval``). Returns the figures to log, by key (means over the micro-batches)."""
         raise NotImplementedError
 
     def _due(self, gradient_step: int) -> bool:
@@ -140,7 +158,7 @@ class _ActorCriticTraining(StagedObservations):
         def descend(i: int, loss: th.Tensor) -> None:
             descents[i](loss)
 
-        return tuple(self._update(descend, data, draws, due).values())
+        return tuple(self._update(descend, [(data, draws)], due).values())
 
     def _fix_buffer(self, buffer: Any) -> None:
         """Fix the addresses of what the compiled step samples from, so that a CUDA graph reads them in place."""
@@ -176,18 +194,21 @@ class _ActorCriticTraining(StagedObservations):
                 draws = self._draws(batch_size, None)
                 self._log(compiled(due, "uniform", picks, self._position, *draws, stepping=self._stepping(due)), due)
                 continue
-            data = buffer.sample(batch_size, env=env)
-            draws = self._draws(batch_size, data.actions)
+            batches: list[Micro] = []
+            for _ in range(self.grad_accum_steps):  # a compiled step is refused while gradients accumulate
+                data = buffer.sample(batch_size, env=env)
+                batches.append((data, self._draws(batch_size, data.actions)))
             if compiled is not None:
-                self._log(compiled(due, "batch", data, *draws, stepping=self._stepping(due)), due)
+                data, micro_draws = batches[0]
+                self._log(compiled(due, "batch", data, *micro_draws, stepping=self._stepping(due)), due)
                 continue
 
-            def descend(i: int, loss: th.Tensor) -> None:
+            def descend(i: int, loss: th.Tensor) -> None:  # the wrapped step holds back all but a window's last
                 optimizers[i].zero_grad()
                 loss.backward()
                 optimizers[i].step()
 
-            for key, value in self._update(descend, data, draws, due).items():
+            for key, value in self._update(descend, batches, due).items():
                 self._device_log.mean(key, value)
         s._n_updates += gradient_steps
         s.logger.record("train/n_updates", s._n_updates, exclude="tensorboard")
@@ -243,37 +264,46 @@ class _EntropyRegularised(_ActorCriticTraining):
         """The Q-value the actor's loss maximises, shape (batch, 1)."""
         raise NotImplementedError
 
-    def _update(
-        self, descend: Descend, data: ReplayBufferSamples, draws: Sequence[th.Tensor], due: bool
-    ) -> dict[str, th.Tensor]:
+    def _update(self, descend: Descend, batches: Sequence[Micro], due: bool) -> dict[str, th.Tensor]:
         s: Any = self
         figures: dict[str, th.Tensor] = {}
-        actions_pi, log_prob = squashed_sample(s.actor, data.observations, draws[0])
-        log_prob = log_prob.reshape(-1, 1)
+        sampled = [squashed_sample(s.actor, data.observations, draws[0]) for data, draws in batches]
+        log_probs = [log_prob.reshape(-1, 1) for _, log_prob in sampled]
         position = 0
         if s.ent_coef_optimizer is not None:
             ent_coef = th.exp(s.log_ent_coef.detach())
             # Detached: the entropy coefficient's loss must not move the actor (SB3's note, after softlearning's).
-            ent_coef_loss = -(s.log_ent_coef * (log_prob + s.target_entropy).detach()).mean()
-            figures["train/ent_coef_loss"] = ent_coef_loss
-            descend(0, ent_coef_loss)
+            losses = []
+            for log_prob in log_probs:
+                losses.append(-(s.log_ent_coef * (log_prob + s.target_entropy).detach()).mean())
+                descend(0, losses[-1])
+            figures["train/ent_coef_loss"] = _mean(losses)
             position = 1
         else:
             ent_coef = s.ent_coef_tensor
         figures["train/ent_coef"] = ent_coef.reshape(())
-        with th.no_grad():
-            next_actions, next_log_prob = squashed_sample(s.actor, data.next_observations, draws[1])
-            target = self._target_q(data, next_actions, ent_coef * next_log_prob.reshape(-1, 1))
-        critic_loss = self._critic_loss(data, target)
-        figures["train/critic_loss"] = critic_loss
-        descend(position, critic_loss)
-        actor_loss = (ent_coef * log_prob - self._actor_q(data.observations, actions_pi)).mean()
-        figures["train/actor_loss"] = actor_loss
-        descend(position + 1, actor_loss)
+        losses = []
+        for data, draws in batches:
+            with th.no_grad():
+                next_actions, next_log_prob = squashed_sample(s.actor, data.next_observations, draws[1])
+                target = self._target_q(data, next_actions, ent_coef * next_log_prob.reshape(-1, 1))
+            losses.append(self._critic_loss(data, target))
+            descend(position, losses[-1])  # at once: each micro-batch's graph is freed before the next is built
+        figures["train/critic_loss"] = _mean(losses)
+        losses = []
+        for (data, _), (actions_pi, _), log_prob in zip(batches, sampled, log_probs, strict=True):
+            losses.append((ent_coef * log_prob - self._actor_q(data.observations, actions_pi)).mean())
+            descend(position + 1, losses[-1])
+        figures["train/actor_loss"] = _mean(losses)
         if due:
             polyak(list(s.critic.parameters()), list(s.critic_target.parameters()), s.tau)
             polyak(s.batch_norm_stats, s.batch_norm_stats_target, 1.0)  # running stats: copied (SB3's issue 996)
         return figures
+
+
+def _mean(losses: Sequence[th.Tensor]) -> th.Tensor:
+    """The logged figure of a stage: its loss, or their mean over micro-batches."""
+    return losses[0] if len(losses) == 1 else th.stack([loss.detach() for loss in losses]).mean()
 
 
 def _discounts(data: ReplayBufferSamples, gamma: float) -> th.Tensor | float:
@@ -337,22 +367,26 @@ class SyncFreeTD3(_ActorCriticTraining, TD3):
     def _stepping(self, due: bool) -> list[int]:
         return [0, 1] if due else [0]  # the actor's optimizer only at its delayed steps
 
-    def _update(
-        self, descend: Descend, data: ReplayBufferSamples, draws: Sequence[th.Tensor], due: bool
-    ) -> dict[str, th.Tensor]:
-        with th.no_grad():
-            noise = draws[0].clamp(-self.target_noise_clip, self.target_noise_clip)
-            next_actions = (self.actor_target(data.next_observations) + noise).clamp(-1, 1)
-            next_q, _ = th.min(th.cat(self.critic_target(data.next_observations, next_actions), dim=1), dim=1, keepdim=True)
-            target = data.rewards + (1 - data.dones) * _discounts(data, self.gamma) * next_q
-        current = self.critic(data.observations, data.actions)
-        critic_loss: th.Tensor = sum(F.mse_loss(q, target) for q in current)  # type: ignore[assignment]
-        descend(0, critic_loss)
-        figures = {"train/critic_loss": critic_loss}
+    def _update(self, descend: Descend, batches: Sequence[Micro], due: bool) -> dict[str, th.Tensor]:
+        losses: list[th.Tensor] = []
+        for data, draws in batches:
+            with th.no_grad():
+                noise = draws[0].clamp(-self.target_noise_clip, self.target_noise_clip)
+                next_actions = (self.actor_target(data.next_observations) + noise).clamp(-1, 1)
+                next_q = th.cat(self.critic_target(data.next_observations, next_actions), dim=1)
+                next_q, _ = th.min(next_q, dim=1, keepdim=True)
+                target = data.rewards + (1 - data.dones) * _discounts(data, self.gamma) * next_q
+            current = self.critic(data.observations, data.actions)
+            critic_loss: th.Tensor = sum(F.mse_loss(q, target) for q in current)  # type: ignore[assignment]
+            losses.append(critic_loss)
+            descend(0, critic_loss)
+        figures = {"train/critic_loss": _mean(losses)}
         if due:
-            actor_loss = -self.critic.q1_forward(data.observations, self.actor(data.observations)).mean()
-            figures["train/actor_loss"] = actor_loss
-            descend(1, actor_loss)
+            losses = []
+            for data, _ in batches:
+                losses.append(-self.critic.q1_forward(data.observations, self.actor(data.observations)).mean())
+                descend(1, losses[-1])
+            figures["train/actor_loss"] = _mean(losses)
             polyak(list(self.critic.parameters()), list(self.critic_target.parameters()), self.tau)
             polyak(list(self.actor.parameters()), list(self.actor_target.parameters()), self.tau)
             polyak(self.critic_batch_norm_stats, self.critic_batch_norm_stats_target, 1.0)

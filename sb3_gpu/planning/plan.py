@@ -535,6 +535,9 @@ def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame
     return 2 * obs + action + 3 * 4
 
 
+_SDE_ACCUMULATION = "grad_accum_steps > 1 does not apply with use_sde=true (gSDE steps as SB3 does); set one of them off"
+
+
 def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
     """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
     params: Any = preset.params
@@ -542,6 +545,8 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         if params.n_steps * preset.n_envs < 2:
             raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")
         check_accumulation(params.grad_accum_steps, params.n_steps, preset.n_envs, params.batch_size)
+    elif getattr(params, "use_sde", False) and getattr(params, "grad_accum_steps", 1) > 1:
+        raise ConfigError(_SDE_ACCUMULATION)
     freq = getattr(params, "train_freq", None)
     if isinstance(freq, tuple) and freq[1] == "episode" and preset.n_envs > 1:
         raise ConfigError(

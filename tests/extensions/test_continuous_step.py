@@ -213,3 +213,53 @@ def test_compiling_their_networks_apart_is_refused_for_the_whole_step():
     model = SAC("MlpPolicy", "Pendulum-v1", device="cpu", **copy.deepcopy(SMALL))
     with pytest.raises(ConfigError, match=r"compile_policy is for PPO and the DQN family; SAC compiles its whole"):
         compile_policy(model, "default", 16)
+
+
+def _accumulating(case: str, grad_accum_steps: int):
+    _, cls = _pair(case)
+    kwargs = copy.deepcopy({**SMALL, **EXTRA[case], "grad_accum_steps": grad_accum_steps})
+    model = cls("MlpPolicy", "Pendulum-v1", seed=3, device="cpu", **kwargs)
+    return model.learn(40)  # learning_starts: the buffer filled, nothing trained yet
+
+
+@pytest.mark.parametrize("case", list(EXTRA))
+def test_two_micro_batches_step_as_one_batch_twice_their_size(case):
+    whole, halves = _accumulating(case, 1), _accumulating(case, 2)
+    assert halves.grad_accum_steps == 2 and halves.compile_step() == (
+        "gradient accumulation steps once per several backward passes"
+    )
+    for a, b in zip(_state(whole), _state(halves), strict=True):
+        assert th.equal(a, b)
+    batch = whole.replay_buffer.sample(32)
+    draws = whole._draws(32, batch.actions)
+
+    def part(i: int) -> tuple:
+        rows = slice(16 * i, 16 * (i + 1))
+        data = type(batch)(*(t[rows] if isinstance(t, th.Tensor) else t for t in batch))
+        return data, tuple(d[rows] for d in draws)
+
+    parts: list[tuple] = []
+    whole.replay_buffer.sample = lambda n, env=None: batch
+    whole._draws = lambda n, actions: draws
+    halves.replay_buffer.sample = lambda n, env=None: (parts.append(part(len(parts) % 2)), parts[-1][0])[1]
+    halves._draws = lambda n, actions: parts[-1][1]
+    for model in (whole, halves):
+        model._device_log.read()
+        model.train(gradient_steps=2, batch_size=32 if model is whole else 16)  # TD3: the second step is due
+    assert len(parts) == 4
+    for a, b in zip(_state(whole), _state(halves), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert halves._device_log.read() == pytest.approx(whole._device_log.read(), rel=1e-5, abs=1e-6)
+    # One optimizer step per window of two backward passes: counted as the whole batch's.
+    assert [s.steps for s in optimizer_steps(halves)] == [s.steps for s in optimizer_steps(whole)]
+    assert halves._n_updates == whole._n_updates == 2
+
+
+def test_accumulation_is_refused_beside_gsde_and_kept_by_save_and_load(tmp_path):
+    with pytest.raises(ConfigError, match=r"grad_accum_steps > 1 does not apply with use_sde=true"):
+        SyncFreeSAC("MlpPolicy", "Pendulum-v1", device="cpu", use_sde=True, grad_accum_steps=2)
+    model = _accumulating("sac", 3)
+    model.save(tmp_path / "sac")
+    loaded = SyncFreeSAC.load(tmp_path / "sac", device="cpu")
+    assert loaded.grad_accum_steps == 3
+    assert all(s.micro_batches == 3 for s in optimizer_steps(loaded))

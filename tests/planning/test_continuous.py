@@ -136,6 +136,7 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("sac", "Pendulum-v1", {"ent_coef": 0}, "ent_coef: expected auto"),
         ("tqc", "Pendulum-v1", {"target_entropy": "max"}, "target_entropy: expected auto or a finite number"),
         ("sac", "Pendulum-v1", {"overlap_training": True}, "'overlap_training' is for dqn, qrdqn, not sac"),
+        ("sac", "Pendulum-v1", {"use_sde": True, "grad_accum_steps": 2}, "grad_accum_steps > 1 does not apply with use_sde"),
     ],
 )
 def test_what_does_not_apply_is_refused_in_one_line(algo, env, overrides, message):
@@ -169,6 +170,19 @@ def test_each_learns_a_few_hundred_steps_and_counts_one_gradient_step_per_env_st
     weights = [p.detach().clone() for p in model.policy.parameters()]
     model.learn(100, reset_num_timesteps=False)
     assert any(not np.allclose(a, b.detach()) for a, b in zip(weights, model.policy.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("algo", list(CLASSES))
+def test_accumulated_gradient_steps_count_once_and_the_plan_names_their_class(algo):
+    overrides = {"learning_starts": 100, "batch_size": 16, "net_arch": [16, 16], "grad_accum_steps": 2, "probe": False}
+    model, _ = make_model(algo, "Pendulum-v1", "cpu", seed=0, **overrides)
+    assert type(model) is SYNC_FREE[algo] and model.grad_accum_steps == 2
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    model.learn(400, callback=callback)
+    # Two backward passes per optimizer step: still one gradient step per env step after learning_starts.
+    assert model._n_updates == 300
+    assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(750, rel=0.02)
+    assert all(p.isfinite().all() for p in model.policy.parameters())
 
 
 @pytest.mark.parametrize("algo", list(CLASSES))
