@@ -245,14 +245,21 @@ def test_two_micro_batches_step_as_one_batch_twice_their_size(case):
     halves._draws = lambda n, actions: parts[-1][1]
     for model in (whole, halves):
         model._device_log.read()
-        model.train(gradient_steps=2, batch_size=32 if model is whole else 16)  # TD3: the second step is due
-    assert len(parts) == 4
+        # Four steps: TD3's second and fourth are due, so critics' windows also follow an actor stage's backward pass.
+        model.train(gradient_steps=4, batch_size=32 if model is whole else 16)
+    assert len(parts) == 8
     for a, b in zip(_state(whole), _state(halves), strict=True):
         th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Adam barely tells a gradient from twice it: the last step's gradients themselves must be the batch's mean. (Not
+    # the critics': the actor's backward pass reaches them after their step.)
+    last = [p for m in (whole, halves) for p in [*m.actor.parameters(), getattr(m, "log_ent_coef", None)] if p is not None]
+    for a, b in zip(last[: len(last) // 2], last[len(last) // 2 :], strict=True):
+        assert a.grad is not None and b.grad is not None
+        th.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
     assert halves._device_log.read() == pytest.approx(whole._device_log.read(), rel=1e-5, abs=1e-6)
     # One optimizer step per window of two backward passes: counted as the whole batch's.
     assert [s.steps for s in optimizer_steps(halves)] == [s.steps for s in optimizer_steps(whole)]
-    assert halves._n_updates == whole._n_updates == 2
+    assert halves._n_updates == whole._n_updates == 4
 
 
 def test_accumulation_is_refused_beside_gsde_and_kept_by_save_and_load(tmp_path):
