@@ -214,14 +214,21 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_
     assert evaluated.returncode == 0, evaluated.stderr
 
 
-@pytest.mark.parametrize("algo, env", [("sac", "HalfCheetah-v5"), ("tqc", "Hopper-v5"), ("td3", "BipedalWalker-v3")])
+@pytest.mark.parametrize(
+    "algo, env",
+    [("sac", "HalfCheetah-v5"), ("tqc", "Hopper-v5"), ("td3", "BipedalWalker-v3"), ("sac", "BipedalWalker-v3")],
+)
 def test_the_mujoco_and_box2d_entries_plan_and_train(algo, env):
     plan = make_plan(algo, env, "cpu", overrides={"probe": False})
-    assert plan.preset.entry == f"{algo}.yaml:{env}" and plan.preset.n_timesteps == 1_000_000
+    gsde = algo != "td3" and env == "BipedalWalker-v3"  # rl-zoo3's SAC and TQC explore it with gSDE
+    assert plan.preset.entry == f"{algo}.yaml:{env}" and plan.preset.n_timesteps == (500_000 if gsde else 1_000_000)
     assert plan.preset.params.learning_starts == 10_000
+    if gsde:
+        assert plan.preset.params.use_sde and plan.preset.policy_kwargs == {"log_std_init": -3, "use_expln": True}
+        assert plan.speed is not None and plan.speed.compile == "false"
     if env == "Hopper-v5":  # the entry's own value over the MuJoCo defaults it shares with HalfCheetah
         assert plan.preset.params.top_quantiles_to_drop_per_net == 5
     tiny = {"learning_starts": 50, "batch_size": 32, "net_arch": [32, 32], "probe": False}
     model, _ = make_model(algo, env, "cpu", seed=0, **tiny)
-    model.learn(100)
-    assert model.num_timesteps == 100 and model._n_updates > 0
+    model.learn(128)  # two of the gSDE entries' rounds of 64 env steps
+    assert model.num_timesteps == 128 and model._n_updates > 0
