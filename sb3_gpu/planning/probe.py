@@ -37,14 +37,15 @@ from gymnasium import spaces
 
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning
-from sb3_gpu.extensions.continuous import squashed_sample
+from sb3_gpu.extensions.continuous import polyak, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
 from sb3_gpu.extensions.stepping import OptimizerStep
 
 PROBE_BUDGET_S = 3.0
 MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
 MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
-CACHE_VERSION = 2  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps
+CACHE_VERSION = 3  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
+# entropy coefficient's step and target updates
 
 
 class ProbeCacheWarning(UserWarning):
@@ -263,8 +264,8 @@ def measure_option(option: Option, seconds: float) -> Timing:
         return Timing(_median_time(train, seconds / 2), _median_time(infer, seconds / 2))
 
 
-# SB3's off-policy actor-critics: a step descends the critics, then the actor (SAC's entropy coefficient, a scalar,
-# costs next to nothing and is left out).
+# SB3's off-policy actor-critics: a step descends SAC's and TQC's entropy coefficient, the critics, then the actor, and
+# moves the target networks (TD3's actor is timed at every step, where its run updates it at every second one).
 OFF_POLICY_ACTOR_CRITICS = ("sac", "td3", "tqc")
 _MAX_GRAD_NORM = 10.0  # the DQN family's default (PPO's is 0.5: the same work)
 
@@ -318,13 +319,30 @@ def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -
             goal = values(critic_target(obs, next_actions)).amin(dim=1, keepdim=True) - 0.1 * log_prob.reshape(-1, 1)
         return ((values(critic(obs, actions)) - goal) ** 2).mean()
 
+    pairs = [(list(critic.parameters()), list(critic_target.parameters()))]
+    if actor_target is not None:
+        pairs.append((list(actor.parameters()), list(actor_target.parameters())))
+
     def actor_loss() -> th.Tensor:
         new_actions, log_prob = act(actor, obs)
+        for params, targets in pairs:  # the targets' polyak update, which the run makes after the actor's step
+            polyak(params, targets, 0.005)
         if actor_target is not None:  # TD3's actor climbs its first critic only
             return -critic.q1_forward(obs, new_actions).mean()
         return (0.1 * log_prob).mean() - values(critic(obs, new_actions)).mean()
 
-    return [(critic.optimizer, critic_loss, None), (actor.optimizer, actor_loss, None)]
+    parts: list[_Part] = [(critic.optimizer, critic_loss, None), (actor.optimizer, actor_loss, None)]
+    if actor_target is None:  # SAC's and TQC's entropy coefficient: one scalar, with an Adam of its own, stepped first
+        log_ent_coef = th.zeros(1, device=device, requires_grad=True)
+        fused = actor.optimizer.defaults.get("fused")
+        entropy_optimizer = th.optim.Adam([log_ent_coef], lr=1e-4, fused=fused)
+        entropy_error = th.randn(w.batch_size, 1, device=device)  # the run's (log_prob + target_entropy), detached
+
+        def entropy_loss() -> th.Tensor:
+            return -(log_ent_coef * entropy_error).mean()
+
+        parts.insert(0, (entropy_optimizer, entropy_loss, None))
+    return parts
 
 
 def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str) -> Callable[[], None]:

@@ -160,9 +160,10 @@ def test_a_corrupt_cache_is_ignored_with_a_warning_and_replaced(tmp_path, conten
 def test_this_machine_is_really_timed_once_and_then_served_from_the_cache(tmp_path):
     workload = Workload("ppo", ActorCriticPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(2), {}, 32, 4, 0.3)
     options = [Option(probe_module.Candidate("cpu", "off", n), workload) for n in (1, 2)]
-    first = Prober(cache=ProbeCache(tmp_path / "probes.json")).probe(options, rule=0, env_s=1e-5)
+    # A budget no load can spend: on busy cores the default's 3 s could leave the second candidate untimed.
+    first = Prober(cache=ProbeCache(tmp_path / "probes.json"), budget_s=60.0).probe(options, rule=0, env_s=1e-5)
     assert all(t is not None and t.train_s > 0 and t.infer_s > 0 and not t.cached for t in first.timings)
-    again = Prober(cache=ProbeCache(tmp_path / "probes.json")).probe(options, rule=0, env_s=1e-5)
+    again = Prober(cache=ProbeCache(tmp_path / "probes.json"), budget_s=60.0).probe(options, rule=0, env_s=1e-5)
     assert again.timings == tuple(Timing(t.train_s, t.infer_s, cached=True) for t in first.timings)
     assert again.summary().endswith("(2 from the cache)") and again.chosen == first.chosen
 
