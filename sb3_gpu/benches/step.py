@@ -31,10 +31,10 @@ from sb3_gpu.planning.plan import make_plan
 # variants with prioritized replay on the device, its trees searched by tensor ops as on a GPU (SB3's row is uniform
 # DQN, since SB3 has no PER).
 # SAC's family on Pendulum-v1 with rl-zoo3's networks (SAC and TQC 256x256, as on HalfCheetah; TD3 400x300): SAC's
-# gpu profile, since its cpu one takes 64x64.
+# and TD3's gpu profiles, since their cpu ones take 64x64.
 CPU_CASES = [
     *("dqn:CartPole-v1", "dqn+per:CartPole-v1", "qrdqn:CartPole-v1", "ppo:CartPole-v1"),
-    *("sac:Pendulum-v1:gpu", "td3:Pendulum-v1", "tqc:Pendulum-v1"),
+    *("sac:Pendulum-v1:gpu", "td3:Pendulum-v1:gpu", "tqc:Pendulum-v1"),
 ]
 GPU_CASES = [*CPU_CASES, "dqn:ALE/Pong-v5:large", "ppo:ALE/Pong-v5"]
 VARIANTS = ("sb3", "eager", "compiled")

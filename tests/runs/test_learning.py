@@ -99,8 +99,8 @@ def test_evaluate_agrees_with_the_reported_best_before_the_env_is_solved(algo, t
 
 # SAC and TD3 learn Pendulum-v1 (a random policy scores about -1,200; the presets reach -200 by 20,000 steps) on the
 # GPU's data path run on the CPU: the replay buffer as device tensors, each gradient step one compiled graph sampled
-# inside it. Cut to CI's time: 64-wide networks, 128-sample batches, learning from 1,000 steps (TD3's preset waits
-# 10,000), and 8,000 steps for SAC (at 6,000, seed 19 of 0-19 had not learned yet: -573), 10,000 for TD3, which
+# inside it. Cut to CI's time: 64-wide networks, 128-sample batches, learning from 1,000 steps (TD3's GPU profile
+# waits 10,000), and 8,000 steps for SAC (at 6,000, seed 19 of 0-19 had not learned yet: -573), 10,000 for TD3, which
 # learns more slowly with these small networks.
 SMALL_PENDULUM = {"net_arch": [64, 64], "batch_size": 128, "learning_starts": 1_000}
 PENDULUM = {"sac": {**SMALL_PENDULUM, "n_timesteps": 8_000}, "td3": {**SMALL_PENDULUM, "n_timesteps": 10_000}}
