@@ -50,6 +50,14 @@ _LOG_2PI_HALF = math.log(math.sqrt(2 * math.pi))
 _SQUASH_EPSILON = 1e-6  # SB3's SquashedDiagGaussianDistribution's, in the tanh's log-Jacobian
 
 
+def check_accumulation(grad_accum_steps: Any, use_sde: bool) -> int:
+    """``grad_accum_steps`` as an int; more than one is refused beside gSDE, whose step stays SB3's (one batch)."""
+    grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
+    if use_sde and grad_accum_steps > 1:
+        raise ConfigError("grad_accum_steps > 1 does not apply with use_sde=true (gSDE steps as SB3 does); set one off")
+    return grad_accum_steps
+
+
 def squashed_sample(actor: Any, observations: th.Tensor, eps: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
     """SB3's ``actor.action_log_prob(observations)`` (no gSDE) with its standard normal draw ``eps`` given: the
     tanh-squashed action and its log-probability, by the same formulas as SB3's and torch's Normal."""
@@ -84,9 +92,7 @@ class _ActorCriticTraining(StagedObservations):
     def _setup_model(self) -> None:
         super()._setup_model()  # type: ignore[misc]
         s: Any = self
-        self.grad_accum_steps = POS_INT(self.grad_accum_steps, "grad_accum_steps")
-        if s.use_sde and self.grad_accum_steps > 1:  # train() leaves gSDE to SB3's step, which takes one batch
-            raise ConfigError("grad_accum_steps > 1 does not apply with use_sde=true (gSDE steps as SB3 does)")
+        self.grad_accum_steps = check_accumulation(self.grad_accum_steps, s.use_sde)
         entropy = getattr(s, "ent_coef_optimizer", None)
         fused = bool(s.actor.optimizer.defaults.get("fused"))
         if fused and type(entropy) is th.optim.Adam and not entropy.defaults.get("fused"):

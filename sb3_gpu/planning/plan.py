@@ -24,9 +24,10 @@ from sb3_gpu.config.schema import PROFILES, get_algo
 from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choice
 from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
+from sb3_gpu.extensions.continuous import check_accumulation as check_actor_critic_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
-from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
+from sb3_gpu.planning.probe import MARGIN, OFF_POLICY_ACTOR_CRITICS, Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed
 
 
@@ -535,9 +536,6 @@ def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame
     return 2 * obs + action + 3 * 4
 
 
-_SDE_ACCUMULATION = "grad_accum_steps > 1 does not apply with use_sde=true (gSDE steps as SB3 does); set one of them off"
-
-
 def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
     """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
     params: Any = preset.params
@@ -545,8 +543,8 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         if params.n_steps * preset.n_envs < 2:
             raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")
         check_accumulation(params.grad_accum_steps, params.n_steps, preset.n_envs, params.batch_size)
-    elif getattr(params, "use_sde", False) and getattr(params, "grad_accum_steps", 1) > 1:
-        raise ConfigError(_SDE_ACCUMULATION)
+    elif preset.algo in OFF_POLICY_ACTOR_CRITICS:
+        check_actor_critic_accumulation(params.grad_accum_steps, getattr(params, "use_sde", False))
     freq = getattr(params, "train_freq", None)
     if isinstance(freq, tuple) and freq[1] == "episode" and preset.n_envs > 1:
         raise ConfigError(
