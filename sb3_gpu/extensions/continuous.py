@@ -50,7 +50,7 @@ _LOG_2PI_HALF = math.log(math.sqrt(2 * math.pi))
 _SQUASH_EPSILON = 1e-6  # SB3's SquashedDiagGaussianDistribution's, in the tanh's log-Jacobian
 
 
-def check_accumulation(grad_accum_steps: Any, use_sde: bool) -> int:
+def check_actor_critic_accumulation(grad_accum_steps: Any, use_sde: bool) -> int:
     """``grad_accum_steps`` as an int; more than one is refused beside gSDE, whose step stays SB3's (one batch)."""
     grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
     if use_sde and grad_accum_steps > 1:
@@ -92,7 +92,7 @@ class _ActorCriticTraining(StagedObservations):
     def _setup_model(self) -> None:
         super()._setup_model()  # type: ignore[misc]
         s: Any = self
-        self.grad_accum_steps = check_accumulation(self.grad_accum_steps, s.use_sde)
+        self.grad_accum_steps = check_actor_critic_accumulation(self.grad_accum_steps, s.use_sde)
         entropy = getattr(s, "ent_coef_optimizer", None)
         fused = bool(s.actor.optimizer.defaults.get("fused"))
         if fused and type(entropy) is th.optim.Adam and not entropy.defaults.get("fused"):

@@ -16,6 +16,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
+from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
@@ -24,10 +25,10 @@ from sb3_gpu.config.schema import PROFILES, get_algo
 from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choice
 from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
-from sb3_gpu.extensions.continuous import check_accumulation as check_actor_critic_accumulation
+from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
-from sb3_gpu.planning.probe import MARGIN, OFF_POLICY_ACTOR_CRITICS, Candidate, Option, Prober, ProbeResult, Workload
+from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed
 
 
@@ -543,7 +544,7 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         if params.n_steps * preset.n_envs < 2:
             raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")
         check_accumulation(params.grad_accum_steps, params.n_steps, preset.n_envs, params.batch_size)
-    elif preset.algo in OFF_POLICY_ACTOR_CRITICS:
+    elif preset.algo in CONTINUOUS_ALGOS:
         check_actor_critic_accumulation(params.grad_accum_steps, getattr(params, "use_sde", False))
     freq = getattr(params, "train_freq", None)
     if isinstance(freq, tuple) and freq[1] == "episode" and preset.n_envs > 1:

@@ -35,6 +35,7 @@ import numpy as np
 import torch as th
 from gymnasium import spaces
 
+from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
@@ -264,9 +265,10 @@ def measure_option(option: Option, seconds: float) -> Timing:
         return Timing(_median_time(train, seconds / 2), _median_time(infer, seconds / 2))
 
 
-# SB3's off-policy actor-critics: a step descends SAC's and TQC's entropy coefficient, the critics, then the actor, and
-# moves the target networks (TD3's actor is timed at every step, where its run updates it at every second one).
-OFF_POLICY_ACTOR_CRITICS = ("sac", "td3", "tqc")
+# SB3's off-policy actor-critics (CONTINUOUS_ALGOS): a step descends SAC's and TQC's entropy coefficient, the critics,
+# then the actor, and moves the target networks. Timed at every step whatever the run's schedule: TD3's actor and
+# targets (every second step in its run), SAC's targets (its target_update_interval), the entropy step (also where
+# the run fixes ent_coef). So the figure is a little above the run's mean step, eager and compiled alike.
 _MAX_GRAD_NORM = 10.0  # the DQN family's default (PPO's is 0.5: the same work)
 
 # One optimizer's part of a gradient step: the optimizer, the loss it descends, the norm its gradients are clipped to.
@@ -275,7 +277,8 @@ _Part = tuple[th.optim.Optimizer, Callable[[], th.Tensor], float | None]
 
 def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]:
     """A gradient step of the algorithm's shape: PPO's three-term loss, the DQN family's online net against its
-    target's, or an off-policy actor-critic's critics against their targets and then its actor against the critics."""
+    target's, or an off-policy actor-critic's entropy coefficient (SAC, TQC), critics against their targets, and actor
+    against the critics, with the targets' update."""
     if w.algo == "ppo":
         actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device)
 
@@ -286,7 +289,7 @@ def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]
             return (values.float() ** 2).mean() - log_prob.float().mean() - 0.01 * entropy.float().mean()
 
         return [(policy.optimizer, loss, _MAX_GRAD_NORM)]
-    if w.algo in OFF_POLICY_ACTOR_CRITICS:
+    if w.algo in CONTINUOUS_ALGOS:
         return _actor_critic_parts(policy, w, obs, device)
     online = getattr(policy, "q_net", None) or policy.quantile_net
     target = getattr(policy, "q_net_target", None) or policy.quantile_net_target
@@ -325,7 +328,9 @@ def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -
 
     def actor_loss() -> th.Tensor:
         new_actions, log_prob = act(actor, obs)
-        for params, targets in pairs:  # the targets' polyak update, which the run makes after the actor's step
+        # The targets' polyak update: the run makes it after the actor's step, outside autocast; here, for timing
+        # only, inside the actor's part (the same ops under no_grad, where autocast changes nothing).
+        for params, targets in pairs:
             polyak(params, targets, 0.005)
         if actor_target is not None:  # TD3's actor climbs its first critic only
             return -critic.q1_forward(obs, new_actions).mean()
@@ -402,7 +407,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
                 compiled()
             compile_s = time.perf_counter() - start
             compiled_s = _median_time(compiled, seconds / 2, warmup=0)
-        if w.algo in OFF_POLICY_ACTOR_CRITICS:  # their runs compile the gradient step only
+        if w.algo in CONTINUOUS_ALGOS:  # their runs compile the gradient step only
             return CompileTiming(eager_s, compiled_s, compile_s)
         # The run compiles its rollout forward pass too: part of what the compiled step must earn back.
         act = th.compile(_forward(policy, w), fullgraph=True, mode=None if mode == "default" else mode)

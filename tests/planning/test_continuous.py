@@ -216,7 +216,13 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_
 
 @pytest.mark.parametrize(
     "algo, env",
-    [("sac", "HalfCheetah-v5"), ("tqc", "Hopper-v5"), ("td3", "BipedalWalker-v3"), ("sac", "BipedalWalker-v3")],
+    [
+        ("sac", "HalfCheetah-v5"),
+        ("tqc", "Hopper-v5"),
+        ("td3", "BipedalWalker-v3"),
+        ("sac", "BipedalWalker-v3"),
+        ("tqc", "BipedalWalker-v3"),
+    ],
 )
 def test_the_mujoco_and_box2d_entries_plan_and_train(algo, env):
     plan = make_plan(algo, env, "cpu", overrides={"probe": False})
