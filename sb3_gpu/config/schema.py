@@ -18,6 +18,7 @@ from sb3_gpu.common.checks import AMP_MODES, Check, Schedule
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
+from sb3_gpu.extensions.networks import steps_one_optimizer
 from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN
 
 # `cpu`/`gpu` follow the chosen device; `large` is asked for by name (`--profile large`): a big workstation.
@@ -159,10 +160,13 @@ class Algo:
     extended_class: type[BaseAlgorithm] | None = None
     # The action space the algorithm needs (None: any that SB3 takes).
     action_space: type[spaces.Space] | None = None
-    # Whether fp16's loss scale runs on its step (it spans one optimizer: an actor-critic's several take bf16 only).
-    fp16: bool = True
     # The widest hidden layer of SB3's default network for the algorithm's MLP policy (what the speed rules size).
     default_width: int = 64
+
+    @property
+    def fp16(self) -> bool:
+        """Whether fp16 can train it: its policies step one optimizer, which fp16's loss scale spans."""
+        return all(steps_one_optimizer(policy) for policy in self.model_class.policy_aliases.values())
 
 
 # SAC, TD3 and TQC: device buffers, the compiled, sync-free step, the probe, bf16 and gradient accumulation apply;
@@ -171,9 +175,9 @@ ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
     "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),
     "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete),
-    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, fp16=False, default_width=256),
-    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, fp16=False, default_width=400),
-    "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, fp16=False, default_width=256),
+    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, default_width=256),
+    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, default_width=400),
+    "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, default_width=256),
 }
 EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training")  # sb3_gpu's own, not SB3 arguments
 # Not an SB3 argument: the plan builds SB3's NormalActionNoise from it (SB3 takes the noise object, `action_noise`).

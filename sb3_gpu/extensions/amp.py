@@ -21,7 +21,7 @@ import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.extensions.networks import policy_networks
+from sb3_gpu.extensions.networks import policy_networks, steps_one_optimizer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step
 
 _DTYPES = {"bf16": th.bfloat16, "fp16": th.float16}
@@ -94,7 +94,7 @@ def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, 
     if device_type not in ("cpu", "cuda"):
         raise ConfigError(f"AMP runs on cpu (bf16) or cuda, not {device_type}")
     networks = policy_networks(model)
-    if mode == "fp16" and not networks.loss_scaled:
+    if mode == "fp16" and not steps_one_optimizer(type(policy)):
         raise ConfigError(
             f"amp=fp16 is for one-optimizer policies (PPO, the DQN family), not {type(model).__name__}: its loss scale "
             "would have to span the several optimizers a step takes; use bf16 or off"

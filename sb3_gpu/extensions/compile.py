@@ -10,7 +10,7 @@ import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.extensions.networks import policy_networks
+from sb3_gpu.extensions.networks import policy_networks, steps_one_optimizer
 
 
 class CompileFallbackWarning(UserWarning):
@@ -21,13 +21,12 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
     """Compile the policy's networks in place (state dict keys unchanged) and run one training and one rollout batch
     through them now. On failure they are left uncompiled and a :class:`CompileFallbackWarning` says why, which is
     also returned."""
-    networks = policy_networks(model)
-    if not networks.loss_scaled:  # several optimizers: SAC, TD3, TQC
+    if not steps_one_optimizer(type(model.policy)):  # SAC, TD3, TQC
         raise ConfigError(
             f"compile_policy is for PPO and the DQN family; {type(model).__name__} compiles its whole gradient step "
             "(sb3_gpu's SyncFree classes, compile_step)"
         )
-    modules = networks.compute
+    modules = policy_networks(model).compute
     th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
     try:
         for module in modules:

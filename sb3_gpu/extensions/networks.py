@@ -36,14 +36,19 @@ class PolicyNetworks:
     :ivar loss_methods: policy methods whose outputs feed the loss (PPO's ``evaluate_actions``)
     :ivar value_heads: the last linear layer of each Q-network (and of TD3's actor): its outputs are the values that
         bootstrap targets and pick actions, so AMP keeps it in float32
-    :ivar loss_scaled: whether fp16's loss scale can run on the policy (one optimizer steps it)
     """
 
     compute: list[th.nn.Module]
     loss_facing: list[th.nn.Module]
     loss_methods: list[str]
     value_heads: Sequence[th.nn.Module] = ()
-    loss_scaled: bool = True
+
+
+def steps_one_optimizer(policy_class: type) -> bool:
+    """Whether one optimizer steps the whole policy (PPO's, the DQN family's), which fp16's loss scale and
+    per-module compiling need. SB3's off-policy actor-critics (SAC, TD3, TQC) make an actor and a critic with an
+    optimizer each; the plan asks this of an algorithm's policy class, AMP and compile of the policy they are given."""
+    return not (hasattr(policy_class, "make_actor") and hasattr(policy_class, "make_critic"))
 
 
 def policy_networks(model: BaseAlgorithm) -> PolicyNetworks:
@@ -56,7 +61,7 @@ def policy_networks(model: BaseAlgorithm) -> PolicyNetworks:
     q_nets = [m for name in _Q_NETS if isinstance(m := getattr(policy, name, None), th.nn.Module)]
     if q_nets:
         return PolicyNetworks(q_nets, q_nets, [], _last_linears(q_nets))
-    if all(isinstance(getattr(policy, name, None), th.nn.Module) for name in ("actor", "critic", "critic_target")):
+    if not steps_one_optimizer(type(policy)):
         found: dict[int, th.nn.Module] = {}  # by identity: a features extractor may be shared by actor and critic
         for part in (getattr(policy, name, None) for name in _OFF_POLICY_PARTS):
             for name, child in part.named_children() if part is not None else ():
@@ -67,7 +72,7 @@ def policy_networks(model: BaseAlgorithm) -> PolicyNetworks:
         valued = [
             n for n in nets if not isinstance(n, BaseFeaturesExtractor) and n is not getattr(policy.actor, "latent_pi", None)
         ]
-        return PolicyNetworks(nets, [], [], _last_linears(valued), loss_scaled=False)
+        return PolicyNetworks(nets, [], [], _last_linears(valued))
     if hasattr(policy, "evaluate_actions") and hasattr(policy, "mlp_extractor"):
         found = {id(m): m for name in _ACTOR_CRITIC if isinstance(m := getattr(policy, name, None), th.nn.Module)}
         compute = [m for m in found.values() if any(True for _ in m.parameters())]

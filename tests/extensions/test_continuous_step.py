@@ -4,20 +4,24 @@ nothing read back from the device and every figure logged."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
 import torch as th
+from gymnasium import spaces
 from sb3_contrib import TQC
 from stable_baselines3 import SAC, TD3
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 from stable_baselines3.common.utils import set_random_seed
 
 from sb3_gpu.common.errors import ConfigError, TrainingDiverged
+from sb3_gpu.config.schema import ALGOS
 from sb3_gpu.extensions.amp import enable_amp
 from sb3_gpu.extensions.compile import compile_policy
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
 from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.networks import steps_one_optimizer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, settle_guards
 from sb3_gpu.planning.build import fused
@@ -207,6 +211,21 @@ def test_fp16_is_refused_in_one_line_for_their_several_optimizers():
     model = SyncFreeSAC("MlpPolicy", "Pendulum-v1", device="cpu", **copy.deepcopy(SMALL))
     with pytest.raises(ConfigError, match=r"amp=fp16 is for one-optimizer policies .* not SyncFreeSAC.*use bf16 or off"):
         enable_amp(model, "fp16")
+
+
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_the_plan_and_amp_agree_on_which_algorithms_take_fp16(name: str):
+    """One rule answers both: the plan asks it of the algorithm's policy classes, AMP of the policy it is given."""
+    algo = ALGOS[name]
+    env = "Pendulum-v1" if algo.action_space is spaces.Box else "CartPole-v1"
+    extended: Any = algo.extended_class
+    model = extended("MlpPolicy", env, device="cpu", policy_kwargs={"net_arch": [8]})
+    assert algo.fp16 == steps_one_optimizer(type(model.policy)) == (name in ("ppo", "dqn", "qrdqn"))
+    if algo.fp16:
+        assert enable_amp(model, "fp16").mode == "fp16"
+    else:
+        with pytest.raises(ConfigError, match="amp=fp16 is for one-optimizer policies"):
+            enable_amp(model, "fp16")
 
 
 def test_compiling_their_networks_apart_is_refused_for_the_whole_step():
