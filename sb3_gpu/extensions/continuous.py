@@ -15,8 +15,8 @@ last ``train()`` call's).
 With ``grad_accum_steps=k`` a gradient step takes k micro-batches of ``batch_size`` and goes in stages, as one step on
 their union would: each optimizer's loss is backpropagated on every micro-batch before it steps on their mean gradient
 (:meth:`~sb3_gpu.extensions.stepping.OptimizerStep.accumulate`), so the actor's loss reads critics updated on all of
-them. The critics' activations are freed micro-batch by micro-batch; the actor's sampled actions are kept for its own
-stage. A test pins that k micro-batches step as one batch k times larger.
+them. Each stage frees a micro-batch's activations before it builds the next one's (the actor samples again in its own
+stage, on the same draws); a test pins that k micro-batches step as one batch k times larger.
 """
 
 from __future__ import annotations
@@ -273,14 +273,26 @@ class _EntropyRegularised(_ActorCriticTraining):
     def _update(self, descend: Descend, batches: Sequence[Micro], due: bool) -> dict[str, th.Tensor]:
         s: Any = self
         figures: dict[str, th.Tensor] = {}
-        sampled = [squashed_sample(s.actor, data.observations, draws[0]) for data, draws in batches]
-        log_probs = [log_prob.reshape(-1, 1) for _, log_prob in sampled]
+        # One batch: the actor's sample serves the entropy stage and its own, as in SB3's step. Several: each stage
+        # samples again on the same draws (the actor does not move between them), so that one micro-batch's graph at
+        # most is alive at a time: the memory accumulation is for, at the cost of one forward pass per micro-batch.
+        kept = [squashed_sample(s.actor, batches[0][0].observations, batches[0][1][0])] if len(batches) == 1 else []
+
+        def actor_sample(i: int) -> tuple[th.Tensor, th.Tensor]:
+            data, draws = batches[i]
+            return kept[i] if kept else squashed_sample(s.actor, data.observations, draws[0])
+
         position = 0
         if s.ent_coef_optimizer is not None:
             ent_coef = th.exp(s.log_ent_coef.detach())
             # Detached: the entropy coefficient's loss must not move the actor (SB3's note, after softlearning's).
             losses = []
-            for log_prob in log_probs:
+            for i in range(len(batches)):
+                if kept:
+                    log_prob = kept[0][1].reshape(-1, 1)
+                else:
+                    with th.no_grad():  # this loss detaches it: no graph to keep
+                        log_prob = actor_sample(i)[1].reshape(-1, 1)
                 losses.append(-(s.log_ent_coef * (log_prob + s.target_entropy).detach()).mean())
                 descend(0, losses[-1])
             figures["train/ent_coef_loss"] = _mean(losses)
@@ -297,8 +309,9 @@ class _EntropyRegularised(_ActorCriticTraining):
             descend(position, losses[-1])  # at once: each micro-batch's graph is freed before the next is built
         figures["train/critic_loss"] = _mean(losses)
         losses = []
-        for (data, _), (actions_pi, _), log_prob in zip(batches, sampled, log_probs, strict=True):
-            losses.append((ent_coef * log_prob - self._actor_q(data.observations, actions_pi)).mean())
+        for i, (data, _) in enumerate(batches):
+            actions_pi, log_prob = actor_sample(i)
+            losses.append((ent_coef * log_prob.reshape(-1, 1) - self._actor_q(data.observations, actions_pi)).mean())
             descend(position + 1, losses[-1])
         figures["train/actor_loss"] = _mean(losses)
         if due:

@@ -4,6 +4,7 @@ nothing read back from the device and every figure logged."""
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import numpy as np
@@ -279,6 +280,44 @@ def test_two_micro_batches_step_as_one_batch_twice_their_size(case):
     # One optimizer step per window of two backward passes: counted as the whole batch's.
     assert [s.steps for s in optimizer_steps(halves)] == [s.steps for s in optimizer_steps(whole)]
     assert halves._n_updates == whole._n_updates == 4
+
+
+@pytest.mark.parametrize("case", list(EXTRA))
+def test_accumulation_keeps_one_micro_batch_of_activations_alive_at_a_time(case):
+    """What accumulation is for: its peak of activations saved for backward is one micro-batch's, whatever k."""
+
+    def peak(k: int) -> int:
+        model = _accumulating(case, k)
+        batches = []
+        for _ in range(k):
+            data = model.replay_buffer.sample(16)
+            batches.append((data, model._draws(16, data.actions)))
+        # Not activations: the weights, and the micro-batches themselves (the caller holds them all).
+        inputs = [t for data, draws in batches for t in (*data, *draws)]
+        held = [*model.policy.parameters(), getattr(model, "log_ent_coef", None), *inputs]
+        ids = {id(t) for t in held}
+        saved: dict[int, weakref.ref] = {}  # by identity: one tensor (the entropy coefficient) is saved by every loss
+
+        def pack(t: th.Tensor) -> th.Tensor:
+            if id(t) not in ids:
+                saved[id(t)] = weakref.ref(t)
+            return t
+
+        counts = []
+
+        def descend(i: int, loss: th.Tensor) -> None:
+            counts.append(sum(ref() is not None for ref in saved.values()))
+            optimizers = model._optimizers()
+            optimizers[i].zero_grad()
+            loss.backward()
+            optimizers[i].step()
+
+        with th.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model._update(descend, batches, due=True)
+        assert len(counts) == k * len(model._optimizers())
+        return max(counts)
+
+    assert peak(3) == peak(1) > 0
 
 
 def test_accumulation_is_refused_beside_gsde_and_kept_by_save_and_load(tmp_path):
