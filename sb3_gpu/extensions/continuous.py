@@ -21,6 +21,7 @@ stage, on the same draws); a test pins that k micro-batches step as one batch k 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -288,11 +289,8 @@ class _EntropyRegularised(_ActorCriticTraining):
             # Detached: the entropy coefficient's loss must not move the actor (SB3's note, after softlearning's).
             losses = []
             for i in range(len(batches)):
-                if kept:
-                    log_prob = kept[0][1].reshape(-1, 1)
-                else:
-                    with th.no_grad():  # this loss detaches it: no graph to keep
-                        log_prob = actor_sample(i)[1].reshape(-1, 1)
+                with contextlib.nullcontext() if kept else th.no_grad():  # this loss detaches it: no graph to keep
+                    log_prob = actor_sample(i)[1].reshape(-1, 1)
                 losses.append(-(s.log_ent_coef * (log_prob + s.target_entropy).detach()).mean())
                 descend(0, losses[-1])
             figures["train/ent_coef_loss"] = _mean(losses)
