@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from sb3_contrib import TQC
 from sb3_contrib.common.utils import quantile_huber_loss
 from stable_baselines3 import SAC, TD3
+from stable_baselines3.common.preprocessing import get_action_dim
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_gpu.common.checks import POS_INT
@@ -55,7 +56,10 @@ def check_actor_critic_accumulation(grad_accum_steps: Any, use_sde: bool) -> int
     """``grad_accum_steps`` as an int; more than one is refused beside gSDE, whose step stays SB3's (one batch)."""
     grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
     if use_sde and grad_accum_steps > 1:
-        raise ConfigError("grad_accum_steps > 1 does not apply with use_sde=true (gSDE steps as SB3 does); set one off")
+        raise ConfigError(
+            f"grad_accum_steps={grad_accum_steps} is not supported with use_sde=True (gSDE trains with SB3's own step, "
+            "one batch at a time); set grad_accum_steps: 1 or use_sde: false"
+        )
     return grad_accum_steps
 
 
@@ -250,7 +254,7 @@ class _EntropyRegularised(_ActorCriticTraining):
     def _draws(self, batch_size: int, actions: th.Tensor | None) -> tuple[th.Tensor, ...]:
         # As Normal.rsample draws them: for the batch's observations, then for the next ones.
         s: Any = self
-        shape = (batch_size, *(s.action_space.shape or ()))
+        shape = (batch_size, get_action_dim(s.action_space))  # flat, as the actor's and the buffer's actions
         return th.empty(shape, device=s.device).normal_(), th.empty(shape, device=s.device).normal_()
 
     def _due(self, gradient_step: int) -> bool:
@@ -370,7 +374,7 @@ class SyncFreeTD3(_ActorCriticTraining, TD3):
 
     def _draws(self, batch_size: int, actions: th.Tensor | None) -> tuple[th.Tensor, ...]:
         # As SB3 draws the target policy's smoothing noise: normal_ on a tensor of the actions' shape.
-        shape = (batch_size, *(self.action_space.shape or ()))
+        shape = (batch_size, get_action_dim(self.action_space))  # flat, as the buffer's actions
         like = actions if actions is not None else th.empty(shape, device=self.device)
         return (th.empty_like(like).normal_(0, self.target_policy_noise),)
 

@@ -209,7 +209,8 @@ class OptimizerStep:
     @property
     def skips_on_device(self) -> bool:
         """Whether the NaN guard decides on the device: a fused optimizer, and a model that reads the flags."""
-        return self.defer_checks and bool(self.optimizer.defaults.get("fused"))
+        # Each group's flag, not the defaults: loading a state saved by a plain optimizer unfuses its groups.
+        return self.defer_checks and all(group.get("fused") for group in self.optimizer.param_groups)
 
     # ------------------------------------------------------------------ internals
     def _scale_on_device(self) -> None:

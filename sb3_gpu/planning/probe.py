@@ -304,6 +304,7 @@ def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]
 
 def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]:
     actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device, dtype=th.float32)
+    actions = actions.reshape(w.batch_size, -1)  # flat, as SB3's actors and buffers keep a Box of several dimensions
     eps = th.randn(actions.shape, device=device)  # SAC's and TQC's draw, made outside the step as theirs is
     actor, critic, critic_target = policy.actor, policy.critic, policy.critic_target
     actor_target = getattr(policy, "actor_target", None)

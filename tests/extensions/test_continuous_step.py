@@ -7,6 +7,7 @@ import copy
 import weakref
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
@@ -50,9 +51,9 @@ def _state(model) -> list[th.Tensor]:
     return tensors
 
 
-def _learned(cls: type, case: str, steps: int = 100, mode: str | None = None, **kwargs):
+def _learned(cls: type, case: str, steps: int = 100, mode: str | None = None, env: Any = "Pendulum-v1", **kwargs):
     # Deep-copied: SB3 writes into the policy_kwargs it is given (SAC adds use_sde, which TD3's policy refuses).
-    model = cls("MlpPolicy", "Pendulum-v1", seed=3, device="cpu", **copy.deepcopy({**SMALL, **EXTRA[case], **kwargs}))
+    model = cls("MlpPolicy", env, seed=3, device="cpu", **copy.deepcopy({**SMALL, **EXTRA[case], **kwargs}))
     if mode is not None:
         assert model.compile_step(mode) is None
     return model.learn(steps)
@@ -94,6 +95,51 @@ def test_the_compiled_step_updates_as_the_uncompiled_one_without_a_graph_break(c
     critic = optimizer_step(compiled.critic.optimizer).steps
     assert critic == compiled._n_updates == 180
     assert optimizer_step(compiled.actor.optimizer).steps == (90 if case == "td3" else 180)
+
+
+class _GridActions(gym.Env):
+    """Actions in a 2x2 box, which SB3's actors and buffers flatten to 4."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Box(-1.0, 1.0, (2, 2), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self._observation(), {}
+
+    def _observation(self):  # from the env's seeded generator (the space's own is not seeded by reset)
+        return self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+
+    def step(self, action):
+        self._t += 1
+        reward = -float(np.square(action - 0.5).sum())
+        return self._observation(), reward, False, self._t >= 20, {}
+
+
+@pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
+def test_actions_of_several_dimensions_step_as_sb3s(case):
+    plain_cls, ours_cls = _pair(case)
+    plain, ours = _learned(plain_cls, case, env=_GridActions()), _learned(ours_cls, case, env=_GridActions())
+    for a, b in zip(_state(ours), _state(plain), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # The draws made inside the graph, for a batch the device buffer samples there too.
+    in_graph = _learned(ours_cls, case, env=_GridActions(), mode="eager", replay_buffer_class=DeviceReplayBuffer)
+    assert in_graph._compiled is not None and in_graph._compiled.fallback is None
+    assert all(np.isfinite(v) for v in in_graph._device_log.read().values())
+
+
+def test_an_optimizer_state_saved_unfused_is_guarded_on_the_host():
+    # A fused policy's entropy optimizer is made fused; a state saved by SB3's plain one unfuses its param group.
+    model = _learned(SyncFreeSAC, "sac", policy_kwargs=fused(SMALL["policy_kwargs"], on_policy=False))
+    model.ent_coef_optimizer.load_state_dict(_learned(SAC, "sac").ent_coef_optimizer.state_dict())
+    assert model.ent_coef_optimizer.defaults["fused"] and not model.ent_coef_optimizer.param_groups[0]["fused"]
+    _guarded(model)
+    assert not optimizer_step(model.ent_coef_optimizer).skips_on_device
+    assert optimizer_step(model.critic.optimizer).skips_on_device
+    before = model.log_ent_coef.detach().clone()
+    model.train(gradient_steps=2, batch_size=16)  # a fused kernel's skip flag, given to a plain Adam, would fail
+    assert not th.equal(before, model.log_ent_coef)
 
 
 @pytest.mark.parametrize("case", ["sac", "td3"])
@@ -321,7 +367,8 @@ def test_accumulation_keeps_one_micro_batch_of_activations_alive_at_a_time(case)
 
 
 def test_accumulation_is_refused_beside_gsde_and_kept_by_save_and_load(tmp_path):
-    with pytest.raises(ConfigError, match=r"grad_accum_steps > 1 does not apply with use_sde=true"):
+    refusal = r"grad_accum_steps=2 is not supported with use_sde=True.*set grad_accum_steps: 1 or use_sde: false"
+    with pytest.raises(ConfigError, match=refusal):
         SyncFreeSAC("MlpPolicy", "Pendulum-v1", device="cpu", use_sde=True, grad_accum_steps=2)
     model = _accumulating("sac", 3)
     model.save(tmp_path / "sac")

@@ -96,10 +96,11 @@ def test_bf16_asked_for_on_the_cpu_trains_with_its_networks_autocast():
 
 
 @pytest.mark.parametrize("algo", list(CLASSES))
-def test_measuring_times_their_real_step_eager_and_in_bf16(algo):
+@pytest.mark.parametrize("action_shape", [(2,), (2, 2)], ids=["flat", "grid"])  # a grid's actions are kept flat
+def test_measuring_times_their_real_step_eager_and_in_bf16(algo, action_shape):
     policy_class = CLASSES[algo].policy_aliases["MlpPolicy"]
-    box = spaces.Box(-1, 1, (3,), np.float32)
-    workload = Workload(algo, policy_class, box, spaces.Box(-1, 1, (2,), np.float32), {"net_arch": [8]}, 8, 2, 1.0)
+    box, actions = spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-1, 1, action_shape, np.float32)
+    workload = Workload(algo, policy_class, box, actions, {"net_arch": [8]}, 8, 2, 1.0)
     for amp in ("off", "bf16"):
         timing = measure_option(Option(Candidate("cpu", amp, 1), workload), 0.01)
         assert timing.train_s > 0 and timing.infer_s > 0
@@ -136,7 +137,7 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("sac", "Pendulum-v1", {"ent_coef": 0}, "ent_coef: expected auto"),
         ("tqc", "Pendulum-v1", {"target_entropy": "max"}, "target_entropy: expected auto or a finite number"),
         ("sac", "Pendulum-v1", {"overlap_training": True}, "'overlap_training' is for dqn, qrdqn, not sac"),
-        ("sac", "Pendulum-v1", {"use_sde": True, "grad_accum_steps": 2}, "grad_accum_steps > 1 does not apply with use_sde"),
+        ("sac", "Pendulum-v1", {"use_sde": True, "grad_accum_steps": 2}, "grad_accum_steps=2 is not supported with use_sde"),
     ],
 )
 def test_what_does_not_apply_is_refused_in_one_line(algo, env, overrides, message):
