@@ -35,7 +35,7 @@ def _free_bytes(device: th.device) -> int | None:
 
 def check_n_steps(n_steps: Any) -> int:
     """A buffer's ``n_steps`` (1: one-step targets), refused unless an int >= 1."""
-    if isinstance(n_steps, bool) or int(n_steps) != n_steps or n_steps < 1:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, (int, float)) or int(n_steps) != n_steps or n_steps < 1:
         raise ConfigError(f"n_steps must be an int >= 1, got {n_steps!r}")
     return int(n_steps)
 
@@ -192,8 +192,8 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         arrays = {name: state.pop(name) for name in _STORAGE}
         self.__dict__.update(state)
         device = self._device
-        if device.type == "cuda" and not th.cuda.is_available():
-            # Saved on a GPU machine: build on the CPU; the loaders then move it to the model's device.
+        if device.type == "cuda" and (not th.cuda.is_available() or (device.index or 0) >= th.cuda.device_count()):
+            # Saved on a GPU this machine lacks: build on the CPU; the loaders then move it to the model's device.
             device = self._device = th.device("cpu")
         if device.type != "cpu":  # on the CPU the unpickled arrays become the storage, taking no more memory
             self._check_fits(sum(a.nbytes for a in arrays.values() if a is not None), device)
@@ -202,7 +202,10 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
     # -- adding ---------------------------------------------------------------------------------------------------
 
     def _to_device(self, array: Any, dtype: th.dtype) -> th.Tensor:
-        tensor = th.as_tensor(np.asarray(array), dtype=dtype)
+        array = np.asarray(array)
+        if any(stride < 0 for stride in array.strides):  # a reversed view, which torch cannot wrap
+            array = array.copy()
+        tensor = th.as_tensor(array, dtype=dtype)
         if self.device.type != "cuda":
             return tensor.to(self.device)
         # From pageable memory a copy waits for the GPU to finish its queue; from pinned memory it need not.
@@ -324,8 +327,9 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         return [t for name in _STORAGE if (t := getattr(self, name)) is not None]
 
     def draws(self, batch_size: int) -> th.Tensor:
-        """Uniform draws in [0, 1) for :meth:`samples_at_draws`, from the buffer's generator: one op."""
-        return th.rand((2, batch_size), generator=self._rng(), device=self.device)
+        """Uniform draws in [0, 1) for :meth:`samples_at_draws`, from the buffer's generator: one op. Double
+        precision: a float's 2**24 values would favour some slots of a million by 6% and never reach some beyond."""
+        return th.rand((2, batch_size), generator=self._rng(), device=self.device, dtype=th.float64)
 
     def samples_at_draws(self, draws: th.Tensor, position: th.Tensor) -> ReplayBufferSamples:
         """The transitions that ``draws`` pick, uniformly over the filled slots and over the envs; ``position`` (see

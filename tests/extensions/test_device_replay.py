@@ -98,6 +98,44 @@ def test_stores_the_same_data_as_sb3_at_every_slot_through_wrap_around(spaces, n
     assert ours.observations.dtype == th.from_numpy(theirs.observations).dtype  # uint8 frames stay uint8
 
 
+def test_reversed_views_are_stored_as_sb3_stores_them_by_tensor_copies():
+    spaces = SPACES["vector-box"]
+    ours, theirs = gpu_writes(DeviceReplayBuffer(12, *spaces, "cpu", 2)), ReplayBuffer(12, *spaces, "cpu", 2)
+    # An env that returns views with negative strides, which torch cannot wrap without a copy.
+    fill([ours, theirs], [(o[:, ::-1], n[:, ::-1], a[:, ::-1], *rest) for o, n, a, *rest in record(*spaces, 2, 8)])
+    for name in ("observations", "next_observations", "actions"):
+        np.testing.assert_array_equal(getattr(ours, name).numpy(), getattr(theirs, name), err_msg=name)
+
+
+def test_in_graph_draws_reach_every_slot_of_a_buffer_past_a_floats_resolution():
+    buffer = DeviceReplayBuffer(20, *SPACES["vector-discrete"], "cpu")
+    buffer._get_samples_at = lambda batch_inds, env_inds, newest: batch_inds  # the slots picked, not their data
+    filled = 2**26  # float32 draws (2**24 values in [0, 1)) would pick only every fourth slot of these
+    slots = buffer.samples_at_draws(buffer.draws(4096), th.tensor([filled, 0]))
+    assert int(slots.min()) >= 0 and int(slots.max()) < filled
+    assert bool((slots % 4 != 0).any())
+
+
+def test_a_buffer_saved_on_a_gpu_this_machine_lacks_loads_on_the_cpu(monkeypatch):
+    buffer = DeviceReplayBuffer(20, *SPACES["vector-discrete"], "cpu")
+    fill([buffer], record(*SPACES["vector-discrete"], 1, steps=5))
+    state = buffer.__getstate__()
+    state["_device"] = th.device("cuda", 1)  # saved on a machine's second GPU; this one has one
+    monkeypatch.setattr(th.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(th.cuda, "device_count", lambda: 1)
+    loaded = DeviceReplayBuffer.__new__(DeviceReplayBuffer)
+    loaded.__setstate__(state)
+    assert loaded.device == th.device("cpu")
+    np.testing.assert_array_equal(loaded.observations.numpy(), buffer.observations.numpy())
+
+
+@pytest.mark.parametrize("n_steps", [0, 1.5, None, "3", True])
+def test_n_steps_other_than_a_positive_int_is_refused_in_one_line(n_steps):
+    with pytest.raises(ConfigError, match=r"n_steps must be an int >= 1, got "):
+        replay.check_n_steps(n_steps)
+    assert replay.check_n_steps(3.0) == 3
+
+
 @pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
 @pytest.mark.parametrize("n_envs", [1, 3])
 def test_samples_at_given_indices_equal_sb3s_in_values_and_dtypes(spaces, n_envs):
