@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.config.files import read_yaml
 from sb3_gpu.config.schema import ACTIVATIONS, Algo, validate_entry
 from sb3_gpu.envs.spec import looks_atari
@@ -55,7 +55,13 @@ def zoo_file(spec: str) -> Path:
         if found is None or not found.submodule_search_locations:
             raise ConfigError(f"zoo:{spec} reads an installed rl_zoo3's files: pip install rl_zoo3 (or give zoo:PATH.yml)")
         return Path(next(iter(found.submodule_search_locations))) / "hyperparams" / f"{spec}.yml"
-    return Path(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(
+            f"zoo:{spec} is neither an algorithm's rl-zoo3 file nor a readable file; accepted: "
+            f"{', '.join(f'zoo:{a}' for a in ZOO_ALGOS)} or zoo:PATH.yml{closest(spec.lower(), ZOO_ALGOS)}"
+        )
+    return path
 
 
 class ZooEntries(Mapping[str, dict[str, Any]]):

@@ -537,6 +537,17 @@ def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame
     return 2 * obs + action + 3 * 4
 
 
+def _check_quantiles(drop: int, n_quantiles: Any) -> None:
+    """TQC's critics each give ``n_quantiles``; the target drops the top ``drop`` of each: some must be left."""
+    if isinstance(n_quantiles, bool) or not isinstance(n_quantiles, int) or n_quantiles < 1:
+        raise ConfigError(f"policy_kwargs.n_quantiles must be an int >= 1 (TQC's default: 25), got {n_quantiles!r}")
+    if drop >= n_quantiles:
+        raise ConfigError(
+            f"top_quantiles_to_drop_per_net={drop} drops every one of each critic's n_quantiles={n_quantiles}, leaving "
+            f"no target: drop 0 to {n_quantiles - 1}, or raise policy_kwargs.n_quantiles"
+        )
+
+
 def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
     """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
     params: Any = preset.params
@@ -546,6 +557,8 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         check_accumulation(params.grad_accum_steps, params.n_steps, preset.n_envs, params.batch_size)
     elif preset.algo in CONTINUOUS_ALGOS:
         check_actor_critic_accumulation(params.grad_accum_steps, getattr(params, "use_sde", False))
+        if preset.algo == "tqc":
+            _check_quantiles(params.top_quantiles_to_drop_per_net, preset.policy_kwargs.get("n_quantiles", 25))
     freq = getattr(params, "train_freq", None)
     if isinstance(freq, tuple) and freq[1] == "episode" and preset.n_envs > 1:
         raise ConfigError(

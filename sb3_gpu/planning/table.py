@@ -38,7 +38,10 @@ def plan_table(plan: Plan) -> Table:
         if (key == "policy_kwargs" and not value) or (key == "env_kwargs" and not value):
             continue
         shown = "SB3 default" if value is None and key in ("net_arch", "activation_fn") else _show(value)
-        _row(table, key, shown, plan.preset.sources.get(key, ""))
+        why, style = plan.preset.sources.get(key, ""), None
+        if key == "learning_starts" and value >= plan.preset.n_timesteps:
+            why, style = f"{why}; warning: not below n_timesteps ({plan.preset.n_timesteps:,}): no gradient step", "yellow"
+        _row(table, key, shown, why, style=style)
     return table
 
 

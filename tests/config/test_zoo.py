@@ -174,6 +174,12 @@ def test_a_zoo_value_the_preset_checks_refuse_names_the_file_and_entry():
         load_preset_file(get_algo("ppo"), "zoo:a2c")
     with pytest.raises(ConfigError, match=r"zoo:sac holds rl-zoo3's values for sac; this run trains ppo \(zoo:ppo\)"):
         load_preset_file(get_algo("ppo"), "zoo:sac")
+    accepted = r"accepted: zoo:ppo, zoo:dqn, zoo:qrdqn, zoo:sac, zoo:td3, zoo:tqc or zoo:PATH.yml"
+    with pytest.raises(ConfigError, match=rf"zoo:SAC is neither .* a readable file; {accepted}; did you mean 'sac'\?"):
+        load_preset_file(get_algo("sac"), "zoo:SAC")
+    for spec in ("zoo:", "zoo:no/such.yml"):  # the folder "." and a missing file
+        with pytest.raises(ConfigError, match=accepted):
+            load_preset_file(get_algo("sac"), spec)
 
 
 def test_train_plans_from_an_installed_zoo_file_and_refuses_a_hostile_one_with_exit_2(tmp_path, call_main):

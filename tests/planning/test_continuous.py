@@ -138,6 +138,8 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("tqc", "Pendulum-v1", {"target_entropy": "max"}, "target_entropy: expected auto or a finite number"),
         ("sac", "Pendulum-v1", {"overlap_training": True}, "'overlap_training' is for dqn, qrdqn, not sac"),
         ("sac", "Pendulum-v1", {"use_sde": True, "grad_accum_steps": 2}, "grad_accum_steps=2 is not supported with use_sde"),
+        ("tqc", "Pendulum-v1", {"top_quantiles_to_drop_per_net": 25}, r"drops every one of each critic's n_quant"),
+        ("tqc", "Pendulum-v1", {"policy_kwargs": {"n_quantiles": 0}}, r"policy_kwargs.n_quantiles must be an int >= 1"),
     ],
 )
 def test_what_does_not_apply_is_refused_in_one_line(algo, env, overrides, message):

@@ -102,6 +102,20 @@ def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
     assert {"hardware", "device", "vec_env", "batch_size", "target_update_interval", "n_timesteps"} <= set(settings)
 
 
+def test_the_table_warns_where_learning_would_never_start(cpu_machine):
+    def learning_starts_row(timesteps: int) -> tuple[str, str | None]:
+        plan = make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides={"n_timesteps": timesteps})
+        table = plan_table(plan)
+        i = [str(cell) for cell in table.columns[0].cells].index("learning_starts")
+        return str(list(table.columns[2].cells)[i]), table.rows[i].style
+
+    starts = make_plan("dqn", "CartPole-v1", hardware=cpu_machine).preset.params.learning_starts
+    why, style = learning_starts_row(starts)
+    assert f"warning: not below n_timesteps ({starts:,}): no gradient step" in why and style == "yellow"
+    why, style = learning_starts_row(starts + 1)
+    assert "warning" not in why and style is None
+
+
 def test_make_model_returns_a_plain_sb3_model_in_three_lines(tmp_path):
     model, timesteps = make_model("ppo", "CartPole-v1", device="auto", n_steps=16, n_envs=2, batch_size=16, n_epochs=1, seed=0)
     assert type(model) is PPO and timesteps == 100_000
