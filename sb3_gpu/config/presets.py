@@ -153,14 +153,22 @@ class Preset:
         return kwargs
 
 
+_OWN_KEYS = ("net_arch", "activation_fn", "use_sde")  # policy arguments that a preset sets with keys of their own
+
+
 def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], where: str) -> None:
+    for key in _OWN_KEYS:  # SB3 or the preset would overwrite them without a word
+        if key in kwargs:
+            raise ConfigError(f"{where}: policy_kwargs.{key} is a preset key of its own; set {key} instead")
+    if "lr_schedule" in kwargs:
+        raise ConfigError(f"{where}: policy_kwargs.lr_schedule is made by {algo.name} from learning_rate; set that")
     if policy == "auto" or not kwargs:
         return
     policy_class = algo.model_class.policy_aliases.get(policy)
     if policy_class is None:  # pragma: no cover - POLICIES lists only aliases every algorithm has
         raise ConfigError(f"{where}: {algo.name} has no policy {policy!r}")
     accepted = set(inspect.signature(policy_class.__init__).parameters) - {"self", "observation_space", "action_space"}
-    c.check_keys(kwargs, accepted, f"{where}: policy_kwargs of {policy}")
+    c.check_keys(kwargs, accepted - {*_OWN_KEYS, "lr_schedule"}, f"{where}: policy_kwargs of {policy}")
 
 
 def resolve_preset(
@@ -190,7 +198,7 @@ def resolve_preset(
         elif key == "per" and raw[key] is True and isinstance(values.get(key), Mapping):
             raw[key] = values[key]  # --per switches the preset's own PER settings on, not the defaults
     values.update(validate_flat(algo, raw, "override"))
-    check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], entry_label)
+    check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], sources.get("policy_kwargs", entry_label))
     params = algo.params_class(**{f.name: values[f.name] for f in dataclasses.fields(algo.params_class)})
     common = {k: values[k] for k in COMMON_KEYS}
     return Preset(algo=algo.name, entry=entry_label, profile=profile, params=params, sources=sources, **common)

@@ -166,7 +166,9 @@ def make_plan(
         return _Variant(choice, profile_reason, resolved, vec, speed)
 
     def check(v: _Variant) -> _Variant:
-        check_policy_kwargs(algo_, v.resolved.policy, v.resolved.policy_kwargs, entry_label)
+        check_policy_kwargs(
+            algo_, v.resolved.policy, v.resolved.policy_kwargs, v.resolved.sources.get("policy_kwargs", entry_label)
+        )
         _check_combinations(v.resolved, facts.observation_space)
         return v
 

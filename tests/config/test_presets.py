@@ -89,6 +89,24 @@ def test_overrides_win_and_are_validated():
         resolve_preset(PPO_, entry, "f:e", "cpu", {"batch_size": ("big", "--set")})
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("net_arch", [32], "policy_kwargs.net_arch is a preset key of its own; set net_arch instead"),
+        ("activation_fn", "relu", "policy_kwargs.activation_fn is a preset key of its own; set activation_fn instead"),
+        ("use_sde", True, "policy_kwargs.use_sde is a preset key of its own; set use_sde instead"),
+        ("lr_schedule", 1, "policy_kwargs.lr_schedule is made by ppo from learning_rate; set that"),
+    ],
+)
+def test_policy_arguments_the_preset_or_sb3_sets_are_refused_in_policy_kwargs(key, value, message):
+    # Each would be overwritten (net_arch, activation_fn, use_sde) or clash (lr_schedule) without a word.
+    entry = validate_entry(PPO_, {"net_arch": [64]}, "t")
+    with pytest.raises(ConfigError, match=rf"^--set: {message}$"):
+        resolve_preset(PPO_, entry, "f:e", "cpu", {f"policy_kwargs.{key}": (value, "--set")})
+    with pytest.raises(ConfigError, match=rf"^t: {message}$"):
+        resolve_preset(PPO_, validate_entry(PPO_, {"policy_kwargs": {key: value}}, "t"), "t", "cpu")
+
+
 def test_entry_selection_prefers_env_then_atari_then_default():
     entries = {"default": {}, "atari": {}, "CartPole-v1": {}}
     assert select_entry(entries, "CartPole-v1", False, "f") == "CartPole-v1"

@@ -17,6 +17,7 @@ from sb3_gpu.planning.speed import SpeedPlan, apply_speed, choose_speed
 from tests.conftest import machine
 
 SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
+PPO_PRESET = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "net_arch": [32, 32]}  # SMALL_PPO as preset keys
 
 
 # --------------------------------------------------------------------------- decisions, on faked machines
@@ -154,7 +155,7 @@ def test_a_run_trained_with_gpu_only_switches_evaluates_on_the_cpu(tmp_path):
     from sb3_gpu.runs.training import train_run
 
     plan = make_plan(
-        "ppo", "CartPole-v1", "cpu", seed=0, overrides={"amp": "bf16", **SMALL_PPO, "n_envs": 1, "n_timesteps": 128}
+        "ppo", "CartPole-v1", "cpu", seed=0, overrides={"amp": "bf16", **PPO_PRESET, "n_envs": 1, "n_timesteps": 128}
     )
     train_run(plan, tmp_path / "run", eval_episodes=1, progress=False, eval_freq=64)
     config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
