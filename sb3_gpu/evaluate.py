@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="a run dir (its best model, else its final model) or a model .zip inside a run dir")
     p.add_argument("--episodes", type=positive_int, default=10, help="episodes to run (default 10)")
     p.add_argument("--stochastic", action="store_true", help="sample actions instead of taking the most likely one")
-    p.add_argument("--model", choices=("best", "final"), default="best", help="for a run dir: which model (default best)")
+    p.add_argument("--model", choices=("best", "final"), help="for a run dir: which model (default best)")
     p.add_argument("--device", default="cpu", help="device to run the policy on (default cpu)")
     p.add_argument("--seed", type=seed_int, default=None, help="seed of the evaluation env")
     p.add_argument(
@@ -60,13 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     try:
+        if args.model is not None and str(args.target).endswith(".zip"):
+            raise ConfigError(f"--model {args.model} picks a model in a run dir; {args.target} names one already")
         from sb3_gpu.runs.evaluation import evaluate_run  # torch and SB3: here, so that --help needs neither
 
         result = evaluate_run(
             args.target,
             args.episodes,
             deterministic=not args.stochastic,
-            which=args.model,
+            which=args.model or "best",
             device=args.device,
             seed=args.seed,
             video=args.video or args.video_length is not None,

@@ -272,6 +272,7 @@ def test_evaluate_does_not_check_what_only_training_allocates(finished_run, tmp_
         (["{evil_run}"], "'system' is not a gymnasium.Env class"),
         (["{existing}", "--episodes", "1e30"], "--episodes: expected a positive integer up to 2,147,483,647"),
         (["{dqn_config}"], "holds a ppo model, and this run's config is for dqn"),
+        (["{done}/model.zip", "--model", "best"], "--model best picks a model in a run dir; "),
     ],
 )
 def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call_main, tmp_path):
