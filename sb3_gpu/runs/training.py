@@ -137,6 +137,8 @@ def resume_run(
     :param save_replay_buffer: from now on save the replay buffer too (default: as the run did)
     """
     run = RunDir(run_dir)
+    if run.path.exists() and not run.path.is_dir():
+        raise ConfigError(f"--resume: {run} is a file; give the run dir that holds config.yaml")
     if not run.path.is_dir():
         raise ConfigError(f"--resume: no such run dir: {run}")
     if not run.config.is_file():

@@ -122,6 +122,7 @@ BAD_INPUTS = [
     (["ppo", "--save-replay-buffer"], "--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc)"),
     # --resume: the run dir and what may be given with it
     (["--resume", "{missing}"], "--resume: no such run dir"),
+    (["--resume", "{done}/config.yaml"], "config.yaml is a file; give the run dir that holds config.yaml"),
     (["--resume", "{existing}"], "holds no config.yaml; is it a run dir written by sb3_gpu.train?"),
     (["--resume", "{broken}"], "holds no readable model.zip or checkpoint to continue from"),
     (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps with a larger total"),
