@@ -54,6 +54,9 @@ def mask_url(url: str, text: str | None = None) -> str:
     return text
 
 
+_ACCEPTED = "accepted: sqlite:///FILE, postgresql://..., mysql://..., journal:FILE"
+
+
 def make_storage(url: str, heartbeat_s: int) -> Any:
     """An optuna storage: ``journal:PATH`` (a journal file), or any SQLAlchemy URL (sqlite, postgresql, mysql)."""
     optuna = import_optuna()
@@ -64,9 +67,7 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
         path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
     if "://" not in url:
-        raise ConfigError(
-            f"storage {url!r} is not a URL (accepted: sqlite:///FILE, postgresql://..., mysql://..., journal:FILE)"
-        )
+        raise ConfigError(f"storage {url!r} is not a URL ({_ACCEPTED})")
     for attempt in range(5):
         try:
             with warnings.catch_warnings():
@@ -86,7 +87,7 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
                 time.sleep(0.5 * (attempt + 1))
                 continue
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"cannot open storage {mask_url(url)}: {mask_url(url, first)}") from None
+            raise ConfigError(f"cannot open storage {mask_url(url)}: {mask_url(url, first)} ({_ACCEPTED})") from None
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -191,6 +191,7 @@ def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
             "cannot open storage postgresql://tuner@127.0.0.1:1/optuna?password=***&sslmode=disable",
         ),
         (["--storage", "study.db"], "storage 'study.db' is not a URL"),
+        (["--storage", "foo://bar"], "cannot open storage foo://bar: Can't load plugin: sqlalchemy.dialects:foo (accepted: "),
         (["--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
     ],
 )
