@@ -156,12 +156,13 @@ def make_plan(
             sources = {**resolved.sources, "policy": "auto (observation space)"}
             resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
         vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
+        if resolved.amp == "fp16" and not algo_.fp16:  # before the device's own fp16 check: on no device
+            source, use = resolved.sources.get("amp", "preset"), "bf16 or off"
+            if choice.device.startswith("cuda") and not (gpu := hardware.gpu(choice.device)).bf16:
+                use = f"off ({gpu.name} has no bf16)"
+            raise ConfigError(f"amp=fp16 ({source}): {_NO_FP16.format(algo=algo_.name)}; use {use}")
         speed = _speed(resolved, choice.device, kind, vec.workers, hardware)
-        if speed.amp == "fp16" and not algo_.fp16:
-            if resolved.amp == "fp16":
-                source, gpu = resolved.sources.get("amp", "preset"), hardware.gpu(choice.device)
-                use = "bf16 or off" if gpu.bf16 else f"off ({gpu.name} has no bf16)"
-                raise ConfigError(f"amp=fp16 ({source}): {_NO_FP16.format(algo=algo_.name)}; use {use}")
+        if speed.amp == "fp16" and not algo_.fp16:  # chosen by the rules for the GPU
             speed = dataclasses.replace(speed, amp="off", amp_reason=f"off: {_NO_FP16.format(algo=algo_.name)}")
         return _Variant(choice, profile_reason, resolved, vec, speed)
 

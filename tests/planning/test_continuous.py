@@ -84,6 +84,10 @@ def test_a_gpu_with_fp16_only_leaves_them_in_float32_and_refuses_fp16_in_one_lin
     with pytest.raises(ConfigError, match=refused) as info:
         make_plan("tqc", "Pendulum-v1", "cuda:0", hardware=t4, overrides={"amp": "fp16"})
     assert "\n" not in str(info.value)
+    # On the CPU too the refusal names the algorithm, not only the device (which would send the user to a GPU).
+    refused = r"amp=fp16 \(.*\): sac steps several optimizers .*; use bf16 or off$"
+    with pytest.raises(ConfigError, match=refused):
+        make_plan("sac", "Pendulum-v1", "cpu", overrides={"amp": "fp16", "probe": False})
 
 
 def test_bf16_asked_for_on_the_cpu_trains_with_its_networks_autocast():
