@@ -4,6 +4,7 @@ keys every entry may hold, and the validation of flat mappings and of entries wi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,6 +250,14 @@ def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
     """Validate a profile-free mapping of keys; return the normalised values."""
     mapping = c.mapping(mapping, where)
     checks = valid_keys(algo)
+    _refuse_other_algorithms_keys(algo, mapping, where)
+    c.check_keys(mapping, set(checks), where)
+    return {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
+
+
+def _refuse_other_algorithms_keys(algo: Algo, mapping: Mapping[str, Any], where: str) -> None:
+    """A key of another algorithm is named as such, not answered with the closest spelling of one of ``algo``'s."""
+    checks = valid_keys(algo)
     for key in mapping:
         if key in checks:
             continue
@@ -257,13 +266,12 @@ def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: {key!r} is for off-policy algorithms ({others}); {algo.name} is on-policy")
         if others:
             raise ConfigError(f"{where}: {key!r} is for {others}, not {algo.name}")
-    c.check_keys(mapping, set(checks), where)
-    return {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
 
 
 def validate_entry(algo: Algo, entry: Any, where: str) -> dict[str, Any]:
     """Validate an entry: shared keys plus optional ``cpu:``, ``gpu:`` and ``large:`` profiles."""
     entry = c.mapping(entry, where)
+    _refuse_other_algorithms_keys(algo, {k: v for k, v in entry.items() if k not in PROFILES}, where)
     c.check_keys(entry, set(valid_keys(algo)) | set(PROFILES), where)
     shared = validate_flat(algo, {k: v for k, v in entry.items() if k not in PROFILES}, where)
     out: dict[str, Any] = dict(shared)

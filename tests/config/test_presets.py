@@ -144,6 +144,8 @@ def test_unknown_key_in_a_profile_is_an_error(tmp_path):
         ("default:\n  policy: MlpPolicyy\n", "did you mean 'MlpPolicy'"),
         ("default:\n  gpu:\n    policy: CnnPolicy\n", "'policy' must be shared"),
         ("default:\n  policy_kwargs: {ortho_innit: false}\n  policy: MlpPolicy\n", "did you mean 'ortho_init'"),
+        ("default:\n  policy_delay: 2\n", "'policy_delay' is for td3, not ppo"),  # not "did you mean 'policy'"
+        ("default:\n  cpu:\n    buffer_size: 10\n", "'buffer_size' is for off-policy algorithms"),
     ],
 )
 def test_bad_values_are_errors_that_name_the_key(tmp_path, text, message):
