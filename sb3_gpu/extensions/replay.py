@@ -35,7 +35,8 @@ def _free_bytes(device: th.device) -> int | None:
 
 def check_n_steps(n_steps: Any) -> int:
     """A buffer's ``n_steps`` (1: one-step targets), refused unless an int >= 1."""
-    if isinstance(n_steps, bool) or not isinstance(n_steps, (int, float)) or int(n_steps) != n_steps or n_steps < 1:
+    number = isinstance(n_steps, (int, float, np.integer, np.floating)) and not isinstance(n_steps, bool)
+    if not number or not math.isfinite(n_steps) or int(n_steps) != n_steps or n_steps < 1:
         raise ConfigError(f"n_steps must be an int >= 1, got {n_steps!r}")
     return int(n_steps)
 

@@ -129,11 +129,11 @@ def test_a_buffer_saved_on_a_gpu_this_machine_lacks_loads_on_the_cpu(monkeypatch
     np.testing.assert_array_equal(loaded.observations.numpy(), buffer.observations.numpy())
 
 
-@pytest.mark.parametrize("n_steps", [0, 1.5, None, "3", True])
+@pytest.mark.parametrize("n_steps", [0, 1.5, None, "3", True, float("nan"), float("inf")])
 def test_n_steps_other_than_a_positive_int_is_refused_in_one_line(n_steps):
     with pytest.raises(ConfigError, match=r"n_steps must be an int >= 1, got "):
         replay.check_n_steps(n_steps)
-    assert replay.check_n_steps(3.0) == 3
+    assert replay.check_n_steps(3.0) == replay.check_n_steps(np.int64(3)) == 3
 
 
 @pytest.mark.parametrize("spaces", SPACES.values(), ids=SPACES.keys())
