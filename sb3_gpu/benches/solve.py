@@ -30,14 +30,16 @@ class Case:
     seed: int
     timesteps: int | None = None
     preset: str | None = None  # a preset YAML file instead of the bundled one
+    eval_freq: int | None = None  # None: train's default, a tenth of the run
 
     def label(self) -> str:
         per = "" if self.per is None else f", PER {'on' if self.per else 'off'}"
         preset = f", preset {Path(self.preset).name}" if self.preset else ""
-        return f"{self.algo} {self.env}{per}, amp {self.amp}{preset}"
+        every = f", evaluated every {self.eval_freq:,} steps" if self.eval_freq else ""
+        return f"{self.algo} {self.env}{per}, amp {self.amp}{preset}{every}"
 
 
-CASE_FIELDS = ("algo", "env", "per", "amp", "seed", "timesteps", "preset")
+CASE_FIELDS = ("algo", "env", "per", "amp", "seed", "timesteps", "preset", "eval_freq")
 
 
 def solve_case(case: Case, episodes: int) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
         case.algo, case.env, "auto", seed=case.seed, n_timesteps=case.timesteps, preset=case.preset, overrides=overrides
     )
     with tempfile.TemporaryDirectory(prefix="sb3_gpu_solve_") as tmp:
-        summary = train_run(plan, Path(tmp) / "run", progress=False, report_s=None)
+        summary = train_run(plan, Path(tmp) / "run", eval_freq=case.eval_freq, progress=False, report_s=None)
         if summary.get("stopped_by") is not None:  # a signal stops the bench, not only this case's training
             raise KeyboardInterrupt(f"stopped by {summary['stopped_by']}")
         fresh = evaluate_run(Path(tmp) / "run", episodes=episodes, seed=case.seed + FRESH_SEED_OFFSET)

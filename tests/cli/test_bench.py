@@ -65,10 +65,11 @@ def test_bench_solve_trains_a_preset_file_in_place_of_the_bundled_one(tmp_path, 
     preset = tmp_path / "mine.yaml"
     preset.write_text("CartPole-v1:\n  n_timesteps: 640\n  learning_starts: 64\n  net_arch: [16]\n")
     args = ["solve", "--seeds", "0", "--per", "off", "--episodes", "2", "--target", "20", "--preset", str(preset)]
-    assert bench.main([*args, "--out", str(tmp_path / "out")]) == 0
+    assert bench.main([*args, "--eval-freq", "200", "--out", str(tmp_path / "out")]) == 0
     (row,) = json.loads((tmp_path / "out" / "solve.json").read_text())["rows"]
     assert row["preset"] == str(preset) and row["trained"] == 640, row
-    assert "preset mine.yaml, seed 0: best_model.zip" in capsys.readouterr().out
+    assert row["eval_freq"] == 200 and row["best_at"] in (200, 400, 600), row  # not the default's tenths, 64 apart
+    assert "preset mine.yaml, evaluated every 200 steps, seed 0: best_model.zip" in capsys.readouterr().out
     preset.write_text("CartPole-v1:\n  bach_size: 64\n")
     assert bench.main([*args, "--out", str(tmp_path / "out")]) == 2
     assert "unknown key 'bach_size'; did you mean 'batch_size'" in capsys.readouterr().err
