@@ -15,6 +15,7 @@ from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledStep, refusal
+from sb3_gpu.extensions.hostcopy import queued_observation_copies
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step, optimizer_steps, read_with_guards
@@ -113,7 +114,8 @@ class GradAccumPPO(PPO):
     def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:
         if isinstance(rollout_buffer, DeviceRolloutBuffer):
             callback = _StagingCallback(callback, rollout_buffer)
-        with no_argument_checks():  # building each step's distribution would read it back twice
+        # Building each step's distribution would read it back twice; the observations cross in one queued copy.
+        with no_argument_checks(), queued_observation_copies():
             if self._compiled_act is None:
                 return super().collect_rollouts(env, callback, rollout_buffer, n_rollout_steps)
             self.policy.forward = self._compiled_act  # type: ignore[method-assign,assignment]  # what SB3's rollout calls

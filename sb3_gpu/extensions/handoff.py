@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 import torch as th
 
+from sb3_gpu.extensions.hostcopy import queued_observation_copies
+
 
 class ObservationHandOff:
     """For a device buffer whose ``add`` gets the host array that SB3's loop already copied to the device for the
@@ -42,7 +44,8 @@ class StagedObservations:
         s: Any = self
         buffer, obs, policy = s.replay_buffer, s._last_obs, s.policy
         if not isinstance(buffer, ObservationHandOff) or not isinstance(obs, np.ndarray):
-            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
+            with queued_observation_copies():
+                return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
 
         def obs_to_tensor(observation: Any) -> tuple[th.Tensor, bool]:
             tensor, vectorized = type(policy).obs_to_tensor(policy, observation)
@@ -52,6 +55,7 @@ class StagedObservations:
 
         policy.obs_to_tensor = obs_to_tensor
         try:
-            return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
+            with queued_observation_copies():
+                return super()._sample_action(*args, **kwargs)  # type: ignore[misc]
         finally:
             del policy.obs_to_tensor

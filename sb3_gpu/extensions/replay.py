@@ -16,6 +16,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.handoff import ObservationHandOff
+from sb3_gpu.extensions.hostcopy import to_device
 
 # The tensors a buffer owns (None where its layout has none); the rewards, dones and timeouts are views of _scalars.
 _STORAGE = ("observations", "next_observations", "actions", "_scalars", "_terminal_obs", "_terminal_row")
@@ -203,14 +204,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
     # -- adding ---------------------------------------------------------------------------------------------------
 
     def _to_device(self, array: Any, dtype: th.dtype) -> th.Tensor:
-        array = np.asarray(array)
-        if any(stride < 0 for stride in array.strides):  # a reversed view, which torch cannot wrap
-            array = array.copy()
-        tensor = th.as_tensor(array, dtype=dtype)
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        # From pageable memory a copy waits for the GPU to finish its queue; from pinned memory it need not.
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return to_device(array, self.device, dtype)
 
     def _write(self, name: str, pos: int, array: np.ndarray | th.Tensor) -> None:
         """``storage[pos] = array`` for the storage ``name``, converted to its dtype: one copy to the device, none

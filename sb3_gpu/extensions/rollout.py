@@ -14,6 +14,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.handoff import ObservationHandOff
+from sb3_gpu.extensions.hostcopy import to_device
 
 
 class DeviceRolloutBuffer(ObservationHandOff, RolloutBuffer):
@@ -138,8 +139,8 @@ class DeviceRolloutBuffer(ObservationHandOff, RolloutBuffer):
                     stored[row] = array
         else:
             for storage, array in zip(storages, new, strict=True):
-                # copy_ converts dtype and device in one transfer into the preallocated row
-                storage[row].copy_(th.as_tensor(array))
+                # into the preallocated row; a device tensor (the value, the staged observations) is not copied twice
+                storage[row].copy_(array if isinstance(array, th.Tensor) else to_device(array, self.device, storage.dtype))
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True

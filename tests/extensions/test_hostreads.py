@@ -8,11 +8,15 @@ import pickle
 import numpy as np
 import pytest
 import torch as th
+from stable_baselines3.common import on_policy_algorithm, policies, utils
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
+from sb3_gpu.extensions import hostcopy
 from sb3_gpu.extensions.accumulate import GradAccumPPO
+from sb3_gpu.extensions.continuous import SyncFreeSAC
 from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.hostcopy import queued_observation_copies, to_device
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.per import PrioritizedDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -125,3 +129,82 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions(comp
     assert not compiled or ppo._compiled_act.fallback is None
     # The observations crossed once, for the policy; the buffers stored that copy.
     assert ppo.rollout_buffer.host_observation_copies == dqn.replay_buffer.host_observation_copies == 0
+
+
+def test_to_device_is_torchs_own_copy_off_cuda_and_converts_reversed_views():
+    frames = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    out = to_device(frames, "cpu")
+    assert out.dtype == th.uint8 and th.equal(out, th.from_numpy(frames))
+    reversed_view = frames[:, ::-1]
+    assert th.equal(to_device(reversed_view, "cpu", th.float32), th.from_numpy(reversed_view.copy()).float())
+
+
+def test_to_device_on_cuda_copies_from_pinned_memory_without_waiting(monkeypatch):
+    # No GPU here: pinning and the copy to "cuda" are faked, to see which calls the CUDA path makes, in which order.
+    calls, to = [], th.Tensor.to
+
+    def pin_memory(tensor):
+        calls.append("pin_memory")
+        return tensor.clone()
+
+    def fake_to(tensor, *args, **kwargs):
+        if args and th.device(args[0]).type == "cuda":
+            calls.append(("to", str(args[0]), kwargs.get("non_blocking")))
+            return tensor.clone()
+        return to(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(th.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(th.Tensor, "to", fake_to)
+    out = to_device(np.arange(6, dtype=np.float64), th.device("cuda:0"), th.float32)
+    assert calls == ["pin_memory", ("to", "cuda:0", True)]
+    assert out.dtype == th.float32 and out.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_sb3s_observation_copy_is_swapped_while_any_block_runs_and_restored_after_the_last():
+    sb3s = utils.obs_as_tensor
+    with queued_observation_copies():
+        with queued_observation_copies():
+            assert on_policy_algorithm.obs_as_tensor is policies.obs_as_tensor is hostcopy.observations_to_device
+        assert on_policy_algorithm.obs_as_tensor is hostcopy.observations_to_device  # the outer block still runs
+        with pytest.raises(RuntimeError), queued_observation_copies():
+            raise RuntimeError
+        assert policies.obs_as_tensor is hostcopy.observations_to_device
+    assert on_policy_algorithm.obs_as_tensor is policies.obs_as_tensor is sb3s
+    obs = {"image": np.zeros((2, 3), np.uint8), "vector": np.ones(2, np.float32)}
+    out = hostcopy.observations_to_device(obs, th.device("cpu"))
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in out.items()} == {
+        "image": (th.uint8, (2, 3)),
+        "vector": (th.float32, (2,)),
+    }
+    with pytest.raises(TypeError, match="Unrecognized type of observation"):
+        hostcopy.observations_to_device([1, 2], th.device("cpu"))
+
+
+@pytest.mark.parametrize("algo", ["ppo", "dqn", "sac"])
+def test_collection_copies_each_vec_steps_observations_once_by_the_queued_copy(monkeypatch, algo):
+    copies = []
+
+    def counted(obs, device):
+        copies.append(obs.shape)
+        return to_device(obs, device)
+
+    monkeypatch.setattr(hostcopy, "observations_to_device", counted)
+    if algo == "ppo":
+        envs = make_vec_env("CartPole-v1", n_envs=2, seed=0)
+        model = GradAccumPPO("MlpPolicy", envs, n_steps=16, batch_size=32, rollout_buffer_class=DeviceRolloutBuffer)
+    elif algo == "dqn":
+        model = PrioritizedDQN(
+            "MlpPolicy",
+            "CartPole-v1",
+            exploration_initial_eps=0.0,
+            exploration_final_eps=0.0,
+            replay_buffer_class=DeviceReplayBuffer,
+        )
+    else:
+        model = SyncFreeSAC("MlpPolicy", "Pendulum-v1", learning_starts=0, replay_buffer_class=DeviceReplayBuffer)
+    _collect(model, 16)
+    # One per vec step, the envs' batch; PPO's rollout ends with one more, the last observations' values.
+    assert copies == [(model.n_envs, *model.observation_space.shape)] * (17 if algo == "ppo" else 16)
+    assert on_policy_algorithm.obs_as_tensor is policies.obs_as_tensor is utils.obs_as_tensor  # SB3's, after
+    buffer = model.rollout_buffer if algo == "ppo" else model.replay_buffer
+    assert buffer.host_observation_copies == 0  # the buffer stored the policy's copy
