@@ -19,16 +19,26 @@ import torch as th
 from stable_baselines3.common import on_policy_algorithm, policies
 
 
+def _host_tensor(array: Any, dtype: th.dtype | None) -> th.Tensor:
+    # Contiguous: torch cannot wrap a reversed view, and a strided or broadcast one would not pin as one block.
+    return th.as_tensor(np.ascontiguousarray(array), dtype=dtype)
+
+
 def to_device(array: Any, device: th.device | str, dtype: th.dtype | None = None) -> th.Tensor:
     """``array`` as a tensor of ``dtype`` (default: its own) on ``device``, through pinned memory on CUDA."""
-    array = np.asarray(array)
-    if any(stride < 0 for stride in array.strides):  # a reversed view, which torch cannot wrap
-        array = array.copy()
-    tensor = th.as_tensor(array, dtype=dtype)
-    device = th.device(device)
+    tensor, device = _host_tensor(array, dtype), th.device(device)
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def copy_into(target: th.Tensor, array: Any) -> None:
+    """``target.copy_(array)``, converted on the host and sent through pinned memory on CUDA."""
+    tensor = _host_tensor(array, target.dtype)
+    if target.device.type != "cuda":
+        target.copy_(tensor)
+    else:
+        target.copy_(tensor.pin_memory(), non_blocking=True)
 
 
 def observations_to_device(obs: np.ndarray | dict[str, np.ndarray], device: th.device) -> Any:
@@ -41,9 +51,10 @@ def observations_to_device(obs: np.ndarray | dict[str, np.ndarray], device: th.d
 
 
 # SB3's modules that copy observations for the policy: the on-policy rollout and every policy's obs_to_tensor.
-_SB3_COPIERS = {module: module.obs_as_tensor for module in (on_policy_algorithm, policies)}
+_SB3_COPIERS = (on_policy_algorithm, policies)
 _lock = threading.Lock()
 _users = 0
+_replaced: dict[Any, Any] = {}  # what each module held when the first block began
 
 
 @contextmanager
@@ -51,12 +62,14 @@ def queued_observation_copies() -> Iterator[None]:
     """While the block runs, SB3's rollouts and policies copy observations with :func:`observations_to_device`.
 
     The swap is process-wide (it replaces the name SB3's modules call), so it is counted: nested or concurrent blocks
-    (a trainer thread beside the collecting one) restore SB3's own function only when the last one ends.
+    (a trainer thread beside the collecting one) put back what the modules held only when the last one ends, and a
+    function that replaced the swapped one meanwhile stays.
     """
     global _users
     with _lock:
         if _users == 0:
             for module in _SB3_COPIERS:
+                _replaced[module] = module.obs_as_tensor
                 module.obs_as_tensor = observations_to_device  # type: ignore[attr-defined]
         _users += 1
     try:
@@ -65,5 +78,7 @@ def queued_observation_copies() -> Iterator[None]:
         with _lock:
             _users -= 1
             if _users == 0:
-                for module, sb3s in _SB3_COPIERS.items():
-                    module.obs_as_tensor = sb3s  # type: ignore[attr-defined]
+                for module, before in _replaced.items():
+                    if module.obs_as_tensor is observations_to_device:  # else replaced since: the newer one stays
+                        module.obs_as_tensor = before
+                _replaced.clear()

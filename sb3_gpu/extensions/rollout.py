@@ -14,7 +14,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.handoff import ObservationHandOff
-from sb3_gpu.extensions.hostcopy import to_device
+from sb3_gpu.extensions.hostcopy import copy_into
 
 
 class DeviceRolloutBuffer(ObservationHandOff, RolloutBuffer):
@@ -140,7 +140,10 @@ class DeviceRolloutBuffer(ObservationHandOff, RolloutBuffer):
         else:
             for storage, array in zip(storages, new, strict=True):
                 # into the preallocated row; a device tensor (the value, the staged observations) is not copied twice
-                storage[row].copy_(array if isinstance(array, th.Tensor) else to_device(array, self.device, storage.dtype))
+                if isinstance(array, th.Tensor):
+                    storage[row].copy_(array)
+                else:
+                    copy_into(storage[row], array)
         self.pos += 1
         if self.pos == self.buffer_size:
             self.full = True

@@ -16,7 +16,7 @@ from sb3_gpu.extensions import hostcopy
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.continuous import SyncFreeSAC
 from sb3_gpu.extensions.devicelog import DeviceLog
-from sb3_gpu.extensions.hostcopy import queued_observation_copies, to_device
+from sb3_gpu.extensions.hostcopy import copy_into, queued_observation_copies, to_device
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.per import PrioritizedDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -135,8 +135,11 @@ def test_to_device_is_torchs_own_copy_off_cuda_and_converts_reversed_views():
     frames = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
     out = to_device(frames, "cpu")
     assert out.dtype == th.uint8 and th.equal(out, th.from_numpy(frames))
-    reversed_view = frames[:, ::-1]
-    assert th.equal(to_device(reversed_view, "cpu", th.float32), th.from_numpy(reversed_view.copy()).float())
+    for view in (frames[:, ::-1], frames[:, ::2], np.broadcast_to(frames[:1], frames.shape)):  # reversed, strided, ...
+        assert th.equal(to_device(view, "cpu", th.float32), th.from_numpy(view.copy()).float())
+    row = th.zeros(3, 4)
+    copy_into(row, frames[1, ::-1])
+    assert th.equal(row, th.from_numpy(frames[1, ::-1].copy()).float())
 
 
 def test_to_device_on_cuda_copies_from_pinned_memory_without_waiting(monkeypatch):
@@ -160,7 +163,7 @@ def test_to_device_on_cuda_copies_from_pinned_memory_without_waiting(monkeypatch
     assert out.dtype == th.float32 and out.tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def test_sb3s_observation_copy_is_swapped_while_any_block_runs_and_restored_after_the_last():
+def test_sb3s_observation_copy_is_swapped_while_any_block_runs_and_restored_after_the_last(monkeypatch):
     sb3s = utils.obs_as_tensor
     with queued_observation_copies():
         with queued_observation_copies():
@@ -170,6 +173,16 @@ def test_sb3s_observation_copy_is_swapped_while_any_block_runs_and_restored_afte
             raise RuntimeError
         assert policies.obs_as_tensor is hostcopy.observations_to_device
     assert on_policy_algorithm.obs_as_tensor is policies.obs_as_tensor is sb3s
+
+    def users_own(obs, device):
+        return sb3s(obs, device)
+
+    monkeypatch.setattr(policies, "obs_as_tensor", users_own)  # a replacement made before or during a block stays
+    monkeypatch.setattr(on_policy_algorithm, "obs_as_tensor", sb3s)  # (monkeypatch puts SB3's back after the test)
+    with queued_observation_copies():
+        assert policies.obs_as_tensor is hostcopy.observations_to_device
+        on_policy_algorithm.obs_as_tensor = users_own
+    assert policies.obs_as_tensor is on_policy_algorithm.obs_as_tensor is users_own
     obs = {"image": np.zeros((2, 3), np.uint8), "vector": np.ones(2, np.float32)}
     out = hostcopy.observations_to_device(obs, th.device("cpu"))
     assert {k: (v.dtype, tuple(v.shape)) for k, v in out.items()} == {
