@@ -122,7 +122,9 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
     solve.add_argument("--amp", nargs="+", choices=AMP_MODES, default=["auto"], help="precisions (default auto)")
     solve.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's)")
     solve.add_argument("--preset", metavar="FILE", help="a preset YAML file to use instead of the bundled one")
-    solve.add_argument("--eval-freq", type=positive_int, help="evaluate every N env steps (default: a tenth of the run)")
+    solve.add_argument(
+        "--eval-freq", type=positive_int, help="evaluate every N env steps (default: the preset's eval_freq, else a tenth)"
+    )
     solve.add_argument("--episodes", type=positive_int, default=20, help="fresh episodes per best model (default 20)")
     solve.add_argument("--target", type=float, help="the return to reach (default: each env's reward_threshold)")
     solve.add_argument("--jobs", type=positive_int, default=1, help="trainings at once, each in a process (default 1)")

@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override a preset key (repeatable)")
     p.add_argument("--config", metavar="CONFIG", help="repeat a run: its run_dir/config.yaml (or the run dir)")
     p.add_argument("--run-dir", help="where to write the run (default: runs/ALGO-ENV-TIMESTAMP); must not exist")
-    p.add_argument("--eval-freq", type=positive_int, help="evaluate every N timesteps (default: a tenth of the run)")
+    p.add_argument(
+        "--eval-freq",
+        type=positive_int,
+        help="evaluate every N timesteps (default: the preset's eval_freq, else a tenth of the run)",
+    )
     p.add_argument("--eval-episodes", type=positive_int, help="episodes per evaluation (default 10)")
     p.add_argument(
         "--confirm-episodes",
@@ -194,8 +198,14 @@ def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int, confirm_ep
     from sb3_gpu.runs.training import RunOptions
 
     options = RunOptions(eval_freq=eval_freq, eval_episodes=episodes, confirm_episodes=confirm_episodes)
-    timesteps, n_envs = plan.preset.n_timesteps, plan.preset.n_envs
-    every = n_envs * options.eval_every(timesteps, n_envs)
+    preset = plan.preset
+    every = preset.n_envs * options.eval_every(preset)
+    if eval_freq is not None:
+        chosen_by = "--eval-freq"
+    elif preset.eval_freq is not None:
+        chosen_by = f"eval_freq, {preset.sources.get('eval_freq', 'preset')}"
+    else:
+        chosen_by = "a tenth of the run"
     bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
     confirming = options.confirming
     best = (
@@ -206,9 +216,9 @@ def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int, confirm_ep
         else "The best periodic evaluation's model is best_model.zip (--confirm-episodes 0: not confirmed)."
     )
     return (
-        f"evaluation: every {every:,} env steps ({timesteps // every} times) and at the end, {episodes} deterministic "
-        f"episodes on {eval_envs(episodes)} envs at once (one batched inference per step); {bound}. {best} The "
-        "summary's time split shows the share of evaluation."
+        f"evaluation: every {every:,} env steps ({chosen_by}; {preset.n_timesteps // every} times) and at the end, "
+        f"{episodes} deterministic episodes on {eval_envs(episodes)} envs at once (one batched inference per step); "
+        f"{bound}. {best} The summary's time split shows the share of evaluation."
     )
 
 

@@ -98,6 +98,7 @@ class Preset:
     frame_stack: int | None
     env_kwargs: dict[str, Any]
     eval_max_episode_steps: int | None
+    eval_freq: int | None
     amp: str
     compile: str
     threads: int | str

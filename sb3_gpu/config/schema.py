@@ -208,6 +208,9 @@ COMMON_KEYS: dict[str, Check] = {
     # Evaluation episodes are cut after this many steps (default: the env's own time limit, else 10,000), so that a
     # deterministic policy that never ends an episode cannot hang an evaluation.
     "eval_max_episode_steps": c.optional(c.POS_INT),
+    # Evaluate every this many env steps (default: a tenth of the run); `--eval-freq` overrides it. A long run whose
+    # policy swings between evaluations needs them closer, or its best model is chosen among too few.
+    "eval_freq": c.optional(c.POS_INT),
     # Speed switches (planning.speed): not SB3 arguments; `auto` is decided per machine with a reason in the plan.
     "amp": c.choice(AMP_MODES),
     "compile": c.compile_mode,
@@ -229,6 +232,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "frame_stack": None,
     "env_kwargs": {},
     "eval_max_episode_steps": None,
+    "eval_freq": None,
     "amp": "auto",
     "compile": "auto",
     "threads": "auto",

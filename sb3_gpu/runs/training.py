@@ -15,6 +15,7 @@ from stable_baselines3.common.vec_env import VecEnv
 from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.io import make_dir, write_json, write_yaml
+from sb3_gpu.config.presets import Preset
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs
@@ -38,7 +39,7 @@ from sb3_gpu.runs.session import Outcome, Session
 class RunOptions:
     """How a run evaluates and saves; kept in ``config.yaml`` so that ``--resume`` goes on the same way.
 
-    :ivar eval_freq: evaluate every N timesteps (None: a tenth of the run)
+    :ivar eval_freq: evaluate every N timesteps (None: the preset's ``eval_freq``, else a tenth of the run)
     :ivar confirm_episodes: fresh episodes that confirm a new best before it is kept (None: three times
         ``eval_episodes``; 0: a periodic evaluation's best is kept as it is)
     :ivar checkpoint_freq: checkpoint every N timesteps (None: a fifth of the run)
@@ -72,13 +73,15 @@ class RunOptions:
                 raise ConfigError(f"{where}: unknown key 'run.{key}'{closest(str(key), names)}")
         return cls(**data)
 
-    def frequencies(self, timesteps: int) -> tuple[int, int]:
-        """Env steps between evaluations and between checkpoints, for a run of ``timesteps``."""
-        return self.eval_freq or max(timesteps // 10, 1), self.checkpoint_freq or max(timesteps // 5, 1)
+    def frequencies(self, preset: Preset) -> tuple[int, int]:
+        """Env steps between evaluations (these options', else the preset's ``eval_freq``, else a tenth of the run)
+        and between checkpoints."""
+        timesteps = preset.n_timesteps
+        return self.eval_freq or preset.eval_freq or max(timesteps // 10, 1), self.checkpoint_freq or max(timesteps // 5, 1)
 
-    def eval_every(self, timesteps: int, n_envs: int) -> int:
+    def eval_every(self, preset: Preset) -> int:
         """Steps of the vec env between evaluations (SB3's EvalCallback counts those, each ``n_envs`` env steps)."""
-        return max(self.frequencies(timesteps)[0] // n_envs, 1)
+        return max(self.frequencies(preset)[0] // preset.n_envs, 1)
 
     @property
     def confirming(self) -> int:
@@ -106,7 +109,7 @@ def train_run(
     An env error or a diverged loss saves the model (when its weights are finite) and re-raises, with a note saying
     where. Every file is written atomically.
 
-    :param eval_freq: evaluate every N timesteps (default: a tenth of the run)
+    :param eval_freq: evaluate every N timesteps (default: the preset's ``eval_freq``, else a tenth of the run)
     :param confirm_episodes: a periodic evaluation that beats the best so far is evaluated again on this many fresh
         episodes, and becomes ``best_model.zip`` only if that mean beats the best's (default: 3x ``eval_episodes``;
         0: kept as it is)
@@ -224,13 +227,13 @@ def _learn(
     output: _Output,
 ) -> dict[str, Any]:
     preset = plan.preset
-    checkpoint_freq = options.frequencies(preset.n_timesteps)[1]
+    checkpoint_freq = options.frequencies(preset)[1]
     evaluator = TimedEvalCallback(
         eval_env,
         run_dir=run,
         n_eval_episodes=options.eval_episodes,
         confirm_episodes=options.confirming,
-        eval_freq=options.eval_every(preset.n_timesteps, preset.n_envs),
+        eval_freq=options.eval_every(preset),
         callback_on_new_best=SaveVecNormalizeCallback(run.best_vecnormalize) if preset.normalize else None,
         verbose=0,
     )

@@ -311,7 +311,10 @@ def test_a_run_logged_to_a_file_prints_no_progress_bar_and_commands_that_run_as_
     lines = result.stdout.splitlines()
     # stdout is a pipe here, as in a log file: no bar redrawn, and the plan's rows are not folded into 80 columns.
     assert not any("━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━" in line and "/" in line for line in lines)
-    assert any(line.startswith("evaluation: every 102 env steps (10 times) and at the end, 2 deterministic") for line in lines)
+    assert any(
+        line.startswith("evaluation: every 102 env steps (a tenth of the run; 10 times) and at the end, 2 deterministic")
+        for line in lines
+    )
     assert max(len(line) for line in lines) > 80
     watch, replay = (next(line for line in lines if line.startswith(prefix)) for prefix in ("watch it: ", "replay it: "))
     assert watch.endswith(f"-m sb3_gpu.evaluate {run_dir} --video")

@@ -196,3 +196,24 @@ def test_a_check_that_fails_costs_neither_the_summary_nor_the_chosen_best(tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best"]["confirmed"] and summary["best"]["checked_mean"] is None
     assert summary["best_eval_mean"] == summary["best"]["mean"] and not summary["interrupted"]
+
+
+def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overrides_it(tmp_path, call_main):
+    preset = tmp_path / "often.yaml"
+    preset.write_text("CartPole-v1:\n  eval_freq: 64\n")
+    args = ["ppo", *TINY, "--preset", str(preset), "--timesteps", "128", "--eval-episodes", "1", "--confirm-episodes", "0"]
+    for extra, expected, why in (
+        ([], [64, 128], "eval_freq, often.yaml:CartPole-v1; 2 times"),
+        (["--eval-freq", "32"], [32, 64, 96, 128], "--eval-freq; 4 times"),
+    ):
+        run_dir = tmp_path / f"run{len(expected)}"
+        trained = call_main(train_main, *args, *extra, "--run-dir", str(run_dir), "--no-progress")
+        assert trained.returncode == 0, trained.stderr
+        assert f"evaluation: every {expected[0]} env steps ({why})" in " ".join(trained.stdout.split())
+        assert np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist() == expected
+    # A resumed run evaluates as its config says: the preset's interval is among its hyperparameters.
+    resumed = call_main(train_main, "--resume", str(tmp_path / "run2"), "--timesteps", "256", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert np.load(tmp_path / "run2" / "eval" / "evaluations.npz")["timesteps"].tolist() == [64, 128, 192, 256]
+    bad = call_main(train_main, "ppo", "--set", "eval_freq=0", "--plan")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "eval_freq" in bad.stderr, bad.stderr
