@@ -30,7 +30,7 @@ class Case:
     seed: int
     timesteps: int | None = None
     preset: str | None = None  # a preset YAML file instead of the bundled one
-    eval_freq: int | None = None  # None: train's default, a tenth of the run
+    eval_freq: int | None = None  # None: train's default (the preset's eval_freq, else a tenth of the run)
 
     def label(self) -> str:
         per = "" if self.per is None else f", PER {'on' if self.per else 'off'}"
