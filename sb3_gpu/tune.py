@@ -106,6 +106,7 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.env = args.env or default_env(args.algo)  # as settings_from_args() fills it in
+    new_folder: Path | None = None  # a study dir this call made, removed again if the study cannot open
     try:
         from sb3_gpu.common.io import make_dir, refuse_links
         from sb3_gpu.config.schema import get_algo
@@ -123,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_space(args.algo, args.space), plan.preset.n_timesteps, plan.preset.n_envs, get_algo(args.algo).on_policy
         )
         name = args.study_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.algo}-{plan.env.name}")
-        folder = make_dir(args.study_dir or Path("tune") / name, "study dir")
+        wanted = Path(args.study_dir or Path("tune") / name)
+        new_folder = None if wanted.exists() else wanted
+        folder = make_dir(wanted, "study dir")
         refuse_links(folder, "study dir")
         url = args.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
         study = open_study(
@@ -140,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sampler_seed=args.sampler_seed,
         )
     except ConfigError as e:
+        if new_folder is not None and new_folder.is_dir() and not any(new_folder.iterdir()):
+            new_folder.rmdir()
         print_error(str(e))
         return 2
     except KeyboardInterrupt:

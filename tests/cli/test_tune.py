@@ -197,11 +197,12 @@ def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, call_main):
     monkeypatch.chdir(tmp_path)
-    out = call_main(tune.main, "ppo", "--study-dir", str(tmp_path), *args)
+    out = call_main(tune.main, "ppo", "--study-dir", str(tmp_path / "study"), *args)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
     assert "s3cret" not in out.stdout + out.stderr
+    assert not (tmp_path / "study").exists()  # a study that cannot open leaves no empty study dir behind
 
 
 def test_a_study_dir_that_is_a_file_or_holds_a_link_is_refused_in_one_line(tmp_path, monkeypatch, call_main):
