@@ -112,12 +112,16 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     from sb3_gpu.config.presets import parse_override
     from sb3_gpu.config.runconfig import load_config
 
-    # --per first, so that --set per.alpha=... refines it rather than being replaced by it.
+    # --per first, so that --set per.alpha=... refines it rather than being replaced by it. Each override's source
+    # is the flag that set it last, for the plan table.
     overrides: dict[str, Any] = {} if args.per is None else {"per": args.per}
     overrides.update({k: v for k in ("amp", "compile", "threads") if (v := getattr(args, k)) is not None})
     if args.no_probe:
         overrides["probe"] = False
-    overrides.update(parse_override(item) for item in args.set)
+    sources = {key: "--no-probe" if key == "probe" else f"--{key}" for key in overrides}
+    for item in args.set:
+        key, value = parse_override(item)
+        overrides[key], sources[key] = value, "--set"
     config = load_config(args.config) if args.config else None
     if config is not None and args.preset:
         raise ConfigError("--config and --preset both give hyperparameters; use one (add --set to change a value)")
@@ -127,14 +131,16 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     if algo is None:
         raise ConfigError(f"give an algorithm ({', '.join(ALGO_NAMES)}) or --config RUN_DIR/config.yaml")
     try:
-        return _make_plan(args, algo, config, overrides)
+        return _make_plan(args, algo, config, overrides, sources)
     except ConfigError as e:
         if config is None:
             raise
         raise ConfigError(f"{e} (replaying {config.path})") from None
 
 
-def _make_plan(args: argparse.Namespace, algo: str, config: RunConfig | None, overrides: dict[str, Any]) -> Plan:
+def _make_plan(
+    args: argparse.Namespace, algo: str, config: RunConfig | None, overrides: dict[str, Any], sources: dict[str, str]
+) -> Plan:
     from sb3_gpu.planning.plan import make_plan
 
     return make_plan(
@@ -148,7 +154,7 @@ def _make_plan(args: argparse.Namespace, algo: str, config: RunConfig | None, ov
         preset=args.preset,
         profile=args.profile,
         overrides=overrides,
-        override_source="--set",
+        override_source=sources,
         config=config,
     )
 

@@ -115,7 +115,7 @@ def make_plan(
     preset: str | Path | None = None,
     profile: str = "auto",
     overrides: Mapping[str, Any] | None = None,
-    override_source: str = "override",
+    override_source: str | Mapping[str, str] = "override",
     config: RunConfig | None = None,
     hardware: HardwareProfile | None = None,
     training: bool = True,
@@ -126,6 +126,7 @@ def make_plan(
     :param preset: a preset YAML file to use instead of the bundled one for ``algo``
     :param profile: ``auto`` (``cpu`` or ``gpu`` by the chosen device) or a profile name: ``cpu``, ``gpu``, ``large``
     :param overrides: hyperparameters that win over the preset (``{"batch_size": 128, "policy_kwargs.ortho_init": False}``)
+    :param override_source: what the plan names as their source: one label, or one per override key
     :param config: a run's config read by :func:`~sb3_gpu.config.runconfig.load_config`; its hyperparameters replace
         the preset
     :param training: False for a plan that only evaluates a saved model: the training sizes (replay buffer memory,
@@ -443,10 +444,10 @@ def _speed(preset: Preset, device: str, policy: PolicyKind, env_workers: int, ha
 
 
 def _layered(
-    overrides: Mapping[str, Any] | None, source: str, n_envs: int | None, n_timesteps: int | None
+    overrides: Mapping[str, Any] | None, source: str | Mapping[str, str], n_envs: int | None, n_timesteps: int | None
 ) -> dict[str, tuple[Any, str]]:
     """Overrides as ``key -> (value, source)``; the CLI's counts name their flags."""
-    layered = {k: (v, source) for k, v in (overrides or {}).items()}
+    layered = {k: (v, source if isinstance(source, str) else source[k]) for k, v in (overrides or {}).items()}
     if n_envs is not None:
         layered["n_envs"] = (n_envs, "--n-envs")
     if n_timesteps is not None:

@@ -333,3 +333,20 @@ def test_the_summary_shows_values_with_brackets_as_written(tmp_path):
     console = Console(record=True, width=200)
     console.print(summary_table(summary, RunDir(tmp_path)))
     assert "pip install 'sb3-gpu[plot]'" in console.export_text()  # rich markup would have eaten "[plot]"
+
+
+def test_the_plan_names_the_flag_that_set_each_value_last():
+    from sb3_gpu.train import build_parser, plan_from_args
+
+    args = ["dqn", "--amp", "off", "--no-probe", "--threads", "1", "--per", "--set", "n_steps=2", "--plan"]
+    sources = plan_from_args(build_parser().parse_args(args)).preset.sources
+    assert [sources[k] for k in ("amp", "probe", "threads", "per", "n_steps")] == [
+        "--amp",
+        "--no-probe",
+        "--threads",
+        "--per",
+        "--set",
+    ]
+    args += ["--set", "amp=bf16", "--set", "per.alpha=0.5"]  # a --set after the flag wins, and is named
+    sources = plan_from_args(build_parser().parse_args(args)).preset.sources
+    assert sources["amp"] == sources["per"] == "--set"
