@@ -155,12 +155,13 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         self._free_rows: list[int] = []
         self.reset()
 
-    def _check_fits(self, needed: int, device: th.device) -> None:
+    def _check_fits(self, needed: int, device: th.device, what: str | None = None) -> None:
         free = _free_bytes(device)
         if free is not None and needed > free:
+            what = what or f"a device replay buffer of {self.buffer_size * self.n_envs:,} transitions"
             raise ConfigError(
-                f"a device replay buffer of {self.buffer_size * self.n_envs:,} transitions needs {size_text(needed)} on "
-                f"{device}; {size_text(free)} is free: lower buffer_size or use SB3's host buffer (replay_buffer_class=None)"
+                f"{what} needs {size_text(needed)} on {device}; {size_text(free)} is free: lower buffer_size or use "
+                "SB3's host buffer (replay_buffer_class=None)"
             )
 
     def _storage_bytes(self) -> int:
@@ -270,7 +271,16 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
 
     def _grow_terminal_store(self) -> None:
         old = self._terminal_obs
-        grown = th.empty((2 * len(old), *old.shape[1:]), dtype=old.dtype, device=old.device)
+        # A slot keeps at most one row per env, so the store never needs more rows than the buffer has transitions.
+        rows = min(2 * len(old), self.buffer_size * self.n_envs)
+        if rows <= len(old):
+            raise AssertionError(f"the store of episode ends is full at {len(old):,} rows, one per transition")
+        self._check_fits(
+            rows * old[0].numel() * old.element_size(),
+            old.device,
+            f"the store of episode ends' next observations grows to {rows:,} rows, which",
+        )
+        grown = th.empty((rows, *old.shape[1:]), dtype=old.dtype, device=old.device)
         grown[: len(old)] = old
         self._free_rows += range(len(old), len(grown))
         self._terminal_obs = grown

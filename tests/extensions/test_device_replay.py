@@ -391,3 +391,19 @@ def test_collection_stores_the_policys_device_copy_of_greedy_steps_observations(
     # Random actions skip the policy, so their steps copy from the host; greedy ones store the policy's copy.
     assert 2 * adds == model.num_timesteps and 0 < buffer.host_observation_copies < adds
     np.testing.assert_array_equal(buffer.observations[:adds].numpy(), np.stack(buffer.added))
+
+
+def test_the_store_of_episode_ends_grows_no_larger_than_the_buffer_and_checks_the_free_memory_first(monkeypatch):
+    spaces = SPACES["vector-discrete"]
+    # 100 transitions: 50 steps of 2 envs, as SB3 splits a buffer_size among the envs
+    one_copy, plain = (DeviceReplayBuffer(100, *spaces, "cpu", 2, optimize) for optimize in (True, False))
+    fill([one_copy, plain], record(*spaces, 2, steps=130, p_done=1.0))  # every step ends an episode, past a wrap
+    assert len(one_copy._terminal_obs) == 100 > replay._TERMINAL_ROWS  # 64 doubled, cut to one row per transition
+    slots, envs = valid_slots(one_copy)
+    assert_samples_equal(one_copy._get_samples_at(slots, envs), plain._get_samples_at(slots, envs))
+
+    short = DeviceReplayBuffer(100, *spaces, "cpu", 2, optimize_memory_usage=True)
+    monkeypatch.setattr(replay, "_free_bytes", lambda device: 100)
+    message = r"the store of episode ends' next observations grows to 100 rows, which needs 1.2 KiB on cpu; 100 bytes"
+    with pytest.raises(ConfigError, match=message):
+        fill([short], record(*spaces, 2, steps=40, p_done=1.0))
