@@ -34,6 +34,13 @@ def _free_bytes(device: th.device) -> int | None:
     return None
 
 
+def refuse_empty(buffer: BaseBuffer) -> None:
+    """A clear error for sampling a buffer that holds nothing yet (the draws would fail in torch or numpy, or pick
+    slots never written)."""
+    if buffer.size() == 0:
+        raise ValueError(f"cannot sample from an empty {type(buffer).__name__}: add transitions first")
+
+
 def check_n_steps(n_steps: Any) -> int:
     """A buffer's ``n_steps`` (1: one-step targets), refused unless an int >= 1."""
     number = isinstance(n_steps, (int, float, np.integer, np.floating)) and not isinstance(n_steps, bool)
@@ -309,6 +316,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
 
         As SB3's, with ``optimize_memory_usage`` a full buffer never draws slot ``pos``, whose observation was replaced.
         """
+        refuse_empty(self)
         if self.optimize_memory_usage and self.full:
             batch_inds = (self._randint(1, self.buffer_size, batch_size) + self.pos) % self.buffer_size
         else:

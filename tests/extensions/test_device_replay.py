@@ -407,3 +407,15 @@ def test_the_store_of_episode_ends_grows_no_larger_than_the_buffer_and_checks_th
     message = r"the store of episode ends' next observations grows to 100 rows, which needs 1.2 KiB on cpu; 100 bytes"
     with pytest.raises(ConfigError, match=message):
         fill([short], record(*spaces, 2, steps=40, p_done=1.0))
+
+
+def test_sampling_an_empty_buffer_says_so():
+    from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
+
+    spaces = SPACES["vector-discrete"]
+    for cls in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer):
+        buffer = cls(16, *spaces, "cpu")
+        with pytest.raises(ValueError, match=f"cannot sample from an empty {cls.__name__}: add transitions first"):
+            buffer.sample(4)
+        fill([buffer], record(*spaces, 1, steps=2))
+        assert buffer.sample(4).observations.shape == (4, *spaces[0].shape)

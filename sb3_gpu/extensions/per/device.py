@@ -14,7 +14,7 @@ from sb3_gpu.common.checks import PER_CHECKS
 from sb3_gpu.common.errors import ConfigError, TrainingDiverged
 from sb3_gpu.extensions.per.buffer import check_per_values
 from sb3_gpu.extensions.per.tree import kernels, last_positive_before, level_offsets, level_sizes
-from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.extensions.replay import DeviceReplayBuffer, refuse_empty
 
 
 class DeviceSumMinTree:
@@ -331,6 +331,7 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> DevicePrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
+        refuse_empty(self)
         self.size_strata(batch_size)
         samples, smallest, total = self._prioritized(self._uniforms(batch_size), self.beta, env)
         self._last_draw = (smallest, total, self.size() * self.n_envs)
