@@ -118,7 +118,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     overrides.update({k: v for k in ("amp", "compile", "threads") if (v := getattr(args, k)) is not None})
     if args.no_probe:
         overrides["probe"] = False
-    sources = {key: "--no-probe" if key == "probe" else f"--{key}" for key in overrides}
+    flags = {"probe": "--no-probe", "per": "--per" if args.per else "--no-per"}
+    sources = {key: flags.get(key, f"--{key}") for key in overrides}
     for item in args.set:
         key, value = parse_override(item)
         overrides[key], sources[key] = value, "--set"

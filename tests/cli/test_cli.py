@@ -350,3 +350,4 @@ def test_the_plan_names_the_flag_that_set_each_value_last():
     args += ["--set", "amp=bf16", "--set", "per.alpha=0.5"]  # a --set after the flag wins, and is named
     sources = plan_from_args(build_parser().parse_args(args)).preset.sources
     assert sources["amp"] == sources["per"] == "--set"
+    assert plan_from_args(build_parser().parse_args(["dqn", "--no-per", "--plan"])).preset.sources["per"] == "--no-per"
