@@ -213,6 +213,7 @@ def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int, confirm_ep
         chosen_by = f"eval_freq, {preset.sources.get('eval_freq', 'preset')}"
     else:
         chosen_by = "a tenth of the run"
+    times = preset.n_timesteps // every
     bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
     confirming = options.confirming
     best = (
@@ -222,8 +223,10 @@ def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int, confirm_ep
         if confirming
         else "The best periodic evaluation's model is best_model.zip (--confirm-episodes 0: not confirmed)."
     )
+    if times == 0:  # an interval longer than the run (a preset's eval_freq beside a short --timesteps, say)
+        best = "No periodic evaluation falls within the run, so it names no best_model.zip: lower the interval."
     return (
-        f"evaluation: every {every:,} env steps ({chosen_by}; {preset.n_timesteps // every} times) and at the end, "
+        f"evaluation: every {every:,} env steps ({chosen_by}; {times:,} times) and at the end, "
         f"{episodes} deterministic episodes on {eval_envs(episodes)} envs at once (one batched inference per step); "
         f"{bound}. {best} The summary's time split shows the share of evaluation."
     )

@@ -215,5 +215,7 @@ def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overri
     resumed = call_main(train_main, "--resume", str(tmp_path / "run2"), "--timesteps", "256", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert np.load(tmp_path / "run2" / "eval" / "evaluations.npz")["timesteps"].tolist() == [64, 128, 192, 256]
+    longer = call_main(train_main, "ppo", "--timesteps", "4096", "--eval-freq", "10000", "--plan")
+    assert "(--eval-freq; 0 times)" in longer.stdout and "names no best_model.zip" in " ".join(longer.stdout.split())
     bad = call_main(train_main, "ppo", "--set", "eval_freq=0", "--plan")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "eval_freq" in bad.stderr, bad.stderr
