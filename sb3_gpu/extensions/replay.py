@@ -16,7 +16,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.handoff import ObservationHandOff
-from sb3_gpu.extensions.hostcopy import to_device
+from sb3_gpu.extensions.hostcopy import copy_into, to_device
 
 # The tensors a buffer owns (None where its layout has none); the rewards, dones and timeouts are views of _scalars.
 _STORAGE = ("observations", "next_observations", "actions", "_scalars", "_terminal_obs", "_terminal_row")
@@ -211,9 +211,6 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
 
     # -- adding ---------------------------------------------------------------------------------------------------
 
-    def _to_device(self, array: Any, dtype: th.dtype) -> th.Tensor:
-        return to_device(array, self.device, dtype)
-
     def _write(self, name: str, pos: int, array: np.ndarray | th.Tensor) -> None:
         """``storage[pos] = array`` for the storage ``name``, converted to its dtype: one copy to the device, none
         from a tensor there already."""
@@ -225,7 +222,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         if view is not None:
             view[pos] = array
         else:
-            storage[pos] = self._to_device(array, storage.dtype)
+            copy_into(storage[pos], array)
 
     def add(
         self,
@@ -272,9 +269,9 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         rows = np.full(self.n_envs, -1, dtype=np.int64)
         for env in ended:
             rows[env] = row = self._free_rows.pop()
-            self._terminal_obs[row] = self._to_device(next_obs[int(env)], self._terminal_obs.dtype)
+            copy_into(self._terminal_obs[row], next_obs[int(env)])
         self._terminal_row_host[pos] = rows
-        self._terminal_row[pos] = self._to_device(rows, th.int64)
+        copy_into(self._terminal_row[pos], rows)
 
     def _grow_terminal_store(self) -> None:
         old = self._terminal_obs
@@ -423,7 +420,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
             return obs
         stats = env.obs_rms
         assert not isinstance(stats, dict)  # Dict observations are refused in __init__
-        mean, std = self._to_device(np.stack([stats.mean, np.sqrt(stats.var + env.epsilon)]), th.float64)
+        mean, std = to_device(np.stack([stats.mean, np.sqrt(stats.var + env.epsilon)]), self.device, th.float64)
         return ((obs.double() - mean) / std).clamp(-env.clip_obs, env.clip_obs).float()
 
     def _device_normalize_reward(self, reward: th.Tensor, env: VecNormalize | None) -> th.Tensor:
