@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import signal
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from sb3_gpu.config.runconfig import RunConfig
     from sb3_gpu.planning.plan import Plan
     from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.runs.training import RunOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,15 +117,18 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     # --per first, so that --set per.alpha=... refines it rather than being replaced by it. Each override's source
     # is the flag that set it last, for the plan table.
     overrides: dict[str, Any] = {} if args.per is None else {"per": args.per}
-    overrides.update({k: v for k in ("amp", "compile", "threads") if (v := getattr(args, k)) is not None})
+    overrides.update({k: v for k in ("amp", "compile", "threads", "eval_freq") if (v := getattr(args, k)) is not None})
     if args.no_probe:
         overrides["probe"] = False
-    flags = {"probe": "--no-probe", "per": "--per" if args.per else "--no-per"}
+    flags = {"probe": "--no-probe", "per": "--per" if args.per else "--no-per", "eval_freq": "--eval-freq"}
     sources = {key: flags.get(key, f"--{key}") for key in overrides}
     for item in args.set:
         key, value = parse_override(item)
         overrides[key], sources[key] = value, "--set"
     config = load_config(args.config) if args.config else None
+    # A config written while --eval-freq was a run option keeps the interval there: it becomes the preset key.
+    if config is not None and config.run.get("eval_freq") is not None and "eval_freq" not in overrides:
+        overrides["eval_freq"], sources["eval_freq"] = config.run["eval_freq"], f"run.eval_freq, {config.path}"
     if config is not None and args.preset:
         raise ConfigError("--config and --preset both give hyperparameters; use one (add --set to change a value)")
     if config is not None and args.algo and args.algo != config.algo:
@@ -198,21 +203,48 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     return table
 
 
-def evaluation_line(plan: Plan, eval_freq: int | None, episodes: int, confirm_episodes: int | None = None) -> str:
+def run_options(args: argparse.Namespace, plan: Plan) -> RunOptions:
+    """How a new run evaluates and saves: each flag given, else the replayed config's ``run:`` options, else the
+    defaults. The interval is the preset key ``eval_freq`` (``--eval-freq`` sets it), which the plan shows."""
+    from sb3_gpu.config.runconfig import load_config
+    from sb3_gpu.runs.training import RunOptions
+
+    options, replaying = RunOptions(), None
+    if args.config:
+        config = load_config(args.config)
+        kept = {k: v for k, v in config.run.items() if k != "eval_freq"}  # plan_from_args made it the preset's
+        options, replaying = RunOptions.from_config(kept, config.path), config.path
+    given = {k: v for k in ("eval_episodes", "confirm_episodes", "checkpoint_freq") if (v := getattr(args, k)) is not None}
+    if args.save_replay_buffer:
+        given["save_replay_buffer"] = True
+    options = dataclasses.replace(options, **given)
+    try:
+        options.check(plan)
+    except ConfigError as e:
+        if replaying is None:
+            raise
+        raise ConfigError(f"{e} (replaying {replaying})") from None
+    return options
+
+
+def evaluation_line(plan: Plan, options: RunOptions) -> str:
     """What evaluating will cost, in the plan's terms: how often, how many episodes, on how many envs, how long each
     episode may run, and how the best model is chosen."""
     from sb3_gpu.runs.evaluation import eval_envs
-    from sb3_gpu.runs.training import RunOptions
 
-    options = RunOptions(eval_freq=eval_freq, eval_episodes=episodes, confirm_episodes=confirm_episodes)
     preset = plan.preset
+    episodes = options.eval_episodes
     every = preset.n_envs * options.eval_every(preset)
-    if eval_freq is not None:
-        chosen_by = "--eval-freq"
+    source = preset.sources.get("eval_freq", "preset")
+    if options.eval_freq is not None:  # train_run's own option: a library caller's, never the CLI's
+        chosen_by = "eval_freq"
     elif preset.eval_freq is not None:
-        chosen_by = f"eval_freq, {preset.sources.get('eval_freq', 'preset')}"
+        chosen_by = source if source.startswith(("--eval-freq", "run.eval_freq")) else f"eval_freq, {source}"
     else:
         chosen_by = "a tenth of the run"
+    asked = options.frequencies(preset)[0]
+    if asked != every and chosen_by != "a tenth of the run":  # the callback counts steps of the vec env
+        chosen_by += f", {asked:,} rounded to whole steps of {preset.n_envs} envs"
     times = preset.n_timesteps // every
     bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
     confirming = options.confirming
@@ -267,13 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             plan = plan_from_args(args)
+            options = run_options(args, plan)
             console.print(plan_table(plan))
-            line = evaluation_line(plan, args.eval_freq, args.eval_episodes or 10, args.confirm_episodes)
-            console.print(line, highlight=False, markup=False)
+            console.print(evaluation_line(plan, options), highlight=False, markup=False)
             if args.plan:
                 return 0
             run = RunDir.create(args.run_dir, plan.algo, plan.env.name)
-            summary = _train_new(plan, run, args, console)
+            summary = _train_new(plan, run, options, _progress_bar(args, console), console)
     except ConfigError as e:
         print_error(str(e))
         return 2
@@ -321,21 +353,11 @@ def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         )
 
 
-def _train_new(plan: Plan, run: RunDir, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+def _train_new(plan: Plan, run: RunDir, options: RunOptions, progress: bool, console: Console) -> dict[str, Any]:
     from sb3_gpu.runs.training import train_run
 
     try:
-        return train_run(
-            plan,
-            run.path,
-            eval_freq=args.eval_freq,
-            eval_episodes=args.eval_episodes or 10,
-            confirm_episodes=args.confirm_episodes,
-            checkpoint_freq=args.checkpoint_freq,
-            save_replay_buffer=args.save_replay_buffer,
-            progress=_progress_bar(args, console),
-            console=console,
-        )
+        return train_run(plan, run.path, **dataclasses.asdict(options), progress=progress, console=console)
     except ConfigError:  # refused before training began
         _remove_if_empty(run, new=True)
         raise

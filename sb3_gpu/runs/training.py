@@ -55,6 +55,8 @@ class RunOptions:
         for name in ("eval_freq", "eval_episodes", "checkpoint_freq", "confirm_episodes"):
             value = getattr(self, name)
             least, what = (0, "an int >= 0") if name == "confirm_episodes" else (1, "a positive int")
+            if value is None and name == "eval_episodes":  # the one option without a default that None stands for
+                raise ConfigError(f"eval_episodes must be {what}, got None")
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ConfigError(f"{name} must be {what}, got {value!r}")
         if not isinstance(self.save_replay_buffer, bool):

@@ -132,6 +132,12 @@ BAD_INPUTS = [
     (["ppo", "--resume", "{done}"], "so the algorithm 'ppo' cannot be given"),
     (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
     (["--resume", "{run_zero}", "--timesteps", "128"], "eval_episodes must be a positive int, got 0"),
+    (["--resume", "{run_null}", "--timesteps", "128"], "eval_episodes must be a positive int, got None"),
+    # A replay takes the run's evaluation and saving options, checked, and an error names the file.
+    (["--config", "{run_zero}", "--plan"], "eval_episodes must be a positive int, got 0 (replaying"),
+    (["--config", "{run_null}", "--plan"], "run_null/config.yaml)"),
+    (["--config", "{run_typo}", "--plan"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
+    (["--config", "{run_buffer}", "--plan"], "ppo keeps no replay buffer (replaying"),
     (["--resume", "{tampered}", "--timesteps", "128"], "stores a pickled 'evil' that this run's config cannot supply"),
     # A name in a file runs nothing: `env: os:system` with `env_kwargs: {command: ...}` is refused before any call.
     (["--config", "{evil_config}", "--plan"], "'system' is not a gymnasium.Env class"),
@@ -217,6 +223,8 @@ def bad_files(tmp_path, finished_run):
     paths["done"] = _variant(finished_run, tmp_path / "done")
     paths["run_typo"] = _variant(finished_run, tmp_path / "run_typo", {"eval_frek": 5})
     paths["run_zero"] = _variant(finished_run, tmp_path / "run_zero", {"eval_episodes": 0})
+    paths["run_null"] = _variant(finished_run, tmp_path / "run_null", {"eval_episodes": None})
+    paths["run_buffer"] = _variant(finished_run, tmp_path / "run_buffer", {"save_replay_buffer": True})
     paths["tampered"] = _variant(finished_run, tmp_path / "tampered", tamper=True)
     evil = ("os:system", {"command": f"touch {tmp_path / 'pwned'}"})
     paths["evil_run"] = _variant(finished_run, tmp_path / "evil_run", env=evil)

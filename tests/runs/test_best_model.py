@@ -219,3 +219,48 @@ def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overri
     assert "(--eval-freq; 0 times)" in longer.stdout and "names no best_model.zip" in " ".join(longer.stdout.split())
     bad = call_main(train_main, "ppo", "--set", "eval_freq=0", "--plan")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "eval_freq" in bad.stderr, bad.stderr
+    rounded = call_main(train_main, "ppo", "--n-envs", "8", "--timesteps", "960", "--eval-freq", "100", "--plan", "--no-probe")
+    assert "every 96 env steps (--eval-freq, 100 rounded to whole steps of 8 envs; 10 times)" in " ".join(
+        rounded.stdout.split()
+    )
+
+
+def test_a_replayed_config_evaluates_and_saves_as_its_run_did_and_flags_still_win(tmp_path, call_main):
+    import yaml
+
+    first = tmp_path / "first"
+    args = ["ppo", *TINY, "--timesteps", "128", "--eval-freq", "32", "--eval-episodes", "1", "--confirm-episodes", "0"]
+    trained = call_main(train_main, *args, "--checkpoint-freq", "64", "--run-dir", str(first), "--no-progress")
+    assert trained.returncode == 0, trained.stderr
+    table_row = next(line for line in trained.stdout.splitlines() if " eval_freq " in line)
+    assert "32" in table_row and "--eval-freq" in table_row, table_row  # the table shows the interval the run uses
+
+    def replay(name: str, *extra: str) -> tuple[list[int], dict, str]:
+        run_dir = tmp_path / name
+        result = call_main(train_main, "--config", str(first), *extra, "--run-dir", str(run_dir), "--no-progress")
+        assert result.returncode == 0, result.stderr
+        run = yaml.safe_load((run_dir / "config.yaml").read_text())["run"]
+        return np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist(), run, " ".join(result.stdout.split())
+
+    at, run, out = replay("same")
+    assert at == [32, 64, 96, 128] and "(eval_freq, " in out, out
+    assert run == {"eval_freq": None, "eval_episodes": 1, "confirm_episodes": 0, "checkpoint_freq": 64,
+                   "save_replay_buffer": False}  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "same" / "checkpoints").glob("*.zip")) == sorted(
+        p.name for p in (first / "checkpoints").glob("*.zip")
+    )
+    at, run, out = replay("flags", "--eval-freq", "64", "--eval-episodes", "2")
+    assert at == [64, 128] and run["eval_episodes"] == 2 and run["confirm_episodes"] == 0 and "(--eval-freq; 2 times)" in out
+    # A config written while --eval-freq was a run option kept the interval there: a replay keeps it, as the preset's.
+    config = yaml.safe_load((first / "config.yaml").read_text())
+    del config["hyperparameters"]["eval_freq"]
+    config["run"]["eval_freq"] = 64
+    (first / "config.yaml").write_text(yaml.safe_dump(config))
+    at, run, out = replay("older")
+    assert at == [64, 128] and "(run.eval_freq, " in out and "first/config.yaml; 2 times)" in out, out
+    assert (
+        run["eval_freq"] is None
+        and yaml.safe_load((tmp_path / "older" / "config.yaml").read_text())["hyperparameters"]["eval_freq"] == 64
+    )
+    at, run, out = replay("older_set", "--set", "eval_freq=32")
+    assert at == [32, 64, 96, 128] and "(eval_freq, --set; 4 times)" in out, out
