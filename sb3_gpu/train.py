@@ -236,9 +236,7 @@ def evaluation_line(plan: Plan, options: RunOptions) -> str:
     episodes = options.eval_episodes
     every = preset.n_envs * options.eval_every(preset)
     source = preset.sources.get("eval_freq", "preset")
-    if options.eval_freq is not None:  # train_run's own option: a library caller's, never the CLI's
-        chosen_by = "eval_freq"
-    elif preset.eval_freq is not None:
+    if preset.eval_freq is not None:  # run_options leaves RunOptions.eval_freq unset: the preset key is the interval
         chosen_by = source if source.startswith(("--eval-freq", "run.eval_freq")) else f"eval_freq, {source}"
     else:
         chosen_by = "a tenth of the run"
