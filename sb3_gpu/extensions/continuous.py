@@ -5,7 +5,8 @@ device several times per step. Here the same updates, in the same order and on t
 logged figures on the device until the logger writes (:class:`~sb3_gpu.extensions.devicelog.DeviceLog`), and the NaN
 guard decides on the device where it can. With :meth:`compile_step` a whole gradient step (the sampling from a
 device replay buffer, the entropy coefficient's update, the critics', the actor's and the target networks') is one
-compiled graph (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), which CUDA replays as a CUDA graph.
+compiled graph (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), which CUDA replays as a CUDA graph; so is
+the action forward pass of collection, one small graph per env step, where SB3 launches each layer's ops.
 
 The random draws of the step (SAC's reparametrised actions, TD3's target smoothing noise) are made before it, by the
 same calls and in the same order as SB3's: so a step equals SB3's, compiled or not (tests pin both). As the DQN
@@ -37,7 +38,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
-from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent, refusal
+from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
@@ -88,7 +89,10 @@ class _ActorCriticTraining(StagedObservations):
 
     _device_log: DeviceLog
     _compiled: CompiledUpdate | None
-    compiles_step_only = True  # compile=...: the whole gradient step is compiled, the rollout's forward stays eager
+    _compiled_act: CompiledFunction | None
+    # compile=... goes through compile_step (the whole gradient step, and the action forward pass of collection),
+    # not through compile_policy's compiling of the networks apart.
+    compiles_step_only = True
 
     def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
         self.grad_accum_steps = grad_accum_steps  # read by _setup_model, which SB3's __init__ calls
@@ -105,13 +109,14 @@ class _ActorCriticTraining(StagedObservations):
             s.ent_coef_optimizer = th.optim.Adam([s.log_ent_coef], lr=s.lr_schedule(1), fused=True)
         self._device_log = DeviceLog()
         self._compiled = None
+        self._compiled_act = None
         for step in optimizer_steps(s):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
             if self.grad_accum_steps > 1:
                 step.accumulate(self.grad_accum_steps)
 
     def _excluded_save_params(self) -> list[str]:
-        excluded = ["_device_log", "_compiled", "_position", "_fixed_buffer"]
+        excluded = ["_device_log", "_compiled", "_compiled_act", "_position", "_fixed_buffer"]
         return [*super()._excluded_save_params(), *excluded]  # type: ignore[misc]
 
     # -- what each algorithm supplies ------------------------------------------------------------------------------
@@ -133,15 +138,25 @@ class _ActorCriticTraining(StagedObservations):
     def _due(self, gradient_step: int) -> bool:
         raise NotImplementedError
 
+    def _act(self, observations: th.Tensor, *draws: th.Tensor) -> tuple[th.Tensor]:
+        """The exploring action of collection, as the policy's ``_predict`` computes it, on ``draws`` made before."""
+        raise NotImplementedError
+
+    def _act_draws(self, n: int) -> tuple[th.Tensor, ...]:
+        """The random draws of :meth:`_act` for ``n`` observations, as SB3's actor makes them."""
+        return ()
+
     # -- compiling -------------------------------------------------------------------------------------------------
 
     def compile_step(self, mode: str = "default") -> str | None:
         """Run each gradient step as one compiled graph, a CUDA graph on CUDA with ``mode="reduce-overhead"``;
-        ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. Call it again
-        after ``load``."""
+        ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. Collection's
+        action forward pass (at ``n_envs`` observations) is compiled too, its draws made outside as SB3 makes them.
+        Call it again after ``load``."""
         s: Any = self
         if s.use_sde:
             return "gSDE's exploration matrix is resampled outside the step"
+        self._compiled_act = CompiledFunction(self._act, mode, "action forward pass")
         observation = s.policy.obs_to_tensor(s.observation_space.sample())[0]
         guards = [(optimizer, optimizer_step(optimizer, s.policy)) for optimizer in self._optimizers()]
         for optimizer, guard in guards:  # all checked before any is changed
@@ -183,6 +198,25 @@ class _ActorCriticTraining(StagedObservations):
     def collect_rollouts(self, *args: Any, **kwargs: Any) -> Any:
         with no_argument_checks():  # building each step's action distribution would read it back twice
             return super().collect_rollouts(*args, **kwargs)  # type: ignore[misc]
+
+    def _sample_action(self, *args: Any, **kwargs: Any) -> Any:
+        # The exploring action's forward pass, compiled, where SB3's predict calls the policy's _predict; any other
+        # predict (an evaluation callback's, the user's) stays the policy's own.
+        policy: Any = self.policy  # type: ignore[attr-defined]
+        if self._compiled_act is None:
+            return super()._sample_action(*args, **kwargs)
+        policy._predict = self._compiled_predict
+        try:
+            return super()._sample_action(*args, **kwargs)
+        finally:
+            del policy._predict
+
+    def _compiled_predict(self, observation: th.Tensor, deterministic: bool = False) -> th.Tensor:
+        assert self._compiled_act is not None
+        if deterministic:  # collection explores; a deterministic call is not collection's
+            policy: Any = self.policy  # type: ignore[attr-defined]
+            return type(policy)._predict(policy, observation, deterministic)
+        return self._compiled_act(observation, *self._act_draws(self.n_envs))[0]  # type: ignore[attr-defined]
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
         s: Any = self
@@ -259,6 +293,14 @@ class _EntropyRegularised(_ActorCriticTraining):
 
     def _due(self, gradient_step: int) -> bool:
         return gradient_step % self.target_update_interval == 0  # type: ignore[attr-defined]
+
+    def _act(self, observations: th.Tensor, *draws: th.Tensor) -> tuple[th.Tensor]:
+        return (squashed_sample(self.actor, observations, draws[0])[0],)  # type: ignore[attr-defined]
+
+    def _act_draws(self, n: int) -> tuple[th.Tensor, ...]:
+        # As Normal.rsample draws them in the actor's forward pass (no gSDE: compile_step refuses it).
+        s: Any = self
+        return (th.empty((n, get_action_dim(s.action_space)), device=s.device).normal_(),)
 
     def _log_keys(self, due: bool) -> list[str]:
         entropy = ["train/ent_coef_loss"] if self.ent_coef_optimizer is not None else []  # type: ignore[attr-defined]
@@ -384,6 +426,9 @@ class SyncFreeTD3(_ActorCriticTraining, TD3):
 
     def _log_keys(self, due: bool) -> list[str]:
         return ["train/critic_loss", "train/actor_loss"] if due else ["train/critic_loss"]
+
+    def _act(self, observations: th.Tensor, *draws: th.Tensor) -> tuple[th.Tensor]:
+        return (self.actor(observations),)  # deterministic: SB3 adds the exploration noise on the host
 
     def _stepping(self, due: bool) -> list[int]:
         return [0, 1] if due else [0]  # the actor's optimizer only at its delayed steps

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch as th
 from gymnasium import spaces
+from stable_baselines3.common.preprocessing import get_action_dim
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.io import atomic_write_text
@@ -45,8 +46,8 @@ from sb3_gpu.extensions.stepping import OptimizerStep
 PROBE_BUDGET_S = 3.0
 MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
 MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
-CACHE_VERSION = 3  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
-# entropy coefficient's step and target updates
+CACHE_VERSION = 4  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
+# entropy coefficient's step and target updates; 4: their compile time includes the action forward pass
 
 
 class ProbeCacheWarning(UserWarning):
@@ -408,22 +409,27 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
                 compiled()
             compile_s = time.perf_counter() - start
             compiled_s = _median_time(compiled, seconds / 2, warmup=0)
-        if w.algo in CONTINUOUS_ALGOS:  # their runs compile the gradient step only
-            return CompileTiming(eager_s, compiled_s, compile_s)
         # The run compiles its rollout forward pass too: part of what the compiled step must earn back.
         act = th.compile(_forward(policy, w), fullgraph=True, mode=None if mode == "default" else mode)
         rollout_obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.n_envs))
+        # SAC's and TQC's standard normal draw, made outside the graph as their runs make it.
+        draws = [th.randn(w.n_envs, get_action_dim(w.action_space), device=device)] if w.algo in ("sac", "tqc") else []
         start = time.perf_counter()
         with th.no_grad():
             for _ in range(3):
-                act(rollout_obs)
+                act(rollout_obs, *draws)
         _sync(device)
         compile_s += time.perf_counter() - start
     return CompileTiming(eager_s, compiled_s, compile_s)
 
 
-def _forward(policy: Any, w: Workload) -> Callable[[th.Tensor], Any]:
-    """The policy's forward pass at collection: PPO's actions, values and log-probabilities, or the Q-values."""
+def _forward(policy: Any, w: Workload) -> Callable[..., Any]:
+    """The policy's forward pass at collection: PPO's actions, values and log-probabilities, the Q-values, or an
+    actor-critic's exploring actions (SAC's and TQC's on their draw)."""
+    if w.algo in ("sac", "tqc"):
+        return lambda obs, eps: squashed_sample(policy.actor, obs, eps)[0]
+    if w.algo == "td3":
+        return policy.actor
     if w.algo == "ppo":
 
         def forward(obs: th.Tensor) -> Any:

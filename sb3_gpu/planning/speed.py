@@ -176,7 +176,7 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
         enable_amp(model, speed.amp)
     if speed.compile == "false":
         return None
-    # SAC's family compiles its whole step only (its networks' rollout forward stays eager).
+    # SAC's family compiles through compile_step (its whole step and its action forward pass), not its networks apart.
     failed = None if getattr(model, "compiles_step_only", False) else compile_policy(model, speed.compile, batch_size)
     compile_step = getattr(model, "compile_step", None)  # PPO's and the DQN family's gradient step, compiled whole
     if failed is None and compile_step is not None:
