@@ -151,8 +151,8 @@ class _ActorCriticTraining(StagedObservations):
     def compile_step(self, mode: str = "default") -> str | None:
         """Run each gradient step as one compiled graph, a CUDA graph on CUDA with ``mode="reduce-overhead"``;
         ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. Collection's
-        action forward pass (at ``n_envs`` observations) is compiled too, its draws made outside as SB3 makes them.
-        Call it again after ``load``."""
+        action forward pass is compiled too (also where the step is refused, as PPO's), its draws made outside as SB3
+        makes them. Call it again after ``load``."""
         s: Any = self
         if s.use_sde:
             return "gSDE's exploration matrix is resampled outside the step"
@@ -205,18 +205,23 @@ class _ActorCriticTraining(StagedObservations):
         policy: Any = self.policy  # type: ignore[attr-defined]
         if self._compiled_act is None:
             return super()._sample_action(*args, **kwargs)
+        shadowed = vars(policy).get("_predict")
         policy._predict = self._compiled_predict
         try:
             return super()._sample_action(*args, **kwargs)
         finally:
-            del policy._predict
+            if shadowed is None:
+                del policy._predict
+            else:
+                policy._predict = shadowed
 
     def _compiled_predict(self, observation: th.Tensor, deterministic: bool = False) -> th.Tensor:
         assert self._compiled_act is not None
         if deterministic:  # collection explores; a deterministic call is not collection's
             policy: Any = self.policy  # type: ignore[attr-defined]
             return type(policy)._predict(policy, observation, deterministic)
-        return self._compiled_act(observation, *self._act_draws(self.n_envs))[0]  # type: ignore[attr-defined]
+        first = next(iter(observation.values())) if isinstance(observation, dict) else observation
+        return self._compiled_act(observation, *self._act_draws(len(first)))[0]
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
         s: Any = self

@@ -14,6 +14,7 @@ import torch as th
 from gymnasium import spaces
 from sb3_contrib import TQC
 from stable_baselines3 import SAC, TD3
+from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 from stable_baselines3.common.utils import set_random_seed
@@ -208,7 +209,10 @@ def test_the_compiled_action_forward_explores_as_sb3s_and_reads_once_per_vec_ste
     kwargs = {**SMALL, **EXTRA[case], "learning_starts": 0}
     if case == "td3":
         kwargs["action_noise"] = NormalActionNoise(np.zeros(1), np.full(1, 0.3))  # drawn by SB3 on the host
-    sb3, ours = (c("MlpPolicy", "Pendulum-v1", seed=3, device="cpu", **copy.deepcopy(kwargs)) for c in (sb3_cls, cls))
+    sb3, ours = (
+        c("MlpPolicy", make_vec_env("Pendulum-v1", n_envs=2, seed=3), seed=3, device="cpu", **copy.deepcopy(kwargs))
+        for c in (sb3_cls, cls)
+    )  # two envs: each its own draw
     ours.policy.load_state_dict(sb3.policy.state_dict())
     assert ours.compile_step("default") is None
     compiled, calls = ours._compiled_act, []
@@ -222,12 +226,13 @@ def test_the_compiled_action_forward_explores_as_sb3s_and_reads_once_per_vec_ste
         _, callback = model._setup_learn(1, None)
         set_random_seed(5)
         with HostReads() as reads:
-            model.collect_rollouts(model.env, callback, TrainFreq(24, TrainFrequencyUnit.STEP), model.replay_buffer)
+            model.collect_rollouts(model.env, callback, TrainFreq(12, TrainFrequencyUnit.STEP), model.replay_buffer)
         if model is ours:  # SB3's reads each action's distribution's arguments besides
-            assert reads.total == 24, reads.sites
-    assert calls == [th.Size([1, 3])] * 24 and compiled.fallback is None
-    assert not np.array_equal(ours.replay_buffer.actions[:24], ours.replay_buffer.actions[:1].repeat(24, 0))
-    np.testing.assert_allclose(ours.replay_buffer.actions[:24], sb3.replay_buffer.actions[:24], rtol=1e-5, atol=1e-6)
+            assert reads.total == 12, reads.sites
+    assert calls == [th.Size([2, 3])] * 12 and compiled.fallback is None
+    actions = ours.replay_buffer.actions[:12]
+    assert not np.allclose(actions[:, 0], actions[:, 1])  # one action per env
+    np.testing.assert_allclose(actions, sb3.replay_buffer.actions[:12], rtol=1e-5, atol=1e-6)
     assert ours.predict(np.zeros(3, np.float32), deterministic=True)[0] == pytest.approx(
         sb3.predict(np.zeros(3, np.float32), deterministic=True)[0], abs=1e-6
     )  # any other predict: the policy's own, outside collection
