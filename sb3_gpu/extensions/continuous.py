@@ -292,9 +292,7 @@ class _EntropyRegularised(_ActorCriticTraining):
 
     def _draws(self, batch_size: int, actions: th.Tensor | None) -> tuple[th.Tensor, ...]:
         # As Normal.rsample draws them: for the batch's observations, then for the next ones.
-        s: Any = self
-        shape = (batch_size, get_action_dim(s.action_space))  # flat, as the actor's and the buffer's actions
-        return th.empty(shape, device=s.device).normal_(), th.empty(shape, device=s.device).normal_()
+        return (*self._act_draws(batch_size), *self._act_draws(batch_size))
 
     def _due(self, gradient_step: int) -> bool:
         return gradient_step % self.target_update_interval == 0  # type: ignore[attr-defined]
@@ -303,7 +301,8 @@ class _EntropyRegularised(_ActorCriticTraining):
         return (squashed_sample(self.actor, observations, draws[0])[0],)  # type: ignore[attr-defined]
 
     def _act_draws(self, n: int) -> tuple[th.Tensor, ...]:
-        # As Normal.rsample draws them in the actor's forward pass (no gSDE: compile_step refuses it).
+        # As Normal.rsample draws them in the actor's forward pass (no gSDE: compile_step refuses it); flat, as the
+        # actor's and the buffer's actions.
         s: Any = self
         return (th.empty((n, get_action_dim(s.action_space)), device=s.device).normal_(),)
 
