@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-freq", type=positive_int, help="checkpoint every N timesteps (default: a fifth of the run)")
     p.add_argument(
         "--save-replay-buffer",
-        action="store_true",
-        help="off-policy algorithms: save the replay buffer (and PER priorities) with the model and checkpoints, for --resume",
+        action=argparse.BooleanOptionalAction,
+        help="off-policy algorithms: save the replay buffer (and PER priorities) with the model and checkpoints, for "
+        "--resume (default: as a replayed or resumed run did, else not)",
     )
     p.add_argument(
         "--resume",
@@ -215,8 +216,8 @@ def run_options(args: argparse.Namespace, plan: Plan) -> RunOptions:
         kept = {k: v for k, v in config.run.items() if k != "eval_freq"}  # plan_from_args made it the preset's
         options, replaying = RunOptions.from_config(kept, config.path), config.path
     given = {k: v for k in ("eval_episodes", "confirm_episodes", "checkpoint_freq") if (v := getattr(args, k)) is not None}
-    if args.save_replay_buffer:
-        given["save_replay_buffer"] = True
+    if args.save_replay_buffer is not None:
+        given["save_replay_buffer"] = args.save_replay_buffer
     options = dataclasses.replace(options, **given)
     try:
         options.check(plan)
@@ -291,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary = resume_run(
                 run.path,
                 timesteps=args.timesteps,
-                save_replay_buffer=args.save_replay_buffer or None,
+                save_replay_buffer=args.save_replay_buffer,
                 progress=_progress_bar(args, console),
                 console=console,
             )
@@ -347,7 +348,7 @@ def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         flag = "--" + fixed[0].replace("_", "-") if fixed[0] != "algo" else f"the algorithm {args.algo!r}"
         raise ConfigError(
             f"--resume continues {run} with its own config.yaml, so {flag} cannot be given; "
-            "accepted with --resume: --timesteps (a new total), --save-replay-buffer, --no-progress"
+            "accepted with --resume: --timesteps (a new total), --[no-]save-replay-buffer, --no-progress"
         )
 
 

@@ -88,6 +88,8 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
         sync()
     if replay_buffer and getattr(model, "replay_buffer", None) is not None:
         save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
+    else:  # an earlier stop's buffer (resumed with --no-save-replay-buffer) must not pass for this model's
+        files.replay_buffer.unlink(missing_ok=True)
     vec_normalize = model.get_vec_normalize_env()
     if vec_normalize is not None:
         save_pickle(files.vecnormalize, vec_normalize)

@@ -13,6 +13,7 @@ import yaml
 from stable_baselines3 import PPO
 
 from sb3_gpu.evaluate import main as evaluate_main
+from sb3_gpu.train import build_parser, plan_from_args, run_options
 from sb3_gpu.train import main as train_main
 from tests.conftest import run_cli
 
@@ -269,6 +270,17 @@ def test_evaluate_does_not_check_what_only_training_allocates(finished_run, tmp_
     assert call_main(train_main, "--config", str(run_dir / "config.yaml"), "--plan").returncode == 2
     result = call_main(evaluate_main, str(run_dir), "--episodes", "1")
     assert result.returncode == 0, result.stderr
+
+
+def test_no_save_replay_buffer_turns_off_what_a_replayed_config_saves(bad_files, call_main):
+    # run_buffer's config.yaml says save_replay_buffer: true (refused for its PPO, which shows it is read); the flag
+    # overrides it either way, as every other run option's flag does.
+    config = str(bad_files["run_buffer"] / "config.yaml")
+    assert call_main(train_main, "--config", config, "--plan").returncode == 2
+    result = call_main(train_main, "--config", config, "--no-save-replay-buffer", "--plan")
+    assert result.returncode == 0, result.stderr
+    args = build_parser().parse_args(["--config", config, "--no-save-replay-buffer"])
+    assert run_options(args, plan_from_args(args)).save_replay_buffer is False
 
 
 @pytest.mark.parametrize(

@@ -217,6 +217,10 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_
     resumed = call_main(train_main, "--resume", run, "--timesteps", "450", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert "replay buffer restored from" in resumed.stdout.replace("\n", "")
+    assert (tmp_path / "run" / "replay_buffer.pkl").is_file()  # saved again, as the run did
+    unsaved = call_main(train_main, "--resume", run, "--timesteps", "500", "--no-save-replay-buffer", "--no-progress")
+    assert unsaved.returncode == 0, unsaved.stderr
+    assert not (tmp_path / "run" / "replay_buffer.pkl").exists()  # the 450-step buffer is not left beside 500's model
     evaluated = call_main(evaluate_main, run, "--episodes", "1")
     assert evaluated.returncode == 0, evaluated.stderr
 
