@@ -244,7 +244,7 @@ def evaluation_line(plan: Plan, options: RunOptions) -> str:
     asked = options.frequencies(preset)[0]
     if asked != every and chosen_by != "a tenth of the run":  # the callback counts steps of the vec env
         chosen_by += f", {asked:,} rounded to whole steps of {preset.n_envs} envs"
-    times = preset.n_timesteps // every
+    times = preset.timesteps_trained // every  # PPO runs whole rollouts, and evaluates within the last one too
     bound = f"each cut at {plan.eval_step_cap:,} steps" if plan.eval_step_cap else plan.eval_step_cap_reason
     confirming = options.confirming
     best = (

@@ -116,6 +116,15 @@ class Preset:
     def _params(self) -> dict[str, Any]:
         return {f.name: getattr(self.params, f.name) for f in dataclasses.fields(self.params)}
 
+    @property
+    def timesteps_trained(self) -> int:
+        """The env steps a run of ``n_timesteps`` takes: SB3's on-policy ``learn`` collects whole rollouts of
+        ``n_steps * n_envs``, so it can run past ``n_timesteps``; off-policy collection stops within a few vec steps."""
+        if not get_algo(self.algo).on_policy:
+            return self.n_timesteps
+        rollout = self.params.n_steps * self.n_envs
+        return -(-self.n_timesteps // rollout) * rollout
+
     def policy_kwargs_for_sb3(self) -> dict[str, Any]:
         kwargs = dict(self.policy_kwargs)
         if self.net_arch is not None:

@@ -211,6 +211,13 @@ def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overri
         assert trained.returncode == 0, trained.stderr
         assert f"evaluation: every {expected[0]} env steps ({why})" in " ".join(trained.stdout.split())
         assert np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist() == expected
+    # PPO trains whole rollouts: 100 timesteps take four of 32 steps, and the plan counts the evaluation in the last.
+    over = tmp_path / "over"
+    trained = call_main(train_main, *args, "--eval-freq", "32", "--timesteps", "100", "--run-dir", str(over), "--no-progress")
+    assert trained.returncode == 0, trained.stderr
+    assert "every 32 env steps (--eval-freq; 4 times)" in " ".join(trained.stdout.split())
+    assert "--timesteps; trains 128: SB3 completes each rollout of n_steps * n_envs" in trained.stdout.replace("\n", "")
+    assert np.load(over / "eval" / "evaluations.npz")["timesteps"].tolist() == [32, 64, 96, 128]
     # A resumed run evaluates as its config says: the preset's interval is among its hyperparameters.
     resumed = call_main(train_main, "--resume", str(tmp_path / "run2"), "--timesteps", "256", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
