@@ -106,17 +106,24 @@ def bench_solve(
     return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in CASE_FIELDS})])
 
 
+def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _worker_start() -> None:
+    # A worker stopped before its training handles signals (building envs, say) unwinds as from Ctrl-C, so that its
+    # case's temporary run dir is removed, not left behind by a process that SIGTERM's default action killed.
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+
+
 def _solve_in_pool(cases: Sequence[Case], episodes: int, jobs: int, done: Callable[[dict[str, Any]], None]) -> None:
     """``jobs`` cases at a time. Only as many are submitted as run: the pool's call queue would otherwise hold cases
     that cancelling cannot reach, and a worker would start one after a signal."""
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)  # a SIGTERM to this process alone must reach the workers
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # a SIGTERM to this process alone must reach the workers
     waiting: Iterator[Case] = iter(cases)
     try:
-        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn"), initializer=_worker_start) as pool:
             running: set[Future[dict[str, Any]]] = set()
 
             def submit() -> None:

@@ -206,6 +206,7 @@ def test_a_signal_during_bench_solve_stops_the_bench_not_only_its_training(monke
 
 
 def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
+    import os
     import signal
     import subprocess
     import sys
@@ -214,8 +215,12 @@ def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
     import psutil
 
     args = ["solve", "--seeds", "0", "1", "2", "3", "--per", "off", "--timesteps", "1000000", "--jobs", "2"]
+    scratch = tmp_path / "tmp"  # where the workers make their temporary run dirs
+    scratch.mkdir()
     bench_process = subprocess.Popen(
-        [sys.executable, "-m", "sb3_gpu.bench", *args, "--out", str(tmp_path)], stderr=subprocess.PIPE
+        [sys.executable, "-m", "sb3_gpu.bench", *args, "--out", str(tmp_path)],
+        stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     parent = psutil.Process(bench_process.pid)
 
@@ -231,3 +236,4 @@ def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
     assert bench_process.returncode == 130, stderr.decode()
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     assert not (tmp_path / "solve.json").exists()
+    assert not list(scratch.glob("sb3_gpu_solve_*")), "a stopped case left its temporary run dir behind"
