@@ -151,8 +151,8 @@ class _ActorCriticTraining(StagedObservations):
     def compile_step(self, mode: str = "default") -> str | None:
         """Run each gradient step as one compiled graph, a CUDA graph on CUDA with ``mode="reduce-overhead"``;
         ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. Collection's
-        action forward pass is compiled too (also where the step is refused, as PPO's), its draws made outside as SB3
-        makes them. Call it again after ``load``."""
+        action forward pass is compiled too (also where an optimizer refuses the step, as PPO's; not under gSDE), its
+        draws made outside as SB3 makes them. Call it again after ``load``."""
         s: Any = self
         if s.use_sde:
             return "gSDE's exploration matrix is resampled outside the step"

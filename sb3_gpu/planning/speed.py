@@ -181,6 +181,6 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
     compile_step = getattr(model, "compile_step", None)  # PPO's and the DQN family's gradient step, compiled whole
     if failed is None and compile_step is not None:
         refused = compile_step(speed.compile)
-        if refused:  # the networks are compiled; the step stays torch's, and the user is told why
+        if refused:  # the step stays torch's (the networks, or SAC's family's action pass, compiled), and the user is told why
             warnings.warn(f"the gradient step is not compiled whole: {refused}", CompileFallbackWarning, stacklevel=2)
     return failed

@@ -205,14 +205,16 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions():
 def test_the_compiled_action_forward_explores_as_sb3s_and_reads_once_per_vec_step(case):
     # Collection alone (no gradient step), past learning_starts, from the same weights and generators: the actions
     # of SB3's eager forward pass and of the compiled one agree, since the draws are SB3's, made outside the graph.
+    # Two envs and two action dimensions: draws shared between envs, or laid out (dims, envs), would not agree.
     sb3_cls, cls = _pair(case)
     kwargs = {**SMALL, **EXTRA[case], "learning_starts": 0}
     if case == "td3":
-        kwargs["action_noise"] = NormalActionNoise(np.zeros(1), np.full(1, 0.3))  # drawn by SB3 on the host
+        kwargs["action_noise"] = NormalActionNoise(np.zeros(2), np.full(2, 0.3))  # drawn by SB3 on the host
+    env_id = "LunarLanderContinuous-v3"  # observations (8,), actions (2,)
     sb3, ours = (
-        c("MlpPolicy", make_vec_env("Pendulum-v1", n_envs=2, seed=3), seed=3, device="cpu", **copy.deepcopy(kwargs))
+        c("MlpPolicy", make_vec_env(env_id, n_envs=2, seed=3), seed=3, device="cpu", **copy.deepcopy(kwargs))
         for c in (sb3_cls, cls)
-    )  # two envs: each its own draw
+    )
     ours.policy.load_state_dict(sb3.policy.state_dict())
     assert ours.compile_step("default") is None
     compiled, calls = ours._compiled_act, []
@@ -229,12 +231,11 @@ def test_the_compiled_action_forward_explores_as_sb3s_and_reads_once_per_vec_ste
             model.collect_rollouts(model.env, callback, TrainFreq(12, TrainFrequencyUnit.STEP), model.replay_buffer)
         if model is ours:  # SB3's reads each action's distribution's arguments besides
             assert reads.total == 12, reads.sites
-    assert calls == [th.Size([2, 3])] * 12 and compiled.fallback is None
-    actions = ours.replay_buffer.actions[:12]
-    assert not np.allclose(actions[:, 0], actions[:, 1])  # one action per env
-    np.testing.assert_allclose(actions, sb3.replay_buffer.actions[:12], rtol=1e-5, atol=1e-6)
-    assert ours.predict(np.zeros(3, np.float32), deterministic=True)[0] == pytest.approx(
-        sb3.predict(np.zeros(3, np.float32), deterministic=True)[0], abs=1e-6
+    assert calls == [th.Size([2, 8])] * 12 and compiled.fallback is None
+    np.testing.assert_allclose(ours.replay_buffer.actions[:12], sb3.replay_buffer.actions[:12], rtol=1e-5, atol=1e-6)
+    observation = np.full(8, 0.1, np.float32)
+    np.testing.assert_allclose(
+        ours.predict(observation, deterministic=True)[0], sb3.predict(observation, deterministic=True)[0], atol=1e-6
     )  # any other predict: the policy's own, outside collection
     assert "_predict" not in vars(ours.policy)
 

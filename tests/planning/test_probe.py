@@ -331,6 +331,19 @@ def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy
     assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
 
 
+def test_a_forward_pass_that_does_not_compile_leaves_the_steps_figures(monkeypatch):
+    # The run would collect with that pass eager and keep its compiled step, so the probe must not drop the step.
+    workload = Workload("dqn", DQNPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), {"net_arch": [16]}, 8, 2, 1)
+
+    def broken(obs: th.Tensor) -> th.Tensor:
+        th._dynamo.graph_break()  # what fullgraph=True refuses
+        return obs
+
+    monkeypatch.setattr(probe_module, "_forward", lambda policy, w: broken)
+    timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
+    assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > 0
+
+
 @pytest.mark.parametrize("compile_ms", [0.5, 1.95], ids=["compiled", "eager"])
 def test_bench_auto_runs_auto_against_the_compile_choice_it_passed_over(gpu_machine, compile_ms):
     from sb3_gpu.benches.auto import _alternatives
