@@ -1,8 +1,11 @@
 # Two entry points on a fresh clone: `make quickstart` (set up, then a short training) and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build that lies on this project's machines; set TORCH=torch (or a CUDA build) on a GPU machine.
+# The version the project is tested with: a CPU wheel on this project's machines, where pip looks in a local wheel
+# folder first. Elsewhere PyPI's Linux wheel is the CUDA build; TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes the CPU build from PyTorch's own index, and TORCH=torch pip's newest.
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
 .PHONY: setup quickstart test lint
@@ -13,7 +16,7 @@ setup: $(BIN)/.installed
 $(BIN)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	touch $@
 
 # What the quick start runs, and no more: the package, its video extra (moviepy, pygame) and matplotlib for the
