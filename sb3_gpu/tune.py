@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sb3_gpu.config.schema import get_algo
         from sb3_gpu.config.search import fit_to_budget, load_space
         from sb3_gpu.planning.plan import make_plan
-        from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, make_storage, mask_url
+        from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, journal_lock, make_storage, mask_url
         from sb3_gpu.tuning.study import finished_trials, make_objective, open_study, run_trials
 
         console = cli_console()
@@ -127,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = Path(args.study_dir or Path("tune") / name)
         new_folder = None if wanted.exists() else wanted
         folder = make_dir(wanted, "study dir")
-        refuse_links(folder, "study dir")
         url = args.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
+        refuse_links(folder, "study dir", allowed=journal_lock(url))  # another worker may hold the journal's lock
         study = open_study(
             name,
             make_storage(url, args.heartbeat),

@@ -6,7 +6,7 @@ import io
 import json
 import os
 import pickle
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,14 +64,16 @@ def make_dir(path: str | Path, what: str, *, exist_ok: bool = True) -> Path:
     return path
 
 
-def refuse_links(folder: str | Path, what: str) -> None:
-    """Refuse a folder that holds a symbolic link: files written inside it would be written through the link."""
+def refuse_links(folder: str | Path, what: str, allowed: Callable[[Path], bool] | None = None) -> None:
+    """Refuse a folder that holds a symbolic link: files written inside it would be written through the link.
+
+    :param allowed: links that nothing writes through (another program's lock, say), passed over
+    """
     for root, dirs, files in os.walk(folder):  # links to directories are listed, not entered
         for name in (*dirs, *files):
-            if (Path(root) / name).is_symlink():
-                raise ConfigError(
-                    f"{Path(root) / name} is a symbolic link; sb3_gpu does not write through links in a {what} (remove it)"
-                )
+            path = Path(root) / name
+            if path.is_symlink() and not (allowed is not None and allowed(path)):
+                raise ConfigError(f"{path} is a symbolic link; sb3_gpu does not write through links in a {what} (remove it)")
 
 
 def open_no_follow(path: str | Path) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import urllib.parse
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,25 @@ def mask_url(url: str, text: str | None = None) -> str:
 
 
 _ACCEPTED = "accepted: sqlite:///FILE, postgresql://..., mysql://..., journal:FILE"
+
+
+def journal_lock(url: str) -> Callable[[Path], bool]:
+    """Whether a link is optuna's lock on the journal file of ``url``: a link beside it, named after it, that points
+    at it, made and removed as the workers take turns (and renamed on its way out). Nothing is written through it."""
+    if not url.startswith("journal:"):
+        return lambda path: False
+    journal = Path(url.removeprefix("journal:"))
+
+    def is_lock(path: Path) -> bool:
+        named = path.name == f"{journal.name}.lock" or (
+            path.name.startswith(f"{journal.name}.lock") and path.name.endswith(".rename")
+        )
+        try:
+            return named and os.readlink(path) == str(journal) and path.parent.resolve() == journal.parent.resolve()
+        except FileNotFoundError:  # released in the meantime
+            return named
+
+    return is_lock
 
 
 def make_storage(url: str, heartbeat_s: int) -> Any:

@@ -217,6 +217,29 @@ def test_a_study_dir_that_is_a_file_or_holds_a_link_is_refused_in_one_line(tmp_p
     assert (tmp_path / "notes.txt").read_text() == "keep"
 
 
+def test_optunas_lock_on_a_journal_file_is_no_link_to_refuse_and_look_alikes_are(tmp_path):
+    # A worker that starts while another holds the journal's lock finds optuna's link beside the file: two workers on
+    # one journal file raced into a refused study dir. Links that only look like the lock are still refused.
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    from sb3_gpu.common.io import refuse_links
+
+    journal = tmp_path / "journal.log"
+    allowed = tuning_storage.journal_lock(f"journal:{journal}")
+    lock = JournalFileSymlinkLock(str(journal))
+    assert lock.acquire() and (tmp_path / "journal.log.lock").is_symlink()
+    (tmp_path / "journal.log.lock0f3a.rename").symlink_to(str(journal))  # a lock on its way out
+    refuse_links(tmp_path, "study dir", allowed=allowed)
+    lock.release()
+    for name, target in (("journal.log.lock", tmp_path / "victim"), ("best_preset.yaml", journal)):
+        (tmp_path / name).symlink_to(target)
+        with pytest.raises(ConfigError, match=f"{name} is a symbolic link"):
+            refuse_links(tmp_path, "study dir", allowed=allowed)
+        (tmp_path / name).unlink()
+    with pytest.raises(ConfigError, match="rename is a symbolic link"):  # no journal: no lock to allow
+        refuse_links(tmp_path, "study dir", allowed=tuning_storage.journal_lock(f"sqlite:///{tmp_path / 'study.db'}"))
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
