@@ -240,6 +240,25 @@ def test_optunas_lock_on_a_journal_file_is_no_link_to_refuse_and_look_alikes_are
         refuse_links(tmp_path, "study dir", allowed=tuning_storage.journal_lock(f"sqlite:///{tmp_path / 'study.db'}"))
 
 
+def test_a_worker_that_starts_while_another_holds_the_journal_lock_waits_for_it(tmp_path, call_main):
+    import threading
+
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    journal = tmp_path / "journal.log"
+    lock = JournalFileSymlinkLock(str(journal))
+    assert lock.acquire()  # as another worker's, while this one checks its study dir
+    release = threading.Timer(4.0, lock.release)
+    release.start()
+    try:
+        storage = ["--storage", f"journal:{journal}", "--study-dir", str(tmp_path)]
+        out = call_main(tune.main, "ppo", "--trials", "1", *storage, *TINY)
+    finally:
+        release.join()
+    assert out.returncode == 0, out.stderr
+    assert len(finished(load(f"journal:{journal}"))) == 1
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
