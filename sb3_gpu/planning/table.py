@@ -41,8 +41,7 @@ def plan_table(plan: Plan) -> Table:
         why, style = plan.preset.sources.get(key, ""), None
         if key == "learning_starts" and value >= plan.preset.n_timesteps:
             why, style = f"{why}; warning: not below n_timesteps ({plan.preset.n_timesteps:,}): no gradient step", "yellow"
-        trained = plan.preset.timesteps_trained
-        if key == "n_timesteps" and trained != value:
+        if key == "n_timesteps" and (trained := plan.preset.timesteps_trained) != value:
             why = f"{why}; trains {trained:,}: SB3 completes each rollout of n_steps * n_envs"
         _row(table, key, shown, why, style=style)
     return table
