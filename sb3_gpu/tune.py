@@ -121,7 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--threshold must be a finite return, got {args.threshold}")
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
         space, narrowed = fit_to_budget(
-            load_space(args.algo, args.space), plan.preset.n_timesteps, plan.preset.n_envs, get_algo(args.algo).on_policy
+            load_space(args.algo, args.space),
+            plan.preset.n_timesteps,
+            plan.preset.n_envs,
+            get_algo(args.algo).on_policy,
+            learning_starts=getattr(plan.preset.params, "learning_starts", None),
         )
         name = args.study_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.algo}-{plan.env.name}")
         wanted = Path(args.study_dir or Path("tune") / name)

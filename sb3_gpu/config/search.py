@@ -41,20 +41,29 @@ def _candidates(spec: Any, where: str) -> list[Any]:
         return list(spec["choices"])
     if not {"low", "high"} <= set(spec) or not all(isinstance(spec[b], (int, float)) for b in ("low", "high")):
         raise ConfigError(f"{where}: a range needs numeric 'low' and 'high'")
+    if not isinstance(spec.get("log", False), bool):
+        raise ConfigError(f"{where}: 'log' is true or false, got {spec['log']!r}")
     if spec["low"] >= spec["high"] or (spec.get("log") and spec["low"] <= 0):
         raise ConfigError(f"{where}: need low < high (and low > 0 with log: true)")
     return [spec["low"], spec["high"]]
 
 
 def fit_to_budget(
-    space: dict[str, dict[str, Any]], timesteps: int, n_envs: int, on_policy: bool
+    space: dict[str, dict[str, Any]],
+    timesteps: int,
+    n_envs: int,
+    on_policy: bool,
+    learning_starts: int | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """The space without values that cannot fit a trial of ``timesteps``, and a note for each key it narrowed.
 
     A rollout (``n_steps`` or ``train_freq`` times ``n_envs``, the largest ``n_envs`` of the space where it is
     searched) must fit the budget, ``learning_starts`` must leave at least half of it for learning, and buffer sizes
-    beyond it behave alike (nothing is ever evicted), so only the smallest of those is kept.
+    beyond it behave alike (nothing is ever evicted), so only the smallest of those is kept. The preset's own
+    ``learning_starts``, where the space leaves it fixed, is refused if no trial could take a gradient step with it,
+    and noted if it leaves less than half.
     """
+    fixed_note = _fixed_learning_starts(learning_starts, timesteps) if "learning_starts" not in space else []
     envs = int(max(_numbers(space["n_envs"]), default=n_envs)) if "n_envs" in space else n_envs
     limits = {
         "n_steps" if on_policy else "train_freq": (timesteps // envs, f"a rollout of {envs} envs would outrun"),
@@ -70,7 +79,21 @@ def fit_to_budget(
         fitted["buffer_size"], dropped = _capped(space["buffer_size"], timesteps, "buffer_size", timesteps, keep_next=True)
         if dropped:
             notes.append(f"buffer_size: {dropped} left out (larger than the {timesteps:,}-step budget, like the size kept)")
-    return fitted, notes
+    return fitted, notes + fixed_note
+
+
+def _fixed_learning_starts(value: int | None, timesteps: int) -> list[str]:
+    fix = "raise --timesteps, or search learning_starts (--space)"
+    if value is not None and value >= timesteps:
+        raise ConfigError(
+            f"the preset's learning_starts ({value:,}) is not below the {timesteps:,}-step trials: no trial would take "
+            f"a gradient step; {fix}"
+        )
+    if value is not None and value > timesteps // 2:
+        return [
+            f"learning_starts: the preset's {value:,} leaves under half of the {timesteps:,}-step budget to learn in; {fix}"
+        ]
+    return []
 
 
 def _numbers(spec: dict[str, Any]) -> list[int | float]:

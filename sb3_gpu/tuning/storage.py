@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import make_dir
 
 
 def import_optuna() -> Any:
@@ -85,8 +86,13 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
         path = Path(url.removeprefix("journal:"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path)))
+        if not path.name or path.is_dir():
+            raise ConfigError(f"storage {url!r}: journal:PATH names a file to write, and {path} is a folder")
+        make_dir(path.parent, "the journal's folder")
+        try:
+            return JournalStorage(JournalFileBackend(str(path)))
+        except OSError as e:
+            raise ConfigError(f"storage {url!r}: cannot open the journal file {path}: {e.strerror or e}") from None
     if "://" not in url:
         raise ConfigError(f"storage {url!r} is not a URL ({_ACCEPTED})")
     for attempt in range(5):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -156,6 +157,7 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
         trial.set_user_attr("invalid", str(e))
         raise optuna.TrialPruned(f"invalid combination: {e}") from None
     timesteps, n_envs = plan.preset.n_timesteps, plan.preset.n_envs
+    trial.set_user_attr("profile", plan.preset.profile)  # the export folds in what the trial trained with
     env = build_env(plan)
     eval_env = None
     try:
@@ -209,25 +211,44 @@ def _raise_if_cut_short(trial: Any, stopped_by: str | None, evaluator: TimedEval
 
 # --------------------------------------------------------------------------- results
 def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -> Path:
-    """The best trial as a preset file: the bundled entry for ``env`` with the tuned keys set (profiles dropped)."""
+    """The best trial as a preset file: the bundled entry for ``env`` as its trials trained it (the profile they took
+    folded into the shared keys, the other profiles dropped) with the tuned keys set.
+
+    A tuned ``buffer_size`` at or beyond ``timesteps`` is no finding (such a buffer never evicts in a trial, as
+    ``fit_to_budget`` notes), so a larger size of the entry's own stays: the exported run is longer than the trials.
+    """
     algo_ = get_algo(algo)
     best = study.best_trial
     entries, label = load_preset_file(algo_)
     spec = resolve_env(env)
     name = select_entry(entries, spec.name, spec.is_atari, label)
     raw = read_yaml(presets_dir() / f"{algo_.name}.yaml")[name]
+    profile = best.user_attrs.get("profile")
     # Profiles would override the tuned values on some machines; the tuned values hold everywhere.
-    entry = {k: v for k, v in raw.items() if k not in PROFILES}
-    for key, value in _decoded_params(best, study).items():
+    entry = {k: v for k, v in raw.items() if k not in PROFILES} | dict(raw.get(profile) or {})
+    tuned = _decoded_params(best, study)
+    notes = [f"# The {profile!r} profile's values, which the trials trained with, are folded in.\n"] if profile in raw else []
+    if profile is None and any(p in raw for p in PROFILES):
+        notes.append("# The trials' profile is not recorded (an older sb3_gpu's study): the entry's profiles are dropped.\n")
+    size, own = tuned.get("buffer_size"), entry.get("buffer_size", _default(algo_, "buffer_size"))
+    if isinstance(size, int) and size >= timesteps and isinstance(own, (int, float)) and own > size:
+        del tuned["buffer_size"]
+        notes.append(f"# buffer_size: the trials' {size:,} held all of each trial, so the entry's own {int(own):,} stays.\n")
+    for key, value in tuned.items():
         apply_override(entry, key, value)
     header = (
         f"# Tuned by python -m sb3_gpu.tune {algo} --env {env}: trial {best.number} of study {study.study_name!r},\n"
         f"# mean score {best.value:.2f} over {len(best.user_attrs.get('seed_scores', [])) or 1} seed(s) at {timesteps} "
         f"timesteps each. Train it: python -m sb3_gpu.train {algo} --env {env} --preset {path.name}\n"
     )
-    atomic_write_text(path, header + yaml.safe_dump({spec.name: entry}, sort_keys=False))
+    atomic_write_text(path, header + "".join(notes) + yaml.safe_dump({spec.name: entry}, sort_keys=False))
     load_preset_file(algo_, path)  # what we wrote must load as a preset
     return path
+
+
+def _default(algo: Any, key: str) -> Any:
+    """SB3's default for ``key`` (None where the algorithm has no such key)."""
+    return next((f.default for f in dataclasses.fields(algo.params_class) if f.name == key), None)
 
 
 def study_markdown(study: Any, command: str, top: int = 10) -> str:

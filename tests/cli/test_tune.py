@@ -193,10 +193,15 @@ def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
         (["--storage", "study.db"], "storage 'study.db' is not a URL"),
         (["--storage", "foo://bar"], "cannot open storage foo://bar: Can't load plugin: sqlalchemy.dialects:foo (accepted: "),
         (["--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
+        (["--storage", "journal:"], "storage 'journal:': journal:PATH names a file to write, and . is a folder"),
+        (["--storage", "journal:sub"], "storage 'journal:sub': journal:PATH names a file to write, and sub is a folder"),
+        (["--storage", "journal:notes.txt/j.log"], "cannot create the journal's folder notes.txt: a file is in the way"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, call_main):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "notes.txt").write_text("")
     out = call_main(tune.main, "ppo", "--study-dir", str(tmp_path / "study"), *args)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
@@ -268,6 +273,7 @@ def test_a_worker_that_starts_while_another_holds_the_journal_lock_waits_for_it(
         ("n_steps: {lo: 1, high: 2}", "did you mean 'low'"),
         ("buffer_size: {choices: [1000]}", "'buffer_size' is for off-policy"),
         ("learning_rate: {low: 0, high: 1, log: true}", "low > 0 with log"),
+        ("learning_rate: {low: 1.0e-5, high: 1, log: 'false'}", "'log' is true or false, got 'false'"),
     ],
 )
 def test_search_space_keys_and_values_are_checked_like_presets(tmp_path, text, message):
@@ -311,6 +317,81 @@ def test_the_space_keeps_only_values_that_fit_the_budget():
     assert ranged == {"n_steps": {"low": 8, "high": 250}}
     with pytest.raises(ConfigError, match=r"every choice .* is too large for trials of 100 timesteps"):
         fit_to_budget(load_space("ppo"), timesteps=100, n_envs=8, on_policy=True)
+
+
+def test_a_fixed_learning_starts_is_checked_against_the_budget(tmp_path, call_main, monkeypatch):
+    from sb3_gpu.config.search import fit_to_budget
+
+    rate = {"learning_rate": {"low": 1e-4, "high": 1e-3, "log": True}}
+    with pytest.raises(ConfigError, match=r"learning_starts \(10,000\) is not below the 5,000-step trials"):
+        fit_to_budget(rate, timesteps=5000, n_envs=1, on_policy=False, learning_starts=10_000)
+    _, notes = fit_to_budget(rate, timesteps=5000, n_envs=1, on_policy=False, learning_starts=3000)
+    assert notes == [
+        "learning_starts: the preset's 3,000 leaves under half of the 5,000-step budget to learn in; raise --timesteps, "
+        "or search learning_starts (--space)"
+    ]
+    assert fit_to_budget(rate, timesteps=5000, n_envs=1, on_policy=False, learning_starts=2500) == (rate, [])
+    searched = {**rate, "learning_starts": {"choices": [100, 10_000]}}  # the space's values are capped instead
+    assert fit_to_budget(searched, timesteps=5000, n_envs=1, on_policy=False, learning_starts=10_000)[0] == {
+        **rate,
+        "learning_starts": {"choices": [100]},
+    }
+    # tune refuses such a study before any trial: TD3's Pendulum entry learns from 1,000 steps on a CPU.
+    monkeypatch.chdir(tmp_path)
+    space = tmp_path / "rate.yaml"
+    space.write_text("learning_rate: {low: 1.0e-4, high: 1.0e-3, log: true}\n")
+    out = call_main(
+        tune.main,
+        "td3",
+        "--env",
+        "Pendulum-v1",
+        "--trials",
+        "1",
+        "--timesteps",
+        "800",
+        "--device",
+        "cpu",
+        "--space",
+        str(space),
+    )
+    assert out.returncode == 2 and "learning_starts (1,000) is not below the 800-step trials" in out.stderr
+    assert not (tmp_path / "tune").exists()
+
+
+def test_the_exported_preset_is_what_the_best_trial_trained(tmp_path):
+    """The trials' profile folded in (TD3 Pendulum's cpu profile: 64x64, batch 128, learning from 1,000), the tuned
+    keys set, and a tuned buffer that held whole trials leaving the entry's larger own size."""
+    import yaml
+
+    space = {"learning_rate": {"low": 1e-4, "high": 1e-2, "log": True}, "buffer_size": {"choices": [10_000]}}
+    study = optuna.create_study(direction="maximize", study_name="td3-Pendulum-v1")
+    study.set_user_attr("space", space)
+    dists = {
+        "learning_rate": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True),
+        "buffer_size": optuna.distributions.CategoricalDistribution([10_000]),
+    }
+
+    def add(value: float, size: int, profile: str) -> None:
+        params = {"learning_rate": 3e-3, "buffer_size": size}
+        attrs = {"profile": profile, "seed_scores": [value]}
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=value, user_attrs=attrs))
+
+    add(-150.0, 10_000, "cpu")
+    path = tuning.export_preset(study, "td3", "Pendulum-v1", tmp_path / "best_preset.yaml", timesteps=5000)
+    text = path.read_text()
+    entry = yaml.safe_load(text)["Pendulum-v1"]
+    assert {k: entry[k] for k in ("net_arch", "batch_size", "learning_starts", "learning_rate", "buffer_size")} == {
+        "net_arch": [64, 64],
+        "batch_size": 128,
+        "learning_starts": 1000,
+        "learning_rate": 3e-3,
+        "buffer_size": 200_000,
+    }
+    assert "cpu" not in entry and "gpu" not in entry
+    assert "'cpu' profile's values" in text and "the trials' 10,000 held all of each trial" in text
+    # Trials longer than the buffer did evict: their size is the finding and is kept.
+    path = tuning.export_preset(study, "td3", "Pendulum-v1", tmp_path / "short.yaml", timesteps=20_000)
+    assert yaml.safe_load(path.read_text())["Pendulum-v1"]["buffer_size"] == 10_000
 
 
 @pytest.mark.parametrize("sampler_seed", range(5))
