@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from sb3_gpu.common.cli import Parser, interrupted, positive_int, print_error, s
 from sb3_gpu.common.cli import command as command_name
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import logical_cores
+from sb3_gpu.common.io import check_dir_creatable
 
 # The benches (torch, SB3, gymnasium) are imported by the subcommand that runs, so that --help is quick and a Ctrl-C
 # while they load is answered in one line.
@@ -135,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = "python -m sb3_gpu.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
+        if getattr(args, "out", None) is not None:
+            check_dir_creatable(args.out, "--out folder")  # before the work: an hour's results must have a place
         if args.command == "envs":
             return _main_envs(args, command)
         if args.command == "train":
@@ -152,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "step":
             return _main_step(args, command)
         return _main_per(args)
+    except ConfigError as e:
+        print_error(str(e))
+        return 2
     except KeyboardInterrupt:
         print_error("interrupted; no results were written")
         return interrupted()
@@ -214,8 +221,8 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.common.hardware import detect_hardware
     from sb3_gpu.envs.spec import probe_env, resolve_env
 
-    if args.seconds <= 0 or args.startup_workers < 0:
-        print_error("--seconds must be > 0 and --startup-workers >= 0")
+    if not (math.isfinite(args.seconds) and args.seconds > 0) or args.startup_workers < 0:
+        print_error(f"--seconds must be a finite number > 0 (got {args.seconds}) and --startup-workers >= 0")
         return 2
     try:
         for env_id in args.envs:
@@ -252,7 +259,7 @@ def _device(given: str) -> str | None:
 
 def _main_step(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.base import machine_line, write_results
-    from sb3_gpu.benches.step import CPU_CASES, GPU_CASES, bench_step, parse_case, rows_json, step_markdown
+    from sb3_gpu.benches.step import CPU_CASES, GPU_CASES, bench_step, plan_case, rows_json, step_markdown
 
     device = _device(args.device)
     if device is None:
@@ -260,8 +267,8 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
     cases = args.cases or (GPU_CASES if device.startswith("cuda") else CPU_CASES)
     try:
         for case in cases:
-            parse_case(case)
-    except ValueError as e:
+            plan_case(case, device)  # an env or profile that does not suit the case fails here, not after others ran
+    except (ValueError, ConfigError) as e:
         print_error(f"--cases: {e}")
         return 2
     machine = machine_line() + f", device {device}"

@@ -16,11 +16,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/curves.png for one run, curves.png)")
     args = parser.parse_args(argv)
     try:
-        from sb3_gpu.runs.curves import plot_runs  # matplotlib and SB3: here, so that --help needs neither
+        from sb3_gpu.runs.curves import load_curves, plot_runs  # matplotlib and SB3: here, so that --help needs neither
         from sb3_gpu.runs.rundir import RunDir
 
-        out = args.out or (RunDir(args.run_dirs[0]).curves if len(args.run_dirs) == 1 else Path("curves.png"))
+        default = RunDir(args.run_dirs[0]).curves if len(args.run_dirs) == 1 else Path("curves.png")
+        out = default if args.out is None else Path(args.out)
         path = plot_runs(args.run_dirs, out)
+        for run_dir in args.run_dirs:
+            if not len(load_curves(run_dir)["returns"]):
+                print(f"note: {run_dir} has no finished episode yet; its curves are empty")
     except ConfigError as e:
         print_error(str(e))
         return 2

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch as th
 
-from sb3_gpu.common.io import atomic_write_text
+from sb3_gpu.common.io import atomic_write_text, make_dir
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ def machine_line() -> str:
 
 def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str) -> tuple[Path, Path]:
     """``NAME.json`` and ``NAME.md`` in ``out_dir``, each written atomically."""
+    make_dir(out_dir, "--out folder")
     json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
     md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
     return json_path, md_path

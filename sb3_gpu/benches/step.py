@@ -25,7 +25,7 @@ from sb3_gpu.config.schema import get_algo
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.per import DeviceSumMinTree
 from sb3_gpu.planning.build import build_env, model_kwargs
-from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.planning.plan import Plan, make_plan
 
 # (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand. ``dqn+per``: sb3_gpu's
 # variants with prioritized replay on the device, its trees searched by tensor ops as on a GPU (SB3's row is uniform
@@ -78,17 +78,23 @@ def parse_case(text: str) -> tuple[str, str, str]:
     return algo, env, profile or "auto"
 
 
-def _model(algo: str, env: str, profile: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
-    """A model of the variant, warmed up on its own data (buffers filled, compiled), and its graph-break note."""
+def plan_case(text: str, device: str, variant: str = "sb3") -> Plan:
+    """The plan a case's variant trains with (a ConfigError for an env or profile that does not suit it)."""
+    algo, env, profile = parse_case(text)
     algo, _, extension = algo.partition("+")
-    per = extension == "per" and variant != "sb3"
-    off_policy = algo != "ppo"
     overrides: dict[str, Any] = {"amp": "off", "compile": False, "device_buffers": variant != "sb3"}
-    if off_policy:
+    if algo != "ppo":
         overrides["learning_starts"] = 1_000  # a short warm-up
     if algo in ("dqn", "qrdqn"):
-        overrides["per"] = per  # SB3's own train() has no PER
-    plan = make_plan(algo, env, device, seed=0, profile=profile, overrides=overrides, vec_env="dummy")
+        overrides["per"] = extension == "per" and variant != "sb3"  # SB3's own train() has no PER
+    return make_plan(algo, env, device, seed=0, profile=profile, overrides=overrides, vec_env="dummy")
+
+
+def _model(text: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
+    """A model of the variant, warmed up on its own data (buffers filled, compiled), and its graph-break note."""
+    plan = plan_case(text, device, variant)
+    algo, off_policy = plan.algo, plan.algo != "ppo"
+    per = parse_case(text)[0].endswith("+per") and variant != "sb3"
     kwargs = model_kwargs(plan)
     spec = get_algo(algo)
     cls = plan.preset.model_class if variant == "sb3" else spec.extended_class
@@ -215,9 +221,8 @@ def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int) -> l
     th._inductor.config.cpp.enable_kernel_profile = True
     rows = []
     for text in cases:
-        algo, env, profile = parse_case(text)
         for variant in VARIANTS:
-            model, breaks = _model(algo, env, profile, device, variant)
+            model, breaks = _model(text, device, variant)
             if breaks.startswith("not "):
                 print(f"  {text}, {variant}: {breaks}", flush=True)
                 continue

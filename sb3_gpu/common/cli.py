@@ -9,7 +9,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sb3_gpu.common.checks import MAX_COUNT
 
@@ -22,6 +22,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        # An empty value (`--env ""`, a shell variable left unset) would read as "not given" and fall back to a default.
+        if arg_string == "" and not isinstance(action, argparse._SubParsersAction):  # a subcommand's parser checks its own
+            raise argparse.ArgumentError(action, "expected a value, got an empty string")
+        return super()._get_value(action, arg_string)
 
 
 def _integer(text: str, low: int, what: str, high: int = MAX_COUNT) -> int:

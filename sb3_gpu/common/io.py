@@ -50,6 +50,20 @@ def _create_new(path: Path) -> int:
         return os.open(path, flags, 0o644)
 
 
+def check_dir_creatable(path: str | Path, what: str) -> Path:
+    """Refuse, in one line, a folder that :func:`make_dir` could not make later: checked before long work, without
+    making it (the work may yet stop on bad input)."""
+    path = Path(path)
+    for folder in (path, *path.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+    if not folder.is_dir():
+        raise ConfigError(f"cannot create {what} {path}: {folder} is in the way (not a folder)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot create {what} {path}: {folder} is not writable")
+    return path
+
+
 def make_dir(path: str | Path, what: str, *, exist_ok: bool = True) -> Path:
     """``mkdir -p``, with a one-line error naming the folder and the cause (a file in the way, a read-only disk)."""
     path = Path(path)

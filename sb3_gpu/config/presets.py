@@ -10,17 +10,21 @@ their domain raise :class:`~sb3_gpu.common.errors.ConfigError` naming the key, t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_gpu.common import checks as c
 from sb3_gpu.common.checks import Schedule
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.config.files import parse_yaml, presets_dir, read_yaml
 from sb3_gpu.config.schema import (
     ACTIVATIONS,
@@ -34,7 +38,7 @@ from sb3_gpu.config.schema import (
     validate_entry,
     validate_flat,
 )
-from sb3_gpu.config.zoo import load_zoo_file
+from sb3_gpu.config.zoo import ZooEntries, load_zoo_file
 from sb3_gpu.extensions.per import PrioritizedReplayBuffer
 
 
@@ -51,11 +55,25 @@ def load_preset_file(algo: Algo, path: Path | str | None = None) -> tuple[Mappin
 
 
 def select_entry(entries: Mapping[str, Any], env_id: str, is_atari: bool, where: str) -> str:
-    """The entry for an env: its own id, else ``atari`` for Atari games, else ``default``."""
-    for name in (env_id, "atari" if is_atari else None, "default"):
-        if name is not None and name in entries:
-            return name
-    raise ConfigError(f"{where} has no entry for {env_id!r} and no 'default' entry (entries: {', '.join(entries)})")
+    """The entry for an env: its own id, else ``atari`` for Atari games, else ``default``.
+
+    In a preset file, an entry that is no registered id but looks like ``env_id`` is a typo, refused rather than
+    passed over for the fallback (the run would train on ``default``'s values without a word). rl-zoo3's files are
+    left alone: they hold entries for other packages' envs (PyBullet's, the NoVel variants) that are no typos.
+    """
+    if env_id not in entries and not isinstance(entries, ZooEntries):
+        for name in entries:
+            looks_like = difflib.get_close_matches(name, [env_id], cutoff=0.85)
+            if name not in ("default", "atari") and ":" not in name and name not in gym.registry and looks_like:
+                raise ConfigError(
+                    f"{where}, entry {name!r}: no registered env id; did you mean {env_id!r}? (an entry is an env id, "
+                    "'default' or 'atari')"
+                )
+    for wanted in (env_id, "atari" if is_atari else None, "default"):
+        if wanted is not None and wanted in entries:
+            return wanted
+    hint = next((h for n in entries if n not in gym.registry and (h := closest(n, ["default", "atari"]))), "")
+    raise ConfigError(f"{where} has no entry for {env_id!r} and no 'default' entry (entries: {', '.join(entries)}){hint}")
 
 
 # --------------------------------------------------------------------------- overrides
@@ -179,6 +197,32 @@ def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], wher
         raise ConfigError(f"{where}: {algo.name} has no policy {policy!r}")
     accepted = set(inspect.signature(policy_class.__init__).parameters) - {"self", "observation_space", "action_space"}
     c.check_keys(kwargs, accepted - {*_OWN_KEYS, "lr_schedule"}, f"{where}: policy_kwargs of {policy}")
+    try:
+        hints = typing.get_type_hints(policy_class.__init__)
+    except Exception:  # pragma: no cover - an annotation that does not resolve: SB3 checks the values itself
+        return
+    for key, value in kwargs.items():
+        if key in hints and (wanted := _mismatch(value, hints[key])):
+            raise ConfigError(f"{where}: policy_kwargs.{key} must be {wanted}, got {value!r}")
+
+
+def _mismatch(value: Any, hint: Any) -> str:
+    """What ``hint`` wants, where YAML data ``value`` does not fit it ("" where it fits, or the hint is no plain type).
+
+    A class (``optimizer_class``, ``features_extractor_class``) fits only as one, given in Python: a preset file's
+    text never names code to run."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        wants = [_mismatch(value, h) for h in typing.get_args(hint)]
+        return "" if "" in wants else " or ".join(wants)
+    plain = {type(None): ("null", lambda v: v is None), bool: ("true or false", lambda v: isinstance(v, bool))}
+    plain |= {int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool))}
+    plain |= {float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))}
+    plain |= {dict: ("a mapping", lambda v: isinstance(v, Mapping)), list: ("a list", lambda v: isinstance(v, list))}
+    if origin is type:
+        return "" if inspect.isclass(value) else "a class, passed in Python (a preset file cannot name code to run)"
+    what, fits = plain.get(origin or hint, ("", lambda v: True))
+    return "" if fits(value) else what
 
 
 def resolve_preset(

@@ -45,7 +45,7 @@ def load_config(path: str | Path) -> RunConfig:
     if missing:
         raise ConfigError(f"{path}: missing {', '.join(sorted(missing))}")
     version = data.get("version", CONFIG_VERSION)
-    if version != CONFIG_VERSION:
+    if version != CONFIG_VERSION or isinstance(version, bool):  # True == 1
         raise ConfigError(f"{path}: config version {version!r}; this sb3_gpu reads version {CONFIG_VERSION}")
     try:
         algo = get_algo(str(data["algo"]))
@@ -58,8 +58,8 @@ def load_config(path: str | Path) -> RunConfig:
         # resumed or repeated run goes on as it began.
         hyper["per"] = {**hyper["per"], "normalize": "buffer"}
     seed = data.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"{path}: seed must be an int or null, got {seed!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise ConfigError(f"{path}: seed must be an integer in [0, 2**32) or null, got {seed!r}")
     run = data.get("run") or {}
     if not isinstance(run, Mapping):
         raise ConfigError(f"{path}: run must be a mapping, got {run!r}")

@@ -182,6 +182,8 @@ def _read(text: str, where: str) -> Any:
         return _literal(tree.body, text, where)
     except SyntaxError as e:
         raise ConfigError(f"{where}: cannot read {_short(text)}: not a Python literal ({e.msg})") from None
+    except ConfigError:  # _literal's own, which names the place already (a ValueError too)
+        raise
     except ValueError as e:  # a NUL character, say
         raise ConfigError(f"{where}: cannot read {_short(text)}: {e}") from None
     except (RecursionError, MemoryError):

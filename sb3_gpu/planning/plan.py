@@ -515,6 +515,13 @@ def _check_sizes(preset: Preset, facts: _EnvFacts) -> None:
             f"{preset.n_timesteps:,} timesteps to train (SB3 always completes a rollout): lower n_envs or {what}, or "
             "train longer"
         )
+    # SB3 takes it without a word, and every batch repeats transitions. (PPO's larger batch is a whole rollout: the
+    # plan table says so, and a study's trial may draw it.)
+    if preset.algo != "ppo" and params.batch_size > params.buffer_size:
+        raise ConfigError(
+            f"batch_size ({params.batch_size:,}) is more than buffer_size ({params.buffer_size:,}): every batch would "
+            "repeat transitions; lower batch_size or raise buffer_size"
+        )
     if preset.algo != "ppo":
         per_transition = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
         needed = params.buffer_size * per_transition

@@ -41,8 +41,12 @@ def plan_table(plan: Plan) -> Table:
         why, style = plan.preset.sources.get(key, ""), None
         if key == "learning_starts" and value >= plan.preset.n_timesteps:
             why, style = f"{why}; warning: not below n_timesteps ({plan.preset.n_timesteps:,}): no gradient step", "yellow"
+        if key == "batch_size" and plan.algo == "ppo" and value > (rollout := values["n_steps"] * values["n_envs"]):
+            why, style = f"{why}; warning: more than one rollout ({rollout:,}): each minibatch is the whole rollout", "yellow"
         if key == "n_timesteps" and (trained := plan.preset.timesteps_trained) != value:
             why = f"{why}; trains {trained:,}: SB3 completes each rollout of n_steps * n_envs"
+        elif key == "n_timesteps" and (freq := values.get("train_freq")) and isinstance(freq, list) and freq[1] == "episode":
+            why = f"{why}; may train past it: SB3 completes the episodes of each train_freq"
         _row(table, key, shown, why, style=style)
     return table
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import atomic_write_bytes
+from sb3_gpu.common.io import atomic_write_bytes, check_dir_creatable
 from sb3_gpu.runs.rundir import RunDir
 
 MISSING = "plotting needs matplotlib: pip install 'sb3-gpu[plot]'"
@@ -39,19 +39,14 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     files = sorted(run.monitor.glob("*.monitor.csv")) if run.monitor.is_dir() else []
     if not files:
         raise ConfigError(f"{run} has no monitor/*.monitor.csv; is it a run dir written by sb3_gpu.train?")
-    rows, starts = [], []
+    rows: list[tuple[float, float, float]] = []
+    starts = []
     for path in files:
-        with path.open(encoding="utf-8") as f:
-            header = f.readline()  # #{"t_start": ..., "env_id": ...}: episode times count from t_start
-            start = float(json.loads(header[1:]).get("t_start", 0.0)) if header.startswith("#{") else 0.0
-            starts.append(start)
-            f.readline()  # r,l,t[,info keywords]
-            for line in f:
-                try:  # a run still writing may end in half a line
-                    r, length, t = (float(v) for v in line.split(",", 3)[:3])
-                except ValueError:
-                    continue
-                rows.append((r, length, t + start))
+        try:
+            start = _read_monitor(path, rows)
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
+            raise ConfigError(f"cannot read {path}: not a Monitor file ({type(e).__name__}: {e})") from None
+        starts.append(start)
     episodes = np.array(rows, dtype=np.float64).reshape(-1, 3)
     episodes = episodes[np.argsort(episodes[:, 2], kind="stable")]
     first = min(starts)
@@ -68,6 +63,21 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
         except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # written by SB3 while we read it
             pass
     return curves
+
+
+def _read_monitor(path: Path, rows: list[tuple[float, float, float]]) -> float:
+    """Append a Monitor file's episodes (return, length, end time) to ``rows``; its start time."""
+    with path.open(encoding="utf-8") as f:
+        header = f.readline()  # #{"t_start": ..., "env_id": ...}: episode times count from t_start
+        start = float(json.loads(header[1:]).get("t_start", 0.0)) if header.startswith("#{") else 0.0
+        f.readline()  # r,l,t[,info keywords]
+        for line in f:
+            try:  # a run still writing may end in half a line
+                r, length, t = (float(v) for v in line.split(",", 3)[:3])
+            except ValueError:
+                continue
+            rows.append((r, length, t + start))
+    return start
 
 
 def _rolling(values: np.ndarray, width: int) -> np.ndarray:
@@ -88,7 +98,13 @@ def _rate(steps: np.ndarray, seconds: np.ndarray, points: int = 40) -> tuple[np.
 
 
 def plot_runs(run_dirs: Sequence[str | Path | RunDir], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """Draw the runs on one figure and write it (atomically) to ``out``."""
+    """Draw the runs on one figure and write it (atomically) to ``out``, a ``.png`` file."""
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise ConfigError(f"the plot is written as a PNG file: give a path ending in .png, got {str(out)!r}")
+    if out.is_dir():
+        raise ConfigError(f"cannot write the plot to {out}: it is a folder")
+    check_dir_creatable(out.parent, "the plot's folder")
     plt = _pyplot()
     labels = list(labels) if labels else [Path(str(r)).name for r in run_dirs]
     fig, (by_steps, by_time, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -111,4 +127,4 @@ def plot_runs(run_dirs: Sequence[str | Path | RunDir], out: str | Path, labels: 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
-    return atomic_write_bytes(Path(out), buffer.getvalue())
+    return atomic_write_bytes(out, buffer.getvalue())

@@ -135,7 +135,10 @@ def load_model(
     try:
         return model_class.load(str(path), env=env, device=device, custom_objects=custom)
     except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
-        raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {e})") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "size mismatch" in str(e):  # torch lists every tensor that differs, one per line
+            first = "its networks' shapes differ from the ones this config's env and net_arch give"
+        raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {first})") from None
 
 
 def _check_same_algorithm(path: Path, data: dict[str, Any], template: BaseAlgorithm) -> None:
@@ -189,5 +192,8 @@ def restore_model(plan: Plan, env: VecEnv, state: SavedState, run: RunDir, say: 
         size = model.replay_buffer.size() * env.num_envs  # type: ignore[attr-defined]
         say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions)")
     else:
-        say(f"no replay buffer was saved with {state.model.name} (--save-replay-buffer keeps it): it starts empty")
+        say(
+            f"no replay buffer was saved with {state.model.name} (--save-replay-buffer keeps it): it starts empty, and "
+            "training goes on at once, on batches drawn from its first transitions"
+        )
     return model

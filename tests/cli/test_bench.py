@@ -190,6 +190,34 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
     assert capsys.readouterr().err.startswith("error: --cases: expected ALGO:ENV with ALGO one of ppo")
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["step", "--cases", "ppo:CartPole-v1", "sac:CartPole-v1"], "--cases: sac needs a Box action space"),
+        (["step", "--cases", "ppo:Nope-v1"], "--cases: unknown env id 'Nope-v1'"),
+        (["step", "--cases", "ppo:CartPole-v1:bogus"], "--cases: unknown profile 'bogus'"),
+        (["envs", "--envs", "CartPole-v1", "--seconds", "nan"], "--seconds must be a finite number > 0 (got nan)"),
+        (["envs", "--envs", "CartPole-v1", "--seconds", "inf"], "--seconds must be a finite number > 0 (got inf)"),
+        (["envs", "--envs", "CartPole-v1", "--out", "{file}"], "cannot create --out folder {file}: {file} is in the way"),
+        (["solve", "--out", "{file}/sub"], "cannot create --out folder {file}/sub: {file} is in the way"),
+    ],
+)
+def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, tmp_path, capsys, monkeypatch):
+    from sb3_gpu.benches import envs, step
+
+    def no_work(*a, **k):
+        raise AssertionError("the bench ran before refusing its input")
+
+    monkeypatch.setattr(step, "bench_step", no_work)
+    monkeypatch.setattr(envs, "bench_envs", no_work)
+    (tmp_path / "file").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert bench.main([a.format(file="file") for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + message.format(file="file")) and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no results folder made
+
+
 def test_a_signal_during_bench_solve_stops_the_bench_not_only_its_training(monkeypatch, capsys, tmp_path):
     from sb3_gpu.benches import solve
 

@@ -244,6 +244,7 @@ def bad_files(tmp_path, finished_run):
     paths["typo_algo_config"] = _variant(finished_run, tmp_path / "typo_algo", algo="ppo3") / "config.yaml"
     paths["dqn_config"] = _variant(finished_run, tmp_path / "dqn_config")  # a PPO model beside a DQN config
     (paths["dqn_config"] / "config.yaml").write_text("algo: dqn\nenv: CartPole-v1\nhyperparameters: {}\n")
+    paths["other_env"] = _variant(finished_run, tmp_path / "other_env", env=("Acrobot-v1", {}))  # 6 inputs, not 4
     return paths
 
 
@@ -293,6 +294,7 @@ def test_no_save_replay_buffer_turns_off_what_a_replayed_config_saves(bad_files,
         (["{evil_run}"], "'system' is not a gymnasium.Env class"),
         (["{existing}", "--episodes", "1e30"], "--episodes: expected a positive integer up to 2,147,483,647"),
         (["{dqn_config}"], "holds a ppo model, and this run's config is for dqn"),
+        (["{other_env}"], "(RuntimeError: its networks' shapes differ from the ones this config's env and net_arch give)"),
         (["{done}/model.zip", "--model", "best"], "--model best picks a model in a run dir; "),
     ],
 )

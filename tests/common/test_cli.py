@@ -3,10 +3,13 @@ exit status a CLI returns after a Ctrl-C is the one the process ends with."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from sb3_gpu.common.cli import command
 
@@ -56,3 +59,22 @@ def test_a_caught_ctrl_c_inside_exec_ends_with_the_status_main_returned(tmp_path
         assert status("130") == -2
     assert status("interrupted()") == 130
     assert status("interrupted(143)") == 143
+
+
+@pytest.mark.parametrize(
+    "module, args, option",
+    [
+        ("train", ["ppo", "--env", "", "--plan"], "--env"),
+        ("train", ["ppo", "--device", "", "--plan"], "--device"),
+        ("train", ["--config", "", "--plan"], "--config"),
+        ("tune", ["ppo", "--storage", ""], "--storage"),
+        ("plot", ["run", "-o", ""], "-o/--out"),
+        ("bench", ["step", "--cases", ""], "--cases"),
+        ("evaluate", [""], "target"),
+    ],
+)
+def test_an_empty_value_is_refused_not_read_as_not_given(module, args, option, call_main):
+    main = importlib.import_module(f"sb3_gpu.{module}").main
+    out = call_main(main, *args)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"error: argument {option}: expected a value, got an empty string" in out.stderr

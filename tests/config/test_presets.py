@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 
 import pytest
+import torch as th
 import yaml
 from gymnasium import spaces
 from stable_baselines3.common.utils import ConstantSchedule, LinearSchedule
@@ -107,6 +108,28 @@ def test_policy_arguments_the_preset_or_sb3_sets_are_refused_in_policy_kwargs(ke
         resolve_preset(PPO_, validate_entry(PPO_, {"policy_kwargs": {key: value}}, "t"), "t", "cpu")
 
 
+@pytest.mark.parametrize(
+    ("algo", "key", "value", "message"),
+    [
+        ("ppo", "ortho_init", "false", "must be true or false, got 'false'"),  # a string: truthy, so init stayed on
+        ("ppo", "log_std_init", "low", "must be a number, got 'low'"),
+        ("ppo", "optimizer_kwargs", [1], "must be a mapping or null, got \\[1\\]"),
+        ("sac", "n_critics", 2.5, "must be an integer, got 2.5"),
+        ("ppo", "optimizer_class", "torch.optim.SGD", "must be a class, passed in Python"),
+        ("dqn", "features_extractor_class", "my.Extractor", "must be a class, passed in Python"),
+    ],
+)
+def test_policy_kwargs_values_are_checked_against_the_policys_signature(algo, key, value, message):
+    algo_ = get_algo(algo)
+    entry = validate_entry(algo_, {"policy": "MlpPolicy"}, "t")
+    with pytest.raises(ConfigError, match=rf"^--set: policy_kwargs.{key} {message}"):
+        resolve_preset(algo_, entry, "f:e", "cpu", {f"policy_kwargs.{key}": (value, "--set")})
+    fine = {"ppo": {"ortho_init": False, "log_std_init": -1}, "sac": {"n_critics": 3}, "dqn": {"optimizer_kwargs": None}}
+    for k, v in {**fine[algo], "optimizer_kwargs": {"eps": 1e-5}, "optimizer_class": th.optim.SGD}.items():
+        preset = resolve_preset(algo_, entry, "f:e", "cpu", {f"policy_kwargs.{k}": (v, "--set")})
+        assert preset.policy_kwargs[k] == v
+
+
 def test_entry_selection_prefers_env_then_atari_then_default():
     entries = {"default": {}, "atari": {}, "CartPole-v1": {}}
     assert select_entry(entries, "CartPole-v1", False, "f") == "CartPole-v1"
@@ -114,6 +137,20 @@ def test_entry_selection_prefers_env_then_atari_then_default():
     assert select_entry(entries, "Pendulum-v1", False, "f") == "default"
     with pytest.raises(ConfigError, match="no entry for 'X-v0' and no 'default'"):
         select_entry({"CartPole-v1": {}}, "X-v0", False, "f")
+
+
+def test_a_misspelt_entry_is_refused_not_passed_over_for_default(tmp_path):
+    entries = {"default": {}, "CartPol-v1": {}, "Acrobot-v1": {}}
+    with pytest.raises(ConfigError, match=r"^f, entry 'CartPol-v1': no registered env id; did you mean 'CartPole-v1'\?"):
+        select_entry(entries, "CartPole-v1", False, "f")
+    assert select_entry(entries, "Pendulum-v1", False, "f") == "default"  # nothing like Pendulum-v1: its fallback
+    assert select_entry({"default": {}, "CartPole-v0": {}}, "CartPole-v1", False, "f") == "default"  # a real id
+    with pytest.raises(ConfigError, match=r"\(entries: defualt\); did you mean 'default'\?$"):
+        select_entry({"defualt": {}}, "CartPole-v1", False, "f")
+    # rl-zoo3's files name other packages' envs, close to Gymnasium's ids but no typos (tqc.yml has CarRacing-v0).
+    (tmp_path / "z.yml").write_text("default: {n_timesteps: 1000}\nCarRacing-v0: {n_timesteps: 2000}\n")
+    zoo, label = load_preset_file(get_algo("tqc"), f"zoo:{tmp_path / 'z.yml'}")
+    assert select_entry(zoo, "CarRacing-v3", False, label) == "default"
 
 
 def test_unknown_key_names_file_entry_and_closest_valid_name(tmp_path):

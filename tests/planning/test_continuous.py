@@ -221,6 +221,9 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_
     unsaved = call_main(train_main, "--resume", run, "--timesteps", "500", "--no-save-replay-buffer", "--no-progress")
     assert unsaved.returncode == 0, unsaved.stderr
     assert not (tmp_path / "run" / "replay_buffer.pkl").exists()  # the 450-step buffer is not left beside 500's model
+    empty = call_main(train_main, "--resume", run, "--timesteps", "600", "--no-progress")  # no buffer was saved
+    assert empty.returncode == 0, empty.stderr
+    assert "it starts empty, and training goes on at once" in " ".join(empty.stdout.split())
     evaluated = call_main(evaluate_main, run, "--episodes", "1")
     assert evaluated.returncode == 0, evaluated.stderr
 

@@ -116,6 +116,28 @@ def test_the_table_warns_where_learning_would_never_start(cpu_machine):
     assert "warning" not in why and style is None
 
 
+def test_the_table_says_where_a_run_trains_past_n_timesteps(cpu_machine):
+    def row(algo: str, env: str, **overrides: object) -> str:
+        table = plan_table(make_plan(algo, env, hardware=cpu_machine, overrides={"n_timesteps": 300, **overrides}))
+        i = [str(cell) for cell in table.columns[0].cells].index("n_timesteps")
+        return str(list(table.columns[2].cells)[i])
+
+    assert "SB3 completes the episodes of each train_freq" in row("td3", "Pendulum-v1", train_freq=[1, "episode"])
+    assert "past" not in row("td3", "Pendulum-v1", train_freq=[4, "step"]) and "past" not in row("td3", "Pendulum-v1")
+    assert "trains 512: SB3 completes each rollout" in row("ppo", "CartPole-v1", n_steps=32, n_envs=8, batch_size=64)
+
+
+def test_a_batch_larger_than_what_it_is_drawn_from_is_refused_or_flagged(cpu_machine):
+    with pytest.raises(ConfigError, match=r"^batch_size \(2,000\) is more than buffer_size \(1,000\): every batch"):
+        make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides={"batch_size": 2000, "buffer_size": 1000})
+    # PPO's minibatch is then the whole rollout: allowed (a study may draw it), and flagged in the table.
+    plan = make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"n_steps": 16, "n_envs": 4, "batch_size": 128})
+    table = plan_table(plan)
+    i = [str(cell) for cell in table.columns[0].cells].index("batch_size")
+    assert "warning: more than one rollout (64): each minibatch is the whole rollout" in str(list(table.columns[2].cells)[i])
+    assert table.rows[i].style == "yellow"
+
+
 def test_make_model_returns_a_plain_sb3_model_in_three_lines(tmp_path):
     model, timesteps = make_model("ppo", "CartPole-v1", device="auto", n_steps=16, n_envs=2, batch_size=16, n_epochs=1, seed=0)
     assert type(model) is PPO and timesteps == 100_000
@@ -175,4 +197,14 @@ def test_config_with_unknown_keys_is_refused(tmp_path):
 def test_config_of_a_newer_layout_is_refused_not_misread(tmp_path):
     (tmp_path / "config.yaml").write_text("version: 2\nalgo: ppo\nenv: CartPole-v1\nhyperparameters: {}\n")
     with pytest.raises(ConfigError, match="config version 2; this sb3_gpu reads version 1"):
+        load_config(tmp_path / "config.yaml")
+    (tmp_path / "config.yaml").write_text("version: true\nalgo: ppo\nenv: CartPole-v1\nhyperparameters: {}\n")
+    with pytest.raises(ConfigError, match="config version True; this sb3_gpu reads version 1"):
+        load_config(tmp_path / "config.yaml")
+
+
+@pytest.mark.parametrize("seed", ["-5", "4294967296", "true", "1.5"])
+def test_a_config_seed_outside_what_sb3_takes_is_refused_naming_the_file(tmp_path, seed):
+    (tmp_path / "config.yaml").write_text(f"algo: ppo\nenv: CartPole-v1\nhyperparameters: {{}}\nseed: {seed}\n")
+    with pytest.raises(ConfigError, match=r"config.yaml: seed must be an integer in \[0, 2\*\*32\) or null, got"):
         load_config(tmp_path / "config.yaml")

@@ -110,6 +110,42 @@ def test_plot_cli_draws_several_runs_and_refuses_non_runs(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "no monitor" in bad.stderr
 
 
+@pytest.mark.parametrize(
+    "monitor, out, message",
+    [
+        (b'#{"t_start": oops\nr,l,t\n', None, "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (JSONDecodeError"),
+        (b"#{}\nr,l,t\n\xff\xfe1,2,3\n", None, "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (UnicodeDecode"),
+        ("dir", None, "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (IsADirectoryError"),
+        (
+            b"#{}\nr,l,t\n1,2,3\n",
+            "curves.jpg",
+            "the plot is written as a PNG file: give a path ending in .png, got 'curves.jpg'",
+        ),
+        (b'#{"t_start": null}\nr,l,t\n', None, "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (TypeError"),
+        (b"#{}\nr,l,t\n1,2,3\n", "a.png", "cannot write the plot to a.png: it is a folder"),
+        (b"#{}\nr,l,t\n1,2,3\n", "file/x.png", "cannot create the plot's folder file: file is in the way (not a folder)"),
+    ],
+)
+def test_plot_refuses_a_damaged_monitor_file_or_an_unusable_output_in_one_line(tmp_path, monitor, out, message):
+    (tmp_path / "run" / "monitor").mkdir(parents=True)
+    (tmp_path / "a.png").mkdir()  # a folder where the PNG would go
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "run" / "monitor" / "0.monitor.csv"
+    target.mkdir() if monitor == "dir" else target.write_bytes(monitor)
+    result = run_cli("sb3_gpu.plot", "run", *([] if out is None else ["-o", out]), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: " + message.format(run="run")), result.stderr
+
+
+def test_plot_says_when_a_run_has_no_finished_episode(tmp_path):
+    (tmp_path / "run" / "monitor").mkdir(parents=True)
+    (tmp_path / "run" / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n')
+    result = run_cli("sb3_gpu.plot", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "note: run has no finished episode yet; its curves are empty" in result.stdout
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     from sb3_gpu.common.errors import ConfigError
     from sb3_gpu.runs.curves import plot_runs
