@@ -20,7 +20,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import atomic_write_bytes, atomic_write_text
 from sb3_gpu.config.files import presets_dir, read_yaml
 from sb3_gpu.config.presets import apply_override, load_preset_file, select_entry
-from sb3_gpu.config.schema import PROFILES, get_algo
+from sb3_gpu.config.schema import PROFILES, Algo, get_algo
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.envs.spec import resolve_env
 from sb3_gpu.planning.build import build_env, build_model
@@ -246,7 +246,7 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
     return path
 
 
-def _default(algo: Any, key: str) -> Any:
+def _default(algo: Algo, key: str) -> Any:
     """SB3's default for ``key`` (None where the algorithm has no such key)."""
     return next((f.default for f in dataclasses.fields(algo.params_class) if f.name == key), None)
 
