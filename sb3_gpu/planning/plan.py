@@ -187,8 +187,11 @@ def make_plan(
             chosen = _compile_probed(chosen, prober, facts, timing.train_s if timing is not None else None)
 
     resolved, vec = chosen.resolved, chosen.vec
+    buffers = _buffers(resolved, chosen.device.device, facts)
     if training:
-        _check_sizes(resolved, facts)
+        # A replay buffer on a GPU holds its transitions there (and checks the GPU's free memory as it allocates).
+        on_gpu = buffers["buffers"] == "device" and chosen.device.device.startswith("cuda")
+        _check_sizes(resolved, facts, in_host_memory=not on_gpu)
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
     vec_reason = vec.reason
     if vec.kind in ("subproc", "batched") and hardware.in_notebook:
@@ -209,7 +212,7 @@ def make_plan(
         probe=probed,
         action_shape=facts.action_space.shape if isinstance(facts.action_space, spaces.Box) else None,
         **_eval_step_cap(resolved, facts),
-        **_buffers(resolved, chosen.device.device, facts),
+        **buffers,
     )
 
 
@@ -503,8 +506,9 @@ def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
     return "mlp"
 
 
-def _check_sizes(preset: Preset, facts: _EnvFacts) -> None:
-    """Refuse, before anything is allocated, a run that would overshoot its length or outgrow the machine's memory."""
+def _check_sizes(preset: Preset, facts: _EnvFacts, in_host_memory: bool = True) -> None:
+    """Refuse, before anything is allocated, a run that would overshoot its length or outgrow the machine's memory
+    (the host's, where ``in_host_memory``: the replay buffer lives there)."""
     params: Any = preset.params
     per_env = params.n_steps if preset.algo == "ppo" else _train_freq_steps(params.train_freq)
     rollout = per_env * preset.n_envs
@@ -522,7 +526,7 @@ def _check_sizes(preset: Preset, facts: _EnvFacts) -> None:
             f"batch_size ({params.batch_size:,}) is more than buffer_size ({params.buffer_size:,}): every batch would "
             "repeat transitions; lower batch_size or raise buffer_size"
         )
-    if preset.algo != "ppo":
+    if preset.algo != "ppo" and in_host_memory:
         per_transition = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
         needed = params.buffer_size * per_transition
         available = psutil.virtual_memory().available

@@ -138,6 +138,22 @@ def test_a_batch_larger_than_what_it_is_drawn_from_is_refused_or_flagged(cpu_mac
     assert table.rows[i].style == "yellow"
 
 
+def test_host_memory_bounds_a_replay_buffer_only_where_it_lives_on_the_host(cpu_machine, gpu_machine, monkeypatch):
+    import psutil
+
+    from sb3_gpu.planning import plan as planning
+
+    small = psutil.virtual_memory()._replace(available=2**20)  # 1 MiB free: a million CartPole transitions do not fit
+    monkeypatch.setattr(planning.psutil, "virtual_memory", lambda: small)
+    big = {"buffer_size": 1_000_000}
+    with pytest.raises(ConfigError, match=r"^buffer_size=1,000,000 needs 0.\d GiB of memory for its transitions"):
+        make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides=big)
+    with pytest.raises(ConfigError, match="GiB of memory for its transitions"):  # SB3's host buffer beside a GPU
+        make_plan("dqn", "CartPole-v1", hardware=gpu_machine, overrides={**big, "device_buffers": False})
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, overrides=big)  # on the GPU, which it checks itself
+    assert plan.buffers == "device" and plan.device.device == "cuda:0"
+
+
 def test_make_model_returns_a_plain_sb3_model_in_three_lines(tmp_path):
     model, timesteps = make_model("ppo", "CartPole-v1", device="auto", n_steps=16, n_envs=2, batch_size=16, n_epochs=1, seed=0)
     assert type(model) is PPO and timesteps == 100_000
