@@ -26,6 +26,7 @@ the exploration rate and target copies. ``overlap_training=False`` (the default)
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -196,11 +197,13 @@ class OverlappedTraining:
         total_timesteps: int,
         callback: Any = None,
         log_interval: int = 4,
-        tb_log_name: str = "run",
+        tb_log_name: str | None = None,
         reset_num_timesteps: bool = True,
         progress_bar: bool = False,
     ) -> Any:
         sup: Any = super()
+        if tb_log_name is None:  # the algorithm's own name, as SB3 gives it ("DQN", "QRDQN")
+            tb_log_name = inspect.signature(sup.learn).parameters["tb_log_name"].default
         if not self.overlap_training:
             return sup.learn(total_timesteps, callback, log_interval, tb_log_name, reset_num_timesteps, progress_bar)
         s: Any = self

@@ -277,7 +277,7 @@ class RunDir:
             )
         if not target.is_file():
             raise ConfigError(f"no such run dir or model file: {target}")
-        for parent in target.resolve().parents:
+        for parent in (*target.parents, *target.resolve().parents):  # the run dir as given (a relative path stays one)
             if cls(parent).config.is_file():
                 return target, cls(parent)
         raise ConfigError(f"{target}: no config.yaml beside it or above it, so its algorithm and env are unknown")

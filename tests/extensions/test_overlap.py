@@ -41,6 +41,14 @@ def test_a_seeded_overlapped_run_is_reproducible():
         assert th.equal(a, b)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(("cls", "name"), [(PrioritizedDQN, "DQN"), (PrioritizedQRDQN, "QRDQN")])
+def test_tensorboard_runs_take_sb3s_name_for_the_algorithm(cls, name, overlap, tmp_path):
+    dqn(cls, overlap_training=overlap, tensorboard_log=str(tmp_path)).learn(100)
+    dqn(cls, overlap_training=overlap, tensorboard_log=str(tmp_path)).learn(100, tb_log_name="mine")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}_1", "mine_1"]
+
+
 def trainer_threads():
     return [t for t in threading.enumerate() if t.name.startswith("sb3_gpu-trainer")]
 

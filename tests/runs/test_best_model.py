@@ -271,3 +271,15 @@ def test_a_replayed_config_evaluates_and_saves_as_its_run_did_and_flags_still_wi
     )
     at, run, out = replay("older_set", "--set", "eval_freq=32")
     assert at == [32, 64, 96, 128] and "(eval_freq, --set; 4 times)" in out, out
+
+
+def test_a_model_zip_inside_a_run_dir_names_the_run_dir_as_given(tmp_path, monkeypatch):
+    # evaluate's paths (its JSON's model and video) stay relative when the zip was given relative.
+    (tmp_path / "runs" / "r" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "config.yaml").write_text("")
+    (tmp_path / "runs" / "r" / "checkpoints" / "model_96_steps.zip").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    model, run = RunDir.find_model("runs/r/checkpoints/model_96_steps.zip")
+    assert str(model) == "runs/r/checkpoints/model_96_steps.zip" and str(run) == "runs/r"
+    _, run = RunDir.find_model(tmp_path / "runs" / "r" / "checkpoints" / "model_96_steps.zip")
+    assert run.path == tmp_path / "runs" / "r"
