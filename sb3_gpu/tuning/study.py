@@ -360,10 +360,12 @@ def open_study(
     )
     attrs = study.user_attrs
     if attrs.get("algo") is None:
-        for key, value in (("algo", algo), ("env", env), ("space", space), ("threshold", threshold)):
+        # "algo" marks a study as set up, so it is written last: a worker that joins while the first one writes these
+        # (each its own transaction) either sees no "algo" yet or sees them all.
+        for key, value in (("env", env), ("space", space), ("threshold", threshold), ("algo", algo)):
             study.set_user_attr(key, value)
         return study
-    if (attrs["algo"], attrs["env"]) != (algo, env):
+    if (attrs["algo"], attrs.get("env")) != (algo, env):
         raise ConfigError(f"study {name!r} in {where} tunes {attrs['algo']} on {attrs['env']}; choose another --study-name")
     if attrs.get("threshold") != threshold:
         made = "the final return" if attrs.get("threshold") is None else f"the time to a return of {attrs['threshold']:g}"

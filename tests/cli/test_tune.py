@@ -469,6 +469,16 @@ def test_two_workers_share_one_study_on_postgresql(tmp_path, postgres_url):
     _check_shared(postgres_url, 6)
 
 
+def test_a_new_study_is_marked_set_up_only_after_its_settings_are_written(monkeypatch):
+    # Two workers start together: the second may load the study while the first writes its settings, one transaction
+    # each. It reads "algo" as the mark that the others are there (CI once caught it between "algo" and "env").
+    written = []
+    monkeypatch.setattr(optuna.study.Study, "set_user_attr", lambda self, key, value: written.append(key))
+    settings = {"sampler": "random", "pruner": "none", "timesteps": 512, "algo": "ppo", "env": "CartPole-v1"}
+    tuning.open_study("s", optuna.storages.InMemoryStorage(), space={}, where="memory", **settings)
+    assert written[-1] == "algo" and set(written) == {"algo", "env", "space", "threshold"}
+
+
 def test_trials_of_dead_workers_on_this_host_are_failed():
     study = optuna.create_study()
     dead, alive = study.ask(), study.ask()
