@@ -94,7 +94,7 @@ def _model(text: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
     """A model of the variant, warmed up on its own data (buffers filled, compiled), and its graph-break note."""
     plan = plan_case(text, device, variant)
     algo, off_policy = plan.algo, plan.algo != "ppo"
-    per = parse_case(text)[0].endswith("+per") and variant != "sb3"
+    per = bool(getattr(plan.preset.params, "per", False))  # plan_case's choice: +per, and not SB3's own variant
     kwargs = model_kwargs(plan)
     spec = get_algo(algo)
     cls = plan.preset.model_class if variant == "sb3" else spec.extended_class
