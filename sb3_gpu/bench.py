@@ -310,7 +310,7 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
 def _main_auto(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.auto import auto_markdown, bench_auto, default_cases
     from sb3_gpu.benches.base import machine_line, write_results
-    from sb3_gpu.common.checks import ALGO_NAMES, CONTINUOUS_ALGOS
+    from sb3_gpu.common.checks import ALGO_NAMES
 
     cases = default_cases()
     if args.cases:
@@ -319,9 +319,6 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
             algo, _, env = text.partition(":")
             if algo not in ALGO_NAMES or not env:
                 print_error(f"--cases: expected ALGO:ENV with ALGO one of {', '.join(ALGO_NAMES)}, got {text!r}")
-                return 2
-            if algo in CONTINUOUS_ALGOS:  # nothing auto to compare: their plan turns AMP and compile off
-                print_error(f"--cases: {algo} trains with SB3's own train(), so auto has nothing to choose for it yet")
                 return 2
             cases.append((algo, env))
     if args.compete < 0:

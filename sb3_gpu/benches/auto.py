@@ -17,7 +17,7 @@ import torch as th
 
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
-from sb3_gpu.planning.plan import AUTO_COMPILE_MODE, Plan, make_plan
+from sb3_gpu.planning.plan import Plan, auto_compile_mode, make_plan
 from sb3_gpu.planning.probe import Candidate
 
 # (algo, env): the cases `bench auto` runs by default; the Atari ones where ale-py is installed.
@@ -52,8 +52,8 @@ def competing(processes: int) -> Iterator[None]:
 
 def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
     """(label, device, overrides) of every candidate of the plan's probe, and on the CPU each of them with one thread
-    and with every physical core, whether the probe took that count into account or not. On CUDA auto's device,
-    precision and threads also run with the compile choice it passed over (compile=auto is probed there only)."""
+    and with every physical core, whether the probe took that count into account or not. Where the plan timed
+    the compiled step, auto's device, precision and threads also run with the compile choice it passed over."""
     assert plan.speed is not None
     options = plan.probe.options if plan.probe else ()
     compiled = plan.speed.compile
@@ -62,8 +62,9 @@ def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
     for device, amp, _, _ in list(candidates):
         if device == "cpu":
             candidates |= {(device, amp, 1, "false"), (device, amp, plan.hardware.physical_cores, "false")}
-    if plan.device.device.startswith("cuda"):
-        candidates.add((auto[0], auto[1], auto[2], "false" if compiled != "false" else AUTO_COMPILE_MODE))
+    if plan.speed.compile_reason.startswith("probe: gradient step"):
+        passed_over = "false" if compiled != "false" else auto_compile_mode(plan.device.device)
+        candidates.add((auto[0], auto[1], auto[2], passed_over))
     ordered = sorted(candidates, key=lambda c: (c != auto, c))
     return [
         (Candidate(d, a, t).label + ("" if c == "false" else f" compiled {c}"), d, {"amp": a, "threads": t, "compile": c})

@@ -182,9 +182,6 @@ def make_plan(
     if training and prober is not None and chosen.resolved.probe:
         chosen, probed = _probed(chosen, variant, device, hardware, prober, facts)
         check(chosen)
-        if chosen.resolved.compile == "auto" and chosen.device.device.startswith("cuda"):
-            timing = probed.timings[probed.chosen] if probed is not None else None
-            chosen = _compile_probed(chosen, prober, facts, timing.train_s if timing is not None else None)
 
     resolved, vec = chosen.resolved, chosen.vec
     buffers = _buffers(resolved, chosen.device.device, facts)
@@ -193,6 +190,10 @@ def make_plan(
         on_gpu = buffers["buffers"] == "device" and chosen.device.device.startswith("cuda")
         _check_sizes(resolved, facts, in_host_memory=not on_gpu)
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
+        # Last, once the run is known to be possible: timing the compiled step compiles it, a minute on a CPU.
+        if prober is not None and resolved.probe and resolved.compile == "auto" and compiles_auto(chosen.device.device):
+            timing = probed.timings[probed.chosen] if probed is not None else None
+            chosen = _compile_probed(chosen, prober, facts, timing.train_s if timing is not None else None)
     vec_reason = vec.reason
     if vec.kind in ("subproc", "batched") and hardware.in_notebook:
         vec_reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"
@@ -280,47 +281,77 @@ def _probed(
     return dataclasses.replace(winner, device=choice, speed=speed), result
 
 
-# What compile=auto compiles with where the probe takes it: the step replayed as a CUDA graph.
-AUTO_COMPILE_MODE = "reduce-overhead"
+def auto_compile_mode(device: str) -> str:
+    """What compile=auto compiles with where the probe takes it: on CUDA the step replayed as a CUDA graph; on the
+    CPU inductor's fused C++ kernels (a CUDA graph mode adds nothing there)."""
+    return "reduce-overhead" if device.startswith("cuda") else "default"
+
+
+def compiles_auto(device: str) -> bool:
+    """Whether compile=auto times the compiled step on ``device`` (MPS's compiler is too young to trust unasked)."""
+    return device == "cpu" or device.startswith("cuda")
+
+
 # Compiling a gradient step and a forward pass takes at least this long (more, often much more): a run whose eager
-# training takes less cannot earn it back, and is not timed compiled.
-MIN_COMPILE_S = 5.0
+# training takes less cannot earn it back, and is not timed compiled. On the CPU inductor writes and builds C++ for
+# tens of seconds, and the first plan on a machine compiles once more to time it (cached after): only a run whose eager
+# training takes minutes is timed there.
+MIN_COMPILE_S = {"cuda": 5.0, "cpu": 300.0}
 
 
 def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s: float | None) -> _Variant:
-    """Resolve ``compile: auto`` on ``v``'s device by timing its gradient step eager and compiled: compiled where
-    that is clearly faster and the run is long enough to earn the compile time back. ``eager_step_s``: the device
-    probe's figure for the eager step, where it has one (a run too short to earn any compile back is not timed)."""
+    """Resolve ``compile: auto`` on ``v``'s device by timing its gradient step and collection's forward pass eager and
+    compiled: compiled where an env step is clearly faster that way, and the run is long enough to earn the compile time
+    back. ``eager_step_s``: the device probe's figure for the eager step, where it has one (a run too short to earn any
+    compile back is not timed; on the CPU the eager step is timed here where the device probe did not)."""
+    device, on_cpu = v.device.device, v.device.device == "cpu"
     refused = _compile_refusal(v.resolved, facts.observation_space)
     workload = _workload(v, facts)
     if refused is None and workload is None:
         refused = "the schedule counts episodes, so the run's gradient steps are not known"
-    if refused is None and workload is not None and eager_step_s is not None:
-        eager_total = eager_step_s * workload.grads_per_env_step * v.resolved.n_timesteps
-        if eager_total < MIN_COMPILE_S:
-            refused = f"the run's gradient steps take about {eager_total:.1f} s eager, less than compiling takes"
     if refused is not None or workload is None:
-        return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile_reason=f"auto: not compiled: {refused}"))
-    option = Option(Candidate(v.device.device, v.speed.amp, v.speed.threads), workload, v.speed.cudnn_benchmark, v.speed.tf32)
+        return _not_compiled(v, refused)
+    option = Option(Candidate(device, v.speed.amp, v.speed.threads), workload, v.speed.cudnn_benchmark, v.speed.tf32)
+    if eager_step_s is None and on_cpu:
+        eager = prober.probe([option], rule=0, env_s=facts.step_seconds or 0.0).timings[0]
+        if eager is None:
+            return _not_compiled(v, "the eager step could not be timed")
+        eager_step_s = eager.train_s
+    if eager_step_s is not None:
+        eager_total = eager_step_s * workload.grads_per_env_step * v.resolved.n_timesteps
+        least = MIN_COMPILE_S["cpu" if on_cpu else "cuda"]
+        if eager_total < least:
+            why = f"the run's gradient steps take about {eager_total:.1f} s eager, less than compiling takes"
+            return _not_compiled(v, why + (f" on the CPU (timed from {least:.0f} s)" if on_cpu else ""))
+    mode = auto_compile_mode(device)
     try:
-        timing = prober.time_compile(option, AUTO_COMPILE_MODE)
+        timing = prober.time_compile(option, mode)
     except Exception as e:  # compilers fail in many ways; each means "train eager"
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
         reason = f"probe: the compiled step failed here ({type(e).__name__}: {first}), so not compiled"
         return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile="false", compile_reason=reason))
-    steps = workload.grads_per_env_step * v.resolved.n_timesteps
-    pays_after = timing.pays_after()
-    figures = (
-        f"probe: gradient step {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager, "
-        f"{timing.compile_s:.1f} s to compile"
-    )
-    if pays_after is not None and timing.compiled_s <= MARGIN * timing.eager_s and pays_after < steps:
-        mode, reason = AUTO_COMPILE_MODE, f"{figures}; pays after {pays_after:,.0f} of {steps:,.0f} gradient steps"
-    elif pays_after is None or timing.compiled_s > MARGIN * timing.eager_s:
+    steps = v.resolved.n_timesteps
+    env_s = facts.step_seconds or 0.0
+    grads, n_envs = workload.grads_per_env_step, workload.n_envs
+    eager_env_step = env_s + timing.act_eager_s / n_envs + grads * timing.eager_s
+    compiled_env_step = env_s + timing.act_compiled_s / n_envs + grads * timing.compiled_s
+    pays_after = timing.pays_after(workload)
+    figures = f"probe: gradient step {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager"
+    if timing.act_eager_s:
+        figures += f", forward pass {timing.act_compiled_s * 1e3:.3g} vs {timing.act_eager_s * 1e3:.3g} ms"
+    figures += f", {timing.compile_s:.1f} s to compile"
+    faster = compiled_env_step <= MARGIN * eager_env_step
+    if pays_after is not None and faster and pays_after < steps:
+        reason = f"{figures}; pays after {pays_after:,.0f} of {steps:,.0f} env steps"
+    elif pays_after is None or not faster:
         mode, reason = "false", f"{figures}; not faster enough to take"
     else:
-        mode, reason = "false", f"{figures}; would pay after {pays_after:,.0f} gradient steps, the run has {steps:,.0f}"
+        mode, reason = "false", f"{figures}; would pay after {pays_after:,.0f} env steps, the run has {steps:,.0f}"
     return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile=mode, compile_reason=reason))
+
+
+def _not_compiled(v: _Variant, why: str | None) -> _Variant:
+    return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile_reason=f"auto: not compiled: {why}"))
 
 
 def _compile_refusal(preset: Preset, obs_space: spaces.Space) -> str | None:

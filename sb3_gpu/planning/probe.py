@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -117,16 +118,25 @@ class Timing:
 
 @dataclass(frozen=True)
 class CompileTiming:
-    """Median seconds of one gradient step eager and compiled whole, and the seconds the compilation took."""
+    """Median seconds of one gradient step eager and compiled whole, the seconds the compilation took (the step's and
+    collection's forward pass's), and the forward pass at ``n_envs`` eager and compiled (equal where it does not
+    compile: the run collects with it eager then)."""
 
     eager_s: float
     compiled_s: float
     compile_s: float
+    act_eager_s: float = 0.0
+    act_compiled_s: float = 0.0
     cached: bool = False
 
-    def pays_after(self) -> float | None:
-        """Gradient steps after which the compiled step has earned its compile time back (None: never)."""
-        saved = self.eager_s - self.compiled_s
+    def saved_per_env_step(self, workload: Workload) -> float:
+        """Seconds the compiled step and forward pass save per env step (negative where they cost)."""
+        act = (self.act_eager_s - self.act_compiled_s) / workload.n_envs
+        return workload.grads_per_env_step * (self.eager_s - self.compiled_s) + act
+
+    def pays_after(self, workload: Workload) -> float | None:
+        """Env steps after which compiling has earned its compile time back (None: never)."""
+        saved = self.saved_per_env_step(workload)
         return self.compile_s / saved if saved > 0 else None
 
 
@@ -411,20 +421,32 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             compiled_s = _median_time(compiled, seconds / 2, warmup=0)
         # The run compiles its rollout forward pass too: part of what the compiled step must earn back. Where that
         # pass alone does not compile, the run collects with it eager (and says so), and the step's figures stand.
-        act = th.compile(_forward(policy, w), fullgraph=True, mode=None if mode == "default" else mode)
+        # Timed too: a compiled forward pass of a few observations can be slower than eager on a CPU (its guards
+        # cost more than the ops it fuses), and collection runs it at every vec step.
+        forward = _forward(policy, w)
+        act = th.compile(forward, fullgraph=True, mode=None if mode == "default" else mode)
         rollout_obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.n_envs))
         # SAC's and TQC's standard normal draw, made outside the graph as their runs make it.
         draws = [th.randn(w.n_envs, get_action_dim(w.action_space), device=device)] if w.algo in ("sac", "tqc") else []
+
+        def timed(fn: Callable[..., Any]) -> Callable[[], None]:
+            def run() -> None:
+                with th.no_grad(), _autocast(device, c.amp):
+                    fn(rollout_obs, *draws)
+                _sync(device)
+
+            return run
+
+        act_eager_s = act_compiled_s = _median_time(timed(forward), seconds / 4)
         start = time.perf_counter()
         try:
-            with th.no_grad(), _autocast(device, c.amp):
-                for _ in range(3):
-                    act(rollout_obs, *draws)
-            _sync(device)
+            for _ in range(3):
+                timed(act)()
             compile_s += time.perf_counter() - start
+            act_compiled_s = _median_time(timed(act), seconds / 4, warmup=0)
         except Exception:  # torch.compile fails in many ways (graph breaks, backend errors)
             th._dynamo.reset()
-    return CompileTiming(eager_s, compiled_s, compile_s)
+    return CompileTiming(eager_s, compiled_s, compile_s, act_eager_s, act_compiled_s)
 
 
 def _forward(policy: Any, w: Workload) -> Callable[..., Any]:
@@ -501,11 +523,11 @@ class ProbeCache:
         self._put(key, {"train_s": float(timing.train_s), "infer_s": float(timing.infer_s)})
 
     def get_compile(self, key: str) -> CompileTiming | None:
-        entry = self._entry(key, ("eager_s", "compiled_s", "compile_s"))
-        return None if entry is None else CompileTiming(entry["eager_s"], entry["compiled_s"], entry["compile_s"], True)
+        entry = self._entry(key, _COMPILE_FIELDS)  # an entry without the forward pass's figures is timed again
+        return None if entry is None else CompileTiming(**{k: entry[k] for k in _COMPILE_FIELDS}, cached=True)
 
     def put_compile(self, key: str, timing: CompileTiming) -> None:
-        self._put(key, {k: float(getattr(timing, k)) for k in ("eager_s", "compiled_s", "compile_s")})
+        self._put(key, {k: float(getattr(timing, k)) for k in _COMPILE_FIELDS})
 
     def put_failure(self, key: str) -> None:
         self._put(key, {"failed": 1.0})
@@ -525,6 +547,9 @@ class ProbeCache:
             warnings.warn(f"could not write the probe cache {self.path} ({e})", ProbeCacheWarning, stacklevel=3)
 
 
+_COMPILE_FIELDS = ("eager_s", "compiled_s", "compile_s", "act_eager_s", "act_compiled_s")
+
+
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
@@ -542,7 +567,7 @@ def device_usable(device: str) -> bool:
 @dataclass
 class Prober:
     """Times options (``measure``), within ``budget_s`` per plan, through ``cache`` (None: no cache); ``usable`` says
-    which devices can be timed here."""
+    which devices can be timed here; ``announce`` tells the user before a compiled step is timed (None: silent)."""
 
     measure: Measure = measure_option
     cache: ProbeCache | None = field(default_factory=ProbeCache)
@@ -550,6 +575,7 @@ class Prober:
     context: str = ""  # the machine and its free cores: part of every cache key
     usable: Callable[[str], bool] = device_usable
     measure_compile: Callable[[Option, str], CompileTiming] = measure_compile
+    announce: Callable[[str], None] | None = field(default=lambda line: print(line, file=sys.stderr, flush=True), repr=False)
     _compile_figures: ProbeCache | None = field(default=None, repr=False)
 
     def probe(self, options: Sequence[Option], rule: int, env_s: float) -> ProbeResult:
@@ -585,6 +611,8 @@ class Prober:
         cached = cache.get_compile(key) if cache is not None else None
         if cached is not None:
             return cached
+        if self.announce is not None:  # compiling takes seconds on a GPU, a minute on a CPU: not a hang
+            self.announce(f"sb3_gpu: timing the compiled gradient step on {option.candidate.label} (once on this machine)")
         try:
             timing = self.measure_compile(option, mode)
         except Exception:

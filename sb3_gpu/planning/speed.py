@@ -28,11 +28,11 @@ LARGE_GPU_BATCH = 1024
 
 
 # compile=auto compiles the gradient step where the probe has timed it faster, compile time included: on CUDA, where
-# the step is replayed as a CUDA graph and the launches it saves are most of a small network's step.
+# the step is replayed as a CUDA graph and the launches it saves are most of a small network's step, and on the CPU,
+# where inductor fuses the step's many small ops into a few C++ loops (for long runs: compiling takes tens of seconds).
 AUTO_COMPILE_UNPROBED = "auto: not probed (probe off), so not compiled"
-AUTO_COMPILE_OFF_GPU = (
-    "auto compiles on CUDA only, where the probe times it; on this device ask for it (compile=default): it pays on "
-    "long runs, after seconds of compiling"
+AUTO_COMPILE_UNTIMED_DEVICE = (
+    "auto compiles on CUDA and the CPU only, where the probe times it; on this device ask for it (compile=default)"
 )
 
 
@@ -145,8 +145,8 @@ def choose_speed(
     n_threads, threads_reason = choose_threads(threads, device, policy, width, batch_size, env_workers, hardware)
     if compile_mode == "auto":
         compile_mode, compile_reason = "false", AUTO_COMPILE_UNPROBED
-        if not device.startswith("cuda"):
-            compile_mode, compile_reason = "false", AUTO_COMPILE_OFF_GPU
+        if not (device == "cpu" or device.startswith("cuda")):
+            compile_mode, compile_reason = "false", AUTO_COMPILE_UNTIMED_DEVICE
     elif compile_mode == "false":
         compile_reason = "asked for"
     else:

@@ -10,10 +10,14 @@ import numpy as np
 import pytest
 import torch as th
 from gymnasium import spaces
+from stable_baselines3 import TD3
 from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticPolicy
 from stable_baselines3.dqn.policies import DQNPolicy
 
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.continuous import SyncFreeTD3
 from sb3_gpu.planning import probe as probe_module
+from sb3_gpu.planning.build import model_class
 from sb3_gpu.planning.plan import _policy_space, make_plan
 from sb3_gpu.planning.probe import (
     CompileTiming,
@@ -48,8 +52,16 @@ class FakeTimes:
 class FakeCompile:
     """Compile timings (eager ms, compiled ms, compile s) for every option; records the labels it was asked for."""
 
-    def __init__(self, eager_ms: float = 2.0, compiled_ms: float = 0.5, compile_s: float = 5.0, error: str = ""):
-        self.figures, self.error = (eager_ms / 1e3, compiled_ms / 1e3, compile_s), error
+    def __init__(
+        self,
+        eager_ms: float = 2.0,
+        compiled_ms: float = 0.5,
+        compile_s: float = 5.0,
+        error: str = "",
+        act_ms: tuple[float, float] = (0.0, 0.0),  # collection's forward pass, eager and compiled
+    ):
+        self.figures = (eager_ms / 1e3, compiled_ms / 1e3, compile_s, act_ms[0] / 1e3, act_ms[1] / 1e3)
+        self.error = error
         self.asked: list[tuple[str, str]] = []
 
     def __call__(self, option: Option, mode: str) -> CompileTiming:
@@ -246,10 +258,10 @@ def test_compile_auto_on_a_gpu_takes_the_compiled_step_where_it_is_faster_and_th
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), compile_times))
     assert plan.device.device == "cuda:0" and plan.speed.compile == "reduce-overhead"
     assert compile_times.asked == [("cuda:0 fp32", "reduce-overhead")]
-    steps = plan.preset.n_timesteps * plan.probe.options[plan.probe.chosen].workload.grads_per_env_step
+    grads = plan.probe.options[plan.probe.chosen].workload.grads_per_env_step  # 1.5 ms saved per gradient step
     assert plan.speed.compile_reason == (
         "probe: gradient step 0.5 ms compiled vs 2 ms eager, 5.0 s to compile; "
-        f"pays after 3,333 of {steps:,.0f} gradient steps"
+        f"pays after {5.0 / (grads * 1.5e-3):,.0f} of {plan.preset.n_timesteps:,.0f} env steps"
     )
     assert plan.to_config()["hyperparameters"]["compile"] == "auto"  # a resumed or copied run decides again
 
@@ -258,10 +270,13 @@ def test_compile_auto_stays_eager_where_compiling_is_not_faster_or_would_not_pay
     slower = FakeCompile(eager_ms=1.0, compiled_ms=0.95)
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), slower))
     assert plan.speed.compile == "false" and plan.speed.compile_reason.endswith("; not faster enough to take")
-    slow_to_compile = FakeCompile(eager_ms=2.0, compiled_ms=0.5, compile_s=300.0)  # pays after 200,000 steps
+    slow_to_compile = FakeCompile(eager_ms=2.0, compiled_ms=0.5, compile_s=300.0)  # pays after 200,000 gradient steps
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), slow_to_compile))
     assert plan.speed.compile == "false"
-    assert "; would pay after 200,000 gradient steps, the run has 12,500" in plan.speed.compile_reason
+    grads = plan.probe.options[plan.probe.chosen].workload.grads_per_env_step
+    assert grads * plan.preset.n_timesteps == 12_500  # the run's gradient steps
+    pays = f"{200_000 / grads:,.0f} env steps, the run has {plan.preset.n_timesteps:,}"
+    assert f"; would pay after {pays}" in plan.speed.compile_reason
     # A run whose eager training (2,500 steps of the probe's 1 ms) takes less than any compiling: not even timed.
     untimed = FakeCompile()
     short = make_plan(
@@ -295,27 +310,122 @@ def test_compile_auto_does_not_time_a_step_that_cannot_compile_whole(gpu_machine
     assert plan.speed.compile == "false" and plan.speed.compile_reason == f"auto: not compiled: {why}"
 
 
-def test_compile_auto_is_off_on_the_cpu_and_where_nothing_is_probed(gpu_machine):
+def test_compile_auto_is_off_where_nothing_is_probed_and_on_devices_it_does_not_time(gpu_machine):
     compile_times = FakeCompile()
-    plan = make_plan("ppo", "CartPole-v1", "cpu", hardware=gpu_machine, prober=fake_prober(FakeTimes(), compile_times))
-    assert plan.speed.compile == "false" and plan.speed.compile_reason.startswith("auto compiles on CUDA only")
     plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine)  # an injected machine: nothing timed
     assert plan.speed.compile == "false" and plan.speed.compile_reason == "auto: not probed (probe off), so not compiled"
+    mac = dataclasses.replace(gpu_machine, gpus=(), mps=True)
+    plan = make_plan("dqn", "CartPole-v1", "mps", hardware=mac, prober=fake_prober(FakeTimes(), compile_times))
+    assert plan.speed.compile == "false" and plan.speed.compile_reason.startswith("auto compiles on CUDA and the CPU only")
     assert compile_times.asked == []
     plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine, overrides={"compile": "default"})
     assert plan.speed.compile == "default" and plan.speed.compile_reason.startswith("asked for")
+
+
+# TD3 on Pendulum, CPU profile: one gradient step per env step, 20,000 of them; 20 ms eager is 400 s of training.
+CPU_TIMES = {"cpu fp32": (20.0, 0.3)}
+
+
+def test_compile_auto_on_the_cpu_compiles_a_long_run_where_its_env_steps_are_faster(cpu_machine):
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0, act_ms=(0.3, 0.4))
+    plan = make_plan(
+        "td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES), compile_times)
+    )
+    assert [mode for _, mode in compile_times.asked] == ["default"]  # inductor's kernels: no CUDA graph on a CPU
+    assert plan.speed.compile == "default" and plan.preset.n_timesteps == 20_000
+    # 8 ms saved per gradient step, 0.1 ms lost per forward pass: 40 s earned back after 5,063 env steps
+    assert plan.speed.compile_reason == (
+        "probe: gradient step 12 ms compiled vs 20 ms eager, forward pass 0.4 vs 0.3 ms, 40.0 s to compile; "
+        "pays after 5,063 of 20,000 env steps"
+    )
+    assert model_class(plan) is SyncFreeTD3  # the class that compiles its step
+
+
+def test_compile_auto_on_the_cpu_weighs_the_forward_pass_it_compiles_too(cpu_machine):
+    # 5 ms saved per gradient step, 3.7 ms lost per forward pass: 19 ms per env step against 20.3, not clearly faster.
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=15.0, compile_s=1.0, act_ms=(0.3, 4.0))
+    prober = fake_prober(FakeTimes(CPU_TIMES), compile_times)
+    plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, n_timesteps=100_000)
+    assert compile_times.asked and plan.speed.compile == "false"
+    assert plan.speed.compile_reason.endswith("forward pass 4 vs 0.3 ms, 1.0 s to compile; not faster enough to take")
+
+
+def test_compile_auto_on_the_cpu_leaves_a_short_run_eager_without_compiling_to_time_it(cpu_machine):
+    compile_times = FakeCompile()
+    prober = fake_prober(FakeTimes(CPU_TIMES), compile_times)
+    plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, n_timesteps=5_000)
+    assert compile_times.asked == [] and plan.speed.compile == "false"
+    assert plan.speed.compile_reason == (
+        "auto: not compiled: the run's gradient steps take about 100.0 s eager, less than compiling takes on the CPU "
+        "(timed from 300 s)"
+    )
+    assert model_class(plan) is TD3  # SB3's own class, as before
+
+
+def test_compile_auto_on_the_cpu_times_the_eager_step_where_the_device_probe_had_nothing_to_compare(cpu_machine):
+    times, compile_times = FakeTimes(CPU_TIMES), FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0)
+    prober = fake_prober(times, compile_times)
+    plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, overrides={"threads": 2})
+    assert times.asked == ["cpu fp32 2 threads"]  # one candidate: no device probe, the step timed for the gate
+    assert plan.speed.compile == "default"
+    short = FakeCompile()
+    make_plan(
+        "td3",
+        "Pendulum-v1",
+        "cpu",
+        hardware=cpu_machine,
+        prober=fake_prober(times, short),
+        n_timesteps=5_000,
+        overrides={"threads": 2},
+    )
+    assert short.asked == []
+
+
+def test_compile_auto_is_timed_only_once_the_run_is_known_to_be_possible(cpu_machine):
+    # A refused run is refused at once, not after a minute of compiling.
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0)
+    prober = fake_prober(FakeTimes(CPU_TIMES), compile_times)
+    with pytest.raises(ConfigError, match="buffer_size"):
+        make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, overrides={"buffer_size": 10**10})
+    assert compile_times.asked == []
+
+
+def test_bench_auto_runs_auto_against_the_compile_choice_it_passed_over_on_the_cpu(cpu_machine):
+    from sb3_gpu.benches.auto import _alternatives
+
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0)
+    plan = make_plan(
+        "td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES), compile_times)
+    )
+    alternatives = _alternatives(plan)
+    assert alternatives[0][2]["compile"] == "default"  # auto's own choice first
+    twins = [o for _, _, o in alternatives if o["threads"] == plan.speed.threads]
+    assert {o["compile"] for o in twins} == {"default", "false"}
+    short = make_plan(
+        "td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES)), n_timesteps=5_000
+    )
+    assert {o["compile"] for _, _, o in _alternatives(short)} == {"false"}  # not timed: nothing passed over
 
 
 def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
     cache = ProbeCache(tmp_path / "probes.json")
     compile_times = FakeCompile()
 
+    said: list[str] = []
+
     def plan():
-        prober = Prober(FakeTimes(GPU_TIMES), ProbeCache(cache.path), usable=lambda d: True, measure_compile=compile_times)
+        prober = Prober(
+            FakeTimes(GPU_TIMES),
+            ProbeCache(cache.path),
+            usable=lambda d: True,
+            measure_compile=compile_times,
+            announce=said.append,
+        )
         return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
 
     first, second = plan(), plan()
     assert len(compile_times.asked) == 1 and (tmp_path / "compile-probes.json").is_file()
+    assert said == ["sb3_gpu: timing the compiled gradient step on cuda:0 fp32 (once on this machine)"]  # not from the cache
     assert all("failed" not in v for v in json.loads((tmp_path / "compile-probes.json").read_text())["entries"].values())
     assert (first.speed.compile, first.speed.compile_reason) == (second.speed.compile, second.speed.compile_reason)
 
@@ -329,6 +439,7 @@ def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy
     workload = Workload(algo, policy_class, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), policy_kwargs, 8, 2, 1)
     timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
     assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
+    assert timing.act_eager_s > 0 and timing.act_compiled_s > 0  # collection's forward pass, timed both ways
 
 
 def test_a_forward_pass_that_does_not_compile_leaves_the_steps_figures(monkeypatch):
@@ -342,6 +453,7 @@ def test_a_forward_pass_that_does_not_compile_leaves_the_steps_figures(monkeypat
     monkeypatch.setattr(probe_module, "_forward", lambda policy, w: broken)
     timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
     assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > 0
+    assert timing.act_compiled_s == timing.act_eager_s > 0  # collected eager, as the run would
 
 
 @pytest.mark.parametrize("compile_ms", [0.5, 1.95], ids=["compiled", "eager"])
@@ -370,3 +482,11 @@ def test_a_step_that_failed_to_compile_is_not_compiled_again_on_the_next_plan(tm
     first, second = plan(), plan()
     assert len(failing.asked) == 1 and first.speed.compile == second.speed.compile == "false"
     assert "it failed on this machine before (remove " in second.speed.compile_reason
+
+
+def test_a_compile_figure_cached_without_the_forward_pass_is_timed_again(tmp_path):
+    cache = ProbeCache(tmp_path / "compile-probes.json")
+    cache._put("key", {"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 3.0})  # what an older sb3_gpu wrote
+    assert cache.get_compile("key") is None
+    cache.put_compile("key", CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1))
+    assert ProbeCache(cache.path).get_compile("key") == CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1, cached=True)

@@ -46,7 +46,7 @@ def test_the_plan_caps_evaluation_episodes_where_the_env_sets_no_time_limit():
     # A class that wraps itself in TimeLimit has no registered spec: its limit is found in the wrappers.
     own = make_plan("ppo", "tests.fault_envs:FaultyCartPoleV1", "cpu", vec_env="dummy")
     assert own.eval_step_cap is None and own.eval_step_cap_reason == "the env ends episodes itself (after 500 steps)"
-    pong = make_plan("dqn", "ALE/Pong-v5", "cpu", vec_env="dummy", overrides={"buffer_size": 1000})
+    pong = make_plan("dqn", "ALE/Pong-v5", "cpu", vec_env="dummy", overrides={"buffer_size": 1000, "probe": False})
     assert pong.eval_step_cap is None and pong.eval_step_cap_reason == "the env ends episodes itself (after 108,000 frames)"
 
 
