@@ -204,7 +204,7 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     return table
 
 
-def run_options(args: argparse.Namespace, plan: Plan) -> RunOptions:
+def run_options(args: argparse.Namespace) -> RunOptions:
     """How a new run evaluates and saves: each flag given, else the replayed config's ``run:`` options, else the
     defaults. The interval is the preset key ``eval_freq`` (``--eval-freq`` sets it), which the plan shows."""
     from sb3_gpu.config.runconfig import load_config
@@ -219,8 +219,11 @@ def run_options(args: argparse.Namespace, plan: Plan) -> RunOptions:
     if args.save_replay_buffer is not None:
         given["save_replay_buffer"] = args.save_replay_buffer
     options = dataclasses.replace(options, **given)
+    algo = config.algo if args.config else args.algo
+    if algo is None:
+        return options  # plan_from_args says what is missing
     try:
-        options.check(plan)
+        options.check(algo)
     except ConfigError as e:
         if replaying is None:
             raise
@@ -297,8 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 console=console,
             )
         else:
+            options = run_options(args)  # first: the plan's probe may compile for a minute
             plan = plan_from_args(args)
-            options = run_options(args, plan)
             console.print(plan_table(plan))
             console.print(evaluation_line(plan, options), highlight=False, markup=False)
             if args.plan:

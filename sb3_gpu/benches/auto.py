@@ -102,7 +102,8 @@ def bench_auto(
     for algo, env in cases:
         for phase, n in phases:
             with competing(n):
-                plan = make_plan(algo, env, "auto", seed=0, overrides=_short(algo, steps))
+                # Only for the rollout's length: not the compile choice, which timing would compile for the whole run.
+                plan = make_plan(algo, env, "auto", seed=0, overrides={**_short(algo, steps), "compile": False})
                 params: Any = plan.preset.params
                 # At least two PPO rollouts, so that every run trains.
                 case_steps = max(steps, 2 * params.n_steps * plan.preset.n_envs) if algo == "ppo" else steps

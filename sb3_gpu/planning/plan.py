@@ -120,6 +120,7 @@ def make_plan(
     hardware: HardwareProfile | None = None,
     training: bool = True,
     prober: Prober | None = None,
+    steps_left: int | None = None,
 ) -> Plan:
     """Resolve hardware, preset, device and vec env for ``algo`` on ``env``.
 
@@ -133,6 +134,8 @@ def make_plan(
         rollout length, env workers) are not checked, since nothing of that size is made, and nothing is probed
     :param prober: times the candidates of ``auto`` choices (default: a real one with the user's probe cache, where
         ``hardware`` is detected rather than given; the preset key ``probe: false`` turns it off)
+    :param steps_left: env steps still to train, where fewer than ``n_timesteps`` (a resumed run): what compiling
+        must earn its time back in
     """
     algo_ = get_algo(algo)
     hardware_detected = hardware is None  # an injected profile is a what-if: nothing on it can be timed
@@ -193,7 +196,8 @@ def make_plan(
         # Last, once the run is known to be possible: timing the compiled step compiles it, a minute on a CPU.
         if prober is not None and resolved.probe and resolved.compile == "auto" and compiles_auto(chosen.device.device):
             timing = probed.timings[probed.chosen] if probed is not None else None
-            chosen = _compile_probed(chosen, prober, facts, timing.train_s if timing is not None else None)
+            eager_s = timing.train_s if timing is not None else None
+            chosen = _compile_probed(chosen, prober, facts, eager_s, steps_left or resolved.n_timesteps)
     vec_reason = vec.reason
     if vec.kind in ("subproc", "batched") and hardware.in_notebook:
         vec_reason += "; in a notebook, falls back to dummy with a warning if workers cannot start"
@@ -299,11 +303,12 @@ def compiles_auto(device: str) -> bool:
 MIN_COMPILE_S = {"cuda": 5.0, "cpu": 300.0}
 
 
-def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s: float | None) -> _Variant:
+def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s: float | None, steps: int) -> _Variant:
     """Resolve ``compile: auto`` on ``v``'s device by timing its gradient step and collection's forward pass eager and
-    compiled: compiled where an env step is clearly faster that way, and the run is long enough to earn the compile time
-    back. ``eager_step_s``: the device probe's figure for the eager step, where it has one (a run too short to earn any
-    compile back is not timed; on the CPU the eager step is timed here where the device probe did not)."""
+    compiled: compiled where an env step is clearly faster that way, and the run's ``steps`` (env steps) earn the
+    compile time back. ``eager_step_s``: the device probe's figure for the eager step, where it has one (a run too
+    short to earn any compile back is not timed; on the CPU the eager step is timed here where the device probe did
+    not)."""
     device, on_cpu = v.device.device, v.device.device == "cpu"
     refused = _compile_refusal(v.resolved, facts.observation_space)
     workload = _workload(v, facts)
@@ -318,7 +323,7 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
             return _not_compiled(v, "the eager step could not be timed")
         eager_step_s = eager.train_s
     if eager_step_s is not None:
-        eager_total = eager_step_s * workload.grads_per_env_step * v.resolved.n_timesteps
+        eager_total = eager_step_s * workload.grads_per_env_step * steps
         least = MIN_COMPILE_S["cpu" if on_cpu else "cuda"]
         if eager_total < least:
             why = f"the run's gradient steps take about {eager_total:.1f} s eager, less than compiling takes"
@@ -330,12 +335,9 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
         reason = f"probe: the compiled step failed here ({type(e).__name__}: {first}), so not compiled"
         return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile="false", compile_reason=reason))
-    steps = v.resolved.n_timesteps
-    env_s = facts.step_seconds or 0.0
-    grads, n_envs = workload.grads_per_env_step, workload.n_envs
-    eager_env_step = env_s + timing.act_eager_s / n_envs + grads * timing.eager_s
-    compiled_env_step = env_s + timing.act_compiled_s / n_envs + grads * timing.compiled_s
-    pays_after = timing.pays_after(workload)
+    # Per env step as the device probe predicts it (training beside collection where the run overlaps them).
+    eager_env_step, compiled_env_step = timing.per_env_step(workload, facts.step_seconds or 0.0)
+    pays_after = timing.compile_s / (eager_env_step - compiled_env_step) if eager_env_step > compiled_env_step else None
     figures = f"probe: gradient step {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager"
     if timing.act_eager_s:
         figures += f", forward pass {timing.act_compiled_s * 1e3:.3g} vs {timing.act_eager_s * 1e3:.3g} ms"

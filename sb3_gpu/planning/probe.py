@@ -12,8 +12,9 @@ device and precision and the fewest threads win. Probing is bounded (``budget_s`
 cached per machine, torch version, policy shape and free cores in the user's cache directory.
 
 ``compile: auto`` is probed apart, on the option chosen (:meth:`Prober.time_compile`): the same gradient step eager
-and compiled whole (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), and the seconds compiling took. Compiling is
-taken where the compiled step is clearly faster and the run is long enough to earn the compile time back.
+and compiled whole (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), collection's forward pass eager and
+compiled, and the seconds compiling took. Compiling is taken where an env step, predicted as above with those figures,
+is clearly faster and the run is long enough to earn the compile time back.
 """
 
 from __future__ import annotations
@@ -129,15 +130,10 @@ class CompileTiming:
     act_compiled_s: float = 0.0
     cached: bool = False
 
-    def saved_per_env_step(self, workload: Workload) -> float:
-        """Seconds the compiled step and forward pass save per env step (negative where they cost)."""
-        act = (self.act_eager_s - self.act_compiled_s) / workload.n_envs
-        return workload.grads_per_env_step * (self.eager_s - self.compiled_s) + act
-
-    def pays_after(self, workload: Workload) -> float | None:
-        """Env steps after which compiling has earned its compile time back (None: never)."""
-        saved = self.saved_per_env_step(workload)
-        return self.compile_s / saved if saved > 0 else None
+    def per_env_step(self, workload: Workload, env_s: float) -> tuple[float, float]:
+        """Seconds per env step eager and compiled, predicted as :meth:`Timing.per_env_step` predicts them."""
+        eager = Timing(self.eager_s, self.act_eager_s).per_env_step(workload, env_s)
+        return eager, Timing(self.compiled_s, self.act_compiled_s).per_env_step(workload, env_s)
 
 
 @dataclass(frozen=True)
@@ -379,8 +375,9 @@ def _train_step(policy: Any, w: Workload, obs: Any, device: th.device, amp: str)
 
 
 def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileTiming:
-    """Time ``option``'s gradient step eager and compiled whole with torch.compile's ``mode``, with the compile time
-    of the rollout forward pass; raises where the step does not compile (the run would fall back to eager)."""
+    """Time ``option``'s gradient step eager and compiled whole with torch.compile's ``mode``, and collection's
+    forward pass at ``n_envs`` eager and compiled, with the time compiling both took; raises where the step does not
+    compile (the run would fall back to eager)."""
     w, c = option.workload, option.candidate
     device = th.device(c.device)
     with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32):
@@ -612,7 +609,7 @@ class Prober:
         if cached is not None:
             return cached
         if self.announce is not None:  # compiling takes seconds on a GPU, a minute on a CPU: not a hang
-            self.announce(f"sb3_gpu: timing the compiled gradient step on {option.candidate.label} (once on this machine)")
+            self.announce(f"sb3_gpu: timing the compiled gradient step on {option.candidate.label} (cached for the next plan)")
         try:
             timing = self.measure_compile(option, mode)
         except Exception:

@@ -51,7 +51,8 @@ class RunOptions:
     save_replay_buffer: bool = False
     confirm_episodes: int | None = None
 
-    def check(self, plan: Plan) -> None:
+    def check(self, algo: str) -> None:
+        """Refuse options that no run of ``algo`` can take (before the plan, whose probe may compile for a minute)."""
         for name in ("eval_freq", "eval_episodes", "checkpoint_freq", "confirm_episodes"):
             value = getattr(self, name)
             least, what = (0, "an int >= 0") if name == "confirm_episodes" else (1, "a positive int")
@@ -61,10 +62,10 @@ class RunOptions:
                 raise ConfigError(f"{name} must be {what}, got {value!r}")
         if not isinstance(self.save_replay_buffer, bool):
             raise ConfigError(f"save_replay_buffer must be true or false, got {self.save_replay_buffer!r}")
-        if self.save_replay_buffer and get_algo(plan.algo).on_policy:
+        if self.save_replay_buffer and get_algo(algo).on_policy:
+            name = get_algo(algo).name
             raise ConfigError(
-                f"--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc); {plan.algo} keeps no "
-                "replay buffer"
+                f"--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc); {name} keeps no replay buffer"
             )
 
     @classmethod
@@ -121,7 +122,7 @@ def train_run(
     :return: the summary, also written as ``summary.json``
     """
     options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer, confirm_episodes)
-    options.check(plan)
+    options.check(plan.algo)
     run = RunDir(make_dir(run_dir, "run dir"))
     return _train(plan, run, options, None, _Output(progress, console, report_s))
 
@@ -167,12 +168,19 @@ def resume_run(
         )
     # Seeded runs continue on fresh seeds: replaying the first episodes' seeds would repeat them.
     seed = None if config.seed is None else (config.seed + state.timesteps) % 2**32
-    plan = make_plan(
-        config.algo, config.env, config.device, vec_env=config.vec_env, seed=seed, config=config, n_timesteps=timesteps
-    )
     if save_replay_buffer is not None:
         options = dataclasses.replace(options, save_replay_buffer=save_replay_buffer)
-    options.check(plan)
+    options.check(config.algo)
+    plan = make_plan(
+        config.algo,
+        config.env,
+        config.device,
+        vec_env=config.vec_env,
+        seed=seed,
+        config=config,
+        n_timesteps=timesteps,
+        steps_left=total - state.timesteps,
+    )
     return _train(plan, run, options, state, output)
 
 

@@ -13,7 +13,7 @@ import yaml
 from stable_baselines3 import PPO
 
 from sb3_gpu.evaluate import main as evaluate_main
-from sb3_gpu.train import build_parser, plan_from_args, run_options
+from sb3_gpu.train import build_parser, run_options
 from sb3_gpu.train import main as train_main
 from tests.conftest import run_cli
 
@@ -281,7 +281,7 @@ def test_no_save_replay_buffer_turns_off_what_a_replayed_config_saves(bad_files,
     result = call_main(train_main, "--config", config, "--no-save-replay-buffer", "--plan")
     assert result.returncode == 0, result.stderr
     args = build_parser().parse_args(["--config", config, "--no-save-replay-buffer"])
-    assert run_options(args, plan_from_args(args)).save_replay_buffer is False
+    assert run_options(args).save_replay_buffer is False
 
 
 @pytest.mark.parametrize(
@@ -373,3 +373,15 @@ def test_the_plan_names_the_flag_that_set_each_value_last():
     sources = plan_from_args(build_parser().parse_args(args)).preset.sources
     assert sources["amp"] == sources["per"] == "--set"
     assert plan_from_args(build_parser().parse_args(["dqn", "--no-per", "--plan"])).preset.sources["per"] == "--no-per"
+
+
+def test_run_options_are_refused_before_the_plan_is_made(call_main, monkeypatch):
+    # The plan's probe may compile a step for a minute on a CPU: a refused option must not wait for it.
+    import sb3_gpu.train as train_module
+
+    def no_plan(args):
+        raise AssertionError("planned before the run options were checked")
+
+    monkeypatch.setattr(train_module, "plan_from_args", no_plan)
+    result = call_main(train_main, "ppo", "--save-replay-buffer", "--plan")  # PPO keeps no replay buffer
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

@@ -425,7 +425,9 @@ def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
 
     first, second = plan(), plan()
     assert len(compile_times.asked) == 1 and (tmp_path / "compile-probes.json").is_file()
-    assert said == ["sb3_gpu: timing the compiled gradient step on cuda:0 fp32 (once on this machine)"]  # not from the cache
+    assert said == [
+        "sb3_gpu: timing the compiled gradient step on cuda:0 fp32 (cached for the next plan)"
+    ]  # not from the cache
     assert all("failed" not in v for v in json.loads((tmp_path / "compile-probes.json").read_text())["entries"].values())
     assert (first.speed.compile, first.speed.compile_reason) == (second.speed.compile, second.speed.compile_reason)
 
@@ -490,3 +492,22 @@ def test_a_compile_figure_cached_without_the_forward_pass_is_timed_again(tmp_pat
     assert cache.get_compile("key") is None
     cache.put_compile("key", CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1))
     assert ProbeCache(cache.path).get_compile("key") == CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1, cached=True)
+
+
+def test_compile_auto_weighs_the_steps_a_resumed_run_has_left(cpu_machine):
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0)
+    prober = fake_prober(FakeTimes(CPU_TIMES), compile_times)
+    plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, steps_left=1_000)
+    assert plan.preset.n_timesteps == 20_000 and plan.speed.compile == "false" and compile_times.asked == []
+    assert "the run's gradient steps take about 20.0 s eager" in plan.speed.compile_reason
+
+
+@pytest.mark.parametrize("overlapped", [True, False])
+def test_compile_auto_saves_nothing_where_overlapped_training_hides_behind_collection(gpu_machine, overlapped):
+    # 8 envs, a gradient step per 8 env steps: 0.5 ms of forward pass per env step against 0.25 ms of training (eager).
+    # Overlapped, collection is the slower side, so a faster step beside it gains nothing; after it, it saves 25%.
+    compile_times = FakeCompile(eager_ms=2.0, compiled_ms=0.5, compile_s=5.0, act_ms=(4.0, 4.0))
+    prober = fake_prober(FakeTimes(GPU_TIMES), compile_times)
+    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober, overrides={"overlap_training": overlapped})
+    assert plan.device.device == "cuda:0" and (plan.training == "overlapped") == overlapped
+    assert plan.speed.compile == ("false" if overlapped else "reduce-overhead")
