@@ -389,7 +389,8 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             eager()
             _sync(device)
 
-        eager_s = _median_time(train, seconds / 2)
+        for _ in range(2):  # warm-up
+            train()
         parts = _parts(policy, w, obs, device)
         names = {id(p): name for name, p in policy.named_parameters()}
         descents = [Descent(opt, OptimizerStep(opt, names), max_grad_norm) for opt, _, max_grad_norm in parts]
@@ -415,7 +416,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             for _ in range(3):  # tracing and compiling, then (CUDA graph modes) recording the graph
                 compiled()
             compile_s = time.perf_counter() - start
-            compiled_s = _median_time(compiled, seconds / 2, warmup=0)
+            eager_s, compiled_s = _paired_medians(train, compiled, seconds / 2)
         # The run compiles its rollout forward pass too: part of what the compiled step must earn back. Where that
         # pass alone does not compile, the run collects with it eager (and says so), and the step's figures stand.
         # Timed too: a compiled forward pass of a few observations can be slower than eager on a CPU (its guards
@@ -440,7 +441,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             for _ in range(3):
                 timed(act)()
             compile_s += time.perf_counter() - start
-            act_compiled_s = _median_time(timed(act), seconds / 4, warmup=0)
+            act_eager_s, act_compiled_s = _paired_medians(timed(forward), timed(act), seconds / 4)
         except Exception:  # torch.compile fails in many ways (graph breaks, backend errors)
             th._dynamo.reset()
     return CompileTiming(eager_s, compiled_s, compile_s, act_eager_s, act_compiled_s)
@@ -462,6 +463,21 @@ def _forward(policy: Any, w: Workload) -> Callable[..., Any]:
 
         return forward
     return getattr(policy, "q_net", None) or policy.quantile_net
+
+
+def _paired_medians(
+    a: Callable[[], None], b: Callable[[], None], seconds: float, max_repeats: int = 15
+) -> tuple[float, float]:
+    """Median seconds of ``a`` and of ``b``, called in turns until ``seconds`` are spent (at least once each), so that
+    both see the same load: timed one after the other, a busy spell on shared cores can land on one alone."""
+    times: tuple[list[float], list[float]] = ([], [])
+    end = time.perf_counter() + seconds
+    while not times[0] or (len(times[0]) < max_repeats and time.perf_counter() < end):
+        for fn, spent in zip((a, b), times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _median_time(fn: Callable[[], None], seconds: float, warmup: int = 2, max_repeats: int = 15) -> float:

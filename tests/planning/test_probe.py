@@ -511,3 +511,19 @@ def test_compile_auto_saves_nothing_where_overlapped_training_hides_behind_colle
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober, overrides={"overlap_training": overlapped})
     assert plan.device.device == "cuda:0" and (plan.training == "overlapped") == overlapped
     assert plan.speed.compile == ("false" if overlapped else "reduce-overhead")
+
+
+def test_the_eager_and_compiled_steps_are_timed_in_turns_so_that_both_see_the_same_load():
+    calls: list[str] = []
+
+    def a() -> None:
+        calls.append("eager")
+
+    def b() -> None:
+        calls.append("compiled")
+
+    probe_module._paired_medians(a, b, seconds=0.0)
+    assert calls == ["eager", "compiled"]  # each at least once
+    calls.clear()
+    probe_module._paired_medians(a, b, seconds=60.0, max_repeats=3)
+    assert calls == ["eager", "compiled"] * 3
