@@ -17,7 +17,7 @@ import torch as th
 
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
-from sb3_gpu.planning.plan import Plan, auto_compile_mode, make_plan
+from sb3_gpu.planning.plan import COMPILE_TIMED, Plan, auto_compile_mode, make_plan
 from sb3_gpu.planning.probe import Candidate
 
 # (algo, env): the cases `bench auto` runs by default; the Atari ones where ale-py is installed.
@@ -62,7 +62,7 @@ def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
     for device, amp, _, _ in list(candidates):
         if device == "cpu":
             candidates |= {(device, amp, 1, "false"), (device, amp, plan.hardware.physical_cores, "false")}
-    if plan.speed.compile_reason.startswith("probe: gradient step"):
+    if plan.speed.compile_reason.startswith(COMPILE_TIMED):
         passed_over = "false" if compiled != "false" else auto_compile_mode(plan.device.device)
         candidates.add((auto[0], auto[1], auto[2], passed_over))
     ordered = sorted(candidates, key=lambda c: (c != auto, c))

@@ -29,7 +29,7 @@ from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
 from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
-from sb3_gpu.planning.speed import SpeedPlan, choose_speed
+from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto
 
 
 @dataclass(frozen=True)
@@ -291,11 +291,8 @@ def auto_compile_mode(device: str) -> str:
     return "reduce-overhead" if device.startswith("cuda") else "default"
 
 
-def compiles_auto(device: str) -> bool:
-    """Whether compile=auto times the compiled step on ``device`` (MPS's compiler is too young to trust unasked)."""
-    return device == "cpu" or device.startswith("cuda")
-
-
+# How a compile reason that rests on the probe's timing of the compiled step begins.
+COMPILE_TIMED = "probe: gradient step"
 # Compiling a gradient step and a forward pass takes at least this long (more, often much more): a run whose eager
 # training takes less cannot earn it back, and is not timed compiled. On the CPU inductor writes and builds C++ for
 # tens of seconds, and the first plan on a machine compiles once more to time it (cached after): only a run whose eager
@@ -338,7 +335,7 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
     # Per env step as the device probe predicts it (training beside collection where the run overlaps them).
     eager_env_step, compiled_env_step = timing.per_env_step(workload, facts.step_seconds or 0.0)
     pays_after = timing.compile_s / (eager_env_step - compiled_env_step) if eager_env_step > compiled_env_step else None
-    figures = f"probe: gradient step {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager"
+    figures = f"{COMPILE_TIMED} {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager"
     if timing.act_eager_s:
         figures += f", forward pass {timing.act_compiled_s * 1e3:.3g} vs {timing.act_eager_s * 1e3:.3g} ms"
     figures += f", {timing.compile_s:.1f} s to compile"

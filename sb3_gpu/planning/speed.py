@@ -36,6 +36,11 @@ AUTO_COMPILE_UNTIMED_DEVICE = (
 )
 
 
+def compiles_auto(device: str) -> bool:
+    """Whether compile=auto times the compiled step on ``device`` (MPS's compiler is too young to trust unasked)."""
+    return device == "cpu" or device.startswith("cuda")
+
+
 @dataclass(frozen=True)
 class SpeedPlan:
     """What the speed switches resolved to, each with its reason."""
@@ -145,7 +150,7 @@ def choose_speed(
     n_threads, threads_reason = choose_threads(threads, device, policy, width, batch_size, env_workers, hardware)
     if compile_mode == "auto":
         compile_mode, compile_reason = "false", AUTO_COMPILE_UNPROBED
-        if not (device == "cpu" or device.startswith("cuda")):
+        if not compiles_auto(device):
             compile_mode, compile_reason = "false", AUTO_COMPILE_UNTIMED_DEVICE
     elif compile_mode == "false":
         compile_reason = "asked for"

@@ -62,8 +62,9 @@ class RunOptions:
                 raise ConfigError(f"{name} must be {what}, got {value!r}")
         if not isinstance(self.save_replay_buffer, bool):
             raise ConfigError(f"save_replay_buffer must be true or false, got {self.save_replay_buffer!r}")
-        if self.save_replay_buffer and get_algo(algo).on_policy:
-            name = get_algo(algo).name
+        algo_ = get_algo(algo)
+        if self.save_replay_buffer and algo_.on_policy:
+            name = algo_.name
             raise ConfigError(
                 f"--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc); {name} keeps no replay buffer"
             )
