@@ -29,6 +29,9 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.common.io import check_dir_creatable
 
+# The most env processes `bench envs` starts at once (a 128-core machine runs a few per core).
+MAX_BENCH_PROCESSES = 1024
+
 # The benches (torch, SB3, gymnasium) are imported by the subcommand that runs, so that --help is quick and a Ctrl-C
 # while they load is answered in one line.
 
@@ -223,6 +226,10 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
 
     if not (math.isfinite(args.seconds) and args.seconds > 0) or args.startup_workers < 0:
         print_error(f"--seconds must be a finite number > 0 (got {args.seconds}) and --startup-workers >= 0")
+        return 2
+    most = max(args.startup_workers, *args.n_envs)
+    if most > MAX_BENCH_PROCESSES:  # each subprocess env is a process: a typo must not fork thousands
+        print_error(f"--n-envs and --startup-workers start one process per env: at most {MAX_BENCH_PROCESSES} (got {most})")
         return 2
     try:
         for env_id in args.envs:

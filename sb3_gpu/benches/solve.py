@@ -60,6 +60,7 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
     return {
         **asdict(case),
         "amp_used": plan.speed.amp if plan.speed is not None else None,
+        "compile_used": plan.speed.compile if plan.speed is not None else None,
         "evaluated": fresh["mean"],
         "evaluated_std": fresh["std"],
         "model": Path(fresh["model"]).name,
@@ -151,7 +152,8 @@ def _solve_in_pool(cases: Sequence[Case], episodes: int, jobs: int, done: Callab
 
 
 def solve_markdown(rows: Sequence[dict[str, Any]], targets: dict[str, float], episodes: int, command: str) -> str:
-    """One line per algo, env, PER and amp: seeds that reached the target, the fresh evaluations, the agreement."""
+    """One line per algo, env, PER and amp: seeds that compiled, seeds that reached the target, the fresh evaluations,
+    the agreement."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["algo"], row["env"], row["per"], row["amp"]), []).append(row)
@@ -159,16 +161,18 @@ def solve_markdown(rows: Sequence[dict[str, Any]], targets: dict[str, float], ep
         f"`{command}`: each seed trained as `train` trains it, then its best model evaluated on {episodes} fresh "
         "episodes (deterministic). Agreement: the fresh mean reaches the run's reported best minus two standard errors.",
         "",
-        "| algo | env | PER | amp | seeds reaching the target | fresh evaluation: median [min-max] | agrees | wall, median |",
-        "|---|---|---|---|---:|---:|---:|---:|",
+        "| algo | env | PER | amp | compiled | seeds reaching the target | fresh evaluation: median [min-max] | agrees "
+        "| wall, median |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for (algo, env, per, amp), group in groups.items():
         target = targets[env]
         values = [r["evaluated"] for r in group]
         reached = sum(v >= target for v in values)
         per_text = "preset" if per is None else ("on" if per else "off")
+        compiled = sum(r.get("compile_used") not in (None, "false") for r in group)
         lines.append(
-            f"| {algo} | {env} | {per_text} | {amp} | {reached}/{len(group)} (>= {target:g}) "
+            f"| {algo} | {env} | {per_text} | {amp} | {compiled}/{len(group)} | {reached}/{len(group)} (>= {target:g}) "
             f"| {statistics.median(values):.1f} [{min(values):.1f} - {max(values):.1f}] "
             f"| {sum(agrees(r, episodes) for r in group)}/{len(group)} "
             f"| {statistics.median(r['wall_s'] for r in group):.0f} s |"

@@ -176,8 +176,9 @@ def bench_train(
     results: dict[str, list[dict[str, Any]]] = {"sb3_gpu": [], "sb3_zoo": []}
     plan_text, every = "", 0
     for seed in seeds:
-        plan = make_plan(algo, env_id, "auto", seed=seed)
-        plan_text = f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs"
+        plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
+        compiled = plan.speed.compile if plan.speed is not None else "false"
+        plan_text = f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs, compile {compiled}"
         budget = max_timesteps or plan.preset.n_timesteps
         every = eval_freq or max(budget // THRESHOLD_EVALUATIONS, 1)
         ours = build_model(plan, build_env(plan))

@@ -578,7 +578,9 @@ def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame
     """Bytes of one transition in SB3's replay buffer: two (stacked) observations, the action, reward, done, timeout."""
     subspaces = obs_space.spaces.values() if isinstance(obs_space, spaces.Dict) else [obs_space]
     obs = frame_stack * sum(int(np.prod(s.shape or (1,))) * np.dtype(s.dtype or np.float32).itemsize for s in subspaces)
-    action = int(np.prod(action_space.shape or (1,))) * 8  # SB3 keeps discrete actions as int64
+    # Actions keep their space's dtype (discrete ones int64), but float64 is stored as float32.
+    dtype = np.dtype(action_space.dtype or np.int64)
+    action = int(np.prod(action_space.shape or (1,))) * (4 if dtype == np.float64 else dtype.itemsize)
     return 2 * obs + action + 3 * 4
 
 

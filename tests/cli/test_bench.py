@@ -56,7 +56,8 @@ def test_bench_solve_trains_each_case_in_its_own_process_and_evaluates_the_best_
         assert row["model"] == "best_model.zip" and row["reported_best"] is not None and row["wall_s"] > 0
         assert row["evaluated"] >= 8  # CartPole returns one per step: no episode is shorter than 8
     markdown = (tmp_path / "solve.md").read_text()
-    assert re.search(r"\| dqn \| CartPole-v1 \| on \| auto \| \d/2 \(>= 20\) \|", markdown), markdown
+    assert all(row["compile_used"] == "false" for row in rows)  # runs this short do not earn a compile back
+    assert re.search(r"\| dqn \| CartPole-v1 \| on \| auto \| 0/2 \| \d/2 \(>= 20\) \|", markdown), markdown
 
 
 def test_bench_solve_trains_a_preset_file_in_place_of_the_bundled_one(tmp_path, capsys):
@@ -111,6 +112,7 @@ def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path,
         (run,) = data[name]["runs"]
         assert run["timesteps"] <= 2048 + 256 and run["train_seconds"] > 0 and run["steps_per_s"] > 0
     assert "| SB3 + rl-zoo3 values |" in (tmp_path / "train.md").read_text()
+    assert data["plan"].endswith(", compile false"), data["plan"]  # planned for its 2,048 steps, too few to earn it
 
 
 def test_bench_envs_and_train_refuse_bad_names(capsys):
@@ -119,6 +121,13 @@ def test_bench_envs_and_train_refuse_bad_names(capsys):
     assert bench.main(["train", "--env", "Pong-v5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no rl-zoo3 baseline for ppo Pong-v5 (have: dqn CartPole-v1" in err[0]
+
+
+@pytest.mark.parametrize("option", [["--n-envs", "8", "5000"], ["--startup-workers", "100000"]])
+def test_bench_envs_refuses_more_processes_than_a_machine_runs_before_starting_any(option, capsys):
+    assert bench.main(["envs", "--envs", "CartPole-v1", *option]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "start one process per env: at most 1024 (got" in err
 
 
 def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp_path, capsys):

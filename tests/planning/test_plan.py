@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch as th
 from stable_baselines3 import DQN, PPO
@@ -152,6 +153,22 @@ def test_host_memory_bounds_a_replay_buffer_only_where_it_lives_on_the_host(cpu_
         make_plan("dqn", "CartPole-v1", hardware=gpu_machine, overrides={**big, "device_buffers": False})
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, overrides=big)  # on the GPU, which it checks itself
     assert plan.buffers == "device" and plan.device.device == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    "action_space",
+    [gym.spaces.Discrete(3), gym.spaces.Box(-1, 1, (4,)), gym.spaces.Box(-1, 1, (2,), dtype=np.float64)],
+    ids=["discrete", "box-float32", "box-float64"],
+)
+def test_the_planned_transition_size_is_what_sb3_replay_buffer_allocates(action_space):
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    from sb3_gpu.planning.plan import _transition_bytes
+
+    obs_space = gym.spaces.Box(-1, 1, (8,))
+    buffer = ReplayBuffer(100, obs_space, action_space, device="cpu")
+    stores = (buffer.observations, buffer.next_observations, buffer.actions, buffer.rewards, buffer.dones, buffer.timeouts)
+    assert _transition_bytes(obs_space, action_space, 1) * 100 == sum(a.nbytes for a in stores)
 
 
 def test_make_model_returns_a_plain_sb3_model_in_three_lines(tmp_path):
