@@ -4,6 +4,7 @@ competing CPU-bound processes (as when a user trains several seeds at once)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import statistics
 import subprocess
@@ -50,26 +51,32 @@ def competing(processes: int) -> Iterator[None]:
             p.wait()
 
 
-def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
-    """(label, device, overrides) of every candidate of the plan's probe, and on the CPU each of them with one thread
-    and with every physical core, whether the probe took that count into account or not. Where the plan timed
-    the compiled step, auto's device, precision and threads also run with the compile choice it passed over."""
+def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any], bool]]:
+    """(label, device, overrides, whether collection compiles) of every candidate of the plan's probe, and on the CPU
+    each of them with one thread and with every physical core, whether the probe took that count into account or
+    not. Where the plan timed the compiled step, auto's device, precision and threads also run with the compile
+    choices it passed over: eager, compiled, and compiled with or without collection's forward pass."""
     assert plan.speed is not None
     options = plan.probe.options if plan.probe else ()
-    compiled = plan.speed.compile
-    auto = (plan.device.device, plan.speed.amp, plan.speed.threads, compiled)
-    candidates = {(o.candidate.device, o.candidate.amp, o.candidate.threads, "false") for o in options} | {auto}
-    for device, amp, _, _ in list(candidates):
+    speed = plan.speed
+    auto = (plan.device.device, speed.amp, speed.threads, speed.compile, speed.compile_collect or speed.compile == "false")
+    candidates = {(o.candidate.device, o.candidate.amp, o.candidate.threads, "false", True) for o in options} | {auto}
+    for device, amp, _, _, _ in list(candidates):
         if device == "cpu":
-            candidates |= {(device, amp, 1, "false"), (device, amp, plan.hardware.physical_cores, "false")}
-    if plan.speed.compile_reason.startswith(COMPILE_TIMED):
-        passed_over = "false" if compiled != "false" else auto_compile_mode(plan.device.device)
-        candidates.add((auto[0], auto[1], auto[2], passed_over))
+            candidates |= {(device, amp, 1, "false", True), (device, amp, plan.hardware.physical_cores, "false", True)}
+    if speed.compile_reason.startswith(COMPILE_TIMED):
+        mode = auto_compile_mode(plan.device.device)
+        passed_over = [(mode, speed.compile_collect)] if speed.compile == "false" else [("false", True), (mode, True)]
+        candidates |= {(*auto[:3], c, collect) for c, collect in passed_over}
     ordered = sorted(candidates, key=lambda c: (c != auto, c))
     return [
-        (Candidate(d, a, t).label + ("" if c == "false" else f" compiled {c}"), d, {"amp": a, "threads": t, "compile": c})
-        for d, a, t, c in ordered
+        (Candidate(d, a, t).label + _compiled_label(c, collect), d, {"amp": a, "threads": t, "compile": c}, collect)
+        for d, a, t, c, collect in ordered
     ]
+
+
+def _compiled_label(compile_mode: str, collect: bool) -> str:
+    return "" if compile_mode == "false" else f" compiled {compile_mode}" + ("" if collect else ", step only")
 
 
 def _short(algo: str, steps: int) -> dict[str, Any]:
@@ -77,9 +84,12 @@ def _short(algo: str, steps: int) -> dict[str, Any]:
     return {} if algo == "ppo" else {"learning_starts": steps // 5, "buffer_size": steps}
 
 
-def _run(algo: str, env: str, device: str, overrides: dict[str, Any], steps: int) -> float:
+def _run(algo: str, env: str, device: str, overrides: dict[str, Any], collect: bool, steps: int) -> float:
     overrides = {**_short(algo, steps), **overrides, "probe": False}
     plan = make_plan(algo, env, device, n_timesteps=steps, seed=0, overrides=overrides)
+    if not collect:  # no preset key asks for this: auto's own choice, made here as auto makes it
+        assert plan.speed is not None
+        plan = dataclasses.replace(plan, speed=dataclasses.replace(plan.speed, compile_collect=False))
     venv = build_env(plan)
     try:
         model = build_model(plan, venv)
@@ -111,11 +121,11 @@ def bench_auto(
                 plan = make_plan(algo, env, "auto", n_timesteps=case_steps, seed=0, overrides=_short(algo, steps))
                 assert plan.speed is not None
                 alternatives = _alternatives(plan)
-                runs: dict[str, list[float]] = {label: [] for label, _, _ in alternatives}
+                runs: dict[str, list[float]] = {label: [] for label, *_ in alternatives}
                 for round_ in range(repeats):
                     shift = round_ % len(alternatives)
-                    for label, device, overrides in alternatives[shift:] + alternatives[:shift]:
-                        runs[label].append(_run(algo, env, device, overrides, case_steps))
+                    for label, device, overrides, collect in alternatives[shift:] + alternatives[:shift]:
+                        runs[label].append(_run(algo, env, device, overrides, collect, case_steps))
             medians = {label: statistics.median(v) for label, v in runs.items()}
             chosen = alternatives[0][0]  # auto's own choice comes first
             best = max(medians, key=lambda k: medians[k])

@@ -89,12 +89,12 @@ class GradAccumPPO(PPO):
         excluded = ["_accumulator", "_device_log", "_compiled_step", "_compiled_act", "_clip_ranges"]
         return [*super()._excluded_save_params(), *excluded]
 
-    def compile_step(self, mode: str = "default") -> str | None:
+    def compile_step(self, mode: str = "default", collect: bool = True) -> str | None:
         """Run each minibatch's gradient step (after the slicing) as one compiled graph, a CUDA graph on CUDA with
         ``mode="reduce-overhead"``; ``mode="eager"`` runs the same step uncompiled. Returns why the step stays
-        torch's own, or None. The rollout's forward pass (observations to actions, values and log-probabilities)
-        is compiled too. Call it again after ``load``."""
-        self._compiled_act = CompiledFunction(self._act, mode, "rollout forward pass")
+        torch's own, or None. With ``collect`` the rollout's forward pass (observations to actions, values and
+        log-probabilities) is compiled too. Call it again after ``load``."""
+        self._compiled_act = CompiledFunction(self._act, mode, "rollout forward pass") if collect else None
         if self.target_kl is not None:
             return "target_kl decides on the host, before each step, whether to take it"
         optimizer = self.policy.optimizer

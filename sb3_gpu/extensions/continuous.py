@@ -148,15 +148,15 @@ class _ActorCriticTraining(StagedObservations):
 
     # -- compiling -------------------------------------------------------------------------------------------------
 
-    def compile_step(self, mode: str = "default") -> str | None:
+    def compile_step(self, mode: str = "default", collect: bool = True) -> str | None:
         """Run each gradient step as one compiled graph, a CUDA graph on CUDA with ``mode="reduce-overhead"``;
-        ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. Collection's
-        action forward pass is compiled too (also where an optimizer refuses the step, as PPO's; not under gSDE), its
-        draws made outside as SB3 makes them. Call it again after ``load``."""
+        ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. With ``collect``
+        collection's action forward pass is compiled too (also where an optimizer refuses the step, as PPO's; not
+        under gSDE), its draws made outside as SB3 makes them. Call it again after ``load``."""
         s: Any = self
         if s.use_sde:
             return "gSDE's exploration matrix is resampled outside the step"
-        self._compiled_act = CompiledFunction(self._act, mode, "action forward pass")
+        self._compiled_act = CompiledFunction(self._act, mode, "action forward pass") if collect else None
         observation = s.policy.obs_to_tensor(s.observation_space.sample())[0]
         guards = [(optimizer, optimizer_step(optimizer, s.policy)) for optimizer in self._optimizers()]
         for optimizer, guard in guards:  # all checked before any is changed

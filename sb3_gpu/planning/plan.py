@@ -303,9 +303,9 @@ MIN_COMPILE_S = {"cuda": 5.0, "cpu": 300.0}
 def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s: float | None, steps: int) -> _Variant:
     """Resolve ``compile: auto`` on ``v``'s device by timing its gradient step and collection's forward pass eager and
     compiled: compiled where an env step is clearly faster that way, and the run's ``steps`` (env steps) earn the
-    compile time back. ``eager_step_s``: the device probe's figure for the eager step, where it has one (a run too
-    short to earn any compile back is not timed; on the CPU the eager step is timed here where the device probe did
-    not)."""
+    compile time back; the forward pass with the step only where it is faster compiled. ``eager_step_s``: the device
+    probe's figure for the eager step, timed here where the probe had nothing to compare (a run too short to earn any
+    compile back is not timed compiled)."""
     device, on_cpu = v.device.device, v.device.device == "cpu"
     refused = _compile_refusal(v.resolved, facts.observation_space)
     workload = _workload(v, facts)
@@ -314,7 +314,7 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
     if refused is not None or workload is None:
         return _not_compiled(v, refused)
     option = Option(Candidate(device, v.speed.amp, v.speed.threads), workload, v.speed.cudnn_benchmark, v.speed.tf32)
-    if eager_step_s is None and on_cpu:
+    if eager_step_s is None:
         eager = prober.probe([option], rule=0, env_s=facts.step_seconds or 0.0).timings[0]
         if eager is None:
             return _not_compiled(v, "the eager step could not be timed")
@@ -332,12 +332,18 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
         reason = f"probe: the compiled step failed here ({type(e).__name__}: {first}), so not compiled"
         return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile="false", compile_reason=reason))
-    # Per env step as the device probe predicts it (training beside collection where the run overlaps them).
-    eager_env_step, compiled_env_step = timing.per_env_step(workload, facts.step_seconds or 0.0)
+    # Collection's forward pass compiles with the step only where it is faster so: a compiled pass over a few
+    # observations can be slower than eager on a CPU (its guards cost more than the ops it fuses).
+    collect = timing.act_compiled_s < timing.act_eager_s
+    run = timing if collect else dataclasses.replace(timing, act_compiled_s=timing.act_eager_s)
+    # Per env step as the device probe predicts it (training beside collection where the run overlaps them). The
+    # compile time is the step's and the forward pass's: an upper bound where the pass stays eager.
+    eager_env_step, compiled_env_step = run.per_env_step(workload, facts.step_seconds or 0.0)
     pays_after = timing.compile_s / (eager_env_step - compiled_env_step) if eager_env_step > compiled_env_step else None
     figures = f"{COMPILE_TIMED} {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager"
     if timing.act_eager_s:
         figures += f", forward pass {timing.act_compiled_s * 1e3:.3g} vs {timing.act_eager_s * 1e3:.3g} ms"
+        figures += "" if collect else " (so it stays eager)"
     figures += f", {timing.compile_s:.1f} s to compile"
     faster = compiled_env_step <= MARGIN * eager_env_step
     if pays_after is not None and faster and pays_after < steps:
@@ -346,7 +352,8 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
         mode, reason = "false", f"{figures}; not faster enough to take"
     else:
         mode, reason = "false", f"{figures}; would pay after {pays_after:,.0f} env steps, the run has {steps:,.0f}"
-    return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile=mode, compile_reason=reason))
+    speed = dataclasses.replace(v.speed, compile=mode, compile_reason=reason, compile_collect=collect)
+    return dataclasses.replace(v, speed=speed)
 
 
 def _not_compiled(v: _Variant, why: str | None) -> _Variant:

@@ -54,9 +54,12 @@ class SpeedPlan:
     cudnn_benchmark: bool = False
     tf32: bool = False
     cuda_reason: str = ""
+    # Whether collection's forward pass compiles with the step (auto leaves it eager where it times it slower so).
+    compile_collect: bool = True
 
     def rows(self) -> list[tuple[str, str, str]]:
-        rows = [("amp", self.amp, self.amp_reason), ("compile", self.compile, self.compile_reason)]
+        compiled = self.compile + ("" if self.compile_collect or self.compile == "false" else ", step only")
+        rows = [("amp", self.amp, self.amp_reason), ("compile", compiled, self.compile_reason)]
         rows.append(("threads", str(self.threads), self.threads_reason))
         if self.cuda_reason:
             flags = f"cudnn.benchmark={self.cudnn_benchmark}, tf32={self.tf32}"
@@ -181,11 +184,13 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
         enable_amp(model, speed.amp)
     if speed.compile == "false":
         return None
-    # SAC's family compiles through compile_step (its whole step and its action forward pass), not its networks apart.
-    failed = None if getattr(model, "compiles_step_only", False) else compile_policy(model, speed.compile, batch_size)
+    # SAC's family compiles through compile_step (its whole step and its action forward pass), not its networks apart;
+    # the others' networks compile for collection here, unless the plan leaves collection eager.
+    networks = speed.compile_collect and not getattr(model, "compiles_step_only", False)
+    failed = compile_policy(model, speed.compile, batch_size) if networks else None
     compile_step = getattr(model, "compile_step", None)  # PPO's and the DQN family's gradient step, compiled whole
     if failed is None and compile_step is not None:
-        refused = compile_step(speed.compile)
+        refused = compile_step(speed.compile, collect=speed.compile_collect)
         if refused:  # the step stays torch's (the networks, or SAC's family's action pass, compiled), and the user is told why
             warnings.warn(f"the gradient step is not compiled whole: {refused}", CompileFallbackWarning, stacklevel=2)
     return failed

@@ -123,9 +123,20 @@ def test_a_spent_budget_times_only_the_rules_choice_which_then_stands(gpu_machin
 
 def test_choices_that_are_not_auto_are_not_probed(gpu_machine):
     times = FakeTimes()
-    overrides = {"amp": "off", "threads": 2, "per": False}
+    overrides = {"amp": "off", "threads": 2, "per": False, "compile": False}
     plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine, prober=fake_prober(times), overrides=overrides)
     assert times.asked == [] and plan.probe is None and plan.speed.amp_reason == "asked for"
+    # compile=auto times the one candidate's eager step: its gradient steps may be too few to earn a compile back
+    plan = make_plan(
+        "dqn",
+        "CartPole-v1",
+        "cuda:0",
+        hardware=gpu_machine,
+        prober=fake_prober(times),
+        overrides={**overrides, "compile": "auto"},
+    )
+    assert times.asked == ["cuda:0 fp32"] and plan.probe is None
+    times.asked.clear()
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"probe": False})
     assert times.asked == [] and plan.probe is None and plan.device.reason.startswith("off-policy MLP policy")
 
@@ -333,21 +344,34 @@ def test_compile_auto_on_the_cpu_compiles_a_long_run_where_its_env_steps_are_fas
     )
     assert [mode for _, mode in compile_times.asked] == ["default"]  # inductor's kernels: no CUDA graph on a CPU
     assert plan.speed.compile == "default" and plan.preset.n_timesteps == 20_000
-    # 8 ms saved per gradient step, 0.1 ms lost per forward pass: 40 s earned back after 5,063 env steps
+    # 8 ms saved per gradient step; the forward pass, slower compiled, stays eager: 40 s earned back after 5,000 env steps
     assert plan.speed.compile_reason == (
-        "probe: gradient step 12 ms compiled vs 20 ms eager, forward pass 0.4 vs 0.3 ms, 40.0 s to compile; "
-        "pays after 5,063 of 20,000 env steps"
+        "probe: gradient step 12 ms compiled vs 20 ms eager, forward pass 0.4 vs 0.3 ms (so it stays eager), 40.0 s to "
+        "compile; pays after 5,000 of 20,000 env steps"
     )
+    assert not plan.speed.compile_collect and ("compile", "default, step only", plan.speed.compile_reason) in plan.speed.rows()
     assert model_class(plan) is SyncFreeTD3  # the class that compiles its step
 
 
-def test_compile_auto_on_the_cpu_weighs_the_forward_pass_it_compiles_too(cpu_machine):
-    # 5 ms saved per gradient step, 3.7 ms lost per forward pass: 19 ms per env step against 20.3, not clearly faster.
-    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=15.0, compile_s=1.0, act_ms=(0.3, 4.0))
+@pytest.mark.parametrize(
+    ("step_ms", "act_ms", "compiled", "collect", "reason"),
+    [
+        # 5 ms saved per gradient step; the forward pass, 3.7 ms slower compiled, stays eager: 15.3 ms against 20.3.
+        (15.0, (0.3, 4.0), "default", False, "forward pass 4 vs 0.3 ms (so it stays eager), 1.0 s to compile; pays after 200"),
+        (15.0, (0.3, 0.2), "default", True, "forward pass 0.2 vs 0.3 ms, 1.0 s to compile; pays after 196 of 100,000"),
+        # 1 ms saved of 20.3 (the forward pass eager): not clearly faster, whether the pass compiles or not.
+        (19.0, (0.3, 4.0), "false", False, "forward pass 4 vs 0.3 ms (so it stays eager), 1.0 s to compile; not faster"),
+    ],
+    ids=["forward-slower-compiled", "forward-faster-compiled", "step-not-faster"],
+)
+def test_compile_auto_compiles_collections_forward_pass_only_where_it_is_faster_so(
+    cpu_machine, step_ms, act_ms, compiled, collect, reason
+):
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=step_ms, compile_s=1.0, act_ms=act_ms)
     prober = fake_prober(FakeTimes(CPU_TIMES), compile_times)
     plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, n_timesteps=100_000)
-    assert compile_times.asked and plan.speed.compile == "false"
-    assert plan.speed.compile_reason.endswith("forward pass 4 vs 0.3 ms, 1.0 s to compile; not faster enough to take")
+    assert compile_times.asked and plan.speed.compile == compiled and plan.speed.compile_collect == collect
+    assert reason in plan.speed.compile_reason, plan.speed.compile_reason
 
 
 def test_compile_auto_on_the_cpu_leaves_a_short_run_eager_without_compiling_to_time_it(cpu_machine):
@@ -381,6 +405,27 @@ def test_compile_auto_on_the_cpu_times_the_eager_step_where_the_device_probe_had
     assert short.asked == []
 
 
+def test_compile_auto_on_a_gpu_times_the_eager_step_where_the_device_probe_had_nothing_to_compare(gpu_machine):
+    times, compile_times = FakeTimes(GPU_TIMES), FakeCompile()
+    one = {"amp": "off"}  # on a device given, one candidate: no device probe
+    plan = make_plan(
+        "dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine, prober=fake_prober(times, compile_times), overrides=one
+    )
+    assert times.asked == ["cuda:0 fp32"] and compile_times.asked == [("cuda:0 fp32", "reduce-overhead")]
+    assert plan.speed.compile == "reduce-overhead"
+    short = FakeCompile()  # 2,500 gradient steps of 1 ms: less than compiling takes, so not timed compiled
+    plan = make_plan(
+        "dqn",
+        "CartPole-v1",
+        "cuda:0",
+        hardware=gpu_machine,
+        prober=fake_prober(times, short),
+        overrides=one,
+        n_timesteps=20_000,
+    )
+    assert short.asked == [] and plan.speed.compile_reason.startswith("auto: not compiled: the run's gradient steps take")
+
+
 def test_compile_auto_is_timed_only_once_the_run_is_known_to_be_possible(cpu_machine):
     # A refused run is refused at once, not after a minute of compiling.
     compile_times = FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0)
@@ -393,18 +438,19 @@ def test_compile_auto_is_timed_only_once_the_run_is_known_to_be_possible(cpu_mac
 def test_bench_auto_runs_auto_against_the_compile_choice_it_passed_over_on_the_cpu(cpu_machine):
     from sb3_gpu.benches.auto import _alternatives
 
-    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0)
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=12.0, compile_s=40.0, act_ms=(0.3, 0.4))
     plan = make_plan(
         "td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES), compile_times)
     )
     alternatives = _alternatives(plan)
-    assert alternatives[0][2]["compile"] == "default"  # auto's own choice first
-    twins = [o for _, _, o in alternatives if o["threads"] == plan.speed.threads]
-    assert {o["compile"] for o in twins} == {"default", "false"}
+    assert alternatives[0][2]["compile"] == "default" and alternatives[0][0].endswith(" compiled default, step only")
+    twins = [(o["compile"], collect) for _, _, o, collect in alternatives if o["threads"] == plan.speed.threads]
+    # auto's choice (the step compiled, collection eager) against all eager and all compiled
+    assert sorted(twins) == [("default", False), ("default", True), ("false", True)]
     short = make_plan(
         "td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES)), n_timesteps=5_000
     )
-    assert {o["compile"] for _, _, o in _alternatives(short)} == {"false"}  # not timed: nothing passed over
+    assert {o["compile"] for _, _, o, _ in _alternatives(short)} == {"false"}  # not timed: nothing passed over
 
 
 def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
@@ -468,9 +514,9 @@ def test_bench_auto_runs_auto_against_the_compile_choice_it_passed_over(gpu_mach
     assert chosen == ("reduce-overhead" if compile_ms == 0.5 else "false")
     alternatives = _alternatives(plan)
     assert alternatives[0][2]["compile"] == chosen  # auto's own choice first
-    twins = [o for label, device, o in alternatives if device == "cuda:0" and o["amp"] == plan.speed.amp]
+    twins = [o for label, device, o, _ in alternatives if device == "cuda:0" and o["amp"] == plan.speed.amp]
     assert {o["compile"] for o in twins} == {"false", "reduce-overhead"}
-    assert all(o["compile"] == "false" for _, device, o in alternatives if device == "cpu")
+    assert all(o["compile"] == "false" for _, device, o, _ in alternatives if device == "cpu")
 
 
 def test_a_step_that_failed_to_compile_is_not_compiled_again_on_the_next_plan(tmp_path, gpu_machine):

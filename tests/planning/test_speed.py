@@ -90,6 +90,23 @@ def test_apply_speed_sets_threads_flags_and_amp():
     assert amp_state(model).mode == "bf16"
 
 
+@pytest.mark.parametrize("collect", [True, False])
+@pytest.mark.parametrize("algo", ["ppo", "dqn", "td3"])
+def test_apply_speed_compiles_collection_only_where_the_plan_says(algo, collect, monkeypatch):
+    from sb3_gpu.config.schema import get_algo
+    from sb3_gpu.planning import speed as speed_module
+
+    networks: list[str] = []
+    monkeypatch.setattr(speed_module, "compile_policy", lambda model, mode, batch: networks.append(mode))
+    env = "Pendulum-v1" if algo == "td3" else "CartPole-v1"
+    model = get_algo(algo).extended_class("MlpPolicy", env, device="cpu", policy_kwargs={"net_arch": [8]})
+    plan = SpeedPlan("off", "test", "eager", "test", 1, "test", compile_collect=collect)  # "eager": the step uncompiled
+    assert apply_speed(model, plan, 32) is None
+    # PPO's and the DQN family's collection runs their networks, compiled apart; SAC's family compiles its own pass.
+    assert networks == (["eager"] if collect and algo != "td3" else [])
+    assert (getattr(model, "_compiled_act", None) is not None) == (collect and algo != "dqn")
+
+
 def test_plan_shows_and_saves_the_speed_decisions(cpu_machine):
     plan = make_plan("ppo", "CartPole-v1", "cpu", hardware=cpu_machine, overrides={"threads": 2, "amp": "off"})
     assert (plan.speed.amp, plan.speed.threads) == ("off", 2)

@@ -76,10 +76,11 @@ class _PrioritizedTraining(StagedObservations):
         """The loss of each sample of ``data`` and its TD error."""
         raise NotImplementedError
 
-    def compile_step(self, mode: str = "default") -> str | None:
+    def compile_step(self, mode: str = "default", collect: bool = True) -> str | None:
         """Run each gradient step (after the sampling) as one compiled graph, a CUDA graph on CUDA with
         ``mode="reduce-overhead"``; ``mode="eager"`` runs the same step uncompiled. Returns why the step stays
-        torch's own, or None. Call it again after ``load``."""
+        torch's own, or None. Collection runs the Q-network as it is (``compile_policy`` compiles it), whatever
+        ``collect`` says. Call it again after ``load``."""
         optimizer = self.policy.optimizer  # type: ignore[attr-defined]
         guard = optimizer_step(optimizer, self.policy)  # type: ignore[attr-defined]
         reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])  # type: ignore[attr-defined]
@@ -242,7 +243,7 @@ class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
 class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
     """sb3-contrib's QR-DQN with PrioritizedDQN's extensions (each may be off)."""
 
-    def compile_step(self, mode: str = "default") -> str | None:
+    def compile_step(self, mode: str = "default", collect: bool = True) -> str | None:
         # sb3-contrib's quantile networks reshape by int(action_space.n), a NumPy integer, which dynamo can only read
         # back from a tensor: the networks get a copy of the space whose n is a Python int.
         for net in (self.quantile_net, self.quantile_net_target):
@@ -250,7 +251,7 @@ class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
                 space = copy.copy(net.action_space)
                 space.n = int(space.n)  # type: ignore[assignment]
                 net.action_space = space
-        return super().compile_step(mode)
+        return super().compile_step(mode, collect)
 
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
         batch = data.observations.shape[0]
