@@ -113,7 +113,9 @@ def _train_parser(train: argparse.ArgumentParser) -> None:
     train.add_argument("--env", default="CartPole-v1", help="an env with an rl-zoo3 baseline (default CartPole-v1)")
     train.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2, 3, 4], help="default: 0 1 2 3 4")
     train.add_argument("--threshold", type=float, help="mean eval return to reach (default: the env's reward_threshold)")
-    train.add_argument("--max-timesteps", type=positive_int, help="budget per run (default: the preset's n_timesteps)")
+    train.add_argument(
+        "--max-timesteps", type=positive_int, help="budget per run, planned for (default: the preset's n_timesteps)"
+    )
     train.add_argument("--eval-freq", type=positive_int, help="evaluate every N env steps (default: a fiftieth of the budget)")
     train.add_argument("--eval-episodes", type=positive_int, default=10)
     train.add_argument("--out", default="bench-results", help="folder for train.json and train.md")

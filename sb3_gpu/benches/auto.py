@@ -54,8 +54,8 @@ def competing(processes: int) -> Iterator[None]:
 def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any], bool]]:
     """(label, device, overrides, whether collection compiles) of every candidate of the plan's probe, and on the CPU
     each of them with one thread and with every physical core, whether the probe took that count into account or
-    not. Where the plan timed the compiled step, auto's device, precision and threads also run with the compile
-    choices it passed over: eager, compiled, and compiled with or without collection's forward pass."""
+    not. Where the plan timed the compiled step, auto's device, precision and threads also run each compile choice:
+    eager, the step compiled alone, and the step and collection's forward pass compiled."""
     assert plan.speed is not None
     options = plan.probe.options if plan.probe else ()
     speed = plan.speed
@@ -66,8 +66,7 @@ def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any], bool]]:
             candidates |= {(device, amp, 1, "false", True), (device, amp, plan.hardware.physical_cores, "false", True)}
     if speed.compile_reason.startswith(COMPILE_TIMED):
         mode = auto_compile_mode(plan.device.device)
-        passed_over = [(mode, speed.compile_collect)] if speed.compile == "false" else [("false", True), (mode, True)]
-        candidates |= {(*auto[:3], c, collect) for c, collect in passed_over}
+        candidates |= {(*auto[:3], c, collect) for c, collect in (("false", True), (mode, False), (mode, True))}
     ordered = sorted(candidates, key=lambda c: (c != auto, c))
     return [
         (Candidate(d, a, t).label + _compiled_label(c, collect), d, {"amp": a, "threads": t, "compile": c}, collect)

@@ -60,7 +60,7 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
     return {
         **asdict(case),
         "amp_used": plan.speed.amp if plan.speed is not None else None,
-        "compile_used": plan.speed.compile if plan.speed is not None else None,
+        "compile_used": plan.speed.compile_label if plan.speed is not None else None,  # the plan's choice
         "evaluated": fresh["mean"],
         "evaluated_std": fresh["std"],
         "model": Path(fresh["model"]).name,

@@ -177,7 +177,7 @@ def bench_train(
     plan_text, every = "", 0
     for seed in seeds:
         plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
-        compiled = plan.speed.compile if plan.speed is not None else "false"
+        compiled = plan.speed.compile_label if plan.speed is not None else "false"
         plan_text = f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs, compile {compiled}"
         budget = max_timesteps or plan.preset.n_timesteps
         every = eval_freq or max(budget // THRESHOLD_EVALUATIONS, 1)

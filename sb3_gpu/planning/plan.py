@@ -319,12 +319,11 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
         if eager is None:
             return _not_compiled(v, "the eager step could not be timed")
         eager_step_s = eager.train_s
-    if eager_step_s is not None:
-        eager_total = eager_step_s * workload.grads_per_env_step * steps
-        least = MIN_COMPILE_S["cpu" if on_cpu else "cuda"]
-        if eager_total < least:
-            why = f"the run's gradient steps take about {eager_total:.1f} s eager, less than compiling takes"
-            return _not_compiled(v, why + (f" on the CPU (timed from {least:.0f} s)" if on_cpu else ""))
+    eager_total = eager_step_s * workload.grads_per_env_step * steps
+    least = MIN_COMPILE_S["cpu" if on_cpu else "cuda"]
+    if eager_total < least:
+        why = f"the run's gradient steps take about {eager_total:.1f} s eager, less than compiling takes"
+        return _not_compiled(v, why + (f" on the CPU (timed from {least:.0f} s)" if on_cpu else ""))
     mode = auto_compile_mode(device)
     try:
         timing = prober.time_compile(option, mode)
@@ -332,19 +331,29 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
         first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
         reason = f"probe: the compiled step failed here ({type(e).__name__}: {first}), so not compiled"
         return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile="false", compile_reason=reason))
-    # Collection's forward pass compiles with the step only where it is faster so: a compiled pass over a few
-    # observations can be slower than eager on a CPU (its guards cost more than the ops it fuses).
-    collect = timing.act_compiled_s < timing.act_eager_s
-    run = timing if collect else dataclasses.replace(timing, act_compiled_s=timing.act_eager_s)
-    # Per env step as the device probe predicts it (training beside collection where the run overlaps them). The
-    # compile time is the step's and the forward pass's: an upper bound where the pass stays eager.
-    eager_env_step, compiled_env_step = run.per_env_step(workload, facts.step_seconds or 0.0)
-    pays_after = timing.compile_s / (eager_env_step - compiled_env_step) if eager_env_step > compiled_env_step else None
+    # Per env step as the device probe predicts it (training beside collection where the run overlaps them).
+    env_s = facts.step_seconds or 0.0
+    eager_env_step, step_only = timing.per_env_step(workload, env_s, collect=False)
+    both = timing.per_env_step(workload, env_s)[1]
+    # Collection's forward pass compiles with the step where it is clearly faster so and earns its own compile time
+    # back: a compiled pass over a few observations can be slower than eager on a CPU (its guards cost more than the
+    # ops it fuses), and where training outlasts collection (overlapped) a faster pass saves nothing.
+    collect = (
+        not timing.act_failed
+        and timing.act_compiled_s <= MARGIN * timing.act_eager_s
+        and both < step_only
+        and timing.act_compile_s / (step_only - both) < steps
+    )
+    compiled_env_step = both if collect else step_only
+    compile_s = timing.compile_s + (timing.act_compile_s if collect else 0.0)
+    pays_after = compile_s / (eager_env_step - compiled_env_step) if eager_env_step > compiled_env_step else None
     figures = f"{COMPILE_TIMED} {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager"
-    if timing.act_eager_s:
+    if timing.act_failed:
+        figures += f", forward pass {timing.act_eager_s * 1e3:.3g} ms eager (it did not compile)"
+    elif timing.act_eager_s:
         figures += f", forward pass {timing.act_compiled_s * 1e3:.3g} vs {timing.act_eager_s * 1e3:.3g} ms"
-        figures += "" if collect else " (so it stays eager)"
-    figures += f", {timing.compile_s:.1f} s to compile"
+        figures += "" if collect else " (stays eager)"
+    figures += f", {compile_s:.1f} s to compile"
     faster = compiled_env_step <= MARGIN * eager_env_step
     if pays_after is not None and faster and pays_after < steps:
         reason = f"{figures}; pays after {pays_after:,.0f} of {steps:,.0f} env steps"

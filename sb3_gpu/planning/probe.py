@@ -119,21 +119,24 @@ class Timing:
 
 @dataclass(frozen=True)
 class CompileTiming:
-    """Median seconds of one gradient step eager and compiled whole, the seconds the compilation took (the step's and
-    collection's forward pass's), and the forward pass at ``n_envs`` eager and compiled (equal where it does not
-    compile: the run collects with it eager then)."""
+    """Median seconds of one gradient step eager and compiled whole and the seconds its compilation took; the same
+    for collection's forward pass at ``n_envs`` (``act_failed``: it did not compile, its figures are eager's)."""
 
     eager_s: float
     compiled_s: float
     compile_s: float
     act_eager_s: float = 0.0
     act_compiled_s: float = 0.0
+    act_compile_s: float = 0.0
+    act_failed: bool = False
     cached: bool = False
 
-    def per_env_step(self, workload: Workload, env_s: float) -> tuple[float, float]:
-        """Seconds per env step eager and compiled, predicted as :meth:`Timing.per_env_step` predicts them."""
+    def per_env_step(self, workload: Workload, env_s: float, collect: bool = True) -> tuple[float, float]:
+        """Seconds per env step eager and compiled (collection's forward pass too where ``collect``), predicted as
+        :meth:`Timing.per_env_step` predicts them."""
         eager = Timing(self.eager_s, self.act_eager_s).per_env_step(workload, env_s)
-        return eager, Timing(self.compiled_s, self.act_compiled_s).per_env_step(workload, env_s)
+        act_s = self.act_compiled_s if collect else self.act_eager_s
+        return eager, Timing(self.compiled_s, act_s).per_env_step(workload, env_s)
 
 
 @dataclass(frozen=True)
@@ -417,10 +420,10 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
                 compiled()
             compile_s = time.perf_counter() - start
             eager_s, compiled_s = _paired_medians(train, compiled, seconds / 2)
-        # The run compiles its rollout forward pass too: part of what the compiled step must earn back. Where that
-        # pass alone does not compile, the run collects with it eager (and says so), and the step's figures stand.
-        # Timed too: a compiled forward pass of a few observations can be slower than eager on a CPU (its guards
-        # cost more than the ops it fuses), and collection runs it at every vec step.
+        # The run may compile its rollout forward pass too, timed apart: a compiled pass over a few observations
+        # can be slower than eager on a CPU (its guards cost more than the ops it fuses), and collection runs it at
+        # every vec step. Where that pass does not compile, the run collects with it eager, and the step's figures
+        # stand.
         forward = _forward(policy, w)
         act = th.compile(forward, fullgraph=True, mode=None if mode == "default" else mode)
         rollout_obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.n_envs))
@@ -436,15 +439,17 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             return run
 
         act_eager_s = act_compiled_s = _median_time(timed(forward), seconds / 4)
+        act_compile_s, act_failed = 0.0, False
         start = time.perf_counter()
         try:
             for _ in range(3):
                 timed(act)()
-            compile_s += time.perf_counter() - start
+            act_compile_s = time.perf_counter() - start
             act_eager_s, act_compiled_s = _paired_medians(timed(forward), timed(act), seconds / 4)
         except Exception:  # torch.compile fails in many ways (graph breaks, backend errors)
             th._dynamo.reset()
-    return CompileTiming(eager_s, compiled_s, compile_s, act_eager_s, act_compiled_s)
+            act_failed = True
+    return CompileTiming(eager_s, compiled_s, compile_s, act_eager_s, act_compiled_s, act_compile_s, act_failed)
 
 
 def _forward(policy: Any, w: Workload) -> Callable[..., Any]:
@@ -537,7 +542,19 @@ class ProbeCache:
 
     def get_compile(self, key: str) -> CompileTiming | None:
         entry = self._entry(key, _COMPILE_FIELDS)  # an entry without the forward pass's figures is timed again
-        return None if entry is None else CompileTiming(**{k: entry[k] for k in _COMPILE_FIELDS}, cached=True)
+        if entry is None:
+            return None
+        e = entry
+        return CompileTiming(
+            e["eager_s"],
+            e["compiled_s"],
+            e["compile_s"],
+            e["act_eager_s"],
+            e["act_compiled_s"],
+            e["act_compile_s"],
+            bool(e["act_failed"]),  # stored as 0.0 or 1.0
+            cached=True,
+        )
 
     def put_compile(self, key: str, timing: CompileTiming) -> None:
         self._put(key, {k: float(getattr(timing, k)) for k in _COMPILE_FIELDS})
@@ -560,7 +577,8 @@ class ProbeCache:
             warnings.warn(f"could not write the probe cache {self.path} ({e})", ProbeCacheWarning, stacklevel=3)
 
 
-_COMPILE_FIELDS = ("eager_s", "compiled_s", "compile_s", "act_eager_s", "act_compiled_s")
+# compile_s was the step's and the forward pass's together before act_compile_s: such entries are timed again.
+_COMPILE_FIELDS = ("eager_s", "compiled_s", "compile_s", "act_eager_s", "act_compiled_s", "act_compile_s", "act_failed")
 
 
 def _digest(key: str) -> str:

@@ -57,9 +57,13 @@ class SpeedPlan:
     # Whether collection's forward pass compiles with the step (auto leaves it eager where it times it slower so).
     compile_collect: bool = True
 
+    @property
+    def compile_label(self) -> str:
+        """What compiles: ``false``, the mode, or the mode and ``step only`` where collection stays eager."""
+        return self.compile + ("" if self.compile_collect or self.compile == "false" else ", step only")
+
     def rows(self) -> list[tuple[str, str, str]]:
-        compiled = self.compile + ("" if self.compile_collect or self.compile == "false" else ", step only")
-        rows = [("amp", self.amp, self.amp_reason), ("compile", compiled, self.compile_reason)]
+        rows = [("amp", self.amp, self.amp_reason), ("compile", self.compile_label, self.compile_reason)]
         rows.append(("threads", str(self.threads), self.threads_reason))
         if self.cuda_reason:
             flags = f"cudnn.benchmark={self.cudnn_benchmark}, tf32={self.tf32}"
@@ -191,6 +195,7 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
     compile_step = getattr(model, "compile_step", None)  # PPO's and the DQN family's gradient step, compiled whole
     if failed is None and compile_step is not None:
         refused = compile_step(speed.compile, collect=speed.compile_collect)
-        if refused:  # the step stays torch's (the networks, or SAC's family's action pass, compiled), and the user is told why
-            warnings.warn(f"the gradient step is not compiled whole: {refused}", CompileFallbackWarning, stacklevel=2)
+        if refused:  # the step stays torch's, and the user is told why
+            rest = "" if speed.compile_collect else "; collection stays eager too, so nothing is compiled"
+            warnings.warn(f"the gradient step is not compiled whole: {refused}{rest}", CompileFallbackWarning, stacklevel=2)
     return failed

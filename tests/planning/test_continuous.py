@@ -79,7 +79,8 @@ def test_a_gpu_with_fp16_only_leaves_them_in_float32_and_refuses_fp16_in_one_lin
     assert make_plan("dqn", "CartPole-v1", "cuda:0", hardware=t4, overrides=wide).speed.amp == "fp16"
     times = FakeTimes({"cuda:0 fp32": (2.0, 0.3), "cuda:0 fp16": (0.5, 0.3)})
     probed = make_plan("td3", "Pendulum-v1", "cuda:0", hardware=t4, overrides=wide, prober=fake_prober(times))
-    assert probed.speed.amp == "off" and probed.probe is None and times.asked == []  # one candidate: nothing to time
+    # One candidate: no device probe (fp16 is not timed); its eager step is timed for compile=auto's gate.
+    assert probed.speed.amp == "off" and probed.probe is None and times.asked == ["cuda:0 fp32"]
     refused = r"amp=fp16 \(.*\): tqc steps several optimizers .*; use off \(Fake T4 has no bf16\)"
     with pytest.raises(ConfigError, match=refused) as info:
         make_plan("tqc", "Pendulum-v1", "cuda:0", hardware=t4, overrides={"amp": "fp16"})

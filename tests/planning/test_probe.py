@@ -58,9 +58,12 @@ class FakeCompile:
         compiled_ms: float = 0.5,
         compile_s: float = 5.0,
         error: str = "",
-        act_ms: tuple[float, float] = (0.0, 0.0),  # collection's forward pass, eager and compiled
+        act_ms: tuple[float, float] = (0.02, 0.02),  # collection's forward pass, eager and compiled: no faster
+        act_compile_s: float = 0.0,
+        act_failed: bool = False,
     ):
-        self.figures = (eager_ms / 1e3, compiled_ms / 1e3, compile_s, act_ms[0] / 1e3, act_ms[1] / 1e3)
+        act = (act_ms[0] / 1e3, act_ms[1] / 1e3, act_compile_s, act_failed)
+        self.figures = (eager_ms / 1e3, compiled_ms / 1e3, compile_s, *act)
         self.error = error
         self.asked: list[tuple[str, str]] = []
 
@@ -123,20 +126,9 @@ def test_a_spent_budget_times_only_the_rules_choice_which_then_stands(gpu_machin
 
 def test_choices_that_are_not_auto_are_not_probed(gpu_machine):
     times = FakeTimes()
-    overrides = {"amp": "off", "threads": 2, "per": False, "compile": False}
+    overrides = {"amp": "off", "threads": 2, "per": False, "compile": False}  # compile=auto times the eager step
     plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine, prober=fake_prober(times), overrides=overrides)
     assert times.asked == [] and plan.probe is None and plan.speed.amp_reason == "asked for"
-    # compile=auto times the one candidate's eager step: its gradient steps may be too few to earn a compile back
-    plan = make_plan(
-        "dqn",
-        "CartPole-v1",
-        "cuda:0",
-        hardware=gpu_machine,
-        prober=fake_prober(times),
-        overrides={**overrides, "compile": "auto"},
-    )
-    assert times.asked == ["cuda:0 fp32"] and plan.probe is None
-    times.asked.clear()
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"probe": False})
     assert times.asked == [] and plan.probe is None and plan.device.reason.startswith("off-policy MLP policy")
 
@@ -271,7 +263,7 @@ def test_compile_auto_on_a_gpu_takes_the_compiled_step_where_it_is_faster_and_th
     assert compile_times.asked == [("cuda:0 fp32", "reduce-overhead")]
     grads = plan.probe.options[plan.probe.chosen].workload.grads_per_env_step  # 1.5 ms saved per gradient step
     assert plan.speed.compile_reason == (
-        "probe: gradient step 0.5 ms compiled vs 2 ms eager, 5.0 s to compile; "
+        "probe: gradient step 0.5 ms compiled vs 2 ms eager, forward pass 0.02 vs 0.02 ms (stays eager), 5.0 s to compile; "
         f"pays after {5.0 / (grads * 1.5e-3):,.0f} of {plan.preset.n_timesteps:,.0f} env steps"
     )
     assert plan.to_config()["hyperparameters"]["compile"] == "auto"  # a resumed or copied run decides again
@@ -346,32 +338,51 @@ def test_compile_auto_on_the_cpu_compiles_a_long_run_where_its_env_steps_are_fas
     assert plan.speed.compile == "default" and plan.preset.n_timesteps == 20_000
     # 8 ms saved per gradient step; the forward pass, slower compiled, stays eager: 40 s earned back after 5,000 env steps
     assert plan.speed.compile_reason == (
-        "probe: gradient step 12 ms compiled vs 20 ms eager, forward pass 0.4 vs 0.3 ms (so it stays eager), 40.0 s to "
-        "compile; pays after 5,000 of 20,000 env steps"
+        "probe: gradient step 12 ms compiled vs 20 ms eager, forward pass 0.4 vs 0.3 ms (stays eager), 40.0 s to compile; "
+        "pays after 5,000 of 20,000 env steps"
     )
     assert not plan.speed.compile_collect and ("compile", "default, step only", plan.speed.compile_reason) in plan.speed.rows()
     assert model_class(plan) is SyncFreeTD3  # the class that compiles its step
 
 
 @pytest.mark.parametrize(
-    ("step_ms", "act_ms", "compiled", "collect", "reason"),
+    ("step_ms", "act_ms", "act_s", "compiled", "collect", "reason"),
     [
         # 5 ms saved per gradient step; the forward pass, 3.7 ms slower compiled, stays eager: 15.3 ms against 20.3.
-        (15.0, (0.3, 4.0), "default", False, "forward pass 4 vs 0.3 ms (so it stays eager), 1.0 s to compile; pays after 200"),
-        (15.0, (0.3, 0.2), "default", True, "forward pass 0.2 vs 0.3 ms, 1.0 s to compile; pays after 196 of 100,000"),
+        (15.0, (0.3, 4.0), 1.0, "default", False, "forward pass 4 vs 0.3 ms (stays eager), 1.0 s to compile; pays after 200"),
+        # 0.1 ms more saved per env step by the pass: its 1 s of compiling pays after 10,000 of the 100,000 env steps.
+        (15.0, (0.3, 0.2), 1.0, "default", True, "forward pass 0.2 vs 0.3 ms, 2.0 s to compile; pays after 392 of 100,000"),
+        # ... but not 20 s of it (200,000 env steps): the step compiles alone.
+        (
+            15.0,
+            (0.3, 0.2),
+            20.0,
+            "default",
+            False,
+            "forward pass 0.2 vs 0.3 ms (stays eager), 1.0 s to compile; pays after 200",
+        ),
+        # 2% faster is within the probe's noise: the step compiles alone.
+        (15.0, (0.3, 0.294), 0.0, "default", False, "forward pass 0.294 vs 0.3 ms (stays eager)"),
         # 1 ms saved of 20.3 (the forward pass eager): not clearly faster, whether the pass compiles or not.
-        (19.0, (0.3, 4.0), "false", False, "forward pass 4 vs 0.3 ms (so it stays eager), 1.0 s to compile; not faster"),
+        (19.0, (0.3, 4.0), 1.0, "false", False, "forward pass 4 vs 0.3 ms (stays eager), 1.0 s to compile; not faster"),
     ],
-    ids=["forward-slower-compiled", "forward-faster-compiled", "step-not-faster"],
+    ids=["forward-slower-compiled", "forward-faster-compiled", "forward-does-not-pay", "forward-in-noise", "step-not-faster"],
 )
 def test_compile_auto_compiles_collections_forward_pass_only_where_it_is_faster_so(
-    cpu_machine, step_ms, act_ms, compiled, collect, reason
+    cpu_machine, step_ms, act_ms, act_s, compiled, collect, reason
 ):
-    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=step_ms, compile_s=1.0, act_ms=act_ms)
+    compile_times = FakeCompile(eager_ms=20.0, compiled_ms=step_ms, compile_s=1.0, act_ms=act_ms, act_compile_s=act_s)
     prober = fake_prober(FakeTimes(CPU_TIMES), compile_times)
     plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, n_timesteps=100_000)
     assert compile_times.asked and plan.speed.compile == compiled and plan.speed.compile_collect == collect
     assert reason in plan.speed.compile_reason, plan.speed.compile_reason
+
+
+def test_compile_auto_says_where_the_forward_pass_did_not_compile(cpu_machine):
+    failed = FakeCompile(eager_ms=20.0, compiled_ms=15.0, compile_s=1.0, act_ms=(0.3, 0.3), act_failed=True)
+    plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES), failed))
+    assert plan.speed.compile == "default" and not plan.speed.compile_collect
+    assert "forward pass 0.3 ms eager (it did not compile), 1.0 s to compile; pays after 200" in plan.speed.compile_reason
 
 
 def test_compile_auto_on_the_cpu_leaves_a_short_run_eager_without_compiling_to_time_it(cpu_machine):
@@ -488,6 +499,7 @@ def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy
     timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
     assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
     assert timing.act_eager_s > 0 and timing.act_compiled_s > 0  # collection's forward pass, timed both ways
+    assert timing.act_compile_s > 0 and not timing.act_failed
 
 
 def test_a_forward_pass_that_does_not_compile_leaves_the_steps_figures(monkeypatch):
@@ -502,6 +514,7 @@ def test_a_forward_pass_that_does_not_compile_leaves_the_steps_figures(monkeypat
     timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
     assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > 0
     assert timing.act_compiled_s == timing.act_eager_s > 0  # collected eager, as the run would
+    assert timing.act_failed and timing.act_compile_s == 0
 
 
 @pytest.mark.parametrize("compile_ms", [0.5, 1.95], ids=["compiled", "eager"])
@@ -536,8 +549,12 @@ def test_a_compile_figure_cached_without_the_forward_pass_is_timed_again(tmp_pat
     cache = ProbeCache(tmp_path / "compile-probes.json")
     cache._put("key", {"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 3.0})  # what an older sb3_gpu wrote
     assert cache.get_compile("key") is None
-    cache.put_compile("key", CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1))
-    assert ProbeCache(cache.path).get_compile("key") == CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1, cached=True)
+    # then one whose compile_s was the step's and the forward pass's together
+    cache._put("key", {"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 3.0, "act_eager_s": 0.2, "act_compiled_s": 0.1})
+    assert cache.get_compile("key") is None
+    for failed in (False, True):
+        cache.put_compile("key", CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1, 1.5, failed))
+        assert ProbeCache(cache.path).get_compile("key") == CompileTiming(1.0, 0.5, 3.0, 0.2, 0.1, 1.5, failed, cached=True)
 
 
 def test_compile_auto_weighs_the_steps_a_resumed_run_has_left(cpu_machine):
