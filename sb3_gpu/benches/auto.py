@@ -20,6 +20,7 @@ from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import COMPILE_TIMED, Plan, auto_compile_mode, make_plan
 from sb3_gpu.planning.probe import Candidate
+from sb3_gpu.planning.speed import compile_label
 
 # (algo, env): the cases `bench auto` runs by default; the Atari ones where ale-py is installed.
 AUTO_CASES: list[tuple[str, str]] = [
@@ -75,7 +76,7 @@ def _alternatives(plan: Plan) -> list[tuple[str, str, dict[str, Any], bool]]:
 
 
 def _compiled_label(compile_mode: str, collect: bool) -> str:
-    return "" if compile_mode == "false" else f" compiled {compile_mode}" + ("" if collect else ", step only")
+    return "" if compile_mode == "false" else f" compiled {compile_label(compile_mode, collect)}"
 
 
 def _short(algo: str, steps: int) -> dict[str, Any]:

@@ -544,7 +544,7 @@ class ProbeCache:
         entry = self._entry(key, _COMPILE_FIELDS)  # an entry without the forward pass's figures is timed again
         if entry is None:
             return None
-        e = entry
+        e = entry  # short: one line per field
         return CompileTiming(
             e["eager_s"],
             e["compiled_s"],

@@ -59,8 +59,7 @@ class SpeedPlan:
 
     @property
     def compile_label(self) -> str:
-        """What compiles: ``false``, the mode, or the mode and ``step only`` where collection stays eager."""
-        return self.compile + ("" if self.compile_collect or self.compile == "false" else ", step only")
+        return compile_label(self.compile, self.compile_collect)
 
     def rows(self) -> list[tuple[str, str, str]]:
         rows = [("amp", self.amp, self.amp_reason), ("compile", self.compile_label, self.compile_reason)]
@@ -69,6 +68,11 @@ class SpeedPlan:
             flags = f"cudnn.benchmark={self.cudnn_benchmark}, tf32={self.tf32}"
             rows.append(("cuda math", flags, self.cuda_reason))
         return rows
+
+
+def compile_label(mode: str, collect: bool) -> str:
+    """What compiles: ``false``, the mode, or the mode and ``step only`` where collection stays eager."""
+    return mode + ("" if collect or mode == "false" else ", step only")
 
 
 def _width(net_arch: Any) -> int:
