@@ -64,14 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         choices=COMPILE_MODES,
-        help="torch.compile the gradient step and policy: auto (default: on CUDA where the probe times it faster), false "
-        "or a torch.compile mode",
+        help="torch.compile the gradient step and policy: auto (default: on CUDA or the CPU where the probe times it "
+        "faster and the run earns its compile time back), false or a torch.compile mode",
     )
     p.add_argument("--threads", type=_threads, help="torch CPU threads: auto (default; chosen by policy size) or N")
     p.add_argument(
         "--no-probe",
         action="store_true",
-        help="decide auto device, amp and threads by the fixed rules, without timing the policy (preset key probe)",
+        help="decide auto device, amp and threads by the fixed rules, without timing the policy, and leave an auto "
+        "compile off (preset key probe)",
     )
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], help="override a preset key (repeatable)")
     p.add_argument("--config", metavar="CONFIG", help="repeat a run: its run_dir/config.yaml (or the run dir)")

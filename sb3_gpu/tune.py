@@ -76,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed_int, default=0, help="first seed (default 0)")
     p.add_argument("--timesteps", type=positive_int, help="timesteps per seed (default: the preset's)")
     p.add_argument("--eval-episodes", type=positive_int, default=10, help="episodes per evaluation (default 10)")
-    p.add_argument("--eval-freq", type=positive_int, help="evaluate (and maybe prune) every N timesteps (default: a fifth)")
+    p.add_argument(
+        "--eval-freq",
+        type=positive_int,
+        help="evaluate (and maybe prune) every N timesteps (default: a fifth; a fiftieth with --threshold)",
+    )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
     p.add_argument("--vec-env", choices=VEC_ENV_KINDS, default="auto")
     p.add_argument("--space", metavar="FILE", help="a search-space YAML (default: the bundled one for ALGO)")

@@ -15,11 +15,12 @@ from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 
-# (label, algo, env, overrides): the bundled CartPole presets, and a large-MLP PPO case.
+# (label, algo, env, overrides): the bundled CartPole presets, and a large-MLP PPO case. Each row's label gets the
+# network and batch size the plan built, so that it stays true when a preset changes.
 SPEED_CASES: list[tuple[str, str, str, dict[str, Any]]] = [
-    ("PPO CartPole preset (64x64, batch 256)", "ppo", "CartPole-v1", {}),
-    ("PPO 256x256, batch 256, 1024 steps/rollout", "ppo", "CartPole-v1", {"net_arch": [256, 256], "n_steps": 128}),
-    ("DQN CartPole preset (256x256, batch 64)", "dqn", "CartPole-v1", {"per": False}),
+    ("PPO CartPole preset", "ppo", "CartPole-v1", {}),
+    ("PPO, 1024 steps/rollout", "ppo", "CartPole-v1", {"net_arch": [256, 256], "n_steps": 128}),
+    ("DQN CartPole preset", "dqn", "CartPole-v1", {"per": False}),
 ]
 BASELINE = {"amp": "off", "compile": False, "threads": 1}
 
@@ -33,6 +34,7 @@ class _Timed:
     learn: Callable[[], object]
     segment: int
     compile_fallback: str | None
+    shape: str  # "64x64, batch 256": the network and batch the plan built
 
 
 def _speed_model(algo: str, env: str, overrides: dict[str, Any]) -> _Timed:
@@ -61,7 +63,11 @@ def _speed_model(algo: str, env: str, overrides: dict[str, Any]) -> _Timed:
         th.set_num_threads(threads)
         model.learn(segment, reset_num_timesteps=False)
 
-    return _Timed(iteration, learn, segment, fallback)
+    arch = model.policy.net_arch  # SB3 builds a dict (pi, vf) for PPO, a list for DQN
+    if isinstance(arch, dict) and arch.get("pi") == arch.get("vf"):
+        arch = arch["pi"]
+    shape = f"{'x'.join(map(str, arch)) if isinstance(arch, list) else arch}, batch {model.batch_size}"
+    return _Timed(iteration, learn, segment, fallback, shape)
 
 
 def bench_speed(repeats: int, threads: int) -> list[tuple[str, str, float, float, float, float]]:
@@ -74,6 +80,7 @@ def bench_speed(repeats: int, threads: int) -> list[tuple[str, str, float, float
     ]
     for label, algo, env, overrides in SPEED_CASES:
         base = _speed_model(algo, env, {**overrides, **BASELINE})
+        label = f"{label} ({base.shape})"
         for name, switch in switches:
             switched = _speed_model(algo, env, {**overrides, **BASELINE, **switch})
             if switched.compile_fallback:

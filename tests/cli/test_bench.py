@@ -18,6 +18,7 @@ def test_bench_speed_prints_a_row_per_switch(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "4096x256 @ 256x256 matmul" in out and "native bf16:" in out
     rows = [line for line in out.splitlines() if line.startswith("tiny PPO")]
+    assert all(r.startswith("tiny PPO (16, batch 16)") for r in rows), rows  # the network and batch the plan built
     assert [r.split("  ")[1].strip() for r in rows] == ["bf16 autocast", "torch.compile", "2 threads"]
     assert all(len(re.findall(r"\d+\.\d\dx", r)) == 2 for r in rows)
 
