@@ -288,6 +288,13 @@ def test_bundled_search_spaces_load(algo):
     assert load_space(algo)
 
 
+@pytest.mark.parametrize("path", sorted(Path(REPO, "benchmarks", "tuning").glob("*.space.yaml")), ids=lambda p: p.name)
+def test_the_search_spaces_behind_the_tuning_records_still_load(path):
+    # Each records the study that tuned (or tested) a preset entry, and must stay a space tune would run.
+    algo = path.name.split("-")[0]
+    assert load_space(algo, path)
+
+
 def test_per_subkeys_are_only_drawn_with_per_on():
     space = load_space("dqn")
     seen = set()
