@@ -126,9 +126,11 @@ def make_objective(settings: TrialSettings, space: dict[str, dict[str, Any]]) ->
             score, got_there = _score(trial, settings, params, index)
             scores.append(score)
             reached.append(got_there)
-        trial.set_user_attr("seed_scores", scores)
-        if settings.threshold is not None:
-            trial.set_user_attr("seed_reached", reached)
+            # Stored as each seed ends, so a long trial shows its progress to every worker and a failed one keeps it.
+            trial.set_user_attr("seed_scores", scores)
+            if settings.threshold is not None:
+                trial.set_user_attr("seed_reached", reached)
+            print(seed_progress(trial.number, settings.seed + index, score, got_there, settings.threshold), flush=True)
         score = statistics.fmean(scores)
         if not math.isfinite(score):
             raise RuntimeError(f"trial {trial.number} scored {score}")
@@ -376,6 +378,15 @@ def open_study(
             "give the same --space and --timesteps, or another --study-name"
         )
     return study
+
+
+def seed_progress(number: int, seed: int, score: float, reached: bool | None, threshold: float | None) -> str:
+    """The line a worker prints as a trial's seed ends: its return, or its seconds to the threshold."""
+    if threshold is None:
+        return f"trial {number}, seed {seed}: mean return {score:.1f}"
+    if reached:
+        return f"trial {number}, seed {seed}: reached {threshold:g} in {-score:.1f} s of training"
+    return f"trial {number}, seed {seed}: never reached {threshold:g} (scores {-score:.0f} s, twice its training time)"
 
 
 def seed_cells(trial: Any, threshold: float | None) -> str:

@@ -43,6 +43,7 @@ def test_a_tiny_study_exports_a_preset_that_train_accepts(tmp_path):
     out = run_cli("sb3_gpu.tune", "ppo", "--trials", "3", "--study-dir", str(tmp_path), *TINY, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "3 of 3" not in out.stdout and "best preset:" in out.stdout
+    assert re.search(r"^trial 2, seed 0: mean return \d+\.\d$", out.stdout, re.M), out.stdout  # progress as seeds end
     study = load(f"sqlite:///{tmp_path / 'study.db'}")
     assert len(finished(study)) == 3 and study.best_trial.user_attrs["seed_scores"]
     preset = tmp_path / "best_preset.yaml"
@@ -420,6 +421,9 @@ def test_a_threshold_study_scores_the_seconds_each_seed_took_to_reach_it(tmp_pat
     scores, reached = trial.user_attrs["seed_scores"], trial.user_attrs["seed_reached"]
     assert len(scores) == 2 and all(s < 0 for s in scores) and trial.value == pytest.approx(sum(scores) / 2)
     assert any(reached)  # a return of 15 on CartPole: within reach of 2,048 steps
+    for seed, (score, got_there) in enumerate(zip(scores, reached, strict=True)):  # each seed's line, as it ended
+        assert tuning.seed_progress(0, seed, score, got_there, 15.0) in out.stdout
+    assert "reached 15 in " in out.stdout
     # A seed that reached it stopped early: it reported fewer evaluations than the budget holds.
     assert len(trial.intermediate_values) < 2 * 2048 // 256
     summary = (tmp_path / "summary.md").read_text()
