@@ -173,6 +173,19 @@ def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
     assert list(trial.intermediate_values) == [128]  # reported once, then stopped
 
 
+def test_a_trial_stopped_in_its_second_seed_keeps_the_first_seeds_score(tmp_path):
+    class PruneInSecondSeed(optuna.pruners.BasePruner):
+        def prune(self, study, trial):  # seed 1 reports from step 512 + 128 on (each seed's steps follow the last's)
+            return max(trial.intermediate_values) > 512
+
+    args = tune.build_parser().parse_args(["ppo", *TINY, "--eval-freq", "128", "--seeds", "2"])
+    study = optuna.create_study(direction="maximize", pruner=PruneInSecondSeed())
+    study.optimize(tuning.make_objective(tune.settings_from_args(args), load_space("ppo", TINY_SPACE)), n_trials=1)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.PRUNED
+    assert len(trial.user_attrs["seed_scores"]) == 1  # seed 0 finished and was stored; seed 1 was cut short
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
