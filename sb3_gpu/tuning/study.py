@@ -27,7 +27,7 @@ from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, confirm_count, eval_envs
 from sb3_gpu.runs.session import Session
-from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, train_to_threshold
+from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, UNREACHED_FACTOR, train_to_threshold
 from sb3_gpu.tuning.storage import import_optuna
 
 
@@ -386,7 +386,8 @@ def seed_progress(number: int, seed: int, score: float, reached: bool | None, th
         return f"trial {number}, seed {seed}: mean return {score:.1f}"
     if reached:
         return f"trial {number}, seed {seed}: reached {threshold:g} in {-score:.1f} s of training"
-    return f"trial {number}, seed {seed}: never reached {threshold:g} (scores {-score:.0f} s, twice its training time)"
+    counted = f"scores {-score:.0f} s, {UNREACHED_FACTOR:g}x its training time"
+    return f"trial {number}, seed {seed}: never reached {threshold:g} ({counted})"
 
 
 def seed_cells(trial: Any, threshold: float | None) -> str:
