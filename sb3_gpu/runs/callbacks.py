@@ -123,7 +123,8 @@ class NanGuard(BaseCallback):
 
 class AtomicCheckpointCallback(BaseCallback):
     """Checkpoints every ``save_freq`` calls, named as SB3's CheckpointCallback names them, written atomically: the
-    replay buffer and statistics before the model. A model with NaN or inf weights is never saved.
+    replay buffer and statistics before the model. A model with NaN or inf weights is never saved, and a step that the
+    NaN guard skipped on the device since the last log write stops the run here, before the checkpoint.
 
     :param save_freq: calls (env steps / n_envs) between checkpoints
     :param run_dir: the run whose ``checkpoints/`` folder receives them
@@ -136,6 +137,7 @@ class AtomicCheckpointCallback(BaseCallback):
 
     def _on_step(self) -> bool:
         if self.n_calls % self.save_freq == 0:
+            settle_guards(self.model)  # a step skipped on the device since the last log write stops the run here
             bad = first_non_finite(self.model.policy)
             if bad is not None:
                 raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps")

@@ -23,6 +23,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.envs.spec import EnvSpec
+from sb3_gpu.extensions.stepping import settle_guards
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
@@ -123,6 +124,9 @@ class TimedEvalCallback(EvalCallback):
     ``should_stop`` (set by the training Session) is asked after every evaluation step: when it answers True, the
     evaluation is abandoned (the best so far stays the best) and training stops, so a signal never waits for the
     remaining episodes.
+
+    Before each evaluation the NaN guard's device-side flags are read (:func:`settle_guards`): a step skipped since the
+    last log write stops the run there, so a model that missed updates is never evaluated or kept as the best.
     """
 
     def __init__(
@@ -158,6 +162,8 @@ class TimedEvalCallback(EvalCallback):
     def _on_step(self) -> bool:
         start = time.perf_counter()
         bar = self.best_mean_reward
+        if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
+            settle_guards(self.model)  # a step skipped on the device stops the run here, before it is evaluated
         try:
             keep_going = super()._on_step()
             if self.best_mean_reward > bar:  # SB3 took this evaluation for a new best: a candidate, until confirmed

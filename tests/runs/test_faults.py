@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import torch as th
+from stable_baselines3.common.logger import configure
 from stable_baselines3.common.save_util import json_to_data
 
 from sb3_gpu import ConfigError
@@ -30,7 +31,8 @@ from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.stepping import LossScale, first_non_finite, optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.callbacks import NanGuard, StopOnSignal
+from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, StopOnSignal
+from sb3_gpu.runs.evaluation import TimedEvalCallback
 from sb3_gpu.runs.rundir import RunDir, zip_timesteps
 from sb3_gpu.runs.saving import load_model
 from sb3_gpu.runs.training import train_run
@@ -430,10 +432,11 @@ def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, o
     assert summary["error"].startswith("TrainingDiverged") and summary["model"]
     for state in RunDir(tmp_path).saved_states():  # model.zip and every checkpoint: all finite and loadable
         assert first_non_finite(_load(tmp_path, state.model).policy) is None
-    # A skipped step is read at the next log write: one more rollout (PPO) or a few episodes (DQN) may run first.
-    assert zip_timesteps(tmp_path / "model.zip") <= 2 * 400 + 256 + (
-        512 if {"policy_kwargs.optimizer_kwargs", "compile"} & set(overrides) else 0
-    )
+    # A skipped step is read at the next log write or checkpoint: one more rollout (PPO) or a few episodes (DQN) may
+    # run first.
+    saved = zip_timesteps(tmp_path / "model.zip")
+    assert saved is not None and saved >= 2 * 400  # the model of the step the NaN stopped, not an earlier one
+    assert saved <= 2 * 400 + 256 + (512 if {"policy_kwargs.optimizer_kwargs", "compile"} & set(overrides) else 0)
     if overrides.get("per"):
         # The priorities kept their finite values, so the saved buffer stays usable.
         assert not (tmp_path / "replay_buffer.pkl").exists()
@@ -452,7 +455,7 @@ def test_nan_rewards_stop_continuous_control_before_any_weight_turns_nan(tmp_pat
         assert first_non_finite(model.policy) is None
         assert bool(th.isfinite(getattr(model, "log_ent_coef", th.zeros(1))).all())
     # The first NaN reward reaches a sampled batch within a few gradient steps of step 300.
-    assert zip_timesteps(tmp_path / "model.zip") <= 400
+    assert 300 <= (zip_timesteps(tmp_path / "model.zip") or 0) <= 400
 
 
 def _model(algo: str = "ppo", **overrides):
@@ -514,6 +517,36 @@ def test_with_a_fused_optimizer_the_guard_skips_on_the_device_and_raises_when_it
     assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))
     with pytest.raises(TrainingDiverged, match=rf"the gradient of {re.escape(named[1][0])} is NaN or inf"):
         settle_guards(model)
+    guard.close()
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "evaluation"])
+def test_a_step_skipped_on_the_device_stops_the_run_at_the_next_checkpoint_or_evaluation(tmp_path, where):
+    model = _model("dqn", per=True, grad_accum_steps=2, **FUSED)
+    env = model.get_env()
+    model._last_obs = env.reset()  # type: ignore[assignment]
+    model.set_logger(configure(None, []))  # the evaluation records its figures
+    run_dir = RunDir(tmp_path)
+    callback = (
+        AtomicCheckpointCallback(save_freq=1, run_dir=run_dir)
+        if where == "checkpoint"
+        else TimedEvalCallback(env, run_dir=run_dir, eval_freq=1, n_eval_episodes=1, verbose=0)
+    )
+    callback.init_callback(model)
+    guard = _guarded(model)
+    assert callback.on_step()  # nothing skipped yet: a checkpoint is written, or an evaluation recorded
+    done = len(list(run_dir.checkpoints.glob("*.zip"))) if where == "checkpoint" else len(callback.evaluations_results)
+    assert done == 1
+    named = list(model.policy.named_parameters())
+    for _, p in named:
+        p.grad = th.zeros_like(p)
+    named[1][1].grad[0] = float("nan")
+    for _ in range(2):  # one step of two micro-batches, skipped on the device; nothing read yet
+        model.policy.optimizer.step()
+    with pytest.raises(TrainingDiverged, match=rf"the gradient of {re.escape(named[1][0])} is NaN or inf"):
+        callback.on_step()
+    after = len(list(run_dir.checkpoints.glob("*.zip"))) if where == "checkpoint" else len(callback.evaluations_results)
+    assert after == done  # stopped before the checkpoint or the evaluation
     guard.close()
 
 
