@@ -18,7 +18,7 @@ from sb3_gpu.extensions.continuous import SyncFreeSAC
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.hostcopy import copy_into, queued_observation_copies, to_device
 from sb3_gpu.extensions.hostreads import HostReads
-from sb3_gpu.extensions.per import PrioritizedDQN
+from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 
@@ -121,7 +121,15 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions(comp
         seed=0,
         replay_buffer_class=DeviceReplayBuffer,
     )
-    for model in (ppo, dqn):
+    qrdqn = PrioritizedQRDQN(  # its quantiles averaged into Q-values on the device, then one read of the actions
+        "MlpPolicy",
+        "CartPole-v1",
+        exploration_initial_eps=0.0,
+        exploration_final_eps=0.0,
+        seed=0,
+        replay_buffer_class=DeviceReplayBuffer,
+    )
+    for model in (ppo, dqn, qrdqn):
         with HostReads() as reads:
             _collect(model, 32)
         assert reads.total == 32, reads.sites
@@ -129,6 +137,7 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions(comp
     assert not compiled or ppo._compiled_act.fallback is None
     # The observations crossed once, for the policy; the buffers stored that copy.
     assert ppo.rollout_buffer.host_observation_copies == dqn.replay_buffer.host_observation_copies == 0
+    assert qrdqn.replay_buffer.host_observation_copies == 0
 
 
 def test_to_device_is_torchs_own_copy_off_cuda_and_converts_reversed_views():
