@@ -92,10 +92,11 @@ def bench_solve(
 
     def done(row: dict[str, Any]) -> None:
         rows.append(row)
+        best = "none" if row["reported_best"] is None else f"{row['reported_best']:.1f}"
         print_fn(
             f"  {Case(**{k: row[k] for k in CASE_FIELDS}).label()}, seed "
             f"{row['seed']}: {row['model']} {row['evaluated']:.1f} +/- {row['evaluated_std']:.1f} on {episodes} fresh "
-            f"episodes (reported best {row['reported_best']}) in {row['wall_s']:.0f} s"
+            f"episodes (reported best {best}) in {row['wall_s']:.0f} s"
         )
 
     if jobs == 1:

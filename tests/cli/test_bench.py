@@ -59,6 +59,9 @@ def test_bench_solve_trains_each_case_in_its_own_process_and_evaluates_the_best_
     markdown = (tmp_path / "solve.md").read_text()
     assert all(row["compile_used"] == "false" for row in rows)  # runs this short do not earn a compile back
     assert re.search(r"\| dqn \| CartPole-v1 \| on \| auto \| 0/2 \| \d/2 \(>= 20\) \|", markdown), markdown
+    out = capsys.readouterr().out  # each seed's line as it ends, figures to one decimal
+    line = r"seed 1: best_model\.zip \d+\.\d \+/- \d+\.\d on 3 fresh episodes \(reported best \d+\.\d\) in \d+ s"
+    assert re.search(line, out), out
 
 
 def test_bench_solve_trains_a_preset_file_in_place_of_the_bundled_one(tmp_path, capsys):
