@@ -20,8 +20,10 @@ from sb3_gpu.extensions.amp import amp_state
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.planning.build import model_class, model_kwargs
+from sb3_gpu.planning.build import build_env, build_model, model_class, model_kwargs
 from sb3_gpu.planning.probe import Candidate, Option, Workload, measure_compile, measure_option
+from sb3_gpu.runs.rundir import RunDir
+from sb3_gpu.runs.saving import restore_model, save_state
 from sb3_gpu.runs.telemetry import ThroughputCallback
 from sb3_gpu.train import main as train_main
 from tests.conftest import machine
@@ -227,6 +229,30 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_
     assert "it starts empty, and training goes on at once" in " ".join(empty.stdout.split())
     evaluated = call_main(evaluate_main, run, "--episodes", "1")
     assert evaluated.returncode == 0, evaluated.stderr
+
+
+@pytest.mark.parametrize("algo", ["sac", "tqc"])
+def test_a_resumed_sac_or_tqc_has_its_replay_buffer_and_entropy_coefficients_optimizer_back(tmp_path, algo):
+    overrides = {"learning_starts": 50, "batch_size": 16, "net_arch": [16], "device_buffers": True, "probe": False}
+    plan = make_plan(algo, "Pendulum-v1", "cpu", vec_env="dummy", seed=0, overrides=overrides)
+    model = build_model(plan, build_env(plan))
+    model.learn(200)
+    run = RunDir(tmp_path)
+    save_state(model, run.final, replay_buffer=True)
+    (state,) = run.saved_states()
+    resumed = restore_model(plan, build_env(plan), state, run, say=lambda _: None)
+    old, new = model.replay_buffer, resumed.replay_buffer
+    assert type(new) is DeviceReplayBuffer and (new.pos, new.full) == (old.pos, old.full) == (200, False)
+    for name in ("observations", "actions", "rewards", "next_observations", "dones"):
+        assert np.array_equal(np.asarray(getattr(new, name)), np.asarray(getattr(old, name))), name
+    assert float(resumed.log_ent_coef.detach()) == float(model.log_ent_coef.detach()) != 0.0  # learned, and kept
+    before, after = model.ent_coef_optimizer.state_dict()["state"], resumed.ent_coef_optimizer.state_dict()["state"]
+    assert before and before.keys() == after.keys()
+    for key in before:
+        for name, value in before[key].items():
+            assert np.array_equal(np.asarray(after[key][name]), np.asarray(value)), name
+    resumed.learn(50, reset_num_timesteps=False)  # and trains on from there
+    assert resumed.num_timesteps == 250
 
 
 @pytest.mark.parametrize(
