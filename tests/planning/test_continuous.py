@@ -28,6 +28,7 @@ from sb3_gpu.runs.telemetry import ThroughputCallback
 from sb3_gpu.train import main as train_main
 from tests.conftest import machine
 from tests.planning.test_probe import FakeCompile, FakeTimes, fake_prober
+from tests.runs.test_video import read_back
 
 CLASSES = {"sac": SAC, "td3": TD3, "tqc": TQC}
 SYNC_FREE = {"sac": SyncFreeSAC, "td3": SyncFreeTD3, "tqc": SyncFreeTQC}
@@ -209,7 +210,7 @@ def test_asked_to_compile_each_trains_with_its_whole_step_compiled_on_a_device_b
     assert all(p.isfinite().all() for p in model.policy.parameters())
 
 
-def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_main):
+def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates_with_a_video(tmp_path, call_main):
     run = str(tmp_path / "run")
     common = ["--vec-env", "dummy", "--eval-episodes", "1", "--no-progress", "--device", "cpu"]
     tiny = ["--set", "learning_starts=100", "--set", "batch_size=32", "--set", "net_arch=[32, 32]"]
@@ -227,8 +228,9 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates(tmp_path, call_
     empty = call_main(train_main, "--resume", run, "--timesteps", "600", "--no-progress")  # no buffer was saved
     assert empty.returncode == 0, empty.stderr
     assert "it starts empty, and training goes on at once" in " ".join(empty.stdout.split())
-    evaluated = call_main(evaluate_main, run, "--episodes", "1")
+    evaluated = call_main(evaluate_main, run, "--episodes", "1", "--video", "--video-length", "20")
     assert evaluated.returncode == 0, evaluated.stderr
+    assert read_back(tmp_path / "run" / "videos" / "best_model.mp4") == (20, 500, 500)  # Pendulum draws 500x500
 
 
 @pytest.mark.parametrize("algo", ["sac", "tqc"])
