@@ -411,12 +411,16 @@ FUSED = {"policy_kwargs.optimizer_kwargs": {"fused": True}}
         # Compiled steps decide on the device too.
         ("ppo", {"n_steps": 128, "compile": "default"}),
         ("dqn", {"per": True, "device_buffers": True, "learning_starts": 200, "compile": "default"}),
+        ("qrdqn", {"per": True, "device_buffers": True, "learning_starts": 200, "compile": "default"}),
     ],
-    ids=["ppo", "dqn", "dqn-per", "ppo-fused", "dqn-device-per-fused", "ppo-compiled", "dqn-device-per-compiled"],
+    ids=[
+        *("ppo", "dqn", "dqn-per", "ppo-fused", "dqn-device-per-fused", "ppo-compiled", "dqn-device-per-compiled"),
+        "qrdqn-device-per-compiled",
+    ],
 )
 def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, overrides):
     if overrides.get("device_buffers"):
-        assert algo == "dqn"
+        assert algo in ("dqn", "qrdqn")
     plan = make_plan(
         algo,
         FAULTY,
