@@ -144,7 +144,7 @@ def test_an_optimizer_state_saved_unfused_is_guarded_on_the_host():
     assert not th.equal(before, model.log_ent_coef)
 
 
-@pytest.mark.parametrize("case", ["sac", "td3"])
+@pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
 def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back(case):
     _, cls = _pair(case)
     kwargs = {"replay_buffer_class": DeviceReplayBuffer}
