@@ -20,7 +20,7 @@ from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import save_pickle
 from sb3_gpu.extensions.stepping import OptimizerStep, first_non_finite, optimizer_steps, settle_guards
 from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.saving import save_state
+from sb3_gpu.runs.saving import save_state, settle_training
 from sb3_gpu.runs.telemetry import WindowedRate
 
 
@@ -137,7 +137,7 @@ class AtomicCheckpointCallback(BaseCallback):
 
     def _on_step(self) -> bool:
         if self.n_calls % self.save_freq == 0:
-            settle_guards(self.model)  # a step skipped on the device since the last log write stops the run here
+            settle_training(self.model)  # a step skipped on the device since the last log write stops the run here
             bad = first_non_finite(self.model.policy)
             if bad is not None:
                 raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps")

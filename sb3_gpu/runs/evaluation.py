@@ -23,11 +23,10 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.envs.spec import EnvSpec
-from sb3_gpu.extensions.stepping import settle_guards
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.saving import load_plan_model, load_vecnormalize
+from sb3_gpu.runs.saving import load_plan_model, load_vecnormalize, settle_training
 from sb3_gpu.runs.video import record_video, recordable
 
 MAX_EVAL_ENVS = 5
@@ -125,8 +124,9 @@ class TimedEvalCallback(EvalCallback):
     evaluation is abandoned (the best so far stays the best) and training stops, so a signal never waits for the
     remaining episodes.
 
-    Before each evaluation the NaN guard's device-side flags are read (:func:`settle_guards`): a step skipped since the
-    last log write stops the run there, so a model that missed updates is never evaluated or kept as the best.
+    Before each evaluation, an overlapped training still running is waited for and the NaN guard's device-side flags
+    are read (:func:`~sb3_gpu.runs.saving.settle_training`): a step skipped since the last log write stops the run
+    there, so a model that missed updates is never evaluated or kept as the best.
     """
 
     def __init__(
@@ -163,7 +163,7 @@ class TimedEvalCallback(EvalCallback):
         start = time.perf_counter()
         bar = self.best_mean_reward
         if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
-            settle_guards(self.model)  # a step skipped on the device stops the run here, before it is evaluated
+            settle_training(self.model)  # a step skipped on the device stops the run here, before it is evaluated
         try:
             keep_going = super()._on_step()
             if self.best_mean_reward > bar:  # SB3 took this evaluation for a new best: a candidate, until confirmed

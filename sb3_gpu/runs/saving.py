@@ -15,6 +15,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
+from sb3_gpu.extensions.stepping import settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
@@ -94,6 +95,15 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
     if vec_normalize is not None:
         save_pickle(files.vecnormalize, vec_normalize)
     save_model(model, files.model)
+
+
+def settle_training(model: BaseAlgorithm) -> None:
+    """Before a checkpoint or an evaluation: wait for an overlapped training still running (its steps count too), then
+    read the NaN guard's device-side flags, raising its error where a step was skipped since the last log write."""
+    sync = getattr(model, "sync_training", None)
+    if sync is not None:
+        sync()
+    settle_guards(model)
 
 
 def load_model(

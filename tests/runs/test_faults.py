@@ -524,34 +524,67 @@ def test_with_a_fused_optimizer_the_guard_skips_on_the_device_and_raises_when_it
     guard.close()
 
 
-@pytest.mark.parametrize("where", ["checkpoint", "evaluation"])
-def test_a_step_skipped_on_the_device_stops_the_run_at_the_next_checkpoint_or_evaluation(tmp_path, where):
+def _due_every_other_call(tmp_path, where: str):
+    """A DQN whose fused optimizer skips a bad step on the device, guarded, and a checkpoint or evaluation callback
+    due every other call; the callback's count of checkpoints written or evaluations recorded."""
     model = _model("dqn", per=True, grad_accum_steps=2, **FUSED)
     env = model.get_env()
     model._last_obs = env.reset()  # type: ignore[assignment]
     model.set_logger(configure(None, []))  # the evaluation records its figures
     run_dir = RunDir(tmp_path)
     callback = (
-        AtomicCheckpointCallback(save_freq=1, run_dir=run_dir)
+        AtomicCheckpointCallback(save_freq=2, run_dir=run_dir)
         if where == "checkpoint"
-        else TimedEvalCallback(env, run_dir=run_dir, eval_freq=1, n_eval_episodes=1, verbose=0)
+        else TimedEvalCallback(env, run_dir=run_dir, eval_freq=2, n_eval_episodes=1, verbose=0)
     )
     callback.init_callback(model)
-    guard = _guarded(model)
-    assert callback.on_step()  # nothing skipped yet: a checkpoint is written, or an evaluation recorded
-    done = len(list(run_dir.checkpoints.glob("*.zip"))) if where == "checkpoint" else len(callback.evaluations_results)
-    assert done == 1
-    named = list(model.policy.named_parameters())
-    for _, p in named:
-        p.grad = th.zeros_like(p)
-    named[1][1].grad[0] = float("nan")
-    for _ in range(2):  # one step of two micro-batches, skipped on the device; nothing read yet
+    _guarded(model)
+
+    def done() -> int:
+        return len(list(run_dir.checkpoints.glob("*.zip"))) if where == "checkpoint" else len(callback.evaluations_results)
+
+    return model, callback, done
+
+
+def _skip_a_step(model) -> str:
+    """One optimizer step of two micro-batches with a NaN gradient: skipped on the device, nothing read. Its name."""
+    name, param = list(model.policy.named_parameters())[1]
+    for _ in range(2):
+        model.policy.optimizer.zero_grad(set_to_none=False)
+        for p in model.policy.parameters():
+            p.grad = th.zeros_like(p) if p.grad is None else p.grad
+        param.grad[0] = float("nan")
         model.policy.optimizer.step()
-    with pytest.raises(TrainingDiverged, match=rf"the gradient of {re.escape(named[1][0])} is NaN or inf"):
+    return name
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "evaluation"])
+def test_a_step_skipped_on_the_device_stops_the_run_at_the_next_checkpoint_or_evaluation(tmp_path, where):
+    model, callback, done = _due_every_other_call(tmp_path, where)
+    assert callback.on_step() and callback.on_step()  # nothing skipped yet: written or recorded at the second call
+    assert done() == 1
+    name = _skip_a_step(model)
+    with HostReads() as reads:
+        assert callback.on_step()  # not due: nothing read, nothing raised
+    assert reads.total == 0, reads.sites
+    with pytest.raises(TrainingDiverged, match=rf"the gradient of {re.escape(name)} is NaN or inf"):
         callback.on_step()
-    after = len(list(run_dir.checkpoints.glob("*.zip"))) if where == "checkpoint" else len(callback.evaluations_results)
-    assert after == done  # stopped before the checkpoint or the evaluation
-    guard.close()
+    assert done() == 1  # stopped before the checkpoint or the evaluation
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "evaluation"])
+def test_an_overlapped_training_still_running_is_waited_for_before_the_flags_are_read(tmp_path, where):
+    model, callback, done = _due_every_other_call(tmp_path, where)
+    finished = []
+
+    def sync_training() -> None:  # the background training's last step, skipped, ends while it is waited for
+        finished.append(_skip_a_step(model))
+
+    model.sync_training = sync_training
+    assert callback.on_step()
+    with pytest.raises(TrainingDiverged, match="NaN or inf"):
+        callback.on_step()
+    assert finished and done() == 0
 
 
 def test_nan_guard_leaves_steps_that_the_amp_loss_scaler_skips_to_it():
