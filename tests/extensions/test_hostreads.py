@@ -113,21 +113,17 @@ def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions(comp
     ppo = GradAccumPPO("MlpPolicy", two_envs, n_steps=32, batch_size=32, rollout_buffer_class=DeviceRolloutBuffer, seed=0)
     if compiled:  # the rollout's forward pass in one compiled graph
         assert ppo.compile_step() is None
-    dqn = PrioritizedDQN(  # greedy: every action from the network
-        "MlpPolicy",
-        "CartPole-v1",
-        exploration_initial_eps=0.0,
-        exploration_final_eps=0.0,
-        seed=0,
-        replay_buffer_class=DeviceReplayBuffer,
-    )
-    qrdqn = PrioritizedQRDQN(  # its quantiles averaged into Q-values on the device, then one read of the actions
-        "MlpPolicy",
-        "CartPole-v1",
-        exploration_initial_eps=0.0,
-        exploration_final_eps=0.0,
-        seed=0,
-        replay_buffer_class=DeviceReplayBuffer,
+    # Greedy: every action from the network (QR-DQN's quantiles averaged into Q-values on the device first).
+    dqn, qrdqn = (
+        cls(
+            "MlpPolicy",
+            "CartPole-v1",
+            exploration_initial_eps=0.0,
+            exploration_final_eps=0.0,
+            seed=0,
+            replay_buffer_class=DeviceReplayBuffer,
+        )
+        for cls in (PrioritizedDQN, PrioritizedQRDQN)
     )
     for model in (ppo, dqn, qrdqn):
         with HostReads() as reads:
