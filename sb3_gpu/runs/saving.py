@@ -84,9 +84,7 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
 
     The model is written last because resuming starts from the model: its companions are never older than it.
     """
-    sync = getattr(model, "sync_training", None)
-    if sync is not None:  # overlapped training: let the running training finish and its transitions land first
-        sync()
+    _finish_training(model)
     if replay_buffer and getattr(model, "replay_buffer", None) is not None:
         save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
     else:  # an earlier stop's buffer (resumed with --no-save-replay-buffer) must not pass for this model's
@@ -100,10 +98,15 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
 def settle_training(model: BaseAlgorithm) -> None:
     """Before a checkpoint or an evaluation: wait for an overlapped training still running (its steps count too), then
     read the NaN guard's device-side flags, raising its error where a step was skipped since the last log write."""
+    _finish_training(model)
+    settle_guards(model)
+
+
+def _finish_training(model: BaseAlgorithm) -> None:
+    """Overlapped training: let the training running in the background finish and its transitions land."""
     sync = getattr(model, "sync_training", None)
     if sync is not None:
         sync()
-    settle_guards(model)
 
 
 def load_model(
