@@ -14,7 +14,7 @@ from stable_baselines3 import PPO
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.devicelog import DeviceLog
-from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledStep, refusal
+from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.hostcopy import queued_observation_copies
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
@@ -66,9 +66,11 @@ class GradAccumPPO(PPO):
     With ``grad_accum_steps=1`` it computes what plain PPO computes (a test pins this). Its ``train()`` follows SB3's
     step for step, but reads nothing back from the device to log: the losses, clip fraction, approx KL, explained
     variance and std stay tensors until ``dump_logs`` reads them in one go; and the action distributions it builds skip
-    torch's argument checks (each a wait for the device). With ``target_kl`` set, each minibatch's approx KL is read,
-    as SB3 reads it, to stop early. The minibatches per epoch must be a multiple of ``grad_accum_steps``. With
-    :meth:`compile_step` each minibatch's step after the slicing is one compiled graph (``extensions.graphstep``).
+    torch's argument checks (each a wait for the device). With ``target_kl`` set, torch's step reads each minibatch's
+    approx KL, as SB3 reads it, to stop early. The minibatches per epoch must be a multiple of ``grad_accum_steps``.
+    With :meth:`compile_step` each minibatch's step after the slicing is one compiled graph (``extensions.graphstep``),
+    and ``target_kl`` stops on the device: once a minibatch's KL is too large, its step and the epoch's later ones are
+    held back there, and the flag is read once per epoch, where SB3's loop would have stopped.
     """
 
     def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
@@ -80,13 +82,13 @@ class GradAccumPPO(PPO):
         self.grad_accum_steps = check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
-        self._compiled_step: CompiledStep | None = None
+        self._compiled_step: CompiledUpdate | None = None
         self._compiled_act: CompiledFunction | None = None
         for step in optimizer_steps(self):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
-        excluded = ["_accumulator", "_device_log", "_compiled_step", "_compiled_act", "_clip_ranges"]
+        excluded = ["_accumulator", "_device_log", "_compiled_step", "_compiled_act", "_descent", "_step_state"]
         return [*super()._excluded_save_params(), *excluded]
 
     def compile_step(self, mode: str = "default", collect: bool = True) -> str | None:
@@ -95,15 +97,16 @@ class GradAccumPPO(PPO):
         torch's own, or None. With ``collect`` the rollout's forward pass (observations to actions, values and
         log-probabilities) is compiled too. Call it again after ``load``."""
         self._compiled_act = CompiledFunction(self._act, mode, "rollout forward pass") if collect else None
-        if self.target_kl is not None:
-            return "target_kl decides on the host, before each step, whether to take it"
         optimizer = self.policy.optimizer
         guard = optimizer_step(optimizer, self.policy)
         reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])
         if reason is None:
-            self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode)
-            # The clip ranges as tensors: a schedule's new float each train() would compile the step anew.
-            self._clip_ranges = th.zeros(2, device=self.device)
+            self._descent = Descent(optimizer, guard, self.max_grad_norm)
+            self._compiled_step = CompiledUpdate(self._graph_step, [self._descent], mode)
+            # The clip ranges and the KL limit as tensors (a schedule's new float each train() would compile the step
+            # anew), and target_kl's stop flag: [clip range, clip range vf, 1.5 * target_kl, stopped, KL at the stop].
+            self._step_state = th.zeros(5, device=self.device)
+            th._dynamo.mark_static_address(self._step_state)  # changed in place: a CUDA graph keeps it where it is
         return reason
 
     def dump_logs(self, iteration: int = 0) -> None:
@@ -170,12 +173,35 @@ class GradAccumPPO(PPO):
         figures = th.stack([policy_loss, clip_fraction, value_loss, entropy_loss]).detach()
         return loss, (figures, approx_kl)
 
-    def _graph_loss(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, th.Tensor]]:
-        out = self._minibatch_loss(*inputs)
+    def _graph_step(
+        self,
+        observations: th.Tensor,
+        actions: th.Tensor,
+        old_values: th.Tensor,
+        old_log_prob: th.Tensor,
+        advantages: th.Tensor,
+        returns: th.Tensor,
+        vf_clipped: bool,
+        kl_stop: bool,
+    ) -> tuple[th.Tensor, ...]:
+        """A minibatch's whole step, for one compiled graph: the loss, the descent and, with ``kl_stop``, target_kl's
+        stop on the device. Returns the loss, the logged figures, the approx KL and whether SB3 would have computed
+        this minibatch (False after a stop earlier in the epoch)."""
+        state = self._step_state
+        minibatch = (observations, actions, old_values, old_log_prob, advantages, returns)
+        loss, (figures, approx_kl) = self._minibatch_loss(*minibatch, state[0], state[1] if vf_clipped else None)
         # SB3's evaluate_actions keeps the distribution on the policy: a tensor of the graph's autograd graph that
         # would leave the compiled step (which dynamo refuses). Nothing reads it after the step.
         self.policy.action_dist.distribution = None  # type: ignore[assignment]
-        return out
+        if not kl_stop:
+            self._descent(loss)
+            return loss, figures, approx_kl, th.ones((), dtype=th.bool, device=loss.device)
+        # As SB3: the minibatch whose KL is too large is computed and logged, and neither it nor a later one steps.
+        counted = state[3] == 0
+        stop = counted & (approx_kl > state[2])
+        self._descent(loss, counted & ~stop)
+        state[3:].copy_(th.where(stop, th.stack([th.ones_like(approx_kl), approx_kl]), state[3:]))
+        return loss, figures, approx_kl, counted
 
     def _train(self) -> None:
         self.policy.set_training_mode(True)
@@ -184,14 +210,18 @@ class GradAccumPPO(PPO):
         clip_range_vf = None if self.clip_range_vf is None else self.clip_range_vf(self._current_progress_remaining)  # type: ignore[operator]
         log = self._device_log
         compiled = self._compiled_step
-        if compiled is not None and (self.target_kl is not None or not compiled.usable()):
-            compiled = None  # target_kl or an extension set since compile_step: torch's step, which honours them
+        if compiled is not None and not compiled.usable():
+            compiled = None  # an extension set since compile_step: torch's step, which honours it
         if compiled is not None:  # fill_, not a copy from a host tensor: that copy would wait for the device
-            self._clip_ranges[0].fill_(clip_range)
-            self._clip_ranges[1].fill_(clip_range_vf or 0.0)
-        continue_training = True
+            self._step_state[0].fill_(clip_range)
+            self._step_state[1].fill_(clip_range_vf or 0.0)
+            self._step_state[2].fill_(1.5 * (self.target_kl or 0.0))
+        continue_training, loss = True, th.zeros(())  # the loss of the last minibatch SB3 would compute
         for epoch in range(self.n_epochs):
-            kl_sum, kl_count = None, 0  # SB3 logs the approx KL of the last epoch only
+            kl_sum: Any = None  # SB3 logs the approx KL of the last epoch only
+            kl_count: Any = 0
+            if compiled is not None:
+                self._step_state[3].fill_(0)
             for rollout_data in self.rollout_buffer.get(self.batch_size):
                 actions = rollout_data.actions
                 if isinstance(self.action_space, spaces.Discrete):
@@ -205,14 +235,18 @@ class GradAccumPPO(PPO):
                     rollout_data.returns,
                 )
                 if compiled is not None:
-                    ranges = self._clip_ranges
-                    loss, (figures, approx_kl) = compiled(*inputs, ranges[0], None if clip_range_vf is None else ranges[1])
-                else:
-                    loss, (figures, approx_kl) = self._minibatch_loss(*inputs, clip_range, clip_range_vf)
+                    kl_stop = self.target_kl is not None
+                    step_loss, figures, approx_kl, counted = compiled(*inputs, clip_range_vf is not None, kl_stop)
+                    if kl_stop and kl_sum is not None:  # after a stop the epoch's later minibatches count nowhere
+                        step_loss, approx_kl = th.where(counted, step_loss, loss), th.where(counted, approx_kl, 0.0)
+                    loss = step_loss
+                    log.means(_FIGURES, figures, counts=counted if kl_stop else None)
+                    kl_sum = approx_kl if kl_sum is None else kl_sum + approx_kl
+                    kl_count = kl_count + (counted.long() if kl_stop else 1)
+                    continue
+                loss, (figures, approx_kl) = self._minibatch_loss(*inputs, clip_range, clip_range_vf)
                 log.means(_FIGURES, figures)
                 kl_sum, kl_count = approx_kl if kl_sum is None else kl_sum + approx_kl, kl_count + 1
-                if compiled is not None:
-                    continue
                 if self.target_kl is not None and float(approx_kl) > 1.5 * self.target_kl:  # the one read allowed
                     continue_training = False
                     if self.verbose >= 1:
@@ -222,6 +256,12 @@ class GradAccumPPO(PPO):
                 loss.backward()
                 th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
                 self.policy.optimizer.step()
+            if compiled is not None and self.target_kl is not None:
+                stopped, kl_at_stop = self._step_state[3:].tolist()  # the one read allowed, once per epoch
+                if stopped:
+                    continue_training = False
+                    if self.verbose >= 1:
+                        print(f"Early stopping at step {epoch} due to reaching max kl: {kl_at_stop:.2f}")
             self._n_updates += 1
             if not continue_training:
                 break

@@ -21,7 +21,7 @@ class DeviceLog:
 
     def __init__(self) -> None:
         self._sums: dict[str | tuple[str, ...], th.Tensor] = {}
-        self._counts: dict[str | tuple[str, ...], int] = {}
+        self._counts: dict[str | tuple[str, ...], int | th.Tensor] = {}
         self._latest: dict[str, th.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -32,17 +32,20 @@ class DeviceLog:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def mean(self, key: str, value: th.Tensor) -> None:
-        """Add ``value`` (a 0-dim tensor) to the mean logged as ``key``."""
+    def mean(self, key: str, value: th.Tensor, counts: th.Tensor | None = None) -> None:
+        """Add ``value`` (a 0-dim tensor) to the mean logged as ``key``; ``counts``, a 0-dim bool tensor, decides on
+        the device whether it does."""
         value = value.detach()
+        if counts is not None:
+            value = th.where(counts, value, 0.0)
         with self._lock:
             total = self._sums.get(key)
             self._sums[key] = value.double() if total is None else total + value
-            self._counts[key] = self._counts.get(key, 0) + 1
+            self._counts[key] = self._counts.get(key, 0) + (1 if counts is None else counts.double())
 
-    def means(self, keys: tuple[str, ...], values: th.Tensor) -> None:
+    def means(self, keys: tuple[str, ...], values: th.Tensor, counts: th.Tensor | None = None) -> None:
         """Add each element of ``values`` (1-dim) to the mean logged as the key at its position: one add for all."""
-        self.mean(keys, values)  # type: ignore[arg-type]
+        self.mean(keys, values, counts)  # type: ignore[arg-type]
 
     def latest(self, key: str, value: th.Tensor) -> None:
         """Log ``value`` (a 0-dim tensor) as ``key``, unless a later one replaces it before the write."""

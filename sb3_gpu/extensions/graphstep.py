@@ -215,7 +215,9 @@ class Descent:
         it was built, and no loss scale other than the one it took)."""
         return _running_refusal(self.guard) is None and self.guard.loss_scale is self.scaler
 
-    def __call__(self, loss: th.Tensor) -> None:
+    def __call__(self, loss: th.Tensor, gate: th.Tensor | None = None) -> None:
+        """Step on ``loss``'s gradients; ``gate`` (a 0-dim bool tensor): where false the step is held back on the
+        device, as a non-finite gradient holds it back, but not counted as one (PPO's ``target_kl`` early stop)."""
         params = self.adam.params
         scale = self.scaler.tensors[0] if self.scaler is not None and self.scaler.tensors is not None else None
         scaled = loss * scale if scale is not None else loss  # fp16: small gradients kept above fp16's underflow
@@ -232,11 +234,12 @@ class Descent:
             if self.max_grad_norm is not None:  # as clip_grad_norm_
                 coef = th.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
                 grads = [g * coef if g is not None else None for g in grads]
-            found = ~self.adam.apply(grads, self.lr, ok)
+            applied = self.adam.apply(grads, self.lr, ok if gate is None else ok & gate)
+            found = ~applied if gate is None else gate & ~applied
             if scale is not None and self.scaler is not None:
                 # As the host's rule: above a scale of 1 a non-finite gradient is an overflow, the scale's to handle.
                 real = found & (scale <= 1.0)
-                self.scaler.update_on_device(found)
+                self.scaler.update_on_device(found, taken=gate)
                 found = real
             first = (~norms.isfinite()).int().argmax()  # 0 where only the loss or a new weight was: the first
             self.first_bad.copy_(th.where((self.first_bad < 0) & found, first, self.first_bad))

@@ -117,15 +117,20 @@ class LossScale:
             self._scale = grown if math.isfinite(grown) else self._scale
             self._good_steps = 0
 
-    def update_on_device(self, found_inf: th.Tensor) -> None:
-        """:meth:`update` on the device tensors, by tensor ops only (``found_inf``: a 0-dim bool tensor)."""
+    def update_on_device(self, found_inf: th.Tensor, taken: th.Tensor | None = None) -> None:
+        """:meth:`update` on the device tensors, by tensor ops only (``found_inf``: a 0-dim bool tensor); ``taken``
+        (the same): where false the step was held back for another reason, and the scale stays as it was."""
         assert self.tensors is not None
         scale, good, skipped = self.tensors
         good_now = th.where(found_inf, 0, good + 1)
         grow = good_now >= self.growth_interval
         grown = scale * self.growth_factor
-        scale.copy_(th.where(found_inf, scale * self.backoff_factor, th.where(grow & grown.isfinite(), grown, scale)))
-        good.copy_(th.where(grow, 0, good_now))
+        new_scale = th.where(found_inf, scale * self.backoff_factor, th.where(grow & grown.isfinite(), grown, scale))
+        new_good = th.where(grow, 0, good_now)
+        if taken is not None:
+            new_scale, new_good = th.where(taken, new_scale, scale), th.where(taken, new_good, good)
+        scale.copy_(new_scale)
+        good.copy_(new_good)
         skipped.add_(found_inf.long())
 
 

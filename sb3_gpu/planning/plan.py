@@ -384,8 +384,6 @@ def _compile_refusal(preset: Preset, obs_space: spaces.Space) -> str | None:
         return "dict observations"
     if preset.algo != "ppo" and getattr(params, "use_sde", False):  # PPO's compiled step takes gSDE
         return "gSDE's exploration matrix is resampled outside the step"
-    if preset.algo == "ppo" and params.target_kl is not None:
-        return "target_kl reads the KL back at each minibatch"
     return None
 
 

@@ -412,7 +412,7 @@ def test_torchs_step_after_a_compiled_one_keeps_the_device_scale_moving_and_logs
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
     state = enable_amp(model, "fp16", init_scale=2.0**40)  # overflows fp16 at first
     assert model.compile_step() is None  # the scale now lives on the device
-    model.target_kl = 1e9  # set late: torch's step runs, with the outputs' hooks scaling the gradients
+    model._compiled_step = None  # torch's step runs (as after a load), with the outputs' hooks scaling the gradients
     kept = _Kept()
     model.set_logger(Logger(None, [kept]))
     model.learn(192)

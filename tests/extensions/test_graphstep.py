@@ -18,11 +18,12 @@ from sb3_gpu.common.errors import TrainingDiverged
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.amp import enable_amp
 from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.graphstep import Descent
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, DeviceSumMinTree, PrioritizedDQN, PrioritizedQRDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
-from sb3_gpu.extensions.stepping import optimizer_step, settle_guards
+from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.callbacks import NanGuard
@@ -271,15 +272,77 @@ def test_ppos_compiled_step_on_the_device_rollout_buffer_reads_nothing_back():
     assert reads.total == 0, reads.sites
 
 
-def test_ppo_with_target_kl_keeps_torchs_step():
-    model = GradAccumPPO("MlpPolicy", "CartPole-v1", device="cpu", target_kl=0.01, **SMALL_PPO)
-    assert "target_kl decides on the host" in model.compile_step()
-    assert model._compiled_step is None
-    late = GradAccumPPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
-    assert late.compile_step() is None
-    late.target_kl = 1e-12  # set after compile_step: torch's step runs, and stops the first epoch at once
-    late.learn(64)
-    assert late._n_updates == 1
+def _adam_steps(model):
+    return [int(state["step"]) for state in model.policy.optimizer.state_dict()["state"].values()]
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_ppos_compiled_step_with_target_kl_stops_where_sb3_stops(mode):
+    # Eight minibatches an epoch: SB3 stops in the middle of one, where a minibatch's KL is too large. The compiled
+    # step computes the epoch's later ones but holds their steps back on the device, and logs none of them.
+    kwargs = dict(n_steps=128, batch_size=16, n_epochs=4, target_kl=0.01, learning_rate=3e-3, seed=4, device="cpu")
+    kwargs["policy_kwargs"] = {"net_arch": [32, 32]}
+    ours = GradAccumPPO("MlpPolicy", "CartPole-v1", **kwargs)
+    assert ours.compile_step(mode) is None
+    ours.learn(256)
+    plain = PPO("MlpPolicy", "CartPole-v1", **kwargs).learn(256)
+    assert ours._compiled_step.fallback is None and int(ours._descent.skipped) == 0, "no held step counted as a NaN"
+    assert ours._n_updates == plain._n_updates < 2 * 4, "an early stop happened"
+    steps = _adam_steps(plain)
+    assert _adam_steps(ours) == steps and steps[0] % 8, "the same steps taken, the last epoch stopped midway"
+    for a, b in zip(ours.policy.parameters(), plain.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    pending = ours._device_log.read()
+    for key in ("policy_gradient_loss", "value_loss", "entropy_loss", "clip_fraction", "approx_kl", "loss"):
+        expected = float(plain.logger.name_to_value[f"train/{key}"])
+        assert pending[f"train/{key}"] == pytest.approx(expected, rel=1e-3, abs=1e-6), key
+
+
+@pytest.mark.parametrize("loss_value", [1.0, float("nan")], ids=["finite", "nan"])
+def test_a_step_held_back_by_its_gate_changes_nothing_and_counts_as_no_skip(loss_value):
+    net = th.nn.Linear(3, 1)
+    optimizer = th.optim.Adam(net.parameters(), lr=0.1)
+    guard = optimizer_step(optimizer, net)
+    guard.loss_scale = LossScale(init_scale=4.0, growth_interval=1)  # fp16's scale: a taken step grows it
+    descent = Descent(optimizer, guard, max_grad_norm=None)
+    before = [p.detach().clone() for p in net.parameters()]
+
+    def step(gate):
+        descent.prepare()
+        descent(net(th.ones(2, 3)).pow(2).mean() * loss_value, th.tensor(gate))
+        descent.finish(True)
+
+    step(False)
+    assert all(th.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
+    assert int(descent.skipped) == 0 and float(optimizer.state[net.weight]["step"]) == 0
+    assert guard.loss_scale.scale == 4.0 and int(guard.loss_scale.tensors[1]) == 0  # neither backed off nor grown
+    step(True)
+    finite = loss_value == 1.0
+    assert float(optimizer.state[net.weight]["step"]) == int(finite)
+    assert guard.loss_scale.scale == (8.0 if finite else 2.0)  # a NaN above a scale of 1: an overflow, the scale's
+    assert int(descent.skipped) == 0
+
+
+@pytest.mark.parametrize(("target_kl", "epochs"), [(1e-12, 1), (1e9, 2)], ids=["stops-at-once", "never-stops"])
+def test_ppos_compiled_step_with_target_kl_reads_once_per_epoch(target_kl, epochs):
+    kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **kwargs)
+    assert model.compile_step() is None
+    model.learn(64)
+    model.target_kl = target_kl  # read at each train(): set late, it holds from the next one
+    updates = model._n_updates
+    with HostReads() as reads:
+        model.train()
+    assert model._n_updates - updates == epochs
+    assert reads.total == epochs, reads.sites
+
+
+def test_ppos_compiled_step_with_target_kl_says_where_it_stopped(capsys):
+    model = GradAccumPPO("MlpPolicy", "CartPole-v1", device="cpu", target_kl=1e-12, verbose=1, **SMALL_PPO)
+    assert model.compile_step() is None
+    model.learn(64)
+    assert model._n_updates == 1
+    assert "Early stopping at step 0 due to reaching max kl: 0.00" in capsys.readouterr().out
 
 
 def test_many_models_in_one_process_each_compile_their_step():
