@@ -181,14 +181,24 @@ def _count(fn: Callable[[], None], device: th.device) -> tuple[int, int, float |
         busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / wall
         return reads.total, len(kernels), min(busy, 1.0)
     # On the CPU: the ops that would each be a kernel on a GPU, the innermost aten ops that compute (not views or
-    # no-op casts), and inductor's kernels (events of their own with enable_kernel_profile).
+    # no-op casts), and inductor's kernels (events of their own with enable_kernel_profile). Not dynamo's guards: they
+    # read 0-dim float64 and int tensors with item() only where those live on the CPU (a GPU's stay on the device).
     ops = 0
     for e in events:
         if e.name.startswith(("cpp_fused", "graph_")):
             ops += 1
-        elif e.name.startswith("aten::") and e.name[6:] not in _NO_KERNEL:
+        elif e.name.startswith("aten::") and e.name[6:] not in _NO_KERNEL and not _in_guard(e):
             ops += not any(c.name.startswith("aten::") for c in e.cpu_children)
     return reads.total, ops, None
+
+
+def _in_guard(event: Any) -> bool:
+    """Whether ``event`` ran inside dynamo's check of a compiled function's guards."""
+    while event is not None:
+        if event.name == "TorchDynamo Cache Lookup":
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def _median_seconds(fn: Callable[[], None], device: th.device, repeats: int) -> float:

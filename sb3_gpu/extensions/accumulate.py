@@ -185,8 +185,8 @@ class GradAccumPPO(PPO):
         kl_stop: bool,
     ) -> tuple[th.Tensor, ...]:
         """A minibatch's whole step, for one compiled graph: the loss, the descent and, with ``kl_stop``, target_kl's
-        stop on the device. Returns the loss, the logged figures, the approx KL and whether SB3 would have computed
-        this minibatch (False after a stop earlier in the epoch)."""
+        stop on the device. Returns the loss, the logged figures, the approx KL and, with ``kl_stop``, whether SB3
+        would have computed this minibatch (False after a stop earlier in the epoch)."""
         state = self._step_state
         minibatch = (observations, actions, old_values, old_log_prob, advantages, returns)
         loss, (figures, approx_kl) = self._minibatch_loss(*minibatch, state[0], state[1] if vf_clipped else None)
@@ -195,7 +195,7 @@ class GradAccumPPO(PPO):
         self.policy.action_dist.distribution = None  # type: ignore[assignment]
         if not kl_stop:
             self._descent(loss)
-            return loss, figures, approx_kl, th.ones((), dtype=th.bool, device=loss.device)
+            return loss, figures, approx_kl
         # As SB3: the minibatch whose KL is too large is computed and logged, and neither it nor a later one steps.
         counted = state[3] == 0
         stop = counted & (approx_kl > state[2])
@@ -215,12 +215,13 @@ class GradAccumPPO(PPO):
         if compiled is not None:  # fill_, not a copy from a host tensor: that copy would wait for the device
             self._step_state[0].fill_(clip_range)
             self._step_state[1].fill_(clip_range_vf or 0.0)
-            self._step_state[2].fill_(1.5 * (self.target_kl or 0.0))
+            if self.target_kl is not None:
+                self._step_state[2].fill_(1.5 * self.target_kl)
         continue_training, loss = True, th.zeros(())  # the loss of the last minibatch SB3 would compute
         for epoch in range(self.n_epochs):
             kl_sum: Any = None  # SB3 logs the approx KL of the last epoch only
             kl_count: Any = 0
-            if compiled is not None:
+            if compiled is not None and self.target_kl is not None:
                 self._step_state[3].fill_(0)
             for rollout_data in self.rollout_buffer.get(self.batch_size):
                 actions = rollout_data.actions
@@ -236,13 +237,14 @@ class GradAccumPPO(PPO):
                 )
                 if compiled is not None:
                     kl_stop = self.target_kl is not None
-                    step_loss, figures, approx_kl, counted = compiled(*inputs, clip_range_vf is not None, kl_stop)
-                    if kl_stop and kl_sum is not None:  # after a stop the epoch's later minibatches count nowhere
+                    step_loss, figures, approx_kl, *gate = compiled(*inputs, clip_range_vf is not None, kl_stop)
+                    counted = gate[0] if kl_stop else None
+                    if counted is not None and kl_sum is not None:  # after a stop the epoch's later ones count nowhere
                         step_loss, approx_kl = th.where(counted, step_loss, loss), th.where(counted, approx_kl, 0.0)
                     loss = step_loss
-                    log.means(_FIGURES, figures, counts=counted if kl_stop else None)
+                    log.means(_FIGURES, figures, counts=counted)
                     kl_sum = approx_kl if kl_sum is None else kl_sum + approx_kl
-                    kl_count = kl_count + (counted.long() if kl_stop else 1)
+                    kl_count = kl_count + (counted.long() if counted is not None else 1)
                     continue
                 loss, (figures, approx_kl) = self._minibatch_loss(*inputs, clip_range, clip_range_vf)
                 log.means(_FIGURES, figures)

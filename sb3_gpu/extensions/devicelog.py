@@ -40,7 +40,8 @@ class DeviceLog:
             value = th.where(counts, value, 0.0)
         with self._lock:
             total = self._sums.get(key)
-            self._sums[key] = value.double() if total is None else total + value
+            # float32 sums: a float64 one would cast each value first, a kernel of its own at every step.
+            self._sums[key] = value.to(th.float32, copy=True) if total is None else total + value
             self._counts[key] = self._counts.get(key, 0) + (1 if counts is None else counts.double())
 
     def means(self, keys: tuple[str, ...], values: th.Tensor, counts: th.Tensor | None = None) -> None:

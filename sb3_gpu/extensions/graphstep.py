@@ -174,6 +174,7 @@ class Descent:
         self.adam = _Adam(self.optimizer)
         device = self.adam.params[0].device
         self.lr = th.zeros((), device=device)
+        self._lr_set: float | None = None  # the value self.lr holds
         self.skipped = th.zeros((), dtype=th.long, device=device)  # steps skipped for a non-finite gradient
         self.first_bad = th.full((), -1, dtype=th.long, device=device)  # the first one's parameter, by position
         self._names = [self.guard._names.get(id(p), "?") for p in self.adam.params]
@@ -195,7 +196,10 @@ class Descent:
         rebuilt = not self.adam.current(self.optimizer)
         if rebuilt:
             self._build()
-        self.lr.fill_(self.optimizer.param_groups[0]["lr"])
+        lr = self.optimizer.param_groups[0]["lr"]
+        if lr != self._lr_set:  # a fill is a kernel of its own: once per new value, not per step
+            self.lr.fill_(lr)
+            self._lr_set = lr
         self._share_flags()
         if self.scaler is not None:
             self.scaler.hooks_off = True

@@ -172,7 +172,7 @@ def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path):
         sb3, eager, compiled = rows[case, "sb3"], rows[case, "eager"], rows[case, "compiled"]
         assert sb3["grad_reads"] >= 1 and eager["grad_reads"] == compiled["grad_reads"] == 0  # SB3 reads its losses
         assert eager["vec_reads"] <= 1  # the envs' actions (DQN's random ones read nothing)
-        assert compiled["graph_breaks"] == "0" and compiled["grad_ops"] < 0.5 * sb3["grad_ops"], case
+        assert compiled["graph_breaks"] == "0" and compiled["grad_ops"] <= 0.2 * sb3["grad_ops"], case  # a fifth at most
     # The actions, torch.distributions' two checks, and once per rollout the last values for the returns.
     assert rows["ppo:CartPole-v1", "sb3"]["vec_reads"] == pytest.approx(3, abs=0.1)
     assert rows["ppo:CartPole-v1", "eager"]["vec_reads"] == 1

@@ -298,6 +298,20 @@ def test_ppos_compiled_step_with_target_kl_stops_where_sb3_stops(mode):
         assert pending[f"train/{key}"] == pytest.approx(expected, rel=1e-3, abs=1e-6), key
 
 
+def test_the_descents_learning_rate_follows_the_optimizers_and_is_filled_only_when_it_changes():
+    net = th.nn.Linear(3, 1)
+    optimizer = th.optim.Adam(net.parameters(), lr=0.1)
+    descent = Descent(optimizer, optimizer_step(optimizer, net), max_grad_norm=None)
+    descent.prepare()
+    assert float(descent.lr) == pytest.approx(0.1)
+    with th.profiler.profile() as prof:
+        descent.prepare()  # the same rate: no fill, a kernel of its own on a GPU at every step
+    assert not [e for e in prof.events() if e.name == "aten::fill_"]
+    optimizer.param_groups[0]["lr"] = 0.05  # a schedule's next value
+    descent.prepare()
+    assert float(descent.lr) == pytest.approx(0.05)
+
+
 @pytest.mark.parametrize("loss_value", [1.0, float("nan")], ids=["finite", "nan"])
 def test_a_step_held_back_by_its_gate_changes_nothing_and_counts_as_no_skip(loss_value):
     net = th.nn.Linear(3, 1)
