@@ -173,22 +173,11 @@ class GradAccumPPO(PPO):
         figures = th.stack([policy_loss, clip_fraction, value_loss, entropy_loss]).detach()
         return loss, (figures, approx_kl)
 
-    def _graph_step(
-        self,
-        observations: th.Tensor,
-        actions: th.Tensor,
-        old_values: th.Tensor,
-        old_log_prob: th.Tensor,
-        advantages: th.Tensor,
-        returns: th.Tensor,
-        vf_clipped: bool,
-        kl_stop: bool,
-    ) -> tuple[th.Tensor, ...]:
+    def _graph_step(self, minibatch: _Minibatch, vf_clipped: bool, kl_stop: bool) -> tuple[th.Tensor, ...]:
         """A minibatch's whole step, for one compiled graph: the loss, the descent and, with ``kl_stop``, target_kl's
         stop on the device. Returns the loss, the logged figures, the approx KL and, with ``kl_stop``, whether SB3
         would have computed this minibatch (False after a stop earlier in the epoch)."""
         state = self._step_state
-        minibatch = (observations, actions, old_values, old_log_prob, advantages, returns)
         loss, (figures, approx_kl) = self._minibatch_loss(*minibatch, state[0], state[1] if vf_clipped else None)
         # SB3's evaluate_actions keeps the distribution on the policy: a tensor of the graph's autograd graph that
         # would leave the compiled step (which dynamo refuses). Nothing reads it after the step.
@@ -227,7 +216,7 @@ class GradAccumPPO(PPO):
                 actions = rollout_data.actions
                 if isinstance(self.action_space, spaces.Discrete):
                     actions = rollout_data.actions.long().flatten()
-                inputs = (
+                inputs: _Minibatch = (
                     rollout_data.observations,
                     actions,
                     rollout_data.old_values,
@@ -237,7 +226,7 @@ class GradAccumPPO(PPO):
                 )
                 if compiled is not None:
                     kl_stop = self.target_kl is not None
-                    step_loss, figures, approx_kl, *gate = compiled(*inputs, clip_range_vf is not None, kl_stop)
+                    step_loss, figures, approx_kl, *gate = compiled(inputs, clip_range_vf is not None, kl_stop)
                     counted = gate[0] if kl_stop else None
                     if counted is not None and kl_sum is not None:  # after a stop the epoch's later ones count nowhere
                         step_loss, approx_kl = th.where(counted, step_loss, loss), th.where(counted, approx_kl, 0.0)
@@ -282,6 +271,9 @@ class GradAccumPPO(PPO):
         if clip_range_vf is not None:
             self.logger.record("train/clip_range_vf", clip_range_vf)
 
+
+# A minibatch as the loss takes it: observations, actions, old values, old log-probs, advantages, returns.
+_Minibatch = tuple[th.Tensor, th.Tensor, th.Tensor, th.Tensor, th.Tensor, th.Tensor]
 
 # What each minibatch logs (their means over the minibatches since the last write), in _minibatch_loss's order.
 _FIGURES = ("train/policy_gradient_loss", "train/clip_fraction", "train/value_loss", "train/entropy_loss")
