@@ -70,7 +70,9 @@ class GradAccumPPO(PPO):
     approx KL, as SB3 reads it, to stop early. The minibatches per epoch must be a multiple of ``grad_accum_steps``.
     With :meth:`compile_step` each minibatch's step after the slicing is one compiled graph (``extensions.graphstep``),
     and ``target_kl`` stops on the device: once a minibatch's KL is too large, its step and the epoch's later ones are
-    held back there, and the flag is read once per epoch, where SB3's loop would have stopped.
+    held back there, and the flag is read once per epoch, where SB3's loop would have stopped. The held-back minibatches
+    still run their forward and backward passes: a policy with dropout or batch norm would see them (SB3's have
+    neither).
     """
 
     def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
@@ -104,8 +106,9 @@ class GradAccumPPO(PPO):
             self._descent = Descent(optimizer, guard, self.max_grad_norm)
             self._compiled_step = CompiledUpdate(self._graph_step, [self._descent], mode)
             # The clip ranges and the KL limit as tensors (a schedule's new float each train() would compile the step
-            # anew), and target_kl's stop flag: [clip range, clip range vf, 1.5 * target_kl, stopped, KL at the stop].
-            self._step_state = th.zeros(5, device=self.device)
+            # anew), and target_kl's stop: [clip range, clip range vf, 1.5 * target_kl, stopped, KL at the stop, steps
+            # held back since].
+            self._step_state = th.zeros(6, device=self.device)
             th._dynamo.mark_static_address(self._step_state)  # changed in place: a CUDA graph keeps it where it is
         return reason
 
@@ -188,8 +191,10 @@ class GradAccumPPO(PPO):
         # As SB3: the minibatch whose KL is too large is computed and logged, and neither it nor a later one steps.
         counted = state[3] == 0
         stop = counted & (approx_kl > state[2])
-        self._descent(loss, counted & ~stop)
-        state[3:].copy_(th.where(stop, th.stack([th.ones_like(approx_kl), approx_kl]), state[3:]))
+        stepping = counted & ~stop
+        self._descent(loss, stepping)
+        state[3:5].copy_(th.where(stop, th.stack([th.ones_like(approx_kl), approx_kl]), state[3:5]))
+        state[5].add_((~stepping).float())
         return loss, figures, approx_kl, counted
 
     def _train(self) -> None:
@@ -211,7 +216,7 @@ class GradAccumPPO(PPO):
             kl_sum: Any = None  # SB3 logs the approx KL of the last epoch only
             kl_count: Any = 0
             if compiled is not None and self.target_kl is not None:
-                self._step_state[3].fill_(0)
+                self._step_state[3:].zero_()
             for rollout_data in self.rollout_buffer.get(self.batch_size):
                 actions = rollout_data.actions
                 if isinstance(self.action_space, spaces.Discrete):
@@ -248,7 +253,8 @@ class GradAccumPPO(PPO):
                 th.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
                 self.policy.optimizer.step()
             if compiled is not None and self.target_kl is not None:
-                stopped, kl_at_stop = self._step_state[3:].tolist()  # the one read allowed, once per epoch
+                stopped, kl_at_stop, held = self._step_state[3:].tolist()  # the one read allowed, once per epoch
+                self._descent.guard.steps -= int(held)  # counted as taken when called: SB3 never took them
                 if stopped:
                     continue_training = False
                     if self.verbose >= 1:

@@ -295,6 +295,10 @@ def test_ppos_compiled_step_with_target_kl_stops_where_sb3_stops(mode):
     assert ours._n_updates == plain._n_updates < 2 * 4, "an early stop happened"
     steps = _adam_steps(plain)
     assert _adam_steps(ours) == steps and steps[0] % 8, "the same steps taken, the last epoch stopped midway"
+    # The case the logged figures below check: the last train() stops at the first minibatch of its third epoch (2 + 3
+    # updates; 15 + 16 steps), so the means must leave out that epoch's other seven.
+    assert (plain._n_updates, steps[0]) == (5, 31)
+    assert optimizer_step(ours.policy.optimizer).steps == steps[0], "held-back steps are not counted as taken"
     _assert_ppo_updated_and_logged_as(ours, plain, rtol=1e-4, atol=1e-5, log_rel=1e-3)
 
 
