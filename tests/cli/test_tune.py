@@ -425,6 +425,52 @@ def test_a_one_trial_study_of_1500_steps_completes_whatever_the_sampler_draws(tm
     assert trial.state == optuna.trial.TrialState.COMPLETE, trial.user_attrs
 
 
+@pytest.mark.parametrize("algo", ["sac", "td3", "tqc"])
+def test_a_continuous_study_trains_its_trial_and_exports_a_preset_train_accepts(tmp_path, algo, call_main, monkeypatch):
+    """The off-policy continuous algorithms through the whole path: a trial on Pendulum-v1 that learns from its own
+    sampled `learning_starts`, the best trial's values written to a preset, and `train` running that preset."""
+    import yaml
+
+    from sb3_gpu import train
+
+    monkeypatch.chdir(tmp_path)
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        "learning_rate: {low: 1.0e-4, high: 3.0e-3, log: true}\ntau: {choices: [0.005, 0.02]}\n"
+        "learning_starts: {choices: [100, 200]}\n"
+    )
+    args = ["--env", "Pendulum-v1", "--trials", "1", "--timesteps", "400", "--eval-episodes", "1", "--device", "cpu"]
+    out = call_main(tune.main, algo, *args, "--space", str(space), "--study-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    (trial,) = load(f"sqlite:///{tmp_path / 'study.db'}", f"{algo}-Pendulum-v1").trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE, trial.user_attrs
+    assert -2000 < trial.value < 0  # Pendulum's return, not a placeholder
+    entry = yaml.safe_load((tmp_path / "best_preset.yaml").read_text())["Pendulum-v1"]
+    assert entry["learning_rate"] == pytest.approx(trial.params["learning_rate"])
+    assert (entry["tau"], entry["learning_starts"]) == (trial.params["tau"], trial.params["learning_starts"])
+    run = tmp_path / "run"
+    preset = str(tmp_path / "best_preset.yaml")
+    trained = call_main(
+        train.main,
+        algo,
+        "--env",
+        "Pendulum-v1",
+        "--preset",
+        preset,
+        "--timesteps",
+        "300",
+        "--eval-episodes",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--run-dir",
+        str(run),
+    )
+    assert trained.returncode == 0, trained.stderr
+    assert (run / "model.zip").is_file()
+
+
 def test_a_threshold_study_scores_the_seconds_each_seed_took_to_reach_it(tmp_path, monkeypatch, call_main):
     monkeypatch.chdir(tmp_path)
     args = ["ppo", "--trials", "1", *TINY, "--timesteps", "2048", "--eval-freq", "256", "--seeds", "2"]
