@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 
 from sb3_gpu.benches.solve import FRESH_SEED_OFFSET
+from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.graphstep import CompiledUpdate
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import evaluate_run
 from sb3_gpu.runs.training import train_run
@@ -107,13 +110,27 @@ PENDULUM = {"sac": {**SMALL_PENDULUM, "n_timesteps": 8_000}, "td3": {**SMALL_PEN
 
 
 @pytest.mark.parametrize("algo", list(PENDULUM))
-def test_pendulum_is_learned_by_the_compiled_step_on_a_device_buffer(algo, tmp_path):
+def test_pendulum_is_learned_by_the_compiled_step_on_a_device_buffer(algo, tmp_path, monkeypatch):
     # fp32, as measured over seeds 0-19 (on a CPU with AMX the probe could take bf16)
     overrides = {"compile": "default", "device_buffers": True, "amp": "off", **PENDULUM[algo]}
     plan = make_plan(algo, "Pendulum-v1", device="cpu", seed=SEED, overrides=overrides)
     assert plan.buffers == "device" and plan.speed is not None and plan.speed.compile == "default"
-    summary = train_run(plan, tmp_path / "run", progress=False, report_s=None)
+    compiled_calls: list[bool] = []  # per gradient step: whether it ran as the compiled graph
+    call = CompiledUpdate.__call__
+
+    def counted(self, *inputs, **kwargs):
+        compiled_calls.append(self._compiled != self._run)
+        return call(self, *inputs, **kwargs)
+
+    monkeypatch.setattr(CompiledUpdate, "__call__", counted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompileFallbackWarning)
+        summary = train_run(plan, tmp_path / "run", progress=False, report_s=None)
     assert summary["timesteps"] >= PENDULUM[algo]["n_timesteps"]
+    # What learned was the compiled step, every gradient step of it, not torch's eager fallback.
+    assert not [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    n = PENDULUM[algo]["n_timesteps"] - SMALL_PENDULUM["learning_starts"]
+    assert len(compiled_calls) >= n and all(compiled_calls), (len(compiled_calls), compiled_calls.count(False))
     fresh = evaluate_run(tmp_path / "run", episodes=EPISODES, seed=SEED + FRESH_SEED_OFFSET)
     report = f"{algo}, seed {SEED}: best model {fresh['mean']:.1f} +/- {fresh['std']:.1f}; {json.dumps(summary)}"
     assert fresh["model"].endswith("best_model.zip") and fresh["mean"] >= -400, report
