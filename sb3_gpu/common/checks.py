@@ -204,6 +204,17 @@ def train_freq(value: Any, where: str) -> int | tuple[int, str]:
 
 
 POS_INT = integer(1, "a positive int")
+
+
+def gradient_steps(value: Any, where: str) -> int:
+    """A positive int, or -1 for as many as the env steps collected; 0 would train nothing (SB3 skips ``train()``)."""
+    what = "a positive int, or -1 for one per env step"
+    steps = integer(-1, what)(value, where)
+    if steps == 0:
+        raise ConfigError(f"{where}: expected {what}, got 0 (no gradient step would ever be taken)")
+    return steps
+
+
 UNIT = number(0.0, 1.0, "a number in [0, 1]")
 POSITIVE = number(0.0, math.inf, "a positive number", low_open=True)
 

@@ -72,7 +72,7 @@ class _ReplayParams:
     tau: float = c.param(1.0, c.number(0.0, 1.0, "a number in (0, 1]", low_open=True))
     gamma: float = c.param(0.99, c.UNIT)
     train_freq: int | tuple[int, str] = c.param(4, c.train_freq)
-    gradient_steps: int = c.param(1, c.integer(-1, "a positive int, or -1 for one per env step"))
+    gradient_steps: int = c.param(1, c.gradient_steps)
     optimize_memory_usage: bool = c.param(False, c.boolean)
     n_steps: int = c.param(1, c.POS_INT)
 
@@ -163,6 +163,9 @@ class Algo:
     action_space: type[spaces.Space] | None = None
     # The widest hidden layer of SB3's default network for the algorithm's MLP policy (what the speed rules size).
     default_width: int = 64
+    # The networks a dict net_arch names, each required: SB3 builds only these, ignores any other key, and builds a
+    # missing one empty (PPO) or refuses it when the model is built (SAC's family). None: a list of widths only.
+    net_arch_heads: tuple[str, ...] | None = ("pi", "qf")
 
     @property
     def fp16(self) -> bool:
@@ -173,9 +176,9 @@ class Algo:
 # SAC, TD3 and TQC: device buffers, the compiled, sync-free step, the probe, bf16 and gradient accumulation apply;
 # fp16 and PER do not yet.
 ALGOS: dict[str, Algo] = {
-    "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO),
-    "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),
-    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete),
+    "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO, net_arch_heads=("pi", "vf")),
+    "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete, net_arch_heads=None),
+    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete, net_arch_heads=None),
     "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, default_width=256),
     "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, default_width=400),
     "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, default_width=256),
@@ -256,7 +259,23 @@ def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
     checks = valid_keys(algo)
     _refuse_other_algorithms_keys(algo, mapping, where)
     c.check_keys(mapping, set(checks), where)
-    return {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
+    values = {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
+    if isinstance(values.get("net_arch"), dict):
+        _check_net_arch_heads(algo, values["net_arch"], f"{where}: net_arch")
+    return values
+
+
+def _check_net_arch_heads(algo: Algo, arch: dict[str, list[int]], where: str) -> None:
+    heads = algo.net_arch_heads
+    if heads is None:
+        raise ConfigError(f"{where}: {algo.name}'s Q-network takes a list of layer widths like [64, 64], got {arch!r}")
+    c.check_keys(arch, set(heads), f"{where} of {algo.name}")
+    missing = [h for h in heads if h not in arch]
+    if missing:
+        shape = ", ".join(f"{h}: [...]" for h in heads)
+        raise ConfigError(
+            f"{where}: {algo.name} needs {{{shape}}}, {' and '.join(missing)} missing (an empty list for none), got {arch!r}"
+        )
 
 
 def _refuse_other_algorithms_keys(algo: Algo, mapping: Mapping[str, Any], where: str) -> None:

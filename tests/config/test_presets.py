@@ -239,6 +239,46 @@ def test_schedules_become_sb3_schedule_objects():
     assert kwargs["clip_range"](0.3) == 0.1
 
 
+@pytest.mark.parametrize(
+    "algo, arch, message",
+    [
+        ("sac", {"pi": [8], "vf": [8]}, r"net_arch of sac: unknown key 'vf' \(valid: pi, qf\)"),
+        ("td3", {"pi": [8]}, r"td3 needs \{pi: \[...\], qf: \[...\]\}, qf missing"),
+        ("ppo", {"pi": [8], "qf": [8]}, r"net_arch of ppo: unknown key 'qf' \(valid: pi, vf\)"),
+        ("ppo", {"pi": [8]}, "ppo needs .*, vf missing"),
+        ("dqn", {"pi": [8], "qf": [8]}, r"dqn's Q-network takes a list of layer widths like \[64, 64\]"),
+        ("qrdqn", {"pi": [8], "vf": [8]}, "qrdqn's Q-network takes a list"),
+    ],
+)
+def test_a_dict_net_arch_is_refused_unless_it_names_each_network_the_algorithm_builds(algo, arch, message):
+    # SB3 would ignore a key it does not build and build a missing one empty (PPO) or fail when the model is made.
+    with pytest.raises(ConfigError, match=message):
+        validate_flat(get_algo(algo), {"net_arch": arch}, "t")
+
+
+@pytest.mark.parametrize("algo", ["dqn", "sac"])
+def test_gradient_steps_is_positive_or_minus_one_never_zero(algo):
+    # SB3 skips train() when gradient_steps is 0: the run would collect and never learn.
+    checked = get_algo(algo)
+    assert [validate_flat(checked, {"gradient_steps": n}, "t")["gradient_steps"] for n in (-1, 1, 64)] == [-1, 1, 64]
+    with pytest.raises(ConfigError, match=r"gradient_steps: expected a positive int, or -1 .*, got 0 \(no gradient step"):
+        validate_flat(checked, {"gradient_steps": 0}, "t")
+    with pytest.raises(ConfigError, match="got -2"):
+        validate_flat(checked, {"gradient_steps": -2}, "t")
+
+
+def test_a_dict_net_arch_with_the_algorithms_networks_is_what_sb3_builds():
+    import gymnasium as gym
+
+    arch = validate_flat(PPO_, {"net_arch": {"pi": [8], "vf": []}}, "t")["net_arch"]
+    ppo = PPO_.model_class("MlpPolicy", gym.make("CartPole-v1"), policy_kwargs={"net_arch": arch}, device="cpu")
+    assert (ppo.policy.action_net.in_features, ppo.policy.value_net.in_features) == (8, 4)  # vf: [] is linear
+    sac_ = get_algo("sac")
+    arch = validate_flat(sac_, {"net_arch": {"pi": [8], "qf": []}}, "t")["net_arch"]
+    sac = sac_.model_class("MlpPolicy", gym.make("Pendulum-v1"), policy_kwargs={"net_arch": arch}, device="cpu")
+    assert sac.actor.mu.in_features == 8 and [type(m) for m in sac.critic.qf0] == [nn.Linear]
+
+
 def test_activation_names_map_to_torch_classes():
     entry = validate_entry(PPO_, {"activation_fn": "relu", "net_arch": {"pi": [32], "vf": [64]}}, "t")
     kwargs = resolve_preset(PPO_, entry, "t", "cpu").sb3_kwargs()
