@@ -21,6 +21,7 @@ import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
+from sb3_gpu.common.errors import gist
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.per import DeviceSumMinTree
@@ -220,7 +221,7 @@ def _sync_free(fn: Callable[[], None], device: th.device) -> str | None:
         fn()
         return "yes"
     except RuntimeError as e:
-        return str(e).strip().splitlines()[0][:120]
+        return gist(e, 120)
     finally:
         th.cuda.set_sync_debug_mode("default")
 

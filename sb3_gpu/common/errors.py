@@ -21,6 +21,29 @@ def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     return "; did you mean " + " or ".join(repr(m) for m in matches) + "?"
 
 
+def gist(e: BaseException, limit: int = 160) -> str:
+    """``e``'s first line of text, for a one-line message; a longer one keeps its start and its end (where a
+    compiler's error ends in what went wrong, after a long path)."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    if len(first) <= limit:
+        return first
+    half = (limit - 5) // 2
+    return f"{first[:half]} ... {first[-half:]}"
+
+
+def caused_by(e: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    """Whether ``e`` or an exception that caused it (raised from, or while handling) is one of ``kinds``."""
+    seen: set[int] = set()
+    current: BaseException | None = e
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kinds):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class EnvWorkerError(RuntimeError):
     """An env in a worker process raised, or the worker died; the message names the env index and the cause.
 

@@ -39,6 +39,7 @@ from gymnasium import spaces
 from stable_baselines3.common.preprocessing import get_action_dim
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
+from sb3_gpu.common.errors import caused_by, gist
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
@@ -624,7 +625,7 @@ class Prober:
             try:
                 timings[i] = self.measure(options[i], max(seconds, 0.02))
             except Exception as e:  # an op the precision lacks, out of memory, ...: not a candidate, and said why
-                failures[i] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+                failures[i] = f"{type(e).__name__}: {gist(e, 120)}"
                 continue
             if self.cache is not None and seconds >= MIN_CACHED_S:  # figures from a starved budget are not kept
                 self.cache.put(self._key(options[i]), timings[i])  # type: ignore[arg-type]
@@ -643,11 +644,16 @@ class Prober:
         if cached is not None:
             return cached
         if self.announce is not None:  # compiling takes seconds on a GPU, a minute on a CPU: not a hang
-            self.announce(f"sb3_gpu: timing the compiled gradient step on {option.candidate.label} (cached for the next plan)")
+            self.announce(
+                f"sb3_gpu: timing the compiled gradient step on {option.candidate.label} (cached for the next plan; "
+                "compile=false skips it)"
+            )
         try:
             timing = self.measure_compile(option, mode)
-        except Exception:
-            if cache is not None:
+        except Exception as e:
+            # A file the compiler could not write or load (a kernel left half-written by a killed process, a full
+            # disk) is this machine's state, not the step's: the next plan tries again rather than never.
+            if cache is not None and not caused_by(e, (ImportError, OSError)):
                 cache.put_failure(key)
             raise
         if cache is not None:

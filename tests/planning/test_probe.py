@@ -480,7 +480,7 @@ def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
     first, second = plan(), plan()
     assert len(compile_times.asked) == 1 and (tmp_path / "compile-probes.json").is_file()
     assert said == [
-        "sb3_gpu: timing the compiled gradient step on cuda:0 fp32 (cached for the next plan)"
+        "sb3_gpu: timing the compiled gradient step on cuda:0 fp32 (cached for the next plan; compile=false skips it)"
     ]  # not from the cache
     assert all("failed" not in v for v in json.loads((tmp_path / "compile-probes.json").read_text())["entries"].values())
     assert (first.speed.compile, first.speed.compile_reason) == (second.speed.compile, second.speed.compile_reason)
@@ -540,6 +540,34 @@ def test_a_step_that_failed_to_compile_is_not_compiled_again_on_the_next_plan(tm
     first, second = plan(), plan()
     assert len(failing.asked) == 1 and first.speed.compile == second.speed.compile == "false"
     assert "it failed on this machine before (remove " in second.speed.compile_reason
+
+
+def test_a_compile_that_failed_on_a_file_is_tried_again_on_the_next_plan(tmp_path, gpu_machine):
+    # A kernel left half-written by a killed process fails to load (inductor raises its own error from the
+    # ImportError): that is the machine's state, not the step's, and must not rule compiling out for good.
+    kernel = (
+        "/tmp/torchinductor_root/3i/c3iaobx7pvq7srrowycuontzkg5whpxyzq3i5n2ylx3aijq4gqwe7z.cpython-311-x86_64-linux-gnu.so"
+    )
+    asked: list[str] = []
+
+    def failing(option: Option, mode: str) -> CompileTiming:
+        asked.append(mode)
+        try:
+            raise ImportError(f"{kernel}: file too short")
+        except ImportError as e:
+            raise RuntimeError(f"InductorError: ImportError: {kernel}: file too short") from e
+
+    def plan():
+        prober = Prober(FakeTimes(GPU_TIMES), ProbeCache(tmp_path / "probes.json"), usable=lambda d: True)
+        prober.measure_compile = failing
+        return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
+
+    first, second = plan(), plan()
+    assert len(asked) == 2 and first.speed.compile == second.speed.compile == "false"
+    assert "failed on this machine before" not in second.speed.compile_reason
+    # The reason keeps the error's end, what went wrong, past the long path.
+    assert second.speed.compile_reason.endswith("file too short), so not compiled")
+    assert "RuntimeError: InductorError: ImportError: /tmp/torchinductor_root/" in second.speed.compile_reason
 
 
 def test_a_compile_figure_cached_without_the_forward_pass_is_timed_again(tmp_path):
