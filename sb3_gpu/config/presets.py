@@ -69,11 +69,22 @@ def select_entry(entries: Mapping[str, Any], env_id: str, is_atari: bool, where:
                     f"{where}, entry {name!r}: no registered env id; did you mean {env_id!r}? (an entry is an env id, "
                     "'default' or 'atari')"
                 )
-    for wanted in (env_id, "atari" if is_atari else None, "default"):
+    for wanted in (env_id, _other_version(entries, env_id), "atari" if is_atari else None, "default"):
         if wanted is not None and wanted in entries:
             return wanted
     hint = next((h for n in entries if n not in gym.registry and (h := closest(n, ["default", "atari"]))), "")
     raise ConfigError(f"{where} has no entry for {env_id!r} and no 'default' entry (entries: {', '.join(entries)}){hint}")
+
+
+def _other_version(entries: Mapping[str, Any], env_id: str) -> str | None:
+    """In an rl-zoo3 file, the newest entry for another version of ``env_id``'s env: its files lag behind
+    gymnasium's versions (MuJoCo's ``-v4`` entries for the ``-v5`` envs), and the task's values beat ``default``'s.
+    The plan names the entry it took."""
+    name, sep, version = env_id.rpartition("-v")
+    if not isinstance(entries, ZooEntries) or not sep or not version.isdigit():
+        return None
+    versions = [int(v) for e in entries if (n := e.rpartition("-v"))[0] == name and (v := n[2]).isdigit()]
+    return f"{name}-v{max(versions)}" if versions else None
 
 
 # --------------------------------------------------------------------------- overrides

@@ -9,7 +9,7 @@ import pytest
 
 from sb3_gpu.common.checks import Schedule
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.config.presets import load_preset_file
+from sb3_gpu.config.presets import load_preset_file, select_entry
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.config.zoo import ZOO_ALGOS, convert_entry
 from sb3_gpu.envs.spec import register_ale
@@ -102,6 +102,23 @@ def test_every_zoo_entry_loads_or_is_refused_for_a_listed_reason_and_installed_o
     assert {"ppo:CartPole-v1", "ppo:atari", "ppo:LunarLander-v3", "dqn:atari", "qrdqn:Acrobot-v1"} <= set(listing["planned"])
     assert {"sac:Pendulum-v1", "td3:LunarLanderContinuous-v3", "tqc:default"} <= set(listing["planned"])
     assert len(listing["refused"]) == len(REFUSED)
+
+
+def test_an_env_newer_than_rl_zoo3s_entries_takes_its_tasks_entry_not_default(tmp_path):
+    # rl-zoo3's files name MuJoCo's -v4 envs; gymnasium's are -v5. default's values (SAC: learning from 100 steps,
+    # 1M steps of SB3's defaults) would train HalfCheetah-v5 without a word.
+    entries, _ = load_preset_file(get_algo("sac"), "zoo:sac")
+    assert select_entry(entries, "HalfCheetah-v5", False, "zoo:sac.yml") == "HalfCheetah-v4"
+    assert select_entry(entries, "Hopper-v5", False, "zoo:sac.yml") == "Hopper-v4"
+    assert select_entry(entries, "Pendulum-v1", False, "zoo:sac.yml") == "Pendulum-v1"
+    assert select_entry(entries, "ZooDefault/Pendulum-v1", False, "zoo:sac.yml") == "default"
+    plan = make_plan("tqc", "Hopper-v5", "cpu", preset="zoo:tqc", overrides={"probe": False}, training=False)
+    assert plan.preset.entry == "zoo:tqc.yml:Hopper-v4"
+    # A preset file of the user's is taken as written: its entries are env ids, matched exactly.
+    own = tmp_path / "own.yaml"
+    own.write_text("default:\n  learning_starts: 100\nHopper-v4:\n  learning_starts: 10000\n")
+    entries, _ = load_preset_file(get_algo("sac"), own)
+    assert select_entry(entries, "Hopper-v5", False, "own.yaml") == "default"
 
 
 def test_the_literal_forms_rl_zoo3_writes_become_preset_values():
