@@ -29,13 +29,9 @@ class DeviceChoice:
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(?::(\d+))?)$")
 
 
-def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware: HardwareProfile) -> DeviceChoice:
-    """Resolve ``auto | cpu | cuda | cuda:N | mps`` for a policy kind and algorithm family.
-
-    ``auto`` follows what is known about SB3: CNN policies train much faster on a GPU; MLP policies of on-policy
-    algorithms (PPO, A2C) train faster on the CPU, because each rollout step is a tiny batch whose transfer costs
-    more than its compute (SB3 issue 1245). Off-policy MLP policies train on a GPU in batches, so they keep it.
-    """
+def requested_device(requested: str, hardware: HardwareProfile) -> DeviceChoice | None:
+    """The device asked for, checked against this machine (None for ``auto``): a plan checks it before it builds
+    the env, so that a device this machine lacks is the first and only thing the user reads."""
     match = _DEVICE_RE.match(requested.strip().lower())
     if match is None:
         raise ConfigError(f"unknown device {requested!r}; accepted: auto, cpu, cuda, cuda:N, mps")
@@ -55,6 +51,19 @@ def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware:
         if not hardware.mps:
             raise ConfigError("--device mps asked for Apple's MPS backend, which torch reports unavailable; use cpu or auto")
         return DeviceChoice("mps", "asked for")
+    return None
+
+
+def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware: HardwareProfile) -> DeviceChoice:
+    """Resolve ``auto | cpu | cuda | cuda:N | mps`` for a policy kind and algorithm family.
+
+    ``auto`` follows what is known about SB3: CNN policies train much faster on a GPU; MLP policies of on-policy
+    algorithms (PPO, A2C) train faster on the CPU, because each rollout step is a tiny batch whose transfer costs
+    more than its compute (SB3 issue 1245). Off-policy MLP policies train on a GPU in batches, so they keep it.
+    """
+    asked = requested_device(requested, hardware)
+    if asked is not None:
+        return asked
 
     gpu_name = hardware.gpus[0].name if hardware.has_cuda else "MPS" if hardware.mps else None
     if gpu_name is None:

@@ -27,7 +27,7 @@ from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, prob
 from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
-from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device
+from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device, requested_device
 from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto
 
@@ -140,6 +140,7 @@ def make_plan(
     algo_ = get_algo(algo)
     hardware_detected = hardware is None  # an injected profile is a what-if: nothing on it can be timed
     hardware = hardware or detect_hardware()
+    requested_device(device, hardware)
     entry, entry_label = _entry(algo_.name, env, preset, config)
     layered = _layered(overrides, override_source, n_envs, n_timesteps)
     # Policy and env kwargs never differ between profiles, so a provisional resolve tells what to probe.

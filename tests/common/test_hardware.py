@@ -87,6 +87,24 @@ def test_mps_unavailable_is_an_error():
         choose_device("mps", "mlp", on_policy=True, hardware=machine())
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:2", "mps", "gpu"])
+def test_a_plan_refuses_a_device_before_it_builds_the_env(device):
+    # Building MuJoCo's envs prints warnings of its own: the refusal must be the only thing the user reads.
+    import gymnasium as gym
+
+    from sb3_gpu.planning.plan import make_plan
+
+    built = []
+
+    def env() -> gym.Env:
+        built.append(1)
+        return gym.make("Pendulum-v1")
+
+    with pytest.raises(ConfigError):
+        make_plan("sac", env, device, hardware=machine(gpus=2 if device == "cuda:2" else 0))
+    assert built == []
+
+
 @pytest.mark.parametrize("bogus", ["bogus", "gpu", "cuda:x", "cuda:-1", ""])
 def test_unknown_device_names_the_accepted_ones(bogus):
     with pytest.raises(ConfigError, match="accepted: auto, cpu, cuda, cuda:N, mps"):
