@@ -220,8 +220,9 @@ POSITIVE = number(0.0, math.inf, "a positive number", low_open=True)
 
 
 def ent_coef(value: Any, where: str) -> float | str:
-    """SAC's entropy coefficient: ``auto`` (learned, from 1.0), ``auto_0.1`` (learned, from 0.1) or a fixed number."""
-    what = "auto, auto_<initial value> or a positive number"
+    """SAC's entropy coefficient: ``auto`` (learned, from 1.0), ``auto_0.1`` (learned, from 0.1) or a fixed number
+    (0: no entropy bonus, as SB3 allows; a learned one starts above 0, its logarithm being what is learned)."""
+    what = "auto, auto_<initial value above 0> or a number >= 0"
     if isinstance(value, str) and value.startswith("auto"):
         if value != "auto":
             head, _, start = value.partition("_")
@@ -232,7 +233,7 @@ def ent_coef(value: Any, where: str) -> float | str:
             if head != "auto" or not start:
                 raise ConfigError(f"{where}: expected {what}, got {value!r}") from None
         return value
-    return number(0.0, math.inf, what, low_open=True)(value, where)
+    return number(0.0, math.inf, what)(value, where)
 
 
 def target_entropy(value: Any, where: str) -> float | str:

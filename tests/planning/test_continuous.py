@@ -141,8 +141,9 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("td3", "Pendulum-v1", {"exploration_fraction": 0.1}, "'exploration_fraction' is for dqn, qrdqn, not td3"),
         ("dqn", "CartPole-v1", {"action_noise_std": 0.1}, "'action_noise_std' is for sac, td3, tqc, not dqn"),
         ("sac", "Pendulum-v1", {"train_freq": [1, "episode"], "n_envs": 2}, r"train_freq \[1, episode\] needs n_envs=1"),
-        ("sac", "Pendulum-v1", {"ent_coef": "auto_x"}, "ent_coef: expected auto, auto_<initial value> or a positive"),
-        ("sac", "Pendulum-v1", {"ent_coef": 0}, "ent_coef: expected auto"),
+        ("sac", "Pendulum-v1", {"ent_coef": "auto_x"}, "ent_coef: expected auto, auto_<initial value above 0> or a num"),
+        ("sac", "Pendulum-v1", {"ent_coef": "auto_0"}, "ent_coef: expected auto"),  # its logarithm is what is learned
+        ("sac", "Pendulum-v1", {"ent_coef": -0.1}, "ent_coef: expected auto"),
         ("tqc", "Pendulum-v1", {"target_entropy": "max"}, "target_entropy: expected auto or a finite number"),
         ("sac", "Pendulum-v1", {"overlap_training": True}, "'overlap_training' is for dqn, qrdqn, not sac"),
         ("sac", "Pendulum-v1", {"use_sde": True, "grad_accum_steps": 2}, "grad_accum_steps=2 is not supported with use_sde"),
@@ -156,11 +157,11 @@ def test_what_does_not_apply_is_refused_in_one_line(algo, env, overrides, messag
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("ent_coef", ["auto", "auto_0.1", 0.05])
+@pytest.mark.parametrize("ent_coef", ["auto", "auto_0.1", 0.05, 0])
 def test_sacs_entropy_coefficient_forms_reach_sb3(ent_coef):
     model, _ = make_model("sac", "Pendulum-v1", "cpu", ent_coef=ent_coef, learning_starts=0, batch_size=32, probe=False)
-    if ent_coef == 0.05:
-        assert model.ent_coef_optimizer is None and float(model.ent_coef_tensor) == pytest.approx(0.05)
+    if not isinstance(ent_coef, str):  # fixed; 0: no entropy bonus, as SB3 allows
+        assert model.ent_coef_optimizer is None and float(model.ent_coef_tensor) == pytest.approx(ent_coef)
     else:
         start = 0.1 if ent_coef == "auto_0.1" else 1.0
         assert float(model.log_ent_coef.detach().exp()) == pytest.approx(start)
