@@ -198,7 +198,8 @@ def normalize(value: Any, where: str) -> bool | dict[str, Any]:
 def train_freq(value: Any, where: str) -> int | tuple[int, str]:
     if isinstance(value, list):
         if len(value) != 2 or value[1] not in ("step", "episode"):
-            raise ConfigError(f"{where}: expected a positive int or [n, step|episode], got {value!r}")
+            unit = closest(str(value[1]), ("step", "episode")) if len(value) == 2 else ""
+            raise ConfigError(f"{where}: expected a positive int or [n, step|episode], got {value!r}{unit}")
         return (integer(1, "a positive int")(value[0], where), value[1])
     return integer(1, "a positive int or [n, step|episode]")(value, where)
 

@@ -267,6 +267,21 @@ def test_gradient_steps_is_positive_or_minus_one_never_zero(algo):
         validate_flat(checked, {"gradient_steps": -2}, "t")
 
 
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ([1, "epsiode"], r"got \[1, 'epsiode'\]; did you mean 'episode'\?"),
+        ([4, "steps"], "did you mean 'step'"),
+        ([1, 2, 3], r"expected a positive int or \[n, step\|episode\], got \[1, 2, 3\]$"),
+        (0, "expected a positive int or"),
+    ],
+)
+def test_a_bad_train_freq_says_what_is_accepted_and_the_closest_unit(value, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_flat(DQN_, {"train_freq": value}, "t")
+    assert validate_flat(DQN_, {"train_freq": [2, "episode"]}, "t")["train_freq"] == (2, "episode")
+
+
 def test_a_dict_net_arch_with_the_algorithms_networks_is_what_sb3_builds():
     import gymnasium as gym
 
