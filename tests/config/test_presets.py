@@ -147,10 +147,12 @@ def test_a_misspelt_entry_is_refused_not_passed_over_for_default(tmp_path):
     assert select_entry({"default": {}, "CartPole-v0": {}}, "CartPole-v1", False, "f") == "default"  # a real id
     with pytest.raises(ConfigError, match=r"\(entries: defualt\); did you mean 'default'\?$"):
         select_entry({"defualt": {}}, "CartPole-v1", False, "f")
-    # rl-zoo3's files name other packages' envs, close to Gymnasium's ids but no typos (tqc.yml has CarRacing-v0).
+    # rl-zoo3's files name other packages' envs and older versions, close to Gymnasium's ids but no typos (tqc.yml has
+    # CarRacing-v0): not refused, and an older version is its task's entry.
     (tmp_path / "z.yml").write_text("default: {n_timesteps: 1000}\nCarRacing-v0: {n_timesteps: 2000}\n")
     zoo, label = load_preset_file(get_algo("tqc"), f"zoo:{tmp_path / 'z.yml'}")
-    assert select_entry(zoo, "CarRacing-v3", False, label) == "default"
+    assert select_entry(zoo, "CarRacing-v3", False, label) == "CarRacing-v0"
+    assert select_entry(zoo, "CarRacing-v", False, label) == select_entry(zoo, "CarRacingv3", False, label) == "default"
 
 
 def test_unknown_key_names_file_entry_and_closest_valid_name(tmp_path):
