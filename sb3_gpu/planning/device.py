@@ -41,15 +41,15 @@ def requested_device(requested: str, hardware: HardwareProfile) -> DeviceChoice 
     if req.startswith("cuda"):
         if not hardware.has_cuda:
             raise ConfigError(
-                f"--device {req} asked for a CUDA GPU, but torch sees none (torch {th.__version__}); use --device cpu or auto"
+                f"device {req!r} asked for a CUDA GPU, but torch sees none (torch {th.__version__}); use cpu or auto"
             )
         index = int(match.group(2) or 0)
         if index >= len(hardware.gpus):
-            raise ConfigError(f"--device {req}: only cuda:0..cuda:{len(hardware.gpus) - 1} exist on this machine")
+            raise ConfigError(f"device {req!r}: only cuda:0..cuda:{len(hardware.gpus) - 1} exist on this machine")
         return DeviceChoice(f"cuda:{index}", f"asked for ({hardware.gpus[index].name})")
     if req == "mps":
         if not hardware.mps:
-            raise ConfigError("--device mps asked for Apple's MPS backend, which torch reports unavailable; use cpu or auto")
+            raise ConfigError("device 'mps' asked for Apple's MPS backend, which torch reports unavailable; use cpu or auto")
         return DeviceChoice("mps", "asked for")
     return None
 
