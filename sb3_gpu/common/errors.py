@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
 
 
 class ConfigError(ValueError):
@@ -32,16 +35,16 @@ def gist(e: BaseException, limit: int = 160) -> str:
     return f"{first[:half]} ... {first[-half:]}"
 
 
-def caused_by(e: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
-    """Whether ``e`` or an exception that caused it (raised from, or while handling) is one of ``kinds``."""
+def cause_of(e: BaseException, kind: type[_E]) -> _E | None:
+    """``e``, or the first exception that caused it (raised from, or while handling), that is a ``kind``."""
     seen: set[int] = set()
     current: BaseException | None = e
     while current is not None and id(current) not in seen:
-        if isinstance(current, kinds):
-            return True
+        if isinstance(current, kind):
+            return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return False
+    return None
 
 
 class EnvWorkerError(RuntimeError):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ from gymnasium import spaces
 from stable_baselines3.common.preprocessing import get_action_dim
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
-from sb3_gpu.common.errors import caused_by, gist
+from sb3_gpu.common.errors import cause_of, gist
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
@@ -596,6 +597,26 @@ def device_usable(device: str) -> bool:
     return device == "cpu"
 
 
+def _passing(e: Exception) -> bool:
+    """Whether a compile failed on this machine's state rather than on the step, so that the next plan should try
+    again: a kernel of inductor's cache that would not load (a process killed while writing it leaves it half
+    written), or a full disk. A missing compiler or a read-only cache would fail every time, and is remembered."""
+    loading = cause_of(e, ImportError)
+    if loading is not None and _inductor_cache() in str(loading):
+        return True
+    written = cause_of(e, OSError)
+    return written is not None and written.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _inductor_cache() -> str:
+    try:  # a private helper of torch's: its folder follows TORCHINDUCTOR_CACHE_DIR
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+        return str(inductor_cache_dir())
+    except Exception:  # its default folder's name otherwise
+        return "torchinductor_"
+
+
 @dataclass
 class Prober:
     """Times options (``measure``), within ``budget_s`` per plan, through ``cache`` (None: no cache); ``usable`` says
@@ -651,9 +672,7 @@ class Prober:
         try:
             timing = self.measure_compile(option, mode)
         except Exception as e:
-            # A file the compiler could not write or load (a kernel left half-written by a killed process, a full
-            # disk) is this machine's state, not the step's: the next plan tries again rather than never.
-            if cache is not None and not caused_by(e, (ImportError, OSError)):
+            if cache is not None and not _passing(e):
                 cache.put_failure(key)
             raise
         if cache is not None:

@@ -4,6 +4,7 @@ real probes run on this one, through a cache that survives what it should and no
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 
 import numpy as np
@@ -14,7 +15,7 @@ from stable_baselines3 import TD3
 from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticPolicy
 from stable_baselines3.dqn.policies import DQNPolicy
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, cause_of, gist
 from sb3_gpu.extensions.continuous import SyncFreeTD3
 from sb3_gpu.planning import probe as probe_module
 from sb3_gpu.planning.build import model_class
@@ -542,24 +543,27 @@ def test_a_step_that_failed_to_compile_is_not_compiled_again_on_the_next_plan(tm
     assert "it failed on this machine before (remove " in second.speed.compile_reason
 
 
-def test_a_compile_that_failed_on_a_file_is_tried_again_on_the_next_plan(tmp_path, gpu_machine):
-    # A kernel left half-written by a killed process fails to load (inductor raises its own error from the
-    # ImportError): that is the machine's state, not the step's, and must not rule compiling out for good.
-    kernel = (
-        "/tmp/torchinductor_root/3i/c3iaobx7pvq7srrowycuontzkg5whpxyzq3i5n2ylx3aijq4gqwe7z.cpython-311-x86_64-linux-gnu.so"
-    )
-    asked: list[str] = []
-
+def _failing_compile(cause: BaseException, asked: list[str]):
     def failing(option: Option, mode: str) -> CompileTiming:
         asked.append(mode)
         try:
-            raise ImportError(f"{kernel}: file too short")
-        except ImportError as e:
-            raise RuntimeError(f"InductorError: ImportError: {kernel}: file too short") from e
+            raise cause
+        except type(cause) as e:  # as inductor wraps what failed: its own error, raised while handling it
+            raise RuntimeError(f"InductorError: {type(e).__name__}: {e}") from None
+
+    return failing
+
+
+def test_a_compile_that_failed_on_a_kernel_file_is_tried_again_on_the_next_plan(tmp_path, gpu_machine):
+    # A kernel left half-written by a killed process fails to load: that is the machine's state, not the step's,
+    # and must not rule compiling out for good.
+    name = "c3iaobx7pvq7srrowycuontzkg5whpxyzq3i5n2ylx3aijq4gqwe7z.cpython-311-x86_64-linux-gnu.so"
+    kernel = f"{probe_module._inductor_cache()}/3i/{name}"
+    asked: list[str] = []
 
     def plan():
         prober = Prober(FakeTimes(GPU_TIMES), ProbeCache(tmp_path / "probes.json"), usable=lambda d: True)
-        prober.measure_compile = failing
+        prober.measure_compile = _failing_compile(ImportError(f"{kernel}: file too short"), asked)
         return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
 
     first, second = plan(), plan()
@@ -567,7 +571,58 @@ def test_a_compile_that_failed_on_a_file_is_tried_again_on_the_next_plan(tmp_pat
     assert "failed on this machine before" not in second.speed.compile_reason
     # The reason keeps the error's end, what went wrong, past the long path.
     assert second.speed.compile_reason.endswith("file too short), so not compiled")
-    assert "RuntimeError: InductorError: ImportError: /tmp/torchinductor_root/" in second.speed.compile_reason
+    assert "(RuntimeError: InductorError: ImportError: " in second.speed.compile_reason
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [
+        FileNotFoundError(2, "No such file or directory: 'cl'"),  # no compiler: it fails every time
+        PermissionError(13, "Permission denied: '/cache/torchinductor'"),  # a read-only cache, the same
+        ImportError("libgomp.so.1: cannot open shared object file"),  # a library the machine lacks
+    ],
+    ids=["no-compiler", "read-only", "no-library"],
+)
+def test_a_compile_that_fails_for_good_is_remembered(tmp_path, gpu_machine, cause):
+    asked: list[str] = []
+    for _ in range(2):
+        prober = Prober(FakeTimes(GPU_TIMES), ProbeCache(tmp_path / "probes.json"), usable=lambda d: True)
+        prober.measure_compile = _failing_compile(cause, asked)
+        plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
+    assert len(asked) == 1 and "it failed on this machine before" in plan.speed.compile_reason
+
+
+def test_a_full_disk_is_tried_again():
+    assert probe_module._passing(RuntimeError("x")) is False
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("CppCompileError") from None
+    except RuntimeError as e:
+        assert probe_module._passing(e)
+
+
+def test_gist_keeps_a_long_lines_start_and_end():
+    line = "ImportError: /tmp/torchinductor_me/" + "x" * 300 + ".so: file too short"
+    assert gist(ValueError(line + "\nmore lines")) == line[:77] + " ... " + line[-77:]
+    assert len(gist(ValueError(line))) <= 160 and gist(ValueError(line)).endswith(".so: file too short")
+    assert gist(ValueError("short\nsecond")) == "short" and gist(ValueError("")) == ""
+
+
+def test_cause_of_follows_raise_from_and_raise_while_handling():
+    root = ImportError("root")
+    try:
+        try:
+            raise root
+        except ImportError as e:
+            raise KeyError("wrapped") from e
+    except KeyError as wrapped:
+        assert cause_of(wrapped, ImportError) is root and cause_of(wrapped, OSError) is None
+        try:
+            raise RuntimeError("outer")  # while handling: its __context__
+        except RuntimeError as outer:
+            assert cause_of(outer, ImportError) is root and cause_of(outer, RuntimeError) is outer
 
 
 def test_a_compile_figure_cached_without_the_forward_pass_is_timed_again(tmp_path):
