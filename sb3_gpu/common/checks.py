@@ -161,7 +161,10 @@ def net_arch(value: Any, where: str) -> list[int] | dict[str, list[int]]:
                 raise ConfigError(f"{where}.{k}: expected a list of layer widths, got {v!r}")
             out[k] = [layer(x, f"{where}.{k}") for x in v]
         return out
-    raise ConfigError(f"{where}: expected a list of layer widths like [64, 64] or {{pi: [...], vf: [...]}}, got {value!r}")
+    raise ConfigError(
+        f"{where}: expected a list of layer widths like [64, 64], or {{pi: [...], vf: [...]}} (PPO) or "
+        f"{{pi: [...], qf: [...]}} (SAC, TD3, TQC), got {value!r}"
+    )
 
 
 def choice(choices: tuple[str, ...] | list[str]) -> Check:

@@ -55,7 +55,8 @@ def load_preset_file(algo: Algo, path: Path | str | None = None) -> tuple[Mappin
 
 
 def select_entry(entries: Mapping[str, Any], env_id: str, is_atari: bool, where: str) -> str:
-    """The entry for an env: its own id, else ``atari`` for Atari games, else ``default``.
+    """The entry for an env: its own id, else (in an rl-zoo3 file) its task's entry in another version, else
+    ``atari`` for Atari games, else ``default``.
 
     In a preset file, an entry that is no registered id but looks like ``env_id`` is a typo, refused rather than
     passed over for the fallback (the run would train on ``default``'s values without a word). rl-zoo3's files are
@@ -78,8 +79,8 @@ def select_entry(entries: Mapping[str, Any], env_id: str, is_atari: bool, where:
 
 def _other_version(entries: Mapping[str, Any], env_id: str) -> str | None:
     """In an rl-zoo3 file, the newest entry for another version of ``env_id``'s env: its files lag behind
-    gymnasium's versions (MuJoCo's ``-v4`` entries for the ``-v5`` envs), and the task's values beat ``default``'s.
-    The plan names the entry it took."""
+    gymnasium's versions (MuJoCo's ``-v4`` entries for the ``-v5`` envs), and the task's values beat ``default``'s,
+    whichever version is newer. The plan names the entry it took."""
     name, sep, version = env_id.rpartition("-v")
     if not isinstance(entries, ZooEntries) or not sep or not version.isdigit():
         return None

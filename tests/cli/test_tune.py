@@ -444,7 +444,7 @@ def test_a_continuous_study_trains_its_trial_and_exports_a_preset_train_accepts(
     assert out.returncode == 0, out.stderr
     (trial,) = load(f"sqlite:///{tmp_path / 'study.db'}", f"{algo}-Pendulum-v1").trials
     assert trial.state == optuna.trial.TrialState.COMPLETE, trial.user_attrs
-    assert -2000 < trial.value < 0  # Pendulum's return, not a placeholder
+    assert -3300 < trial.value < 0  # Pendulum's return (at worst about -16.3 a step, 200 steps), not a placeholder
     entry = yaml.safe_load((tmp_path / "best_preset.yaml").read_text())["Pendulum-v1"]
     assert entry["learning_rate"] == pytest.approx(trial.params["learning_rate"])
     assert (entry["tau"], entry["learning_starts"]) == (trial.params["tau"], trial.params["learning_starts"])
