@@ -165,7 +165,7 @@ class Algo:
     default_width: int = 64
     # The networks a dict net_arch names, each required: SB3 builds only these, ignores any other key, and builds a
     # missing one empty (PPO) or refuses it when the model is built (SAC's family). None: a list of widths only.
-    net_arch_heads: tuple[str, ...] | None = ("pi", "qf")
+    net_arch_heads: tuple[str, ...] | None = None
 
     @property
     def fp16(self) -> bool:
@@ -175,13 +175,14 @@ class Algo:
 
 # SAC, TD3 and TQC: device buffers, the compiled, sync-free step, the probe, bf16 and gradient accumulation apply;
 # fp16 and PER do not yet.
+QF_HEADS = ("pi", "qf")  # the actor and its critics (SB3's get_actor_critic_arch)
 ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO, net_arch_heads=("pi", "vf")),
-    "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete, net_arch_heads=None),
-    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete, net_arch_heads=None),
-    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, default_width=256),
-    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, default_width=400),
-    "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, default_width=256),
+    "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),
+    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete),
+    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, default_width=256, net_arch_heads=QF_HEADS),
+    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, default_width=400, net_arch_heads=QF_HEADS),
+    "tqc": Algo("tqc", TQC, TQCParams, False, SyncFreeTQC, spaces.Box, default_width=256, net_arch_heads=QF_HEADS),
 }
 EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training")  # sb3_gpu's own, not SB3 arguments
 # Not an SB3 argument: the plan builds SB3's NormalActionNoise from it (SB3 takes the noise object, `action_noise`).
