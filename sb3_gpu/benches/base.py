@@ -4,7 +4,6 @@ drift hits both alike), the machine line, and results written as JSON and markdo
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any
 
 import torch as th
 
+from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import atomic_write_text, make_dir
 
 
@@ -63,8 +63,12 @@ def paired_medians(
 
 
 def machine_line() -> str:
-    """The processor, torch version and torch threads, for the first line of a bench's output."""
-    return f"machine: {platform.processor() or platform.machine()}, torch {th.__version__}, {th.get_num_threads()} threads"
+    """The processor's model name, torch version and torch threads, for the first line of a bench's output.
+
+    The model name, not just the architecture: the project's own figures come from VMs whose processor changes, and
+    a timing table is only comparable with one from the same processor.
+    """
+    return f"machine: {detect_hardware().cpu_model}, torch {th.__version__}, {th.get_num_threads()} threads"
 
 
 def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str) -> tuple[Path, Path]:
