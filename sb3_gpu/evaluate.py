@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
-from sb3_gpu.common.cli import Parser, interrupted, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, Terminated, interrupted, positive_int, print_error, seed_int, sigterm_as_interrupt
 from sb3_gpu.common.errors import ConfigError
 
 
@@ -33,29 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the evaluation is, so that it stops at once as Ctrl-C does."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
-        return _evaluate(args)
-    except _Terminated:
+        with sigterm_as_interrupt():  # stops at once, as Ctrl-C does
+            return _evaluate(args)
+    except Terminated:
         print_error("stopped by SIGTERM; nothing was evaluated")
         return 143
     except KeyboardInterrupt:
         print_error("interrupted; nothing was evaluated")
         return interrupted()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _evaluate(args: argparse.Namespace) -> int:

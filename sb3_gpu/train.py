@@ -14,7 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 from sb3_gpu import __version__
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS, default_env
-from sb3_gpu.common.cli import Parser, command, count_int, interrupted, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import (
+    Parser,
+    Terminated,
+    command,
+    count_int,
+    interrupted,
+    positive_int,
+    print_error,
+    seed_int,
+    sigterm_as_interrupt,
+)
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
 
@@ -285,38 +295,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run: RunDir | None = None  # once known, for the messages below
     try:
-        from sb3_gpu.planning.table import plan_table
-        from sb3_gpu.runs.rundir import RunDir
-        from sb3_gpu.runs.training import resume_run
+        with sigterm_as_interrupt():  # before training (planning, a compile, loading a buffer) as Ctrl-C
+            from sb3_gpu.planning.table import plan_table
+            from sb3_gpu.runs.rundir import RunDir
+            from sb3_gpu.runs.training import resume_run
 
-        console = cli_console()
-        if args.resume is not None:
-            run = RunDir(args.resume)
-            _check_resume_flags(parser, args, run)
-            summary = resume_run(
-                run.path,
-                timesteps=args.timesteps,
-                save_replay_buffer=args.save_replay_buffer,
-                progress=_progress_bar(args, console),
-                console=console,
-            )
-        else:
-            options = run_options(args)  # first: the plan's probe may compile for a minute
-            plan = plan_from_args(args)
-            console.print(plan_table(plan))
-            console.print(evaluation_line(plan, options), highlight=False, markup=False)
-            if args.plan:
-                return 0
-            run = RunDir.create(args.run_dir, plan.algo, plan.env.name)
-            summary = _train_new(plan, run, options, _progress_bar(args, console), console)
+            console = cli_console()
+            if args.resume is not None:
+                run = RunDir(args.resume)
+                _check_resume_flags(parser, args, run)
+                summary = resume_run(
+                    run.path,
+                    timesteps=args.timesteps,
+                    save_replay_buffer=args.save_replay_buffer,
+                    progress=_progress_bar(args, console),
+                    console=console,
+                )
+            else:
+                options = run_options(args)  # first: the plan's probe may compile for a minute
+                plan = plan_from_args(args)
+                console.print(plan_table(plan))
+                console.print(evaluation_line(plan, options), highlight=False, markup=False)
+                if args.plan:
+                    return 0
+                run = RunDir.create(args.run_dir, plan.algo, plan.env.name)
+                summary = _train_new(plan, run, options, _progress_bar(args, console), console)
     except ConfigError as e:
         print_error(str(e))
         return 2
     except StopNow:
         return _stopped_at_once(run, new=args.resume is None)
-    except KeyboardInterrupt:  # before the signal handlers were in place: building envs, say
+    except KeyboardInterrupt as e:  # outside the session's signal handlers: planning or building envs, say
         _remove_if_empty(run, new=args.resume is None)
-        print_error("interrupted before training began; nothing was saved")
+        kept = run is not None and run.path.exists() and (run.saved_states() or run.best_model.exists())
+        what = f"; {_saved_note(run)}" if kept else " before training began; nothing was saved"
+        if isinstance(e, Terminated):
+            print_error(f"stopped by SIGTERM{what}")
+            return interrupted(128 + signal.SIGTERM)
+        print_error(f"interrupted{what}")
         return interrupted()
     except (EnvWorkerError, TrainingDiverged) as e:
         print_error(str(e).splitlines()[0])

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shlex
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -59,6 +63,30 @@ def seed_int(text: str) -> int:
 
 def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it stops there as Ctrl-C would (its cleanup runs)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` inside the block (the main thread only: elsewhere signals cannot be set).
+
+    Without it SIGTERM's default action ends the process at once, past every ``finally``: a half-made run dir
+    would keep its lock. A training session sets its own handlers inside the block and restores this one after.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def interrupted(code: int = 130) -> int:

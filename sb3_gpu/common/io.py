@@ -8,7 +8,7 @@ import os
 import pickle
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import yaml
 
@@ -24,12 +24,18 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     Neither the temp file nor ``path`` is ever opened through a symbolic link: the temp file is created afresh
     (``O_EXCL | O_NOFOLLOW``), and the rename replaces a link at ``path`` rather than writing to its target.
     """
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+    """``atomic_write_bytes`` for a writer that streams into the file (a pickle of a large replay buffer, which
+    would otherwise be built whole in memory first). Any error in ``write`` removes the temp file, ``path`` untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with os.fdopen(_create_new(tmp), "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -113,8 +119,8 @@ def write_json(path: str | Path, data: Any) -> Path:
 
 
 def save_pickle(path: str | Path, obj: Any) -> Path:
-    """Pickle ``obj`` (VecNormalize statistics, a replay buffer) with one atomic write."""
-    return atomic_write_bytes(path, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    """Pickle ``obj`` (VecNormalize statistics, a replay buffer) with one atomic write, streamed to the file."""
+    return atomic_write(path, lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def load_pickle(path: str | Path, allowed: Mapping[str, Collection[str]], what: str) -> Any:

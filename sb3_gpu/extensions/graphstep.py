@@ -23,7 +23,7 @@ import torch as th
 
 from sb3_gpu.common.errors import gist
 from sb3_gpu.extensions.compile import CompileFallbackWarning
-from sb3_gpu.extensions.stepping import OptimizerStep
+from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep
 
 # Modes whose compiled code CUDA replays as a graph (on CUDA; elsewhere they compile as the default does).
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -96,11 +96,13 @@ class _Adam:
         """Whether the optimizer still holds this state (``load_state_dict`` replaces it)."""
         return all(optimizer.state[p].get("exp_avg") is m for p, (_, m, _) in zip(self.params, self.state, strict=True))
 
-    def apply(self, grads: Sequence[th.Tensor | None], lr: th.Tensor, ok: th.Tensor) -> th.Tensor:
-        """Update where ``ok`` and every new weight is finite; returns whether the update was applied."""
-        updates = []
+    def apply(self, grads: Sequence[th.Tensor | None], lr: th.Tensor, ok: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        """Update where ``ok`` and every new weight is finite; returns whether the update was applied, and which
+        parameters' new weights were not finite (one bool per parameter)."""
+        updates, finite = [], []
         for p, g, (step, m, v) in zip(self.params, grads, self.state, strict=True):
             if g is None:  # as torch's Adam, a parameter without a gradient is left alone
+                finite.append(ok.new_ones(()))
                 continue
             if self.weight_decay:
                 g = g + self.weight_decay * p
@@ -111,12 +113,14 @@ class _Adam:
             bias2_sqrt = (1 - self.beta2**new_step).sqrt()
             new_p = p - (lr / bias1) * new_m / (new_v.sqrt() / bias2_sqrt + self.eps)
             updates.append(((p, new_p), (m, new_m), (v, new_v), (step, new_step)))
+            finite.append(new_p.isfinite().all())
         # A finite gradient can still make a weight overflow: such a step is skipped too, so the weights stay finite.
-        ok = ok & th.stack([new_p.isfinite().all() for (_, new_p), *_ in updates]).all()
+        overflow = ~th.stack(finite)
+        ok = ok & ~overflow.any()
         for pairs in updates:
             for old, new in pairs:
                 old.copy_(th.where(ok, new, old))
-        return ok
+        return ok, overflow
 
 
 def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -177,7 +181,9 @@ class Descent:
         self._lr_set: float | None = None  # the value self.lr holds
         self.skipped = th.zeros((), dtype=th.long, device=device)  # steps skipped for a non-finite gradient
         self.first_bad = th.full((), -1, dtype=th.long, device=device)  # the first one's parameter, by position
-        self._names = [self.guard._names.get(id(p), "?") for p in self.adam.params]
+        names = [self.guard._names.get(id(p), "?") for p in self.adam.params]
+        # By position: a parameter's non-finite gradient, then its update that overflowed (the gradient finite).
+        self._names = names + [f"{UPDATE_OF}{name}" for name in names]
         self.guard.compiled = True  # the NaN guard need not read the weights at each rollout: they stay finite
         self.scaler = self.guard.loss_scale  # fp16: the step scales its loss and updates the scale on the device
         if self.scaler is not None:
@@ -238,14 +244,17 @@ class Descent:
             if self.max_grad_norm is not None:  # as clip_grad_norm_
                 coef = th.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
                 grads = [g * coef if g is not None else None for g in grads]
-            applied = self.adam.apply(grads, self.lr, ok if gate is None else ok & gate)
+            applied, overflow = self.adam.apply(grads, self.lr, ok if gate is None else ok & gate)
             found = ~applied if gate is None else gate & ~applied
             if scale is not None and self.scaler is not None:
                 # As the host's rule: above a scale of 1 a non-finite gradient is an overflow, the scale's to handle.
                 real = found & (scale <= 1.0)
                 self.scaler.update_on_device(found, taken=gate)
                 found = real
-            first = (~norms.isfinite()).int().argmax()  # 0 where only the loss or a new weight was: the first
+            # The first parameter whose gradient, else whose update, was not finite; past the names where only the
+            # loss was not (compiled, its NaN can reach the gradients as zeros).
+            bad = th.cat([~norms.isfinite(), overflow])
+            first = th.where(bad.any(), bad.int().argmax(), len(bad))
             self.first_bad.copy_(th.where((self.first_bad < 0) & found, first, self.first_bad))
             self.skipped.add_(found.long())
 

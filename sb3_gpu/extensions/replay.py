@@ -28,7 +28,9 @@ _TERMINAL_ROWS = 64  # first size of the memory-optimised layout's store of epis
 def _free_bytes(device: th.device) -> int | None:
     """Bytes free for new tensors on ``device``: CUDA's free memory, or the host's available RAM; None if unknown."""
     if device.type == "cuda":
-        return th.cuda.mem_get_info(device)[0]
+        # Blocks torch's allocator holds but no tensor uses (a buffer just released) are free to this process too.
+        cached = th.cuda.memory_reserved(device) - th.cuda.memory_allocated(device)
+        return th.cuda.mem_get_info(device)[0] + cached
     if device.type == "cpu":
         return psutil.virtual_memory().available
     return None

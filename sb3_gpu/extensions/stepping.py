@@ -139,7 +139,8 @@ class OptimizerStep:
 
     :ivar steps: steps the optimizer took
     :ivar on_non_finite: the NaN guard: given a parameter's name, the exception to raise when its gradient is not
-        finite (and no loss scale explains it)
+        finite (and no loss scale explains it); given ``UPDATE_OF`` and the name where a compiled step found the
+        gradient finite and the weight after the update not, and "" where it found only the loss non-finite
     :ivar listeners: called after each step taken or skipped (AMP logs its scale there)
     """
 
@@ -317,7 +318,8 @@ def raise_for_guards(model: BaseAlgorithm, values: dict[str, float]) -> None:
     for i, step in enumerate(optimizer_steps(model)):
         skipped, first = values.pop(f"{_GUARD}{i}/skipped", 0.0), values.pop(f"{_GUARD}{i}/first", -1.0)
         if skipped and step.on_non_finite is not None:
-            raise step.on_non_finite(step._bad_names[int(first)] if 0 <= first < len(step._bad_names) else "?")
+            # "": every gradient and update was finite, and the loss was not.
+            raise step.on_non_finite(step._bad_names[int(first)] if 0 <= first < len(step._bad_names) else "")
 
 
 def read_with_guards(model: BaseAlgorithm, log: DeviceLog) -> dict[str, float]:
@@ -339,6 +341,8 @@ def settle_guards(model: BaseAlgorithm) -> None:
 
 
 _GUARD = "sb3_gpu/guard"
+# Before a parameter's name given to ``on_non_finite``: its gradient was finite, the weight after the update was not.
+UPDATE_OF = "update of "
 
 
 def policy_optimizers(policy: th.nn.Module) -> list[th.optim.Optimizer]:

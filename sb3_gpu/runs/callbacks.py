@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -18,7 +19,7 @@ from stable_baselines3.common.utils import safe_mean
 
 from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import save_pickle
-from sb3_gpu.extensions.stepping import OptimizerStep, first_non_finite, optimizer_steps, settle_guards
+from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep, first_non_finite, optimizer_steps, settle_guards
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import save_state, settle_training
 from sb3_gpu.runs.telemetry import WindowedRate
@@ -93,9 +94,12 @@ class NanGuard(BaseCallback):
             step.on_non_finite = self._diverged
 
     def _diverged(self, name: str) -> TrainingDiverged:
+        if name.startswith(UPDATE_OF):  # a compiled step: the gradient was finite, the weight it made was not
+            what = f"the {name}"
+        else:
+            what = f"the gradient of {name}" if name else "the loss (its gradients finite)"
         return TrainingDiverged(
-            f"the gradient of {name} is NaN or inf at {self.num_timesteps:,} timesteps, so the step was not "
-            f"applied ({_CAUSES})"
+            f"{what} is NaN or inf at {self.num_timesteps:,} timesteps, so the step was not applied ({_CAUSES})"
         )
 
     def _on_rollout_start(self) -> None:
@@ -123,7 +127,7 @@ class NanGuard(BaseCallback):
 
 class AtomicCheckpointCallback(BaseCallback):
     """Checkpoints every ``save_freq`` calls, named as SB3's CheckpointCallback names them, written atomically: the
-    replay buffer and statistics before the model. A model with NaN or inf weights is never saved, and a step that the
+    statistics, the model, then the replay buffer. A model with NaN or inf weights is never saved, and a step that the
     NaN guard skipped on the device since the last log write stops the run here, before the checkpoint.
 
     :param save_freq: calls (env steps / n_envs) between checkpoints
@@ -142,7 +146,9 @@ class AtomicCheckpointCallback(BaseCallback):
             if bad is not None:
                 raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps")
             files = self.run_dir.checkpoint(self.num_timesteps)
-            save_state(self.model, files, replay_buffer=self.save_replay_buffer)
+            lost = save_state(self.model, files, replay_buffer=self.save_replay_buffer)
+            if lost is not None:  # the model is saved; the next checkpoint tries the buffer again
+                warnings.warn(f"checkpoint {files.model}: {lost}", RuntimeWarning, stacklevel=2)
             if self.verbose >= 2:
                 print(f"Saving model checkpoint to {files.model}")
         return True

@@ -194,11 +194,16 @@ class TimedEvalCallback(EvalCallback):
             last = self.evaluations_results[-1] if self.evaluations_results else None
             std = float(np.std(last)) if last is not None else None
             best = BestModel(self.num_timesteps, periodic, std, self.n_eval_episodes, periodic, confirmed=False)
-        self.best, self.best_mean_reward = best, best.mean
+        self.best_mean_reward = best.mean  # before on_new_best: SB3's StopTrainingOnRewardThreshold reads it
+        # The companions first (on_new_best saves the VecNormalize statistics), then the model, then its record, and
+        # self.best once all are written: a failed or stopped write never pairs the new model with the old statistics,
+        # nor a record or a summary with a model that is not on disk.
+        go_on = self.on_new_best.on_step() if self.on_new_best is not None else True
         if self.run_dir is not None:
             save_model(self.model, self.run_dir.best_model)
-            write_json(self.run_dir.best_record, dataclasses.asdict(best))  # after the model: never ahead of it
-        return self.on_new_best.on_step() if self.on_new_best is not None else True
+            write_json(self.run_dir.best_record, dataclasses.asdict(best))
+        self.best = best
+        return go_on
 
     def _log_success_callback(self, locals_: dict[str, Any], globals_: dict[str, Any]) -> None:
         # evaluate_policy calls this after every step of the evaluation env: the one place to stop it midway.

@@ -190,9 +190,11 @@ class Session:
             outcome.saved = f"the weights are NaN ({bad}), so no model was saved; {run.last_good()}"
         else:
             try:
-                save_state(model, run.final, replay_buffer=self.save_replay_buffer)
+                lost = save_state(model, run.final, replay_buffer=self.save_replay_buffer)
                 outcome.model_path = run.final.model
                 outcome.saved = f"model saved to {run.final.model} at {model.num_timesteps:,} timesteps"
+                if lost is not None:
+                    outcome.saved += f" ({lost}; --resume would start with an empty one)"
             except OSError as e:  # a full disk, say: the atomic writes kept every earlier file whole
                 outcome.saved = f"could not write {e.filename} ({e.strerror}); {run.last_good()}"
                 outcome.error = outcome.error or e

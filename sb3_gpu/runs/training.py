@@ -13,7 +13,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_gpu.common.cli import command
-from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.errors import ConfigError, closest, gist
 from sb3_gpu.common.io import make_dir, write_json, write_yaml
 from sb3_gpu.config.presets import Preset
 from sb3_gpu.config.runconfig import load_config
@@ -263,6 +263,7 @@ def _learn(
     )
     # Everything below runs inside the session: a second signal during the saves aborts them, and atomic writes
     # keep the old files.
+    failed: Exception | None = None  # an env that crashed in the final evaluation, raised once the summary is written
     with session:
         outcome = session.learn(preset.n_timesteps - model.num_timesteps, reset_num_timesteps=state is None)
         summary = _summary(plan, model, outcome)
@@ -274,6 +275,11 @@ def _learn(
                 summary["saved"] = (
                     f"{outcome.saved}; training was complete and its final evaluation was stopped "
                     f"(to evaluate: {command()} -m sb3_gpu.evaluate {run})"
+                )
+            except Exception as e:
+                failed = e
+                summary["saved"] = (
+                    f"{outcome.saved}; training was complete and its final evaluation failed ({type(e).__name__}: {gist(e)})"
                 )
             else:
                 summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
@@ -290,6 +296,8 @@ def _learn(
             summary["best_model"] = str(run.best_model)
         summary["curves"] = _draw_curves(plan, run)
         write_json(run.summary, summary)
+    if failed is not None:
+        raise failed
     if outcome.error is not None:
         if hasattr(outcome.error, "add_note"):  # Python 3.11+; summary.json says the same on 3.10
             outcome.error.add_note(str(outcome.saved))

@@ -206,6 +206,9 @@ def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist_with_its_prior
     fill(buffer, 12, n_envs=2)
     buffer.update_priorities(th.arange(10), th.linspace(0, 4, 10))
     buffer.sample(8)
+    sums = buffer.tree.sums.clone()
+    buffer.update_priorities(th.arange(2), th.tensor([float("nan"), 1.0]))  # refused: the trees stay as they were
+    assert int(buffer.refused_updates) == 1 and th.equal(buffer.tree.sums, sums)
     # The allowlist admits no torch tensor, so loading proves the pickle holds numpy arrays.
     path = save_pickle(tmp_path / "replay_buffer.pkl", buffer)
     model = DQN("MlpPolicy", "CartPole-v1", buffer_size=30, device="cpu", policy_kwargs=dict(net_arch=[8]))
@@ -215,6 +218,8 @@ def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist_with_its_prior
     assert th.equal(loaded.tree.sums, buffer.tree.sums) and th.equal(loaded.tree.mins, buffer.tree.mins)
     assert th.equal(loaded.max_priority, buffer.max_priority)
     assert th.equal(loaded.last_max_weight, buffer.last_max_weight)
+    loaded.check()  # the saving run's refusal was its own to report: a resumed run does not stop for it
+    assert int(loaded.refused_updates) == 0
     fill(loaded, 3, n_envs=2)
     assert loaded.sample(8).indices.max() < 30
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import weakref
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from sb3_gpu.common.io import save_pickle
 from sb3_gpu.extensions import replay
 from sb3_gpu.extensions.per import PrioritizedDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
+from sb3_gpu.runs import saving
 from sb3_gpu.runs.saving import load_replay_buffer
 
 SPACES = {
@@ -264,7 +267,9 @@ def test_refuses_a_buffer_larger_than_the_free_memory_before_allocating(monkeypa
 def test_the_free_memory_query_asks_cuda_on_a_gpu_and_the_host_on_the_cpu(monkeypatch):
     asked = []
     monkeypatch.setattr(th.cuda, "mem_get_info", lambda device: asked.append(device) or (123, 456))
-    assert replay._free_bytes(th.device("cuda", 1)) == 123 and asked == [th.device("cuda", 1)]
+    monkeypatch.setattr(th.cuda, "memory_reserved", lambda device: 50)  # 20 of them held by torch, unused
+    monkeypatch.setattr(th.cuda, "memory_allocated", lambda device: 30)
+    assert replay._free_bytes(th.device("cuda", 1)) == 143 and asked == [th.device("cuda", 1)]
     assert 0 < replay._free_bytes(th.device("cpu")) <= __import__("psutil").virtual_memory().total
 
 
@@ -276,14 +281,21 @@ def test_setting_the_device_moves_the_storage():
 
 
 @pytest.mark.parametrize("optimize_memory_usage", [False, True])
-def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist(tmp_path, optimize_memory_usage):
+def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist(tmp_path, monkeypatch, optimize_memory_usage):
     spaces = SPACES["vector-discrete"]
     buffer = DeviceReplayBuffer(30, *spaces, "cpu", 3, optimize_memory_usage)
     fill([buffer], record(*spaces, 3, steps=14, p_done=0.5))
     # The allowlist admits no torch tensor, so loading proves the pickle holds numpy arrays.
     path = save_pickle(tmp_path / "replay_buffer.pkl", buffer)
     model = DQN("MlpPolicy", "CartPole-v1", buffer_size=30, device="cpu", policy_kwargs=dict(net_arch=[8]))
-    model.replay_buffer = None
+    fresh = weakref.ref(model.replay_buffer)
+    real = saving.load_pickle
+
+    def load_pickle(*args):  # the model's own empty buffer is gone before the saved one is read
+        assert fresh() is None
+        return real(*args)
+
+    monkeypatch.setattr(saving, "load_pickle", load_pickle)
     load_replay_buffer(model, path)
     loaded = model.replay_buffer
     assert isinstance(loaded, DeviceReplayBuffer) and loaded.device == th.device("cpu")

@@ -292,6 +292,86 @@ def test_a_second_signal_with_only_a_best_model_names_it(tmp_path, monkeypatch, 
     assert (run_dir / "best_model.zip").exists()
 
 
+def test_sigterm_before_training_began_removes_the_new_run_dir_and_exits_143(tmp_path, monkeypatch, capsys):
+    def terminated_while_building(plan, run_dir, **kwargs):  # planning, a compile, building the envs
+        (run_dir / "config.yaml").write_text("written before the stop")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises on the next bytecode: never reached
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr("sb3_gpu.runs.training.train_run", terminated_while_building)
+    before = signal.getsignal(signal.SIGTERM)
+    run_dir = tmp_path / "run"
+    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress"]) == 143
+    assert capsys.readouterr().err == "error: stopped by SIGTERM before training began; nothing was saved\n"
+    assert not run_dir.exists()  # not left behind with its lock
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_crash_in_the_final_evaluation_keeps_the_model_and_writes_the_summary(tmp_path, monkeypatch, capsys):
+    from sb3_gpu.runs.session import Session
+
+    def crashed(self, episodes):
+        raise RuntimeError("the evaluation env broke")
+
+    monkeypatch.setattr(Session, "evaluate", crashed)
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "64", "--n-envs", "1", "--set", "n_steps=32"]
+    args += ["--set", "batch_size=32", "--eval-freq", "1000", "--run-dir", str(run_dir), "--no-progress"]
+    assert train_main(args) == 1
+    err = capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["saved"] == (
+        f"model saved to {run_dir / 'model.zip'} at 64 timesteps; training was complete and its final evaluation "
+        "failed (RuntimeError: the evaluation env broke)"
+    )
+    assert "RuntimeError: the evaluation env broke" in err and summary["saved"] in err.replace("\n", "")
+    assert _load(run_dir, run_dir / "model.zip").num_timesteps == 64
+
+
+def test_a_best_model_that_cannot_be_written_is_not_reported_as_the_best(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(model, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr("sb3_gpu.runs.evaluation.save_model", full)
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "64", "--n-envs", "1", "--set", "n_steps=32"]
+    args += ["--set", "batch_size=32", "--eval-freq", "32", "--eval-episodes", "1", "--confirm-episodes", "0"]
+    assert train_main([*args, "--run-dir", str(run_dir), "--no-progress"]) == 1
+    assert f"could not write {run_dir / 'best_model.zip'}: No space left on device" in capsys.readouterr().err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "best" not in summary and summary["best_eval_mean"] is None
+    assert not (run_dir / "best_model.zip").exists() and not (run_dir / "eval" / "best.json").exists()
+    assert _load(run_dir, run_dir / "model.zip").num_timesteps == 32  # the final save kept what was trained
+
+
+def test_a_replay_buffer_that_cannot_be_written_costs_the_buffer_not_the_model(tmp_path, monkeypatch):
+    from sb3_gpu.runs import saving
+
+    plan = make_plan("dqn", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", overrides={"learning_starts": 0})
+    env = build_env(plan)
+    model = build_model(plan, env)
+    model.learn(64)
+    run = RunDir(tmp_path)
+    run.final.replay_buffer.write_bytes(b"an older run's buffer")
+    real = saving.save_pickle
+
+    def out_of_memory(path, obj):
+        if Path(path) == run.final.replay_buffer:
+            raise MemoryError
+        return real(path, obj)
+
+    monkeypatch.setattr(saving, "save_pickle", out_of_memory)
+    assert saving.save_state(model, run.final, replay_buffer=True) == "the replay buffer was not saved (MemoryError)"
+    assert _load_zip(plan, run.final.model, env).num_timesteps == 64
+    assert not run.final.replay_buffer.exists() and _no_temp_files(tmp_path)  # never older than the model beside it
+    monkeypatch.setattr(saving, "save_pickle", real)
+    assert saving.save_state(model, run.final, replay_buffer=True) is None and run.final.replay_buffer.is_file()
+    env.close()
+
+
 class _StderrReader:
     """A process's stderr, read line by line as it comes, so that a test can wait for a line."""
 

@@ -301,7 +301,9 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         state.setdefault("_new_leaf", state["max_priority"] ** state["alpha"])
         state.setdefault("_strata", th.arange(0, dtype=th.float64))
         state.setdefault("_last_draw", None)
-        state.setdefault("refused_updates", th.zeros((), dtype=th.int64))
+        # Refusals are the saving run's, reported by it when it stopped; its priorities stayed finite. Carried over,
+        # they would stop a resumed run at its first log write whatever it did.
+        state["refused_updates"] = th.zeros((), dtype=th.int64)
         state.setdefault("_beta", th.zeros((), dtype=th.float64))
         super().__setstate__(state)  # then _place moves them, and the tree, to the buffer's device
 
