@@ -8,8 +8,10 @@ import json
 import shutil
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sb3_gpu import __version__
@@ -294,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     run: RunDir | None = None  # once known, for the messages below
+    started = time.time()
     try:
         with sigterm_as_interrupt():  # before training (planning, a compile, loading a buffer) as Ctrl-C
             from sb3_gpu.planning.table import plan_table
@@ -327,8 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stopped_at_once(run, new=args.resume is None)
     except KeyboardInterrupt as e:  # outside the session's signal handlers: planning or building envs, say
         _remove_if_empty(run, new=args.resume is None)
-        kept = run is not None and run.path.exists() and (run.saved_states() or run.best_model.exists())
-        what = f"; {_saved_note(run)}" if kept else " before training began; nothing was saved"
+        if run is not None and _written_since(run.summary, started):  # after training: closing the envs, say
+            what = f"; {_saved_note(run)}"
+        elif run is not None and args.resume is not None:
+            what = f" before training resumed; nothing new was saved, {run.last_good()}"
+        else:
+            what = " before training began; nothing was saved"
         if isinstance(e, Terminated):
             print_error(f"stopped by SIGTERM{what}")
             return interrupted(128 + signal.SIGTERM)
@@ -408,6 +415,13 @@ def _trained_to_the_end(run: RunDir, timesteps: int) -> bool:
     try:
         return timesteps >= int(load_config(run.config).hyperparameters["n_timesteps"])
     except (ConfigError, KeyError):
+        return False
+
+
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
         return False
 
 

@@ -35,6 +35,12 @@ def gist(e: BaseException, limit: int = 160) -> str:
     return f"{first[:half]} ... {first[-half:]}"
 
 
+def named(e: BaseException, limit: int = 160) -> str:
+    """``Type: gist``, or the type alone where the error has no text (a MemoryError)."""
+    text = gist(e, limit)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def cause_of(e: BaseException, kind: type[_E]) -> _E | None:
     """``e``, or the first exception that caused it (raised from, or while handling), that is a ``kind``."""
     seen: set[int] = set()

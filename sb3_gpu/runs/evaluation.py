@@ -197,7 +197,8 @@ class TimedEvalCallback(EvalCallback):
         self.best_mean_reward = best.mean  # before on_new_best: SB3's StopTrainingOnRewardThreshold reads it
         # The companions first (on_new_best saves the VecNormalize statistics), then the model, then its record, and
         # self.best once all are written: a failed or stopped write never pairs the new model with the old statistics,
-        # nor a record or a summary with a model that is not on disk.
+        # nor a record or a summary with a model that is not on disk. (It can leave the new statistics beside the old
+        # model, which the run's stop then reports; an OSError here ends the run.)
         go_on = self.on_new_best.on_step() if self.on_new_best is not None else True
         if self.run_dir is not None:
             save_model(self.model, self.run_dir.best_model)

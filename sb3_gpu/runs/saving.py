@@ -12,7 +12,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
-from sb3_gpu.common.errors import ConfigError, gist
+from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
 from sb3_gpu.extensions.stepping import settle_guards
@@ -75,6 +75,8 @@ def load_replay_buffer(model: BaseAlgorithm, path: Path) -> None:
     # The empty buffer the model was built with goes first: a device buffer of over half the GPU's free memory
     # would not fit beside it.
     model.replay_buffer = None  # type: ignore[attr-defined]
+    if getattr(model, "_fixed_buffer", None) is not None:  # a compiled step's hold on it: it fixes the new one
+        model._fixed_buffer = None  # type: ignore[attr-defined]
     buffer = load_pickle(path, REPLAY_BUFFER_PICKLE, "replay buffer")
     if not isinstance(buffer, ReplayBuffer):
         raise ConfigError(f"{path} holds a {type(buffer).__name__}, not a replay buffer")
@@ -87,24 +89,23 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
 
     The model comes before the buffer, which can take gigabytes and minutes to write and can fail where the model
     would not (a full disk, the host's memory, a second Ctrl-C): the model is what must be kept. The previous buffer
-    is removed first, so a buffer on disk is never older than the model beside it; resuming without one starts with
-    an empty buffer and says so.
+    is removed once the new model is written, so a buffer on disk is never older than the model beside it; resuming
+    without one starts with an empty buffer and says so.
 
     :return: why the replay buffer was not saved, where it was asked for and failed; else None
     """
     _finish_training(model)
-    files.replay_buffer.unlink(missing_ok=True)
     vec_normalize = model.get_vec_normalize_env()
     if vec_normalize is not None:
         save_pickle(files.vecnormalize, vec_normalize)
     save_model(model, files.model)
+    files.replay_buffer.unlink(missing_ok=True)  # the previous model's: after a failed model write it stays with it
     if not replay_buffer or getattr(model, "replay_buffer", None) is None:
         return None
     try:
         save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
     except Exception as e:  # MemoryError and pickling errors too: the model is saved, only the buffer is lost
-        why = f"{type(e).__name__}: {gist(e)}" if gist(e) else type(e).__name__  # a MemoryError has no text
-        return f"the replay buffer was not saved ({why})"
+        return f"the replay buffer was not saved ({named(e)})"
     return None
 
 

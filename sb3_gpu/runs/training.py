@@ -13,7 +13,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_gpu.common.cli import command
-from sb3_gpu.common.errors import ConfigError, closest, gist
+from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.io import make_dir, write_json, write_yaml
 from sb3_gpu.config.presets import Preset
 from sb3_gpu.config.runconfig import load_config
@@ -278,9 +278,7 @@ def _learn(
                 )
             except Exception as e:
                 failed = e
-                summary["saved"] = (
-                    f"{outcome.saved}; training was complete and its final evaluation failed ({type(e).__name__}: {gist(e)})"
-                )
+                summary["saved"] = f"{outcome.saved}; training was complete and its final evaluation failed ({named(e)})"
             else:
                 summary.update(final_eval_mean=mean, final_eval_std=std, eval_episodes=options.eval_episodes)
                 if not _check_best(plan, run, evaluator, options.confirming, session):

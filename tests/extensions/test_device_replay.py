@@ -287,7 +287,10 @@ def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist(tmp_path, monk
     fill([buffer], record(*spaces, 3, steps=14, p_done=0.5))
     # The allowlist admits no torch tensor, so loading proves the pickle holds numpy arrays.
     path = save_pickle(tmp_path / "replay_buffer.pkl", buffer)
-    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=30, device="cpu", policy_kwargs=dict(net_arch=[8]))
+    kwargs = {"buffer_size": 30, "device": "cpu", "policy_kwargs": {"net_arch": [8]}}
+    model = PrioritizedDQN("MlpPolicy", "CartPole-v1", replay_buffer_class=DeviceReplayBuffer, **kwargs)
+    assert model.compile_step() is None  # as a resumed run compiles before it loads: the step holds the buffer too
+    assert model._fixed_buffer is model.replay_buffer
     fresh = weakref.ref(model.replay_buffer)
     real = saving.load_pickle
 

@@ -308,6 +308,28 @@ def test_sigterm_before_training_began_removes_the_new_run_dir_and_exits_143(tmp
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sigterm_before_a_resume_trained_keeps_the_run_dir_and_names_its_last_model(tmp_path, monkeypatch, capsys):
+    plan = make_plan(
+        "ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, vec_env="dummy", overrides={"n_steps": 32, "batch_size": 32}
+    )
+    train_run(plan, tmp_path, eval_episodes=1, progress=False, report_s=None)
+    files = sorted(p.name for p in tmp_path.iterdir())
+
+    def terminated_while_loading(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the resume")
+
+    monkeypatch.setattr("sb3_gpu.runs.training.restore_model", terminated_while_loading)
+    assert train_main(["--resume", str(tmp_path), "--timesteps", "128", "--no-progress"]) == 143
+    err = capsys.readouterr().err.replace("\n", "")
+    assert err == (
+        "error: stopped by SIGTERM before training resumed; nothing new was saved, the last complete model is "
+        f"{tmp_path / 'model.zip'} (64 timesteps)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+
+
 def test_a_crash_in_the_final_evaluation_keeps_the_model_and_writes_the_summary(tmp_path, monkeypatch, capsys):
     from sb3_gpu.runs.session import Session
 
@@ -369,6 +391,15 @@ def test_a_replay_buffer_that_cannot_be_written_costs_the_buffer_not_the_model(t
     assert not run.final.replay_buffer.exists() and _no_temp_files(tmp_path)  # never older than the model beside it
     monkeypatch.setattr(saving, "save_pickle", real)
     assert saving.save_state(model, run.final, replay_buffer=True) is None and run.final.replay_buffer.is_file()
+    saved = run.final.replay_buffer.read_bytes()
+
+    def full(model, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(saving, "save_model", full)  # the model is not written: its own buffer stays beside it
+    with pytest.raises(OSError):
+        saving.save_state(model, run.final, replay_buffer=True)
+    assert run.final.replay_buffer.read_bytes() == saved
     env.close()
 
 
