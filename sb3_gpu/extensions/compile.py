@@ -9,7 +9,7 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
-from sb3_gpu.common.errors import ConfigError, gist
+from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.extensions.networks import policy_networks, steps_one_optimizer
 
 
@@ -35,7 +35,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
     except Exception as e:  # compilers fail in many ways (no C++ compiler, unsupported op, ...): all mean "fall back"
         for module in modules:
             module._compiled_call_impl = None  # what Module.compile set; torch has no public way to undo it
-        reason = f"torch.compile failed ({type(e).__name__}: {gist(e, 200)}); training uncompiled"
+        reason = f"torch.compile failed ({named(e, 200)}); training uncompiled"
         warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
         return reason
     # A shape seen only later (a last short minibatch, say) recompiles during training; if that fails, dynamo

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch as th
 
-from sb3_gpu.common.errors import gist
+from sb3_gpu.common.errors import named
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep
 
@@ -156,7 +156,7 @@ class CompiledFunction:
             with th._dynamo.config.patch(suppress_errors=False):
                 out = self._compiled(*inputs)
         except Exception as e:  # as CompiledStep: any failure means "run it uncompiled"
-            self.fallback = f"the compiled {self.what} failed ({type(e).__name__}: {gist(e, 200)}); it runs uncompiled"
+            self.fallback = f"the compiled {self.what} failed ({named(e, 200)}); it runs uncompiled"
             warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=2)
             self._compiled = None
             return self.fn(*inputs)
@@ -321,7 +321,7 @@ class CompiledUpdate:
             with th._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=False):
                 return self._compiled(*inputs)
         except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
-            self.fallback = f"the compiled gradient step failed ({type(e).__name__}: {gist(e, 200)}); it runs uncompiled"
+            self.fallback = f"the compiled gradient step failed ({named(e, 200)}); it runs uncompiled"
             warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=4)
             self._compiled = self._run
             return self._run(*inputs)

@@ -17,7 +17,7 @@ from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
-from sb3_gpu.common.errors import ConfigError, closest, gist
+from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
@@ -329,7 +329,7 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
     try:
         timing = prober.time_compile(option, mode)
     except Exception as e:  # compilers fail in many ways; each means "train eager"
-        reason = f"probe: the compiled step failed here ({type(e).__name__}: {gist(e)}), so not compiled"
+        reason = f"probe: the compiled step failed here ({named(e)}), so not compiled"
         return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile="false", compile_reason=reason))
     # Per env step as the device probe predicts it (training beside collection where the run overlaps them).
     env_s = facts.step_seconds or 0.0

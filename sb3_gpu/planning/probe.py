@@ -40,7 +40,7 @@ from gymnasium import spaces
 from stable_baselines3.common.preprocessing import get_action_dim
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
-from sb3_gpu.common.errors import cause_of, gist
+from sb3_gpu.common.errors import cause_of, named
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
@@ -646,7 +646,7 @@ class Prober:
             try:
                 timings[i] = self.measure(options[i], max(seconds, 0.02))
             except Exception as e:  # an op the precision lacks, out of memory, ...: not a candidate, and said why
-                failures[i] = f"{type(e).__name__}: {gist(e, 120)}"
+                failures[i] = named(e, 120)
                 continue
             if self.cache is not None and seconds >= MIN_CACHED_S:  # figures from a starved budget are not kept
                 self.cache.put(self._key(options[i]), timings[i])  # type: ignore[arg-type]
