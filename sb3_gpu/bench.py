@@ -395,7 +395,7 @@ def _main_train(args: argparse.Namespace, command: str) -> int:
     import gymnasium as gym
 
     from sb3_gpu.benches.base import write_results
-    from sb3_gpu.benches.train import ZOO, bench_train, train_markdown
+    from sb3_gpu.benches.train import RUNS_FILE, ZOO, bench_train, train_markdown
     from sb3_gpu.common.hardware import detect_hardware
 
     if (args.algo, args.env) not in ZOO:
@@ -407,9 +407,16 @@ def _main_train(args: argparse.Namespace, command: str) -> int:
         print_error(f"{args.env} registers no reward_threshold; pass --threshold")
         return 2
     print(f"machine: {detect_hardware().describe()}")
-    summary = bench_train(
-        args.algo, args.env, args.seeds, float(threshold), args.max_timesteps, args.eval_freq, args.eval_episodes
-    )
+    out = Path(args.out)
+    try:
+        summary = bench_train(
+            args.algo, args.env, args.seeds, float(threshold), args.max_timesteps, args.eval_freq, args.eval_episodes, out=out
+        )
+    except KeyboardInterrupt:
+        if not (out / RUNS_FILE).exists():
+            raise
+        print_error(f"interrupted; the runs that ended are kept in {out / RUNS_FILE}, and the same command goes on from them")
+        return interrupted()
     markdown = train_markdown(summary, command)
     print(markdown)
     paths = write_results(Path(args.out), "train", {"command": command, **summary}, markdown)

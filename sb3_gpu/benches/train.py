@@ -1,11 +1,17 @@
 """``bench train``: a preset against plain SB3 with rl-zoo3's hyperparameters, time and steps to a reward threshold,
 both trained through the same Session (NaN guard, signals, telemetry) and evaluated the same way (a new best confirmed
-on fresh episodes), so that neither pays for what the other skips."""
+on fresh episodes), so that neither pays for what the other skips.
+
+A seed's run is saved as it ends (``train-runs.json`` in the ``--out`` folder), and a later ``bench train`` with the same
+settings on the same machine keeps it and trains only what is missing: a comparison of hours per seed can be gathered
+over several sittings, and one stopped halfway loses only the run under way."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,14 +24,19 @@ from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.utils import LinearSchedule
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.hardware import detect_hardware
+from sb3_gpu.common.io import atomic_write_text, make_dir
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import confirm_count, eval_envs
 from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, train_to_threshold
 
-# rl-zoo3's published hyperparameters (hyperparams/ppo.yml and dqn.yml in DLR-RM/rl-baselines3-zoo), the baseline
-# that `bench train` runs with plain SB3. LunarLander-v3 takes the values rl-zoo3 lists for LunarLander-v2.
+# rl-zoo3's published hyperparameters (hyperparams/*.yml in DLR-RM/rl-baselines3-zoo), the baseline that `bench
+# train` runs with plain SB3. LunarLander-v3 takes the values rl-zoo3 lists for LunarLander-v2. ("lin", x) is
+# rl-zoo3's lin_x: x decaying linearly to 0 over the entry's `zoo_timesteps` (rl-zoo3's n_timesteps), else over the
+# bench's budget.
 ZOO: dict[tuple[str, str], dict[str, Any]] = {
     ("ppo", "CartPole-v1"): dict(
         n_envs=8,
@@ -80,6 +91,24 @@ ZOO["td3", "Pendulum-v1"] = dict(
     policy_kwargs=dict(net_arch=[400, 300]),
 )
 
+# LunarLanderContinuous-v3 takes the values rl-zoo3 lists for -v2: 400x300 networks; SAC's and TQC's learning rate
+# decays over their 500k steps whatever the bench's budget, so that the steps a run takes are the ones rl-zoo3 takes.
+ZOO["sac", "LunarLanderContinuous-v3"] = dict(
+    n_envs=1,
+    zoo_timesteps=500_000,
+    batch_size=256,
+    learning_rate=("lin", 7.3e-4),
+    buffer_size=1_000_000,
+    ent_coef="auto",
+    gamma=0.99,
+    tau=0.01,
+    train_freq=1,
+    gradient_steps=1,
+    learning_starts=10_000,
+    policy_kwargs=dict(net_arch=[400, 300]),
+)
+ZOO["tqc", "LunarLanderContinuous-v3"] = ZOO["sac", "LunarLanderContinuous-v3"]
+ZOO["td3", "LunarLanderContinuous-v3"] = ZOO["td3", "Pendulum-v1"]  # rl-zoo3 lists the same values for both
 
 # rl-zoo3's values for every Atari game (its `atari` entries), run with its AtariWrapper and a 4-frame stack.
 ZOO_ATARI: dict[str, dict[str, Any]] = {
@@ -105,16 +134,28 @@ def has_zoo_baseline(algo: str, env_id: str) -> bool:
 
 
 def zoo_model(
-    algo: str, env_id: str, seed: int, vec_env_cls: type[DummyVecEnv | SubprocVecEnv] = DummyVecEnv, device: str = "auto"
+    algo: str,
+    env_id: str,
+    seed: int,
+    vec_env_cls: type[DummyVecEnv | SubprocVecEnv] = DummyVecEnv,
+    device: str = "auto",
+    budget: int | None = None,
 ) -> BaseAlgorithm:
     """Plain SB3 as an rl-zoo3 user runs it: the published hyperparameters, DummyVecEnv (or ``vec_env_cls``) and
-    SB3's default device."""
+    SB3's default device.
+
+    :param budget: the env steps it will be trained for; a linear schedule of an entry with ``zoo_timesteps`` then
+        decays as it would over rl-zoo3's own length
+    """
     atari = (algo, env_id) not in ZOO and _is_atari(env_id)
     kwargs = dict(ZOO_ATARI[algo] if atari else ZOO[(algo, env_id)])
     n_envs = kwargs.pop("n_envs")
+    zoo_timesteps = kwargs.pop("zoo_timesteps", None)
+    # SB3 schedules read the fraction of learn()'s total left; over rl-zoo3's length that is budget / zoo_timesteps.
+    end_fraction = zoo_timesteps / budget if zoo_timesteps and budget else 1.0
     for key, value in list(kwargs.items()):
         if isinstance(value, tuple):
-            kwargs[key] = LinearSchedule(value[1], 0.0, 1.0)
+            kwargs[key] = LinearSchedule(value[1], 0.0, end_fraction)
     env: VecEnv
     if atari:
         # AtariWrapper skips frames itself: a v5 id's own frame skip is turned off, as sb3_gpu's own Atari path does.
@@ -161,6 +202,67 @@ def train_once(
     }
 
 
+RUNS_FILE = "train-runs.json"
+
+
+class SavedRuns:
+    """The seed runs of one comparison, saved in ``folder/train-runs.json`` as each ends.
+
+    Runs are kept only for the same settings on the same machine (its processor and core count): a file saved with
+    others is refused, never mixed in.
+    """
+
+    def __init__(self, folder: Path | None, settings: dict[str, Any]) -> None:
+        self.path = None if folder is None else folder / RUNS_FILE
+        self.settings = settings
+        self.runs: dict[str, dict[str, dict[str, Any]]] = {"sb3_gpu": {}, "sb3_zoo": {}}
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            saved = json.loads(self.path.read_text())
+            before = dict(saved["settings"])
+            differ = [k for k in sorted(settings.keys() | before.keys()) if before.get(k) != settings.get(k)]
+            runs = {side: dict(saved["runs"][side]) for side in self.runs}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{self.path} is not a saved bench train ({exc}); remove it or pass another --out") from None
+        if differ:
+            was = ", ".join(f"{k} {before.get(k)!r} (now {settings.get(k)!r})" for k in differ)
+            raise ConfigError(f"{self.path} holds runs with other settings: {was}; remove it or pass another --out")
+        self.runs = runs
+
+    def get(self, side: str, seed: int) -> dict[str, Any] | None:
+        return self.runs[side].get(str(seed))
+
+    def add(self, side: str, seed: int, run: dict[str, Any]) -> None:
+        self.runs[side][str(seed)] = run
+        if self.path is not None:
+            make_dir(self.path.parent, "--out folder")
+            atomic_write_text(self.path, json.dumps({"settings": self.settings, "runs": self.runs}, indent=2) + "\n")
+
+
+def _train_side(
+    side: str,
+    algo: str,
+    env_id: str,
+    seed: int,
+    max_timesteps: int | None,
+    budget: int,
+    threshold: float,
+    every: int,
+    episodes: int,
+) -> dict[str, Any]:
+    """One seed of one side: our preset as the plan makes it (the plan named in the run), or rl-zoo3's values."""
+    if side == "sb3_zoo":
+        return train_once(zoo_model(algo, env_id, seed, budget=budget), env_id, budget, threshold, every, episodes, seed)
+    plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
+    run = train_once(build_model(plan, build_env(plan)), env_id, budget, threshold, every, episodes, seed)
+    compiled = plan.speed.compile_label if plan.speed is not None else "false"
+    return {
+        **run,
+        "plan": f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs, compile {compiled}",
+    }
+
+
 def bench_train(
     algo: str,
     env_id: str,
@@ -170,31 +272,49 @@ def bench_train(
     eval_freq: int | None,
     episodes: int,
     print_fn: Callable[[str], None] = print,
+    out: Path | None = None,
 ) -> dict[str, Any]:
     """Our preset (device, vec env and threads chosen by the plan) and plain SB3 with rl-zoo3's values, per seed, in
-    turns; both to the same threshold on the same budget (the preset's), evaluated the same way."""
+    turns; both to the same threshold on the same budget (the preset's), evaluated the same way.
+
+    :param out: where each run is saved as it ends, and where runs of the same settings saved earlier are kept
+    """
     results: dict[str, list[dict[str, Any]]] = {"sb3_gpu": [], "sb3_zoo": []}
-    plan_text, every = "", 0
+    first = make_plan(algo, env_id, "auto", seed=seeds[0], n_timesteps=max_timesteps, training=False)
+    budget = max_timesteps or first.preset.n_timesteps
+    every = eval_freq or max(budget // THRESHOLD_EVALUATIONS, 1)
+    hardware = detect_hardware()
+    settings = {
+        "algo": algo,
+        "env": env_id,
+        "threshold": threshold,
+        "budget": budget,
+        "eval_freq": every,
+        "eval_episodes": episodes,
+        "machine": f"{hardware.cpu_model}, {hardware.logical_cores} cores",
+    }
+    saved = SavedRuns(out, settings)
     for seed in seeds:
-        plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
-        compiled = plan.speed.compile_label if plan.speed is not None else "false"
-        plan_text = f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs, compile {compiled}"
-        budget = max_timesteps or plan.preset.n_timesteps
-        every = eval_freq or max(budget // THRESHOLD_EVALUATIONS, 1)
-        ours = build_model(plan, build_env(plan))
-        results["sb3_gpu"].append(train_once(ours, env_id, budget, threshold, every, episodes, seed))
-        zoo = zoo_model(algo, env_id, seed)
-        results["sb3_zoo"].append(train_once(zoo, env_id, budget, threshold, every, episodes, seed))
+        for side, runs in results.items():
+            run = saved.get(side, seed)
+            if run is not None:
+                print_fn(f"  seed {seed}: {side} kept from {saved.path}")
+            else:
+                run = _train_side(side, algo, env_id, seed, max_timesteps, budget, threshold, every, episodes)
+                saved.add(side, seed, run)
+            runs.append(run)
         print_fn(f"  seed {seed}: sb3_gpu {results['sb3_gpu'][-1]}, zoo {results['sb3_zoo'][-1]}")
     summary: dict[str, Any] = {
         "algo": algo,
         "env": env_id,
         "threshold": threshold,
         "seeds": list(seeds),
-        "plan": plan_text,
+        "plan": "; ".join(dict.fromkeys(run["plan"] for run in results["sb3_gpu"])),
+        "budget": budget,
         "eval_freq": every,
         "eval_episodes": episodes,
         "confirm_episodes": confirm_count(episodes),
+        "machine": settings["machine"],
     }
     for name, runs in results.items():
         seconds = [r["train_seconds"] for r in runs]
@@ -219,7 +339,8 @@ def train_markdown(summary: dict[str, Any], command: str) -> str:
     lines = [
         f"`{command}`: {summary['algo']} {summary['env']} to a mean eval return of {summary['threshold']:g}, confirmed "
         f"on {summary['confirm_episodes']} fresh episodes (evaluated every {summary['eval_freq']:,} env steps on "
-        f"{summary['eval_episodes']} episodes; {n} seeds; evaluation time excluded; ours: {summary['plan']})",
+        f"{summary['eval_episodes']} episodes; {n} seeds; a budget of {summary['budget']:,} env steps each; evaluation time "
+        f"excluded; ours: {summary['plan']}; {summary['machine']})",
         "",
         "| run | seeds reached | time to threshold, median [min-max] | timesteps, median [min-max] | steps/s |",
         "|---|---:|---:|---:|---:|",

@@ -119,6 +119,58 @@ def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path,
     assert data["plan"].endswith(", compile false"), data["plan"]  # planned for its 2,048 steps, too few to earn it
 
 
+def test_bench_train_keeps_each_run_as_it_ends_and_goes_on_from_them(tmp_path, monkeypatch, capsys):
+    import json
+
+    from sb3_gpu.benches import train
+
+    trained: list[tuple[str, int]] = []
+    signals = [KeyboardInterrupt("stopped by SIGINT")]  # one, for the fourth run: under way when it came
+
+    def fake_side(side, algo, env_id, seed, max_timesteps, budget, threshold, every, episodes):
+        if (side, seed) == ("sb3_zoo", 1) and signals:
+            raise signals.pop()
+        trained.append((side, seed))
+        run = {"seed": seed, "reached": True, "timesteps": 1000 * (seed + 1), "train_seconds": 10.0 + seed}
+        return {**run, "steps_per_s": 100.0, "best": 31.0, **({"plan": "device cpu"} if side == "sb3_gpu" else {})}
+
+    monkeypatch.setattr(train, "_train_side", fake_side)
+    args = ["train", "--seeds", "0", "1", "--threshold", "30", "--max-timesteps", "2048", "--out", str(tmp_path)]
+    assert bench.main(args) == 130
+    assert "the runs that ended are kept in" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "train-runs.json").read_text())
+    assert sorted(saved["runs"]["sb3_gpu"]) == ["0", "1"] and sorted(saved["runs"]["sb3_zoo"]) == ["0"]
+    assert not (tmp_path / "train.json").exists()
+
+    assert bench.main(args) == 0  # the same command trains only the run that was lost
+    assert trained == [("sb3_gpu", 0), ("sb3_zoo", 0), ("sb3_gpu", 1), ("sb3_zoo", 1)]
+    data = json.loads((tmp_path / "train.json").read_text())
+    assert [r["seed"] for r in data["sb3_zoo"]["runs"]] == [0, 1] and data["sb3_zoo"]["median_train_seconds"] == 10.5
+    assert data["budget"] == 2048 and data["plan"] == "device cpu"
+
+    other = [a if a != "30" else "40" for a in args]
+    assert bench.main(other) == 2  # other settings: refused, not mixed in
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "train-runs.json holds runs with other settings: threshold 30.0 (now 40.0)" in err, err
+    (tmp_path / "train-runs.json").write_text("[1, 2]")
+    assert bench.main(args) == 2
+    assert "train-runs.json is not a saved bench train" in capsys.readouterr().err
+    assert len(trained) == 4
+
+
+def test_zoo_schedules_decay_over_rl_zoo3s_length_whatever_the_budget():
+    from sb3_gpu.benches.train import zoo_model
+
+    sac = zoo_model("sac", "LunarLanderContinuous-v3", seed=0, budget=300_000)
+    # lin_7.3e-4 over rl-zoo3's 500k steps: at the end of a 300k budget 2/5 of it is left.
+    assert sac.lr_schedule(1.0) == pytest.approx(7.3e-4) and sac.lr_schedule(0.0) == pytest.approx(7.3e-4 * 0.4)
+    assert sac.policy.net_arch == [400, 300] and sac.learning_starts == 10_000 and sac.tau == 0.01
+    ppo = zoo_model("ppo", "CartPole-v1", seed=0, budget=100_000)  # no length of its own: over the budget
+    assert ppo.lr_schedule(0.0) == 0.0 and ppo.lr_schedule(1.0) == pytest.approx(1e-3)
+    for model in (sac, ppo):
+        model.get_env().close()
+
+
 def test_bench_envs_and_train_refuse_bad_names(capsys):
     assert bench.main(["envs", "--envs", "CartPol-v1", "--startup-workers", "0"]) == 2
     assert "did you mean 'CartPole-v1'" in capsys.readouterr().err
