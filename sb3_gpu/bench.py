@@ -350,7 +350,7 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
     import gymnasium as gym
 
     from sb3_gpu.benches.base import machine_line, write_results
-    from sb3_gpu.benches.solve import Case, bench_solve, solve_markdown
+    from sb3_gpu.benches.solve import ROWS_FILE, Case, bench_solve, solve_markdown
     from sb3_gpu.planning.plan import make_plan
 
     pers = [None if p == "preset" else p == "on" for p in dict.fromkeys(args.per)]
@@ -384,7 +384,14 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
         print_error(str(exc))
         return 2
     print(machine_line())
-    rows = bench_solve(cases, args.episodes, args.jobs)
+    out = Path(args.out)
+    try:
+        rows = bench_solve(cases, args.episodes, args.jobs, out=out)
+    except KeyboardInterrupt:
+        if not (out / ROWS_FILE).exists():
+            raise
+        print_error(f"interrupted; the cases that ended are kept in {out / ROWS_FILE}, and the same command goes on from them")
+        return interrupted()
     markdown = solve_markdown(rows, targets, args.episodes, command)
     print(markdown)
     print("written:", *write_results(Path(args.out), "solve", {"command": command, "rows": rows}, markdown))

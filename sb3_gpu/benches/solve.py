@@ -1,8 +1,13 @@
 """``bench solve``: do the presets solve their envs, seed after seed? Each case is trained as ``train`` trains it, and
-its best model is then evaluated on fresh episodes, as a user would with ``evaluate``."""
+its best model is then evaluated on fresh episodes, as a user would with ``evaluate``.
+
+Each case's row is saved as it ends (``solve-rows.json`` in the ``--out`` folder); the same case asked for again, with
+the same preset file and episodes on the same machine, is kept rather than trained again."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 import statistics
 import tempfile
@@ -13,6 +18,10 @@ from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.hardware import detect_hardware
+from sb3_gpu.common.io import atomic_write_text, make_dir
+from sb3_gpu.config.files import presets_dir
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import BestModel, evaluate_run
 from sb3_gpu.runs.training import train_run
@@ -84,26 +93,75 @@ def agrees(row: dict[str, Any], episodes: int) -> bool:
     return bool(row["evaluated"] >= row["reported_best"] - 2 * spread**0.5)
 
 
-def bench_solve(
-    cases: Sequence[Case], episodes: int, jobs: int, print_fn: Callable[[str], None] = print
-) -> list[dict[str, Any]]:
-    """Every case, ``jobs`` at a time in processes of their own (one at a time in this process with ``jobs=1``)."""
-    rows: list[dict[str, Any]] = []
+ROWS_FILE = "solve-rows.json"
 
-    def done(row: dict[str, Any]) -> None:
+
+class SavedRows:
+    """Rows of ended cases, in ``folder/solve-rows.json``, each keyed by its case, the sha256 of the preset file it
+    trained from, the fresh episodes and the machine: a row is kept only where all of these match."""
+
+    def __init__(self, folder: Path | None, episodes: int) -> None:
+        self.path = None if folder is None else folder / ROWS_FILE
+        hardware = detect_hardware()
+        self.context = {"episodes": episodes, "machine": f"{hardware.cpu_model}, {hardware.logical_cores} cores"}
+        self.rows: list[dict[str, Any]] = []
+        if self.path is not None and self.path.exists():
+            try:
+                rows = json.loads(self.path.read_text())["rows"]
+                self.rows = [dict(r) for r in rows if isinstance(r, dict)]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"{self.path} is not a saved bench solve ({exc}); remove it or pass another --out") from None
+
+    def key(self, case: Case) -> dict[str, Any]:
+        preset = Path(case.preset) if case.preset else presets_dir() / f"{case.algo}.yaml"
+        return {**asdict(case), "preset_sha256": hashlib.sha256(preset.read_bytes()).hexdigest(), **self.context}
+
+    def get(self, case: Case) -> dict[str, Any] | None:
+        key = self.key(case)
+        return next((r for r in self.rows if all(r.get(k) == v for k, v in key.items())), None)
+
+    def add(self, case: Case, row: dict[str, Any]) -> None:
+        key = self.key(case)
+        self.rows = [r for r in self.rows if any(r.get(k) != v for k, v in key.items())] + [{**row, **key}]
+        if self.path is not None:
+            make_dir(self.path.parent, "--out folder")
+            atomic_write_text(self.path, json.dumps({"rows": self.rows}, indent=2) + "\n")
+
+
+def bench_solve(
+    cases: Sequence[Case], episodes: int, jobs: int, print_fn: Callable[[str], None] = print, out: Path | None = None
+) -> list[dict[str, Any]]:
+    """Every case, ``jobs`` at a time in processes of their own (one at a time in this process with ``jobs=1``).
+
+    :param out: where each row is saved as it ends, and where rows of the same cases saved earlier are kept
+    """
+    rows: list[dict[str, Any]] = []
+    saved = SavedRows(out, episodes)
+
+    def done(row: dict[str, Any], kept: bool = False) -> None:
+        case = Case(**{k: row[k] for k in CASE_FIELDS})
+        if not kept:
+            saved.add(case, row)
         rows.append(row)
         best = "none" if row["reported_best"] is None else f"{row['reported_best']:.1f}"
         print_fn(
-            f"  {Case(**{k: row[k] for k in CASE_FIELDS}).label()}, seed "
-            f"{row['seed']}: {row['model']} {row['evaluated']:.1f} +/- {row['evaluated_std']:.1f} on {episodes} fresh "
-            f"episodes (reported best {best}) in {row['wall_s']:.0f} s"
+            f"  {case.label()}, seed {row['seed']}: {row['model']} {row['evaluated']:.1f} +/- "
+            f"{row['evaluated_std']:.1f} on {episodes} fresh episodes (reported best {best}) in {row['wall_s']:.0f} s"
+            + (f" (kept from {saved.path})" if kept else "")
         )
 
+    todo = []
+    for case in cases:
+        row = saved.get(case)
+        if row is None:
+            todo.append(case)
+        else:
+            done(row, kept=True)
     if jobs == 1:
-        for case in cases:
+        for case in todo:
             done(solve_case(case, episodes))
     else:
-        _solve_in_pool(cases, episodes, jobs, done)
+        _solve_in_pool(todo, episodes, jobs, done)
     order = {case: i for i, case in enumerate(cases)}
     return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in CASE_FIELDS})])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -330,3 +331,39 @@ def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     assert not (tmp_path / "solve.json").exists()
     assert not list(scratch.glob("sb3_gpu_solve_*")), "a stopped case left its temporary run dir behind"
+
+
+def test_bench_solve_keeps_each_ended_case_and_trains_only_the_rest_when_run_again(monkeypatch, capsys, tmp_path):
+    import json
+    import shutil
+
+    from sb3_gpu.benches import solve
+    from sb3_gpu.config.files import presets_dir
+
+    trained: list[int] = []
+    signals = [KeyboardInterrupt("stopped by SIGTERM")]  # one, under way in the third case
+
+    def fake_case(case, episodes):
+        if case.seed == 2 and signals:
+            raise signals.pop()
+        trained.append(case.seed)
+        run = {"evaluated": 500.0, "evaluated_std": 0.0, "model": "best_model.zip", "reported_best": 500.0}
+        return {**dataclasses.asdict(case), **run, "reported_best_std": 0.0, "reported_best_episodes": 30, "wall_s": 1.0}
+
+    monkeypatch.setattr(solve, "solve_case", fake_case)
+    preset = tmp_path / "dqn.yaml"
+    shutil.copy(presets_dir() / "dqn.yaml", preset)
+    args = ["solve", "--algos", "dqn", "--seeds", "0", "1", "2", "--preset", str(preset), "--out", str(tmp_path / "out")]
+    assert bench.main(args) == 130
+    assert "the cases that ended are kept in" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "solve.json").exists()
+
+    assert bench.main(args) == 0 and trained == [0, 1, 2]  # the same command trains only the case that was lost
+    assert capsys.readouterr().out.count("(kept from ") == 2
+    rows = json.loads((tmp_path / "out" / "solve.json").read_text())["rows"]
+    assert [r["seed"] for r in rows] == [0, 1, 2]
+
+    preset.write_text(preset.read_text() + "\n# changed\n")  # another preset file: nothing kept
+    assert bench.main(args) == 0 and trained == [0, 1, 2, 0, 1, 2]
+    saved = json.loads((tmp_path / "out" / "solve-rows.json").read_text())["rows"]
+    assert len(saved) == 6 and len({r["preset_sha256"] for r in saved}) == 2
