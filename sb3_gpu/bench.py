@@ -402,7 +402,7 @@ def _main_train(args: argparse.Namespace, command: str) -> int:
     import gymnasium as gym
 
     from sb3_gpu.benches.base import write_results
-    from sb3_gpu.benches.train import RUNS_FILE, ZOO, bench_train, train_markdown
+    from sb3_gpu.benches.train import ZOO, bench_train, runs_file, train_markdown
     from sb3_gpu.common.hardware import detect_hardware
 
     if (args.algo, args.env) not in ZOO:
@@ -420,9 +420,10 @@ def _main_train(args: argparse.Namespace, command: str) -> int:
             args.algo, args.env, args.seeds, float(threshold), args.max_timesteps, args.eval_freq, args.eval_episodes, out=out
         )
     except KeyboardInterrupt:
-        if not (out / RUNS_FILE).exists():
+        saved = out / runs_file(args.algo, args.env)
+        if not saved.exists():
             raise
-        print_error(f"interrupted; the runs that ended are kept in {out / RUNS_FILE}, and the same command goes on from them")
+        print_error(f"interrupted; the runs that ended are kept in {saved}, and the same command goes on from them")
         return interrupted()
     markdown = train_markdown(summary, command)
     print(markdown)

@@ -3,6 +3,7 @@ drift hits both alike), the machine line, and results written as JSON and markdo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -13,8 +14,10 @@ from typing import Any
 
 import torch as th
 
+from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import atomic_write_text, make_dir
+from sb3_gpu.config.files import presets_dir
 
 
 @dataclass(frozen=True)
@@ -77,3 +80,37 @@ def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str)
     json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
     md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
     return json_path, md_path
+
+
+def machine_key() -> str:
+    """The processor, its cores and the GPUs torch sees: what a saved result is kept for (a run timed with a GPU
+    hidden is not one timed with it)."""
+    hardware = detect_hardware()
+    gpus = ", ".join(g.name for g in hardware.gpus) or ("Apple MPS" if hardware.mps else "no GPU")
+    return f"{hardware.cpu_model}, {hardware.logical_cores} cores, {gpus}"
+
+
+def preset_sha256(algo: str, preset: str | None = None) -> str:
+    """The sha256 of the preset file a run of ``algo`` reads: ``preset`` (a path or ``zoo:SPEC``), else the bundled
+    one. A saved result is kept only for the same bytes."""
+    if preset is None:
+        path = presets_dir() / f"{algo}.yaml"
+    elif preset.startswith("zoo:"):
+        from sb3_gpu.config.zoo import zoo_file  # reads SB3's algorithm table: only when asked
+
+        path = zoo_file(preset.removeprefix("zoo:"))
+    else:
+        path = Path(preset)
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the preset file {path}: {exc.strerror or exc}") from None
+
+
+def save_json(path: Path, data: dict[str, Any], what: str) -> None:
+    """``data`` written atomically to ``path``; a failure (a full disk) is one line, not a traceback mid-bench."""
+    try:
+        make_dir(path.parent, "--out folder")
+        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot save {what} to {path}: {exc.strerror or exc}") from None

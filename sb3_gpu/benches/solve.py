@@ -6,7 +6,6 @@ the same preset file and episodes on the same machine, is kept rather than train
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import statistics
@@ -18,10 +17,8 @@ from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
+from sb3_gpu.benches.base import machine_key, preset_sha256, save_json
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.hardware import detect_hardware
-from sb3_gpu.common.io import atomic_write_text, make_dir
-from sb3_gpu.config.files import presets_dir
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import BestModel, evaluate_run
 from sb3_gpu.runs.training import train_run
@@ -53,6 +50,7 @@ CASE_FIELDS = ("algo", "env", "per", "amp", "seed", "timesteps", "preset", "eval
 
 def solve_case(case: Case, episodes: int) -> dict[str, Any]:
     """Train ``case`` into a temporary run dir and evaluate its best model on ``episodes`` fresh episodes."""
+    preset_hash = preset_sha256(case.algo, case.preset)  # the bytes the plan reads next, kept with the row
     overrides: dict[str, Any] = {"amp": case.amp}
     if case.per is not None:
         overrides["per"] = case.per
@@ -68,6 +66,7 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
     mean, std, count = chosen.figure if chosen is not None else (None, None, None)
     return {
         **asdict(case),
+        "preset_sha256": preset_hash,
         "amp_used": plan.speed.amp if plan.speed is not None else None,
         "compile_used": plan.speed.compile_label if plan.speed is not None else None,  # the plan's choice
         "evaluated": fresh["mean"],
@@ -102,8 +101,7 @@ class SavedRows:
 
     def __init__(self, folder: Path | None, episodes: int) -> None:
         self.path = None if folder is None else folder / ROWS_FILE
-        hardware = detect_hardware()
-        self.context = {"episodes": episodes, "machine": f"{hardware.cpu_model}, {hardware.logical_cores} cores"}
+        self.context = {"episodes": episodes, "machine": machine_key()}
         self.rows: list[dict[str, Any]] = []
         if self.path is not None and self.path.exists():
             try:
@@ -112,20 +110,18 @@ class SavedRows:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(f"{self.path} is not a saved bench solve ({exc}); remove it or pass another --out") from None
 
-    def key(self, case: Case) -> dict[str, Any]:
-        preset = Path(case.preset) if case.preset else presets_dir() / f"{case.algo}.yaml"
-        return {**asdict(case), "preset_sha256": hashlib.sha256(preset.read_bytes()).hexdigest(), **self.context}
-
     def get(self, case: Case) -> dict[str, Any] | None:
-        key = self.key(case)
+        key = {**asdict(case), "preset_sha256": preset_sha256(case.algo, case.preset), **self.context}
         return next((r for r in self.rows if all(r.get(k) == v for k, v in key.items())), None)
 
-    def add(self, case: Case, row: dict[str, Any]) -> None:
-        key = self.key(case)
-        self.rows = [r for r in self.rows if any(r.get(k) != v for k, v in key.items())] + [{**row, **key}]
+    def add(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Save ``row`` (which names the preset file's sha256 it trained from) in place of any of the same key."""
+        row = {**row, **self.context}
+        key = [*CASE_FIELDS, "preset_sha256", *self.context]
+        self.rows = [r for r in self.rows if any(r.get(k) != row[k] for k in key)] + [row]
         if self.path is not None:
-            make_dir(self.path.parent, "--out folder")
-            atomic_write_text(self.path, json.dumps({"rows": self.rows}, indent=2) + "\n")
+            save_json(self.path, {"rows": self.rows}, "the ended cases")
+        return row
 
 
 def bench_solve(
@@ -140,9 +136,7 @@ def bench_solve(
 
     def done(row: dict[str, Any], kept: bool = False) -> None:
         case = Case(**{k: row[k] for k in CASE_FIELDS})
-        if not kept:
-            saved.add(case, row)
-        rows.append(row)
+        rows.append(row if kept else saved.add(row))
         best = "none" if row["reported_best"] is None else f"{row['reported_best']:.1f}"
         print_fn(
             f"  {case.label()}, seed {row['seed']}: {row['model']} {row['evaluated']:.1f} +/- "

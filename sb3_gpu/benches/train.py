@@ -2,9 +2,9 @@
 both trained through the same Session (NaN guard, signals, telemetry) and evaluated the same way (a new best confirmed
 on fresh episodes), so that neither pays for what the other skips.
 
-A seed's run is saved as it ends (``train-runs.json`` in the ``--out`` folder), and a later ``bench train`` with the same
-settings on the same machine keeps it and trains only what is missing: a comparison of hours per seed can be gathered
-over several sittings, and one stopped halfway loses only the run under way."""
+A seed's run is saved as it ends (``train-runs-ALGO-ENV.json`` in the ``--out`` folder), and a later ``bench train``
+with the same settings on the same machine keeps it and trains only what is missing: a comparison of hours per seed
+can be gathered over several sittings, and one stopped halfway loses only the run under way."""
 
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.utils import LinearSchedule
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
+from sb3_gpu.benches.base import machine_key, preset_sha256, save_json
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.hardware import detect_hardware
-from sb3_gpu.common.io import atomic_write_text, make_dir
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model
 from sb3_gpu.planning.plan import make_plan
@@ -40,6 +39,7 @@ from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, train_to_threshold
 ZOO: dict[tuple[str, str], dict[str, Any]] = {
     ("ppo", "CartPole-v1"): dict(
         n_envs=8,
+        zoo_timesteps=100_000,
         n_steps=32,
         batch_size=256,
         gae_lambda=0.8,
@@ -114,6 +114,7 @@ ZOO["td3", "LunarLanderContinuous-v3"] = ZOO["td3", "Pendulum-v1"]  # rl-zoo3 li
 ZOO_ATARI: dict[str, dict[str, Any]] = {
     "ppo": dict(
         n_envs=8,
+        zoo_timesteps=10_000_000,
         n_steps=128,
         n_epochs=4,
         batch_size=256,
@@ -202,18 +203,20 @@ def train_once(
     }
 
 
-RUNS_FILE = "train-runs.json"
+def runs_file(algo: str, env_id: str) -> str:
+    """The file of one comparison's saved runs: one per algorithm and env, so that one ``--out`` folder holds many."""
+    return f"train-runs-{algo}-{env_id.replace('/', '_')}.json"
 
 
 class SavedRuns:
-    """The seed runs of one comparison, saved in ``folder/train-runs.json`` as each ends.
+    """The seed runs of one comparison, saved in ``folder/`` :func:`runs_file` as each ends.
 
-    Runs are kept only for the same settings on the same machine (its processor and core count): a file saved with
-    others is refused, never mixed in.
+    Runs are kept only for the same settings, preset file and machine (its processor, cores and GPUs): a file saved
+    with others is refused, never mixed in.
     """
 
     def __init__(self, folder: Path | None, settings: dict[str, Any]) -> None:
-        self.path = None if folder is None else folder / RUNS_FILE
+        self.path = None if folder is None else folder / runs_file(settings["algo"], settings["env"])
         self.settings = settings
         self.runs: dict[str, dict[str, dict[str, Any]]] = {"sb3_gpu": {}, "sb3_zoo": {}}
         if self.path is None or not self.path.exists():
@@ -236,8 +239,7 @@ class SavedRuns:
     def add(self, side: str, seed: int, run: dict[str, Any]) -> None:
         self.runs[side][str(seed)] = run
         if self.path is not None:
-            make_dir(self.path.parent, "--out folder")
-            atomic_write_text(self.path, json.dumps({"settings": self.settings, "runs": self.runs}, indent=2) + "\n")
+            save_json(self.path, {"settings": self.settings, "runs": self.runs}, "the ended runs")
 
 
 def _train_side(
@@ -283,7 +285,6 @@ def bench_train(
     first = make_plan(algo, env_id, "auto", seed=seeds[0], n_timesteps=max_timesteps, training=False)
     budget = max_timesteps or first.preset.n_timesteps
     every = eval_freq or max(budget // THRESHOLD_EVALUATIONS, 1)
-    hardware = detect_hardware()
     settings = {
         "algo": algo,
         "env": env_id,
@@ -291,7 +292,8 @@ def bench_train(
         "budget": budget,
         "eval_freq": every,
         "eval_episodes": episodes,
-        "machine": f"{hardware.cpu_model}, {hardware.logical_cores} cores",
+        "preset_sha256": preset_sha256(algo),
+        "machine": machine_key(),
     }
     saved = SavedRuns(out, settings)
     for seed in seeds:

@@ -139,7 +139,7 @@ def test_bench_train_keeps_each_run_as_it_ends_and_goes_on_from_them(tmp_path, m
     args = ["train", "--seeds", "0", "1", "--threshold", "30", "--max-timesteps", "2048", "--out", str(tmp_path)]
     assert bench.main(args) == 130
     assert "the runs that ended are kept in" in capsys.readouterr().err
-    saved = json.loads((tmp_path / "train-runs.json").read_text())
+    saved = json.loads((tmp_path / "train-runs-ppo-CartPole-v1.json").read_text())
     assert sorted(saved["runs"]["sb3_gpu"]) == ["0", "1"] and sorted(saved["runs"]["sb3_zoo"]) == ["0"]
     assert not (tmp_path / "train.json").exists()
 
@@ -152,10 +152,10 @@ def test_bench_train_keeps_each_run_as_it_ends_and_goes_on_from_them(tmp_path, m
     other = [a if a != "30" else "40" for a in args]
     assert bench.main(other) == 2  # other settings: refused, not mixed in
     (err,) = capsys.readouterr().err.strip().splitlines()
-    assert "train-runs.json holds runs with other settings: threshold 30.0 (now 40.0)" in err, err
-    (tmp_path / "train-runs.json").write_text("[1, 2]")
+    assert "train-runs-ppo-CartPole-v1.json holds runs with other settings: threshold 30.0 (now 40.0)" in err, err
+    (tmp_path / "train-runs-ppo-CartPole-v1.json").write_text("[1, 2]")
     assert bench.main(args) == 2
-    assert "train-runs.json is not a saved bench train" in capsys.readouterr().err
+    assert "train-runs-ppo-CartPole-v1.json is not a saved bench train" in capsys.readouterr().err
     assert len(trained) == 4
 
 
@@ -338,6 +338,7 @@ def test_bench_solve_keeps_each_ended_case_and_trains_only_the_rest_when_run_aga
     import shutil
 
     from sb3_gpu.benches import solve
+    from sb3_gpu.benches.base import preset_sha256
     from sb3_gpu.config.files import presets_dir
 
     trained: list[int] = []
@@ -348,6 +349,7 @@ def test_bench_solve_keeps_each_ended_case_and_trains_only_the_rest_when_run_aga
             raise signals.pop()
         trained.append(case.seed)
         run = {"evaluated": 500.0, "evaluated_std": 0.0, "model": "best_model.zip", "reported_best": 500.0}
+        run["preset_sha256"] = preset_sha256(case.algo, case.preset)  # read as the case starts, as solve_case does
         return {**dataclasses.asdict(case), **run, "reported_best_std": 0.0, "reported_best_episodes": 30, "wall_s": 1.0}
 
     monkeypatch.setattr(solve, "solve_case", fake_case)
@@ -361,9 +363,24 @@ def test_bench_solve_keeps_each_ended_case_and_trains_only_the_rest_when_run_aga
     assert bench.main(args) == 0 and trained == [0, 1, 2]  # the same command trains only the case that was lost
     assert capsys.readouterr().out.count("(kept from ") == 2
     rows = json.loads((tmp_path / "out" / "solve.json").read_text())["rows"]
-    assert [r["seed"] for r in rows] == [0, 1, 2]
+    assert [r["seed"] for r in rows] == [0, 1, 2] and all(r["episodes"] == 20 and r["preset_sha256"] for r in rows)
 
     preset.write_text(preset.read_text() + "\n# changed\n")  # another preset file: nothing kept
     assert bench.main(args) == 0 and trained == [0, 1, 2, 0, 1, 2]
     saved = json.loads((tmp_path / "out" / "solve-rows.json").read_text())["rows"]
     assert len(saved) == 6 and len({r["preset_sha256"] for r in saved}) == 2
+
+
+def test_saved_results_are_keyed_by_the_bytes_of_the_preset_file_a_run_reads(tmp_path):
+    import hashlib
+
+    from sb3_gpu.benches.base import preset_sha256
+    from sb3_gpu.common.errors import ConfigError
+    from sb3_gpu.config.files import presets_dir
+
+    zoo = tmp_path / "ppo.yml"
+    zoo.write_text("CartPole-v1:\n  n_timesteps: !!float 1e5\n  policy: MlpPolicy\n")
+    assert preset_sha256("ppo", f"zoo:{zoo}") == preset_sha256("ppo", str(zoo)) == hashlib.sha256(zoo.read_bytes()).hexdigest()
+    assert preset_sha256("ppo") == hashlib.sha256((presets_dir() / "ppo.yaml").read_bytes()).hexdigest()
+    with pytest.raises(ConfigError, match=r"cannot read the preset file .*nope\.yaml"):
+        preset_sha256("ppo", str(tmp_path / "nope.yaml"))
