@@ -117,8 +117,10 @@ def test_sigint_saves_everything_and_resume_continues_schedules_buffer_and_tenso
         "2",
         "--save-replay-buffer",
     )
-    _wait_for(run_dir / "checkpoints" / "model_1500_steps.zip", proc)
-    assert (run_dir / "checkpoints" / "model_replay_buffer_1500_steps.pkl").is_file()
+    # The checkpoint writes the model, then the buffer (atomically, under its final name only once whole): wait for
+    # the last of them, or a loaded machine can be between the two.
+    _wait_for(run_dir / "checkpoints" / "model_replay_buffer_1500_steps.pkl", proc)
+    assert (run_dir / "checkpoints" / "model_1500_steps.zip").is_file()
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
