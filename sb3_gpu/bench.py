@@ -169,6 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return interrupted()
 
 
+def _interrupted_keeping(saved: Path, what: str) -> int:
+    """After a signal: name the file that keeps what ended (re-raised to ``main``'s message where nothing did)."""
+    if not saved.exists():
+        raise KeyboardInterrupt
+    print_error(f"interrupted; the {what} that ended are kept in {saved}, and the same command goes on from them")
+    return interrupted()
+
+
 def _main_per(args: argparse.Namespace) -> int:
     from sb3_gpu.benches.base import machine_line
     from sb3_gpu.benches.per import bench_per
@@ -388,10 +396,7 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
     try:
         rows = bench_solve(cases, args.episodes, args.jobs, out=out)
     except KeyboardInterrupt:
-        if not (out / ROWS_FILE).exists():
-            raise
-        print_error(f"interrupted; the cases that ended are kept in {out / ROWS_FILE}, and the same command goes on from them")
-        return interrupted()
+        return _interrupted_keeping(out / ROWS_FILE, "cases")
     markdown = solve_markdown(rows, targets, args.episodes, command)
     print(markdown)
     print("written:", *write_results(Path(args.out), "solve", {"command": command, "rows": rows}, markdown))
@@ -420,11 +425,7 @@ def _main_train(args: argparse.Namespace, command: str) -> int:
             args.algo, args.env, args.seeds, float(threshold), args.max_timesteps, args.eval_freq, args.eval_episodes, out=out
         )
     except KeyboardInterrupt:
-        saved = out / runs_file(args.algo, args.env)
-        if not saved.exists():
-            raise
-        print_error(f"interrupted; the runs that ended are kept in {saved}, and the same command goes on from them")
-        return interrupted()
+        return _interrupted_keeping(out / runs_file(args.algo, args.env), "runs")
     markdown = train_markdown(summary, command)
     print(markdown)
     paths = write_results(Path(args.out), "train", {"command": command, **summary}, markdown)
