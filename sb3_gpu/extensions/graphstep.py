@@ -23,7 +23,7 @@ import torch as th
 
 from sb3_gpu.common.errors import named
 from sb3_gpu.extensions.compile import CompileFallbackWarning
-from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep
+from sb3_gpu.extensions.stepping import OptimizerStep
 
 # Modes whose compiled code CUDA replays as a graph (on CUDA; elsewhere they compile as the default does).
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -181,9 +181,10 @@ class Descent:
         self._lr_set: float | None = None  # the value self.lr holds
         self.skipped = th.zeros((), dtype=th.long, device=device)  # steps skipped for a non-finite gradient
         self.first_bad = th.full((), -1, dtype=th.long, device=device)  # the first one's parameter, by position
-        names = [self.guard._names.get(id(p), "?") for p in self.adam.params]
-        # By position: a parameter's non-finite gradient, then its update that overflowed (the gradient finite).
-        self._names = names + [f"{UPDATE_OF}{name}" for name in names]
+        # By position: a parameter's non-finite gradient, then its update that overflowed (the gradient finite); the
+        # guard's own list, which a fused torch step indexes too.
+        self._names = self.guard.position_names()
+        assert len(self._names) == 2 * len(self.adam.params)
         self.guard.compiled = True  # the NaN guard need not read the weights at each rollout: they stay finite
         self.scaler = self.guard.loss_scale  # fp16: the step scales its loss and updates the scale on the device
         if self.scaler is not None:

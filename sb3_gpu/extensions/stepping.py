@@ -224,9 +224,22 @@ class OptimizerStep:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
             self.loss_scale.to_device(params[0].device)
 
+    def position_names(self) -> list[str]:
+        """The names that the device-side guard's positions index: each trainable parameter's, in the optimizer's
+        order, then each again for an update that overflowed. One list for the fused torch step and the compiled one
+        (:mod:`sb3_gpu.extensions.graphstep`), so a position recorded by either names the same parameter after a run
+        switches from one to the other."""
+        names = [self._names.get(id(p), "?") for p in self._trainable()]
+        return names + [f"{UPDATE_OF}{name}" for name in names]
+
+    def _trainable(self) -> list[th.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
     def _step_or_skip_on_device(self, closure: Callable[[], Any] | None) -> Any:
-        with_grads = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        bad = ~th.stack(th._foreach_norm([p.grad for p in with_grads])).isfinite()
+        params = self._trainable()
+        norms = iter(th._foreach_norm([p.grad for p in params if p.grad is not None]))
+        zero = params[0].new_zeros(())  # a parameter without a gradient: finite, and its position kept
+        bad = ~th.stack([next(norms) if p.grad is not None else zero for p in params]).isfinite()
         found = bad.any()
         self.optimizer.found_inf = found.float()  # type: ignore[attr-defined]  # the fused kernels skip the update
         try:
@@ -245,7 +258,7 @@ class OptimizerStep:
         else:
             self._first_bad = th.where((self._first_bad < 0) & found, first, self._first_bad)
             self._skipped = self._skipped + found.long()
-        self._bad_names = [self._names.get(id(p), "?") for p in with_grads]
+        self._bad_names = self.position_names()
         self.steps += 1  # tried; the skipped ones are known when the flags are read
         self._notify()
         return out

@@ -514,3 +514,40 @@ def test_a_non_finite_gradient_names_its_parameter():
     net.optimizer = optimizer
     with pytest.raises(TrainingDiverged, match=r"^\[1\.bias\]$"):
         settle_guards(types.SimpleNamespace(policy=net))
+
+
+@pytest.mark.parametrize("poisoned_first", ["compiled", "fused"])
+def test_the_guard_names_the_right_parameter_when_a_run_switches_between_the_compiled_and_the_fused_step(poisoned_first):
+    # A run can leave the compiled step for torch's fused one (accumulation switched on, a loss scale swapped) and come
+    # back after a load; a skipped step's position, read only at the next log write, must still name its parameter,
+    # whichever step recorded it, and even where the fused step saw gradients for some parameters only.
+    net = th.nn.Sequential(th.nn.Linear(3, 2), th.nn.Linear(2, 1))
+    optimizer = th.optim.Adam(net.parameters(), lr=1e-2, fused=True)
+    guard = optimizer_step(optimizer, net)
+    guard.defer_checks = True
+    guard.on_non_finite = lambda name: TrainingDiverged(f"[{name}]")
+    descent = Descent(optimizer, guard, max_grad_norm=None)
+
+    def compiled(poison):
+        descent.prepare()
+        hook = net[1].bias.register_hook(lambda g: g * float("nan")) if poison else None
+        descent(net(th.ones(1, 3)).sum())
+        descent.finish(stepped=True)
+        if hook is not None:
+            hook.remove()
+
+    def fused(poison):
+        optimizer.zero_grad()
+        hook = net[1].bias.register_hook(lambda g: g * float("nan")) if poison else None
+        net[1](th.ones(1, 2)).sum().backward()  # the first layer gets no gradient
+        optimizer.step()
+        if hook is not None:
+            hook.remove()
+
+    first, then = (compiled, fused) if poisoned_first == "compiled" else (fused, compiled)
+    first(poison=True)
+    then(poison=False)
+    assert guard.steps == 2
+    net.optimizer = optimizer
+    with pytest.raises(TrainingDiverged, match=r"^\[1\.bias\]$"):
+        settle_guards(types.SimpleNamespace(policy=net))
