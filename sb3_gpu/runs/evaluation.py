@@ -20,7 +20,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import save_model, write_json
+from sb3_gpu.common.io import atomic_write_bytes, save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
@@ -197,14 +197,36 @@ class TimedEvalCallback(EvalCallback):
         self.best_mean_reward = best.mean  # before on_new_best: SB3's StopTrainingOnRewardThreshold reads it
         # The companions first (on_new_best saves the VecNormalize statistics), then the model, then its record, and
         # self.best once all are written: a failed or stopped write never pairs the new model with the old statistics,
-        # nor a record or a summary with a model that is not on disk. (It can leave the new statistics beside the old
-        # model, which the run's stop then reports; an OSError here ends the run.)
-        go_on = self.on_new_best.on_step() if self.on_new_best is not None else True
+        # nor a record or a summary with a model that is not on disk; the old statistics go back where the model's
+        # write fails (an OSError here ends the run).
+        restore = self._companions_restorer()
+        try:
+            go_on = self.on_new_best.on_step() if self.on_new_best is not None else True
+            if self.run_dir is not None:
+                save_model(self.model, self.run_dir.best_model)
+        except BaseException:
+            restore()
+            raise
         if self.run_dir is not None:
-            save_model(self.model, self.run_dir.best_model)
             write_json(self.run_dir.best_record, dataclasses.asdict(best))
         self.best = best
         return go_on
+
+    def _companions_restorer(self) -> Callable[[], None]:
+        """What puts the best model's VecNormalize statistics back as they are now (or removes new ones)."""
+        if self.run_dir is None:
+            return lambda: None
+        path = self.run_dir.best_vecnormalize
+        before = path.read_bytes() if path.is_file() else None
+
+        def restore() -> None:
+            with contextlib.suppress(OSError):  # the write that failed already says why; this one can only add noise
+                if before is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    atomic_write_bytes(path, before)
+
+        return restore
 
     def _log_success_callback(self, locals_: dict[str, Any], globals_: dict[str, Any]) -> None:
         # evaluate_policy calls this after every step of the evaluation env: the one place to stop it midway.

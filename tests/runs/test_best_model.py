@@ -52,11 +52,13 @@ def _scripted(monkeypatch, periodic: list[float], confirmations: list[float | Ex
     return asked
 
 
-def _learn(tmp_path, evaluations: int, **kwargs) -> tuple[TimedEvalCallback, Counting, PPO]:
+def _learn(
+    tmp_path, evaluations: int, on_new_best: Counting | None = None, **kwargs
+) -> tuple[TimedEvalCallback, Counting, PPO]:
     run = RunDir(tmp_path)
     env = make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=0)
     model = PPO("MlpPolicy", env, n_steps=EVERY, batch_size=EVERY, n_epochs=1, policy_kwargs={"net_arch": [8]}, seed=0)
-    on_new_best = Counting()
+    on_new_best = on_new_best if on_new_best is not None else Counting()
     evaluator = TimedEvalCallback(
         make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=1),
         run_dir=run,
@@ -99,6 +101,41 @@ def test_a_signal_during_a_confirmation_stops_training_and_keeps_the_previous_be
     run = RunDir(tmp_path)
     assert BestModel.read(run.best_record) == BestModel(32, 30.0, 1.0, 6, 10.0, confirmed=True)
     assert zip_timesteps(run.best_model) == 32
+
+
+class WritesStatistics(Counting):
+    """Writes the best model's VecNormalize statistics file, as SaveVecNormalizeCallback does, one version per best."""
+
+    def _on_step(self) -> bool:
+        super()._on_step()
+        RunDir(self.parent.run_dir.path).best_vecnormalize.write_bytes(b"statistics at %d" % self.num_timesteps)
+        return True
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_best_model_that_fails_to_save_leaves_the_previous_best_and_its_statistics_as_they_were(
+    tmp_path, monkeypatch, failing
+):
+    _scripted(monkeypatch, [10, 50], [30, 60])
+    saves = []
+
+    def save_model(model, path):
+        saves.append(model.num_timesteps)
+        if len(saves) == failing:
+            raise OSError(28, "No space left on device")
+        return real_save(model, path)
+
+    real_save = evaluation.save_model
+    monkeypatch.setattr(evaluation, "save_model", save_model)
+    run = RunDir(tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        _learn(tmp_path, 2, confirm_episodes=6, on_new_best=WritesStatistics())
+    if failing == 1:  # no best yet: no statistics left without their model
+        assert not run.best_vecnormalize.exists() and not run.best_model.exists()
+    else:
+        assert run.best_vecnormalize.read_bytes() == b"statistics at 32"
+        assert zip_timesteps(run.best_model) == 32
+        assert BestModel.read(run.best_record) == BestModel(32, 30.0, 1.0, 6, 10.0, confirmed=True)
 
 
 def test_a_resumed_evaluator_measures_candidates_against_the_confirmed_best(tmp_path):
