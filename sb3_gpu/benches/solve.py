@@ -10,6 +10,7 @@ import json
 import signal
 import statistics
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -164,10 +165,30 @@ def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+_case_under_way = threading.Event()  # in a pool worker: whether it is solving a case now
+
+
+def _solve_in_worker(case: Case, episodes: int) -> dict[str, Any]:
+    _case_under_way.set()
+    try:
+        return solve_case(case, episodes)
+    finally:
+        _case_under_way.clear()
+
+
+def _worker_signal(signum: int, frame: Any) -> None:
+    """A worker stopped before its training handles signals (building envs, say) unwinds as from Ctrl-C, so that its
+    case's temporary run dir is removed, not left behind by a process that SIGTERM's default action killed; an idle
+    one, waiting for a case, just exits (a KeyboardInterrupt there prints multiprocessing's traceback)."""
+    if _case_under_way.is_set():
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise SystemExit(128 + signum)
+
+
 def _worker_start() -> None:
-    # A worker stopped before its training handles signals (building envs, say) unwinds as from Ctrl-C, so that its
-    # case's temporary run dir is removed, not left behind by a process that SIGTERM's default action killed.
-    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    signal.signal(signal.SIGTERM, _worker_signal)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a bench started in the background keeps ignoring it
+        signal.signal(signal.SIGINT, _worker_signal)  # Ctrl-C in a terminal reaches the workers too
 
 
 def _solve_in_pool(cases: Sequence[Case], episodes: int, jobs: int, done: Callable[[dict[str, Any]], None]) -> None:
@@ -183,7 +204,7 @@ def _solve_in_pool(cases: Sequence[Case], episodes: int, jobs: int, done: Callab
             def submit() -> None:
                 case = next(waiting, None)
                 if case is not None:
-                    running.add(pool.submit(solve_case, case, episodes))
+                    running.add(pool.submit(_solve_in_worker, case, episodes))
 
             for _ in range(jobs):
                 submit()

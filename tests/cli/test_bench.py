@@ -328,9 +328,30 @@ def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
     bench_process.send_signal(signal.SIGTERM)  # to the bench alone, as a job scheduler may send it
     _, stderr = bench_process.communicate(timeout=300)  # a guard against a hang, not a speed limit
     assert bench_process.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr, stderr.decode()
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     assert not (tmp_path / "solve.json").exists()
     assert not list(scratch.glob("sb3_gpu_solve_*")), "a stopped case left its temporary run dir behind"
+
+
+def test_a_signal_unwinds_a_workers_case_and_lets_an_idle_worker_exit_quietly(monkeypatch):
+    # An idle worker waits inside multiprocessing's queue, where a KeyboardInterrupt prints a traceback; a SystemExit
+    # ends it quietly. A worker solving a case unwinds it as from Ctrl-C, so that its temporary run dir goes.
+    import signal
+
+    from sb3_gpu.benches import solve
+
+    with pytest.raises(SystemExit) as idle:
+        solve._worker_signal(signal.SIGTERM, None)
+    assert idle.value.code == 128 + signal.SIGTERM
+
+    def case_under_way(case, episodes):
+        solve._worker_signal(signal.SIGINT, None)
+
+    monkeypatch.setattr(solve, "solve_case", case_under_way)
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        solve._solve_in_worker(None, 20)
+    assert not solve._case_under_way.is_set()
 
 
 def test_bench_solve_keeps_each_ended_case_and_trains_only_the_rest_when_run_again(monkeypatch, capsys, tmp_path):
