@@ -20,7 +20,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import atomic_write_bytes, save_model, write_json
+from sb3_gpu.common.io import save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
@@ -205,26 +205,34 @@ class TimedEvalCallback(EvalCallback):
             if self.run_dir is not None:
                 save_model(self.model, self.run_dir.best_model)
         except BaseException:
-            restore()
+            restore(True)
             raise
+        restore(False)
         if self.run_dir is not None:
             write_json(self.run_dir.best_record, dataclasses.asdict(best))
         self.best = best
         return go_on
 
-    def _companions_restorer(self) -> Callable[[], None]:
-        """What puts the best model's VecNormalize statistics back as they are now (or removes new ones)."""
+    def _companions_restorer(self) -> Callable[[bool], None]:
+        """What, called with True, puts the best model's VecNormalize statistics back as they are now (or removes new
+        ones), and with False forgets them. A hard link keeps them: a full disk that failed the model's write leaves
+        no room for a copy."""
         if self.run_dir is None:
-            return lambda: None
+            return lambda failed: None
         path = self.run_dir.best_vecnormalize
-        before = path.read_bytes() if path.is_file() else None
+        kept = path.with_name(f".{path.name}.previous")
+        kept.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.link(path, kept)  # the statistics' writes replace the file by a rename: the link keeps the old one
 
-        def restore() -> None:
-            with contextlib.suppress(OSError):  # the write that failed already says why; this one can only add noise
-                if before is None:
-                    path.unlink(missing_ok=True)
+        def restore(failed: bool) -> None:
+            with contextlib.suppress(OSError):  # the write that failed already says why
+                if not failed:
+                    kept.unlink(missing_ok=True)
+                elif kept.exists():
+                    os.replace(kept, path)
                 else:
-                    atomic_write_bytes(path, before)
+                    path.unlink(missing_ok=True)
 
         return restore
 

@@ -10,6 +10,7 @@ import pytest
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 
+from sb3_gpu.common.io import atomic_write_bytes
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.evaluate import main as evaluate_main
 from sb3_gpu.runs import evaluation, training
@@ -108,7 +109,8 @@ class WritesStatistics(Counting):
 
     def _on_step(self) -> bool:
         super()._on_step()
-        RunDir(self.parent.run_dir.path).best_vecnormalize.write_bytes(b"statistics at %d" % self.num_timesteps)
+        path = RunDir(self.parent.run_dir.path).best_vecnormalize
+        atomic_write_bytes(path, b"statistics at %d" % self.num_timesteps)  # by a rename, as save_pickle writes
         return True
 
 
@@ -134,7 +136,7 @@ def test_a_best_model_that_fails_to_save_leaves_the_previous_best_and_its_statis
         assert not run.best_vecnormalize.exists() and not run.best_model.exists()
     else:
         assert run.best_vecnormalize.read_bytes() == b"statistics at 32"
-        assert zip_timesteps(run.best_model) == 32
+        assert zip_timesteps(run.best_model) == 32 and not list(tmp_path.glob(".best_vecnormalize*"))
         assert BestModel.read(run.best_record) == BestModel(32, 30.0, 1.0, 6, 10.0, confirmed=True)
 
 
