@@ -125,10 +125,10 @@ def test_measuring_compile_runs_their_step_compiled_whole_on_this_cpu(algo):
 
 
 def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
-    plan = make_plan("td3", "LunarLanderContinuous-v3", "cpu", overrides={"probe": False})
+    plan = make_plan("td3", "LunarLanderContinuous-v3", "cpu", overrides={"probe": False, "action_noise_std": 0.3})
     noise = model_kwargs(plan)["action_noise"]
     assert isinstance(noise, NormalActionNoise) and noise().shape == (2,)
-    np.testing.assert_allclose(noise._sigma, [0.1, 0.1])
+    np.testing.assert_allclose(noise._sigma, [0.3, 0.3])
     assert "action_noise" not in model_kwargs(make_plan("sac", "Pendulum-v1", "cpu", overrides={"probe": False}))
 
 
