@@ -156,6 +156,7 @@ class OptimizerStep:
         self._skipped: th.Tensor | None = None  # steps skipped on the device for a non-finite gradient
         self._first_bad: th.Tensor | None = None  # the position, among _bad_names, of the first one's parameter
         self._bad_names: list[str] = []
+        self._positions: tuple[tuple[int, ...], list[str]] = ((), [])  # position_names(), by the parameters' ids
         self._names = names
         self._micro = -1  # the micro-batch being computed; advanced by zero_grad, which SB3 calls before backward
         self._saved: dict[th.Tensor, th.Tensor] = {}
@@ -229,8 +230,12 @@ class OptimizerStep:
         order, then each again for an update that overflowed. One list for the fused torch step and the compiled one
         (:mod:`sb3_gpu.extensions.graphstep`), so a position recorded by either names the same parameter after a run
         switches from one to the other."""
-        names = [self._names.get(id(p), "?") for p in self._trainable()]
-        return names + [f"{UPDATE_OF}{name}" for name in names]
+        params = self._trainable()
+        key = tuple(id(p) for p in params)
+        if key != self._positions[0]:  # built once per set of parameters, not at every step
+            names = [self._names.get(id(p), "?") for p in params]
+            self._positions = (key, names + [f"{UPDATE_OF}{name}" for name in names])
+        return self._positions[1]
 
     def _trainable(self) -> list[th.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
