@@ -123,10 +123,10 @@ class _Adam:
         return ok, overflow
 
 
-def _own_code(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (bound) with a code object of its own: dynamo keeps compiled graphs per code object, and every
-    model's function would otherwise count against one recompile limit (8), which a process with several models
-    reaches."""
+def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a function or a bound method) with a code object of its own: dynamo keeps compiled graphs per code
+    object, and every model's function would otherwise count against one recompile limit (8), which a process with
+    several models reaches."""
     raw: Any = getattr(method, "__func__", method)
     own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
     bound = getattr(method, "__self__", None)
@@ -147,7 +147,7 @@ class CompiledFunction:
         self.fallback: str | None = None
         self._compiled: Callable[..., tuple[th.Tensor, ...]] | None = None  # None: run fn itself (mode "eager")
         if mode != "eager":
-            self._compiled = th.compile(_own_code(fn), fullgraph=True, mode=None if mode == "default" else mode)
+            self._compiled = th.compile(own_code(fn), fullgraph=True, mode=None if mode == "default" else mode)
 
     def __call__(self, *inputs: Any) -> tuple[th.Tensor, ...]:
         if self._compiled is None:
@@ -292,7 +292,7 @@ class CompiledUpdate:
         self._compiled: Callable[..., tuple[th.Tensor, ...]] = self._run
         if self.mode != "eager" and self.fallback is None:
             self._compiled = th.compile(
-                _own_code(self._run), fullgraph=True, mode=None if self.mode == "default" else self.mode
+                own_code(self._run), fullgraph=True, mode=None if self.mode == "default" else self.mode
             )
 
     def __call__(self, *inputs: Any, stepping: Sequence[int] | None = None) -> tuple[th.Tensor, ...]:

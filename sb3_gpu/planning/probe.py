@@ -44,7 +44,7 @@ from sb3_gpu.common.errors import cause_of, named
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
-from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
+from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent, own_code
 from sb3_gpu.extensions.stepping import OptimizerStep
 
 PROBE_BUDGET_S = 3.0
@@ -427,7 +427,9 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
         # every vec step. Where that pass does not compile, the run collects with it eager, and the step's figures
         # stand.
         forward = _forward(policy, w)
-        act = th.compile(forward, fullgraph=True, mode=None if mode == "default" else mode)
+        # Its own code object: dynamo's recompile limit (8) counts per code object, and a process that probes many
+        # policies (tune's trials) would otherwise reach it and time a pass that "did not compile".
+        act = th.compile(own_code(forward), fullgraph=True, mode=None if mode == "default" else mode)
         rollout_obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.n_envs))
         # SAC's and TQC's standard normal draw, made outside the graph as their runs make it.
         draws = [th.randn(w.n_envs, get_action_dim(w.action_space), device=device)] if w.algo in ("sac", "tqc") else []
@@ -460,7 +462,7 @@ def _forward(policy: Any, w: Workload) -> Callable[..., Any]:
     if w.algo in ("sac", "tqc"):
         return lambda obs, eps: squashed_sample(policy.actor, obs, eps)[0]
     if w.algo == "td3":
-        return policy.actor
+        return policy.actor.forward
     if w.algo == "ppo":
 
         def forward(obs: th.Tensor) -> Any:
@@ -469,7 +471,7 @@ def _forward(policy: Any, w: Workload) -> Callable[..., Any]:
             return out
 
         return forward
-    return getattr(policy, "q_net", None) or policy.quantile_net
+    return (getattr(policy, "q_net", None) or policy.quantile_net).forward
 
 
 def _paired_medians(

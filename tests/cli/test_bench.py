@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -319,9 +320,18 @@ def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
     parent = psutil.Process(bench_process.pid)
 
     def pool_workers() -> list[psutil.Process]:  # not spawn's resource tracker, which goes with the bench
-        return [child for child in parent.children() if "spawn_main" in " ".join(child.cmdline())]
+        found = []
+        for child in parent.children():
+            with contextlib.suppress(psutil.Error):  # one that exited between the listing and the reading
+                if "spawn_main" in " ".join(child.cmdline()):
+                    found.append(child)
+        return found
 
+    deadline = time.monotonic() + 300  # a guard against a bench that died before starting its pool, not a speed limit
     while len(pool_workers()) < 2:
+        if bench_process.poll() is not None:
+            pytest.fail(f"the bench ended before its pool started: {bench_process.stderr.read().decode()}")
+        assert time.monotonic() < deadline, "no pool workers after 300 s"
         time.sleep(0.2)
     workers = pool_workers()
     time.sleep(8)  # into the trainings: each worker imports torch and SB3 first

@@ -500,6 +500,17 @@ def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy
     assert timing.act_compile_s > 0 and not timing.act_failed
 
 
+def test_probing_many_policies_in_one_process_compiles_each_forward_pass():
+    # Dynamo's recompile limit (8) counts per code object: tune's trials probe network after network in one process,
+    # and forward passes that shared their code would, past the limit, be timed as "did not compile". Limit 1 here.
+    box = spaces.Box(-1, 1, (4,), np.float32)
+    with th._dynamo.config.patch(recompile_limit=1):
+        for algo, policy_class, depth in [("dqn", DQNPolicy, 1), ("dqn", DQNPolicy, 2), ("ppo", ActorCriticPolicy, 1)] * 2:
+            workload = Workload(algo, policy_class, box, spaces.Discrete(3), {"net_arch": [8] * depth}, 8, 2, 1)
+            timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.02)
+            assert not timing.act_failed, (algo, depth)
+
+
 def test_a_forward_pass_that_does_not_compile_leaves_the_steps_figures(monkeypatch):
     # The run would collect with that pass eager and keep its compiled step, so the probe must not drop the step.
     workload = Workload("dqn", DQNPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), {"net_arch": [16]}, 8, 2, 1)

@@ -180,7 +180,8 @@ def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
     try:
         base = f"http://127.0.0.1:{port}/data/plugin"
         deadline, layout, series = time.monotonic() + 90, None, None
-        while time.monotonic() < deadline and series is None:
+        # Until both are served: the layout reads {} until the server has loaded the event file.
+        while time.monotonic() < deadline and not (series and layout and layout.get("category")):
             time.sleep(1)
             try:
                 layout = json.loads(_get(f"{base}/custom_scalars/layout"))
@@ -190,7 +191,7 @@ def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
                     series = json.loads(data)
             except OSError:
                 continue
-        assert layout is not None and {c["title"] for c in layout["category"]} == set(DASHBOARD)
+        assert layout and {c["title"] for c in layout.get("category", [])} == set(DASHBOARD), layout
         assert series and all(point[2] > 0 for point in series), series
     finally:
         server.terminate()
