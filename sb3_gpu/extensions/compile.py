@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,16 @@ from sb3_gpu.extensions.networks import policy_networks, steps_one_optimizer
 
 class CompileFallbackWarning(UserWarning):
     """torch.compile failed, so the policy trains uncompiled; the message says why."""
+
+
+def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a function or a bound method) with a code object of its own: dynamo keeps compiled graphs per code
+    object, and every model's function would otherwise count against one recompile limit (8), which a process with
+    several models reaches."""
+    raw: Any = getattr(method, "__func__", method)
+    own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
+    bound = getattr(method, "__self__", None)
+    return own if bound is None else types.MethodType(own, bound)
 
 
 def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | None:
@@ -30,11 +42,15 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
     th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
     try:
         for module in modules:
+            # Each module's forward as code of its own: past the recompile limit, a process that builds many models
+            # of one class (tune's trials) would run the later ones uncompiled without a word.
+            module.forward = own_code(module.forward)
             module.compile(mode=None if mode == "default" else mode)
         _trial_step(model, batch_size)
     except Exception as e:  # compilers fail in many ways (no C++ compiler, unsupported op, ...): all mean "fall back"
         for module in modules:
             module._compiled_call_impl = None  # what Module.compile set; torch has no public way to undo it
+            module.__dict__.pop("forward", None)  # the class's forward again
         reason = f"torch.compile failed ({named(e, 200)}); training uncompiled"
         warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
         return reason

@@ -14,7 +14,6 @@ The same function runs uncompiled where compilation fails: it reads nothing back
 
 from __future__ import annotations
 
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -22,7 +21,7 @@ from typing import Any, NamedTuple
 import torch as th
 
 from sb3_gpu.common.errors import named
-from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.stepping import OptimizerStep
 
 # Modes whose compiled code CUDA replays as a graph (on CUDA; elsewhere they compile as the default does).
@@ -121,16 +120,6 @@ class _Adam:
             for old, new in pairs:
                 old.copy_(th.where(ok, new, old))
         return ok, overflow
-
-
-def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (a function or a bound method) with a code object of its own: dynamo keeps compiled graphs per code
-    object, and every model's function would otherwise count against one recompile limit (8), which a process with
-    several models reaches."""
-    raw: Any = getattr(method, "__func__", method)
-    own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
-    bound = getattr(method, "__self__", None)
-    return own if bound is None else types.MethodType(own, bound)
 
 
 class CompiledFunction:

@@ -42,9 +42,9 @@ from stable_baselines3.common.preprocessing import get_action_dim
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.errors import cause_of, named
 from sb3_gpu.common.io import atomic_write_text
-from sb3_gpu.extensions.compile import CompileFallbackWarning
+from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
-from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent, own_code
+from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
 from sb3_gpu.extensions.stepping import OptimizerStep
 
 PROBE_BUDGET_S = 3.0

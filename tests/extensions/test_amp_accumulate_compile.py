@@ -378,6 +378,7 @@ def test_compile_failure_falls_back_with_the_reason(monkeypatch):
         reason = compile_policy(model, "default", 32)
     assert reason is not None and "RuntimeError: no C++ compiler found" in reason
     assert all(m._compiled_call_impl is None for m in (model.policy.mlp_extractor, model.policy.action_net))
+    assert "forward" not in vars(model.policy.mlp_extractor)  # the class's own again
     model.learn(64)  # trains uncompiled
 
 
@@ -388,6 +389,19 @@ def test_compile_for_real_keeps_state_dict_keys_and_trains():
     assert model.policy.mlp_extractor._compiled_call_impl is not None
     assert set(model.policy.state_dict()) == keys, "saved models load in plain SB3"
     model.learn(128)
+
+
+def test_models_compiled_one_after_another_each_compile_past_the_recompile_limit():
+    # tune's trials build model after model in one process: with networks sharing their forward's code, dynamo's
+    # recompile limit (8; 1 here) would leave the later ones uncompiled without a word.
+    graphs = th._dynamo.utils.counters["stats"]
+    with th._dynamo.config.patch(recompile_limit=1):
+        for depth in (1, 2, 3):
+            model = DQN("MlpPolicy", "CartPole-v1", device="cpu", policy_kwargs={"net_arch": [8] * depth}, learning_starts=0)
+            before = graphs["unique_graphs"]
+            assert compile_policy(model, "default", 32) is None
+            assert graphs["unique_graphs"] > before, f"depth {depth}: its networks ran uncompiled"
+            model.learn(64)
 
 
 def test_a_real_compiler_failure_falls_back_and_training_goes_on(tmp_path):
