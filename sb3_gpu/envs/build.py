@@ -9,6 +9,7 @@ import os
 import pickle
 import signal
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -249,16 +250,20 @@ def explain_env_error(error: BaseException, venv: VecEnv) -> BaseException:
     base = venv.unwrapped
     if not isinstance(error, (EOFError, ConnectionError)) or not isinstance(base, SubprocVecEnv):
         return error
-    for index, process in enumerate(base.processes):
-        process.join(timeout=1)
-        if process.exitcode is not None:
+    # The pipe closes a moment before the worker exits, which on a loaded machine can take seconds: wait for the
+    # first of them to exit, not each in turn (the others are alive and would not).
+    deadline = time.monotonic() + 10
+    while True:
+        for index, process in enumerate(base.processes):
             code = process.exitcode
-            if code < 0:
-                cause = f"was killed by {signal.Signals(-code).name}"
-            else:
+            if code is not None:
                 cause = f"exited with code {code} (its traceback is above)"
-            return EnvWorkerError(f"env {index} (SubprocVecEnv worker, pid {process.pid}) {cause}", env_index=index)
-    return error
+                if code < 0:
+                    cause = f"was killed by {signal.Signals(-code).name}"
+                return EnvWorkerError(f"env {index} (SubprocVecEnv worker, pid {process.pid}) {cause}", env_index=index)
+        if time.monotonic() > deadline:
+            return error
+        time.sleep(0.05)
 
 
 def close_vec_envs(*venvs: VecEnv | None) -> None:

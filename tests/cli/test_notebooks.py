@@ -40,7 +40,13 @@ def _text(nb) -> str:
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("SB3_GPU_NOTEBOOK_SMOKE", "1")
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+        coalesce_streams=True,  # a printed line arrives whole, not split where the kernel flushed
+    )
     client.execute()  # raises CellExecutionError, naming the cell, on any error
     text = _text(nb)
     assert "sb3_gpu is installed" in text, "CI must skip the install cell (sb3_gpu is importable here)"
