@@ -25,6 +25,7 @@ def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     several models reaches."""
     raw: Any = getattr(method, "__func__", method)
     own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
+    own.__kwdefaults__ = raw.__kwdefaults__
     bound = getattr(method, "__self__", None)
     return own if bound is None else types.MethodType(own, bound)
 
@@ -40,6 +41,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
         )
     modules = policy_networks(model).compute
     th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
+    wrapped = {id(m): vars(m).get("forward") for m in modules}  # AMP's wrapper where enable_amp set one
     try:
         for module in modules:
             # Each module's forward as code of its own: past the recompile limit, a process that builds many models
@@ -50,7 +52,11 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
     except Exception as e:  # compilers fail in many ways (no C++ compiler, unsupported op, ...): all mean "fall back"
         for module in modules:
             module._compiled_call_impl = None  # what Module.compile set; torch has no public way to undo it
-            module.__dict__.pop("forward", None)  # the class's forward again
+            amp_forward = wrapped[id(module)]
+            if amp_forward is None:
+                vars(module).pop("forward", None)  # the class's forward again
+            else:
+                module.forward = amp_forward
         reason = f"torch.compile failed ({named(e, 200)}); training uncompiled"
         warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
         return reason

@@ -327,16 +327,23 @@ def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
                     found.append(child)
         return found
 
-    deadline = time.monotonic() + 300  # a guard against a bench that died before starting its pool, not a speed limit
-    while len(pool_workers()) < 2:
-        if bench_process.poll() is not None:
-            pytest.fail(f"the bench ended before its pool started: {bench_process.stderr.read().decode()}")
-        assert time.monotonic() < deadline, "no pool workers after 300 s"
-        time.sleep(0.2)
-    workers = pool_workers()
-    time.sleep(8)  # into the trainings: each worker imports torch and SB3 first
-    bench_process.send_signal(signal.SIGTERM)  # to the bench alone, as a job scheduler may send it
-    _, stderr = bench_process.communicate(timeout=300)  # a guard against a hang, not a speed limit
+    try:
+        deadline = time.monotonic() + 300  # a guard against a bench that died before starting its pool, not a speed limit
+        while len(pool_workers()) < 2:
+            if bench_process.poll() is not None:
+                pytest.fail(f"the bench ended before its pool started: {bench_process.stderr.read().decode()}")
+            assert time.monotonic() < deadline, "no pool workers after 300 s"
+            time.sleep(0.2)
+        workers = pool_workers()
+        time.sleep(8)  # into the trainings: each worker imports torch and SB3 first
+        bench_process.send_signal(signal.SIGTERM)  # to the bench alone, as a job scheduler may send it
+        _, stderr = bench_process.communicate(timeout=300)  # a guard against a hang, not a speed limit
+    finally:  # a failed test must not leave four million-step trainings running under the rest of the suite
+        if bench_process.poll() is None:
+            for process in [*parent.children(recursive=True), parent]:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            bench_process.wait(timeout=60)
     assert bench_process.returncode == 130, stderr.decode()
     assert b"Traceback" not in stderr, stderr.decode()
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)

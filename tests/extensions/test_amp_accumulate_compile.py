@@ -382,6 +382,25 @@ def test_compile_failure_falls_back_with_the_reason(monkeypatch):
     model.learn(64)  # trains uncompiled
 
 
+def test_a_compile_failure_keeps_amps_forward(monkeypatch):
+    # apply_speed enables AMP, then compiles: a fallback must leave the autocast wrapper, or the run trains in fp32
+    # while its plan says bf16.
+    from sb3_gpu.extensions.amp import _amp_forward
+
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    enable_amp(model, "bf16")
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        compile_policy(model, "default", 32)
+    for module in (model.policy.mlp_extractor, model.policy.action_net):
+        assert module._compiled_call_impl is None and vars(module)["forward"].__func__ is _amp_forward
+    model.learn(64)
+
+
 def test_compile_for_real_keeps_state_dict_keys_and_trains():
     model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
     keys = set(model.policy.state_dict())
