@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch as th
 from sb3_contrib import QRDQN, TQC
 from stable_baselines3 import DQN, PPO, SAC, TD3
 from stable_baselines3.common.base_class import BaseAlgorithm
@@ -203,6 +204,11 @@ def train_once(
     }
 
 
+# The torch threads a plain SB3 run gets: torch's own choice, taken before any plan sets its own. The baseline trains
+# with it, not with whatever the previous seed's plan left in the process.
+SB3_THREADS = th.get_num_threads()
+
+
 def runs_file(algo: str, env_id: str) -> str:
     """The file of one comparison's saved runs: one per algorithm and env, so that one ``--out`` folder holds many."""
     return f"train-runs-{algo}-{env_id.replace('/', '_')}.json"
@@ -255,7 +261,9 @@ def _train_side(
 ) -> dict[str, Any]:
     """One seed of one side: our preset as the plan makes it (the plan named in the run), or rl-zoo3's values."""
     if side == "sb3_zoo":
-        return train_once(zoo_model(algo, env_id, seed, budget=budget), env_id, budget, threshold, every, episodes, seed)
+        th.set_num_threads(SB3_THREADS)
+        run = train_once(zoo_model(algo, env_id, seed, budget=budget), env_id, budget, threshold, every, episodes, seed)
+        return {**run, "threads": SB3_THREADS}
     plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
     run = train_once(build_model(plan, build_env(plan)), env_id, budget, threshold, every, episodes, seed)
     compiled = plan.speed.compile_label if plan.speed is not None else "false"

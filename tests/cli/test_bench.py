@@ -121,6 +121,24 @@ def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path,
     assert data["plan"].endswith(", compile false"), data["plan"]  # planned for its 2,048 steps, too few to earn it
 
 
+def test_bench_train_trains_the_baseline_with_torchs_own_threads_not_those_a_plan_left(monkeypatch):
+    import torch as th
+
+    from sb3_gpu.benches import train
+
+    seen = []
+    monkeypatch.setattr(train, "zoo_model", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train, "train_once", lambda *args: seen.append(th.get_num_threads()) or {"seed": 0})
+    monkeypatch.setattr(train, "SB3_THREADS", 2)
+    before = th.get_num_threads()
+    try:
+        th.set_num_threads(1)  # as a plan for small networks leaves it
+        assert train._train_side("sb3_zoo", "sac", "Pendulum-v1", 0, None, 1000, -200.0, 100, 2)["threads"] == 2
+    finally:
+        th.set_num_threads(before)
+    assert seen == [2]
+
+
 def test_bench_train_keeps_each_run_as_it_ends_and_goes_on_from_them(tmp_path, monkeypatch, capsys):
     import json
 
