@@ -30,7 +30,6 @@ from typing import Any
 import torch as th
 import torch.nn.functional as F
 from sb3_contrib import TQC
-from sb3_contrib.common.utils import quantile_huber_loss
 from stable_baselines3 import SAC, TD3
 from stable_baselines3.common.preprocessing import get_action_dim
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
@@ -41,6 +40,7 @@ from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.hostreads import no_argument_checks
+from sb3_gpu.extensions.quantile import quantile_huber
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
 
@@ -405,7 +405,7 @@ class SyncFreeTQC(_EntropyRegularised, TQC):
 
     def _critic_loss(self, data: ReplayBufferSamples, target: th.Tensor) -> th.Tensor:
         current = self.critic(data.observations, data.actions)
-        return quantile_huber_loss(current, target, sum_over_quantiles=False)
+        return quantile_huber(current, target).mean()  # sb3-contrib's quantile_huber_loss(sum_over_quantiles=False)
 
     def _actor_q(self, observations: th.Tensor, actions: th.Tensor) -> th.Tensor:
         return self.critic(observations, actions).mean(dim=2).mean(dim=1, keepdim=True)

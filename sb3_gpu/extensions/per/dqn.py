@@ -19,6 +19,7 @@ from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
+from sb3_gpu.extensions.quantile import quantile_huber
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
 
@@ -267,9 +268,4 @@ class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
 
 def _quantile_huber_per_sample(current: th.Tensor, target: th.Tensor) -> th.Tensor:
     """sb3-contrib's quantile Huber loss (summed over quantiles) for each sample, before the batch mean."""
-    n = current.shape[-1]
-    cum_prob = ((th.arange(n, device=current.device, dtype=th.float) + 0.5) / n).view(1, -1, 1)
-    delta = target.unsqueeze(-2) - current.unsqueeze(-1)
-    abs_delta = th.abs(delta)
-    huber = th.where(abs_delta > 1, abs_delta - 0.5, delta**2 * 0.5)
-    return (th.abs(cum_prob - (delta.detach() < 0).float()) * huber).sum(dim=-2).mean(dim=-1)
+    return quantile_huber(current, target).sum(dim=-1)
