@@ -230,10 +230,22 @@ def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int) -> l
     """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled)."""
     # Inductor's CPU kernels then show in the profiler, one event per kernel call, as CUDA kernels do.
     th._inductor.config.cpp.enable_kernel_profile = True
+    checks = th.distributions.Distribution._validate_args
+    try:
+        return _rows(cases, device, repeats, vec_steps)
+    finally:
+        th.distributions.Distribution.set_default_validate_args(checks)
+
+
+def _rows(cases: list[str], device: str, repeats: int, vec_steps: int) -> list[StepRow]:
     rows = []
     for text in cases:
         for variant in VARIANTS:
             model, breaks = _model(text, device, variant)
+            # Dynamo turns torch.distributions' argument checks off for the whole process when it compiles, and
+            # SB3's distributions then skip their reads: each variant runs with them as a new process has them (on,
+            # as Python's asserts are), so SB3's row counts what SB3 reads whichever compiled variant went before.
+            th.distributions.Distribution.set_default_validate_args(__debug__)
             if breaks.startswith("not "):
                 print(f"  {text}, {variant}: {breaks}", flush=True)
                 continue

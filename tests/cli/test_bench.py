@@ -245,10 +245,26 @@ def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path):
         assert sb3["grad_reads"] >= 1 and eager["grad_reads"] == compiled["grad_reads"] == 0  # SB3 reads its losses
         assert eager["vec_reads"] <= 1  # the envs' actions (DQN's random ones read nothing)
         assert compiled["graph_breaks"] == "0" and compiled["grad_ops"] <= 0.2 * sb3["grad_ops"], case  # a fifth at most
-    # The actions, torch.distributions' two checks, and once per rollout the last values for the returns.
-    assert rows["ppo:CartPole-v1", "sb3"]["vec_reads"] == pytest.approx(3, abs=0.1)
+    # The actions, the values and log-probs SB3's host buffer stores, torch.distributions' two checks (on, as in a new
+    # process, though the QR-DQN case compiled before), and once per rollout the last values for the returns.
+    assert rows["ppo:CartPole-v1", "sb3"]["vec_reads"] == pytest.approx(5, abs=0.1)
     assert rows["ppo:CartPole-v1", "eager"]["vec_reads"] == 1
     assert "| qrdqn+per:CartPole-v1 | compiled | 0.00 |" in (tmp_path / "step.md").read_text()
+
+
+def test_bench_step_counts_sb3s_argument_checks_after_a_compile_turned_them_off(monkeypatch):
+    import torch as th
+
+    from sb3_gpu.benches import step
+
+    # What dynamo leaves after any compile in the process (an earlier case's compiled variant).
+    monkeypatch.setattr(th.distributions.Distribution, "_validate_args", False)
+    monkeypatch.setattr(step, "VARIANTS", ("sb3",))
+    (row,) = step.bench_step(["sac:Pendulum-v1"], "cpu", repeats=1, vec_steps=8)
+    # Per gradient step: four losses read for the log, and two checks of each of the two Normal distributions built;
+    # per vec step: the actions and the exploring distribution's two checks.
+    assert (row.grad_reads, row.vec_reads) == (10, 3)
+    assert th.distributions.Distribution._validate_args is False  # left as it was found
 
 
 def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys):
