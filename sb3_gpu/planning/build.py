@@ -54,11 +54,13 @@ def model_class(plan: Plan) -> type[BaseAlgorithm]:
     """The preset's class (plain SB3 where no extension is on), or sb3_gpu's subclass where the plan overlaps training
     with collection, compiles, or trains on a GPU: there its ``train()``, which reads nothing back from the device to
     log, spares the GPU the waits of SB3's (a read of every loss), and compiles each gradient step whole where the
-    plan compiles. The updates are SB3's either way."""
-    extended = get_algo(plan.algo).extended_class
+    plan compiles. TQC's subclass is taken everywhere: its eager step is the faster one on a CPU too. The updates are
+    SB3's either way."""
+    algo = get_algo(plan.algo)
+    extended = algo.extended_class
     on_gpu = plan.device.device.startswith("cuda")
     compiled = plan.speed is not None and plan.speed.compile != "false"
-    if (plan.training == "overlapped" or on_gpu or compiled) and extended is not None:
+    if (plan.training == "overlapped" or on_gpu or compiled or algo.eager_step_faster) and extended is not None:
         return extended
     return plan.preset.model_class
 
