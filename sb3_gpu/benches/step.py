@@ -31,8 +31,8 @@ from sb3_gpu.planning.plan import Plan, make_plan
 # (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand. ``dqn+per``: sb3_gpu's
 # variants with prioritized replay on the device, its trees searched by tensor ops as on a GPU (SB3's row is uniform
 # DQN, since SB3 has no PER).
-# SAC's family on Pendulum-v1 with rl-zoo3's networks (SAC and TQC 256x256, as on HalfCheetah; TD3 400x300): SAC's
-# and TD3's gpu profiles, since their cpu ones take 64x64.
+# SAC's family on Pendulum-v1: SAC's and TD3's gpu profiles, rl-zoo3's networks (256x256, as on HalfCheetah, and
+# 400x300), since their cpu ones take 64x64; TQC's cpu profile (64x64, batches of 128).
 CPU_CASES = [
     *("dqn:CartPole-v1", "dqn+per:CartPole-v1", "qrdqn:CartPole-v1", "ppo:CartPole-v1"),
     *("sac:Pendulum-v1:gpu", "td3:Pendulum-v1:gpu", "tqc:Pendulum-v1"),

@@ -168,7 +168,8 @@ class Algo:
     # missing one empty (PPO) or refuses it when the model is built (SAC's family). None: a list of widths only.
     net_arch_heads: tuple[str, ...] | None = None
     # TQC: its quantile loss makes its gradient in the forward pass (extensions.quantile), in about a third of
-    # sb3-contrib's passes over the pairwise differences; on a 2-core CPU its Pendulum step took half the time.
+    # sb3-contrib's passes over the pairwise differences; on a 2-core CPU its Pendulum preset trained at 232 env
+    # steps/s against about 154 with sb3-contrib's step (bench train).
     eager_step_faster: bool = False
 
     @property

@@ -49,8 +49,10 @@ def quantile_huber(current: th.Tensor, target: th.Tensor) -> th.Tensor:
     :param current: current quantiles, ``(batch, n)`` (QR-DQN) or ``(batch, n_critics, n)`` (TQC)
     :param target: target quantiles, broadcastable to ``current``'s shape with its last dimension any size
         (``(batch, m)`` or ``(batch, 1, m)``); treated as a constant
-    :return: a tensor of ``current``'s shape. Its ``mean()`` is ``quantile_huber_loss(current, target,
-        sum_over_quantiles=False)``; its ``sum(dim=-1)`` per sample is QR-DQN's loss before the batch mean.
+    :return: a tensor of ``current``'s shape (of the broadcast shape where ``target`` has more critics). Its
+        ``mean()`` is ``quantile_huber_loss(current, target, sum_over_quantiles=False)``; its ``sum(dim=-1)`` per
+        sample is QR-DQN's loss before the batch mean. Differentiable once, as SB3's training needs: its backward
+        is not itself differentiated (a second derivative through it reads zero).
     """
     if current.ndim not in (2, 3) or target.ndim != current.ndim or target.shape[0] != current.shape[0]:
         raise ValueError(

@@ -117,7 +117,7 @@ def fused(policy_kwargs: dict[str, Any], on_policy: bool) -> dict[str, Any]:
 
 def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:
     """An SB3 model for the plan (sb3_gpu's subclass where :func:`model_class` says: PER, gradient accumulation,
-    overlap, compile or a GPU), with the plan's speed settings applied (AMP, compile, torch threads;
+    overlap, compile, a GPU, and TQC always), with the plan's speed settings applied (AMP, compile, torch threads;
     ``torch.set_num_threads`` is process-wide).
 
     If torch.compile fails, the model trains uncompiled and a ``CompileFallbackWarning`` says why.
@@ -162,7 +162,7 @@ def make_model(
     **overrides: Any,
 ) -> PresetModel:
     """An SB3 model whose hyperparameters fit this machine (SB3's class, or sb3_gpu's subclass of it where an
-    extension is on: its zips load with SB3's own ``load``), and the preset's timesteps to train it for::
+    extension is on, and for TQC: its zips load with SB3's own ``load``), and the preset's timesteps to train it for::
 
         model, timesteps = make_model("ppo", "CartPole-v1", device="auto")
         model.learn(timesteps)
