@@ -99,3 +99,35 @@ def test_forward_and_backward_make_fewer_than_half_sb3_contribs_passes_over_the_
 def test_shapes_it_cannot_read_are_refused_in_one_line(current, target):
     with pytest.raises(ValueError, match=r"quantile_huber takes \(batch, n\) or \(batch, n_critics, n\)"):
         quantile_huber(current, target)
+
+
+def test_compiled_steps_keep_sb3_contribs_formula_which_inductor_fuses_better(monkeypatch):
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from sb3_gpu.extensions import continuous
+    from sb3_gpu.extensions.continuous import SyncFreeTQC
+    from sb3_gpu.extensions.per import dqn
+
+    def eager_only(current, target):
+        assert not th.compiler.is_compiling(), "the Function was traced into a compiled graph"
+        return quantile_huber(current, target)
+
+    Batch = namedtuple("Batch", "observations actions")
+    monkeypatch.setattr(continuous, "quantile_huber", eager_only)
+    monkeypatch.setattr(dqn, "quantile_huber", eager_only)
+    tqc_current, tqc_target = _inputs((16, 2, 5), (16, 1, 8), 0)
+    qr_current, qr_target = _inputs((16, 5), (16, 5), 1)
+
+    model = SimpleNamespace(critic=lambda observations, actions: observations)  # the critic's quantiles, given
+
+    def tqc_loss(current, target):
+        return SyncFreeTQC._critic_loss(model, Batch(current, None), target)
+
+    for loss, current, target in (
+        (tqc_loss, tqc_current, tqc_target),
+        (dqn._quantile_huber_per_sample, qr_current, qr_target),
+    ):
+        eager = loss(current, target)  # the Function
+        compiled = th.compile(loss, backend="eager", fullgraph=True)(current, target)  # sb3-contrib's formula
+        th.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)

@@ -268,4 +268,12 @@ class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
 
 def _quantile_huber_per_sample(current: th.Tensor, target: th.Tensor) -> th.Tensor:
     """sb3-contrib's quantile Huber loss (summed over quantiles) for each sample, before the batch mean."""
-    return quantile_huber(current, target).sum(dim=-1)
+    if not th.compiler.is_compiling():
+        return quantile_huber(current, target).sum(dim=-1)  # its gradient made in the forward pass
+    # Compiled: sb3-contrib's formula, which inductor fuses into fewer kernels.
+    n = current.shape[-1]
+    cum_prob = ((th.arange(n, device=current.device, dtype=th.float) + 0.5) / n).view(1, -1, 1)
+    delta = target.unsqueeze(-2) - current.unsqueeze(-1)
+    abs_delta = th.abs(delta)
+    huber = th.where(abs_delta > 1, abs_delta - 0.5, delta**2 * 0.5)
+    return (th.abs(cum_prob - (delta.detach() < 0).float()) * huber).sum(dim=-2).mean(dim=-1)
