@@ -4,16 +4,16 @@ sb3_gpu's eager step (device buffers, nothing logged read back) and sb3_gpu's co
 Per gradient step and per vec step: host reads (the device's values read back: ``.item()``, ``.cpu()``,
 ``bool(t)``, ...; counted by :class:`~sb3_gpu.extensions.hostreads.HostReads`), ops launched (on the CPU the
 innermost aten ops that compute and inductor's kernels, each one a launch on a GPU; on CUDA the kernels that ran,
-those a CUDA graph replays with one launch included), graph breaks of
-the compiled step (0 where it compiled with ``fullgraph=True``), and medians of wall time. On CUDA also the GPU's
-busy share during training and whether a training passes under ``torch.cuda.set_sync_debug_mode("error")``.
+those a CUDA graph replays with one launch included), graph breaks of the compiled step (0 where it compiled with
+``fullgraph=True``), and medians of wall time, a case's variants timed in turn. On CUDA also the GPU's busy share
+during training and whether a training passes under ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -202,15 +202,18 @@ def _in_guard(event: Any) -> bool:
     return False
 
 
-def _median_seconds(fn: Callable[[], None], device: th.device, repeats: int) -> float:
-    times = []
+def interleaved_medians(fns: Sequence[Callable[[], None]], device: th.device, repeats: int) -> list[float]:
+    """Median wall seconds of each of ``fns``, timed in turn (a, b, c, a, b, c, ...): each meets the machine as the
+    others do. Timed one after the other, a variant's figure moved with what had run before it in the process."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, out in zip(fns, times, strict=True):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def _sync_free(fn: Callable[[], None], device: th.device) -> str | None:
@@ -237,44 +240,68 @@ def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int) -> l
         th.distributions.Distribution.set_default_validate_args(checks)
 
 
+def _checks_as_a_new_process() -> None:
+    """Dynamo turns torch.distributions' argument checks off for the whole process when it compiles, and SB3's
+    distributions then skip their reads: every variant runs with them as a new process has them (on, as Python's
+    asserts are), so SB3's row counts what SB3 reads whichever compiled variant went before."""
+    th.distributions.Distribution.set_default_validate_args(__debug__)
+
+
+@dataclass
+class _Variant:
+    name: str
+    model: Any
+    breaks: str
+    per_train: int  # gradient steps per train() call
+    train: Callable[[], None]
+    collect: Callable[[], None]
+    vec_steps: int  # vec steps per collect() call
+
+
 def _rows(cases: list[str], device: str, repeats: int, vec_steps: int) -> list[StepRow]:
     rows = []
     for text in cases:
-        for variant in VARIANTS:
-            model, breaks = _model(text, device, variant)
-            # Dynamo turns torch.distributions' argument checks off for the whole process when it compiles, and
-            # SB3's distributions then skip their reads: each variant runs with them as a new process has them (on,
-            # as Python's asserts are), so SB3's row counts what SB3 reads whichever compiled variant went before.
-            th.distributions.Distribution.set_default_validate_args(__debug__)
+        built: list[_Variant] = []
+        for name in VARIANTS:
+            model, breaks = _model(text, device, name)
             if breaks.startswith("not "):
-                print(f"  {text}, {variant}: {breaks}", flush=True)
+                print(f"  {text}, {name}: {breaks}", flush=True)
                 continue
-            dev, per_train = model.device, _gradient_steps(model)
             collect, vec_steps_done = _collector(model, vec_steps)
 
             def train(model: Any = model) -> None:
+                _checks_as_a_new_process()
                 _train(model)
 
-            grad_reads, grad_ops, busy = _count(train, dev)
-            vec_reads, vec_ops, _ = _count(collect, dev)
-            grad_s = _median_seconds(train, dev, repeats) / per_train
-            vec_s = _median_seconds(collect, dev, repeats) / vec_steps_done
-            row = StepRow(
-                text,
-                variant,
-                grad_reads / per_train,
-                grad_ops / per_train,
-                grad_s * 1e3,
-                vec_reads / vec_steps_done,
-                vec_ops / vec_steps_done,
-                vec_s * 1e3,
-                breaks,
-                busy,
-                _sync_free(train, dev),
+            def collect_checked(collect: Callable[[], None] = collect) -> None:
+                _checks_as_a_new_process()
+                collect()
+
+            built.append(_Variant(name, model, breaks, _gradient_steps(model), train, collect_checked, vec_steps_done))
+        if not built:
+            continue
+        dev = built[0].model.device
+        counts = [(_count(v.train, dev), _count(v.collect, dev)) for v in built]
+        grad_s = interleaved_medians([v.train for v in built], dev, repeats)
+        vec_s = interleaved_medians([v.collect for v in built], dev, repeats)
+        for v, ((grad_reads, grad_ops, busy), (vec_reads, vec_ops, _)), g, c in zip(built, counts, grad_s, vec_s, strict=True):
+            rows.append(
+                StepRow(
+                    text,
+                    v.name,
+                    grad_reads / v.per_train,
+                    grad_ops / v.per_train,
+                    g / v.per_train * 1e3,
+                    vec_reads / v.vec_steps,
+                    vec_ops / v.vec_steps,
+                    c / v.vec_steps * 1e3,
+                    v.breaks,
+                    busy,
+                    _sync_free(v.train, dev),
+                )
             )
-            rows.append(row)
-            print(f"  {text}, {variant}: done", flush=True)
-            del model
+        print(f"  {text}: done", flush=True)
+        del built, counts
     return rows
 
 

@@ -267,6 +267,19 @@ def test_bench_step_counts_sb3s_argument_checks_after_a_compile_turned_them_off(
     assert th.distributions.Distribution._validate_args is False  # left as it was found
 
 
+def test_bench_step_times_a_cases_variants_in_turn():
+    import torch as th
+
+    from sb3_gpu.benches import step
+
+    calls = []
+    fns = [lambda name=name: calls.append(name) for name in ("sb3", "eager", "compiled")]
+    medians = step.interleaved_medians(fns, th.device("cpu"), repeats=3)
+    # Each repeat meets every variant once, so none is timed only after the others warmed the process (or tired it).
+    assert calls == ["sb3", "eager", "compiled"] * 3
+    assert len(medians) == 3 and all(m >= 0 for m in medians)
+
+
 def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert bench.main(["gpu", "--device", "cuda"]) == 2
