@@ -45,13 +45,15 @@ from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
+from sb3_gpu.extensions.quantile import quantile_huber
 from sb3_gpu.extensions.stepping import OptimizerStep
 
 PROBE_BUDGET_S = 3.0
 MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
 MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
-CACHE_VERSION = 4  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
-# entropy coefficient's step and target updates; 4: their compile time includes the action forward pass
+CACHE_VERSION = 5  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
+# entropy coefficient's step and target updates; 4: their compile time includes the action forward pass; 5: TQC's and
+# QR-DQN's quantile Huber losses
 
 
 class ProbeCacheWarning(UserWarning):
@@ -306,6 +308,20 @@ def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]
     online = getattr(policy, "q_net", None) or policy.quantile_net
     target = getattr(policy, "q_net_target", None) or policy.quantile_net_target
 
+    if w.algo == "qrdqn":  # its quantiles of the batch's actions against the target's of the greedy ones
+        actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device).long().reshape(-1, 1, 1)
+
+        def quantile_loss() -> th.Tensor:
+            with th.no_grad():
+                next_quantiles = target(obs).float()
+                greedy = next_quantiles.mean(dim=1, keepdim=True).argmax(dim=2, keepdim=True)
+                goal = next_quantiles.gather(2, greedy.expand(-1, next_quantiles.shape[1], 1)).squeeze(2)
+            quantiles = online(obs).float()
+            current = quantiles.gather(2, actions.expand(-1, quantiles.shape[1], 1)).squeeze(2)
+            return quantile_huber(current, goal).sum(dim=-1).mean()
+
+        return [(policy.optimizer, quantile_loss, _MAX_GRAD_NORM)]
+
     def q_loss() -> th.Tensor:
         with th.no_grad():
             goal = target(obs).float().amax(dim=-1, keepdim=True)
@@ -332,7 +348,14 @@ def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -
     def critic_loss() -> th.Tensor:
         with th.no_grad():
             next_actions, log_prob = act(actor_target if actor_target is not None else actor, obs)
-            goal = values(critic_target(obs, next_actions)).amin(dim=1, keepdim=True) - 0.1 * log_prob.reshape(-1, 1)
+            entropy = 0.1 * log_prob.reshape(-1, 1)
+            if w.algo == "tqc":  # the sorted target quantiles less the top ones (sb3-contrib's default: 2 per critic)
+                kept = critic.quantiles_total - 2 * critic.n_critics
+                goal = th.sort(values(critic_target(obs, next_actions)))[0][:, :kept] - entropy
+            else:
+                goal = values(critic_target(obs, next_actions)).amin(dim=1, keepdim=True) - entropy
+        if w.algo == "tqc":  # every current quantile against every target one: most of TQC's step
+            return quantile_huber(critic(obs, actions), goal.unsqueeze(1)).mean()
         return ((values(critic(obs, actions)) - goal) ** 2).mean()
 
     pairs = [(list(critic.parameters()), list(critic_target.parameters()))]

@@ -105,17 +105,19 @@ def test_compiled_steps_keep_sb3_contribs_formula_which_inductor_fuses_better(mo
     from collections import namedtuple
     from types import SimpleNamespace
 
-    from sb3_gpu.extensions import continuous
+    from sb3_gpu.extensions import quantile
     from sb3_gpu.extensions.continuous import SyncFreeTQC
-    from sb3_gpu.extensions.per import dqn
 
-    def eager_only(current, target):
-        assert not th.compiler.is_compiling(), "the Function was traced into a compiled graph"
-        return quantile_huber(current, target)
+    function = quantile._QuantileHuber
+
+    class EagerOnly:
+        @staticmethod
+        def apply(current, target):
+            assert not th.compiler.is_compiling(), "the Function was traced into a compiled graph"
+            return function.apply(current, target)
 
     Batch = namedtuple("Batch", "observations actions")
-    monkeypatch.setattr(continuous, "quantile_huber", eager_only)
-    monkeypatch.setattr(dqn, "quantile_huber", eager_only)
+    monkeypatch.setattr(quantile, "_QuantileHuber", EagerOnly)
     tqc_current, tqc_target = _inputs((16, 2, 5), (16, 1, 8), 0)
     qr_current, qr_target = _inputs((16, 5), (16, 5), 1)
 
@@ -124,10 +126,14 @@ def test_compiled_steps_keep_sb3_contribs_formula_which_inductor_fuses_better(mo
     def tqc_loss(current, target):
         return SyncFreeTQC._critic_loss(model, Batch(current, None), target)
 
-    for loss, current, target in (
-        (tqc_loss, tqc_current, tqc_target),
-        (dqn._quantile_huber_per_sample, qr_current, qr_target),
-    ):
-        eager = loss(current, target)  # the Function
-        compiled = th.compile(loss, backend="eager", fullgraph=True)(current, target)  # sb3-contrib's formula
+    def qr_loss(current, target):  # QR-DQN's prioritized step: per sample, before PER's weights
+        return quantile_huber(current, target).sum(dim=-1)
+
+    for loss, current, target in ((tqc_loss, tqc_current, tqc_target), (qr_loss, qr_current, qr_target)):
+        ours, fused = current.clone().requires_grad_(), current.clone().requires_grad_()
+        eager = loss(ours, target)  # the Function
+        compiled = th.compile(loss, backend="eager", fullgraph=True)(fused, target)  # sb3-contrib's formula
         th.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
+        eager.sum().backward()
+        compiled.sum().backward()
+        th.testing.assert_close(fused.grad, ours.grad, rtol=1e-5, atol=1e-7)

@@ -17,6 +17,7 @@ from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_gpu.common.errors import ConfigError, cause_of, gist
 from sb3_gpu.extensions.continuous import SyncFreeTD3
+from sb3_gpu.extensions.quantile import quantile_huber
 from sb3_gpu.planning import probe as probe_module
 from sb3_gpu.planning.build import model_class
 from sb3_gpu.planning.plan import _policy_space, make_plan
@@ -209,6 +210,30 @@ def test_measuring_runs_the_real_train_step_and_inference(algo, policy_class, sp
     threads = th.get_num_threads()
     timing = measure_option(Option(probe_module.Candidate("cpu", amp, 1), workload), 0.01)
     assert timing.train_s > 0 and timing.infer_s > 0 and th.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("algo", ["qrdqn", "tqc"])
+def test_quantile_algorithms_are_timed_with_their_quantile_loss(algo, monkeypatch):
+    from sb3_contrib import QRDQN, TQC
+
+    # Every current quantile against every target one: most of their step, which a squared error would leave out.
+    shapes = []
+
+    def counted(current, target):
+        shapes.append((tuple(current.shape), tuple(target.shape)))
+        return quantile_huber(current, target)
+
+    monkeypatch.setattr(probe_module, "quantile_huber", counted)
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    if algo == "qrdqn":
+        policy_class, actions, kwargs = QRDQN.policy_aliases["MlpPolicy"], spaces.Discrete(3), {"n_quantiles": 7}
+    else:
+        policy_class, actions = TQC.policy_aliases["MlpPolicy"], spaces.Box(-1, 1, (2,), np.float32)
+        kwargs = {"n_quantiles": 7, "n_critics": 2}
+    workload = Workload(algo, policy_class, box, actions, {"net_arch": [8], **kwargs}, 8, 2, 1.0)
+    assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).train_s > 0
+    # QR-DQN: the batch's quantiles against the greedy action's; TQC: both critics' against the 14 less the top 2 each.
+    assert shapes and set(shapes) == ({((8, 7), (8, 7))} if algo == "qrdqn" else {((8, 2, 7), (8, 1, 10))})
 
 
 def test_the_policy_sees_stacked_channel_first_frames():

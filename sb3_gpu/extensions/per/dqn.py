@@ -263,17 +263,5 @@ class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
             target = data.rewards + (1 - data.dones) * discounts * next_quantiles
         actions = data.actions[..., None].long().expand(batch, self.n_quantiles, 1)
         current = th.gather(self.quantile_net(data.observations), dim=2, index=actions).squeeze(dim=2)
-        return _quantile_huber_per_sample(current, target), (target.mean(dim=1) - current.mean(dim=1))
-
-
-def _quantile_huber_per_sample(current: th.Tensor, target: th.Tensor) -> th.Tensor:
-    """sb3-contrib's quantile Huber loss (summed over quantiles) for each sample, before the batch mean."""
-    if not th.compiler.is_compiling():
-        return quantile_huber(current, target).sum(dim=-1)  # its gradient made in the forward pass
-    # Compiled: sb3-contrib's formula, which inductor fuses into fewer kernels.
-    n = current.shape[-1]
-    cum_prob = ((th.arange(n, device=current.device, dtype=th.float) + 0.5) / n).view(1, -1, 1)
-    delta = target.unsqueeze(-2) - current.unsqueeze(-1)
-    abs_delta = th.abs(delta)
-    huber = th.where(abs_delta > 1, abs_delta - 0.5, delta**2 * 0.5)
-    return (th.abs(cum_prob - (delta.detach() < 0).float()) * huber).sum(dim=-2).mean(dim=-1)
+        # sb3-contrib's quantile Huber loss summed over the quantiles, per sample: PER weights it before the mean
+        return quantile_huber(current, target).sum(dim=-1), (target.mean(dim=1) - current.mean(dim=1))
