@@ -261,47 +261,54 @@ class _Variant:
 def _rows(cases: list[str], device: str, repeats: int, vec_steps: int) -> list[StepRow]:
     rows = []
     for text in cases:
-        built: list[_Variant] = []
-        for name in VARIANTS:
-            model, breaks = _model(text, device, name)
-            if breaks.startswith("not "):
-                print(f"  {text}, {name}: {breaks}", flush=True)
-                continue
-            collect, vec_steps_done = _collector(model, vec_steps)
-
-            def train(model: Any = model) -> None:
-                _checks_as_a_new_process()
-                _train(model)
-
-            def collect_checked(collect: Callable[[], None] = collect) -> None:
-                _checks_as_a_new_process()
-                collect()
-
-            built.append(_Variant(name, model, breaks, _gradient_steps(model), train, collect_checked, vec_steps_done))
-        if not built:
-            continue
-        dev = built[0].model.device
-        counts = [(_count(v.train, dev), _count(v.collect, dev)) for v in built]
-        grad_s = interleaved_medians([v.train for v in built], dev, repeats)
-        vec_s = interleaved_medians([v.collect for v in built], dev, repeats)
-        for v, ((grad_reads, grad_ops, busy), (vec_reads, vec_ops, _)), g, c in zip(built, counts, grad_s, vec_s, strict=True):
-            rows.append(
-                StepRow(
-                    text,
-                    v.name,
-                    grad_reads / v.per_train,
-                    grad_ops / v.per_train,
-                    g / v.per_train * 1e3,
-                    vec_reads / v.vec_steps,
-                    vec_ops / v.vec_steps,
-                    c / v.vec_steps * 1e3,
-                    v.breaks,
-                    busy,
-                    _sync_free(v.train, dev),
-                )
-            )
+        rows += _case_rows(text, device, repeats, vec_steps)
         print(f"  {text}: done", flush=True)
-        del built, counts
+    return rows
+
+
+def _case_rows(text: str, device: str, repeats: int, vec_steps: int) -> list[StepRow]:
+    """The case's variants, built side by side (at most three models, envs and buffers alive at once; all freed on
+    return), counted one by one and timed in turn."""
+    built: list[_Variant] = []
+    for name in VARIANTS:
+        model, breaks = _model(text, device, name)
+        if breaks.startswith("not "):
+            print(f"  {text}, {name}: {breaks}", flush=True)
+            continue
+        collect, vec_steps_done = _collector(model, vec_steps)
+
+        def train(model: Any = model) -> None:
+            _checks_as_a_new_process()
+            _train(model)
+
+        def collect_checked(collect: Callable[[], None] = collect) -> None:
+            _checks_as_a_new_process()
+            collect()
+
+        built.append(_Variant(name, model, breaks, _gradient_steps(model), train, collect_checked, vec_steps_done))
+    if not built:
+        return []
+    dev = built[0].model.device
+    counts = [(_count(v.train, dev), _count(v.collect, dev)) for v in built]
+    grad_s = interleaved_medians([v.train for v in built], dev, repeats)
+    vec_s = interleaved_medians([v.collect for v in built], dev, repeats)
+    rows = []
+    for v, ((grad_reads, grad_ops, busy), (vec_reads, vec_ops, _)), g, c in zip(built, counts, grad_s, vec_s, strict=True):
+        rows.append(
+            StepRow(
+                text,
+                v.name,
+                grad_reads / v.per_train,
+                grad_ops / v.per_train,
+                g / v.per_train * 1e3,
+                vec_reads / v.vec_steps,
+                vec_ops / v.vec_steps,
+                c / v.vec_steps * 1e3,
+                v.breaks,
+                busy,
+                _sync_free(v.train, dev),
+            )
+        )
     return rows
 
 

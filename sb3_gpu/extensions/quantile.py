@@ -55,7 +55,8 @@ def quantile_huber(current: th.Tensor, target: th.Tensor) -> th.Tensor:
     :return: a tensor of ``current``'s shape (of the broadcast shape where ``target`` has more critics). Its
         ``mean()`` is ``quantile_huber_loss(current, target, sum_over_quantiles=False)``; its ``sum(dim=-1)`` per
         sample is QR-DQN's loss before the batch mean. Differentiable once, as SB3's training needs: its backward
-        is not itself differentiated (a second derivative through it reads zero).
+        is not itself differentiated (a second derivative through it reads zero; compiled, it is sb3-contrib's formula,
+        which autograd differentiates as usual).
     """
     if current.ndim not in (2, 3) or target.ndim != current.ndim or target.shape[0] != current.shape[0]:
         raise ValueError(

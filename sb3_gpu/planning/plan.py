@@ -426,7 +426,17 @@ def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:
     obs_space = _policy_space(facts.observation_space, preset.frame_stack or 1)
     overlapped = choose_overlap(preset, v.device.device).kind == "overlapped"
     return Workload(
-        preset.algo, policy_class, obs_space, facts.action_space, kwargs, params.batch_size, preset.n_envs, grads, overlapped
+        preset.algo,
+        policy_class,
+        obs_space,
+        facts.action_space,
+        kwargs,
+        params.batch_size,
+        preset.n_envs,
+        grads,
+        overlapped,
+        getattr(params, "max_grad_norm", None) if preset.algo in ("dqn", "qrdqn") else None,
+        getattr(params, "top_quantiles_to_drop_per_net", 2),
     )
 
 

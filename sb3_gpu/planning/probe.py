@@ -89,6 +89,8 @@ class Workload:
     n_envs: int
     grads_per_env_step: float  # micro-batches of batch_size per env step
     overlapped: bool = False  # off-policy training on a thread of its own, beside collection
+    max_grad_norm: float | None = 10.0  # the DQN family's clipping (QR-DQN's default: none)
+    top_quantiles_to_drop_per_net: int = 2  # TQC's: its target keeps the rest of the sorted quantiles
 
     @property
     def key(self) -> str:
@@ -101,6 +103,10 @@ class Workload:
             f"batch {self.batch_size}",
             f"envs {self.n_envs}",
         ]
+        if self.algo in ("dqn", "qrdqn"):
+            parts.append(f"max_grad_norm {self.max_grad_norm}")
+        if self.algo == "tqc":
+            parts.append(f"drop {self.top_quantiles_to_drop_per_net}")
         return " | ".join(parts)
 
 
@@ -283,7 +289,7 @@ def measure_option(option: Option, seconds: float) -> Timing:
 # then the actor, and moves the target networks. Timed at every step whatever the run's schedule: TD3's actor and
 # targets (every second step in its run), SAC's targets (its target_update_interval), the entropy step (also where
 # the run fixes ent_coef). So the figure is a little above the run's mean step, eager and compiled alike.
-_MAX_GRAD_NORM = 10.0  # the DQN family's default (PPO's is 0.5: the same work)
+_MAX_GRAD_NORM = 10.0  # PPO's clipping (its default is 0.5: the same work)
 
 # One optimizer's part of a gradient step: the optimizer, the loss it descends, the norm its gradients are clipped to.
 _Part = tuple[th.optim.Optimizer, Callable[[], th.Tensor], float | None]
@@ -320,14 +326,14 @@ def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]
             current = quantiles.gather(2, actions.expand(-1, quantiles.shape[1], 1)).squeeze(2)
             return quantile_huber(current, goal).sum(dim=-1).mean()
 
-        return [(policy.optimizer, quantile_loss, _MAX_GRAD_NORM)]
+        return [(policy.optimizer, quantile_loss, w.max_grad_norm)]
 
     def q_loss() -> th.Tensor:
         with th.no_grad():
             goal = target(obs).float().amax(dim=-1, keepdim=True)
         return ((online(obs).float() - goal) ** 2).mean()
 
-    return [(policy.optimizer, q_loss, _MAX_GRAD_NORM)]
+    return [(policy.optimizer, q_loss, w.max_grad_norm)]
 
 
 def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]:
@@ -349,8 +355,8 @@ def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -
         with th.no_grad():
             next_actions, log_prob = act(actor_target if actor_target is not None else actor, obs)
             entropy = 0.1 * log_prob.reshape(-1, 1)
-            if w.algo == "tqc":  # the sorted target quantiles less the top ones (sb3-contrib's default: 2 per critic)
-                kept = critic.quantiles_total - 2 * critic.n_critics
+            if w.algo == "tqc":  # the sorted target quantiles less the top ones of each critic
+                kept = critic.quantiles_total - w.top_quantiles_to_drop_per_net * critic.n_critics
                 goal = th.sort(values(critic_target(obs, next_actions)))[0][:, :kept] - entropy
             else:
                 goal = values(critic_target(obs, next_actions)).amin(dim=1, keepdim=True) - entropy

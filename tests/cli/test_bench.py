@@ -232,12 +232,23 @@ def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp
     assert "| dqn CartPole-v1 | device buffers, overlapped training |" in markdown
 
 
-def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path):
+def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path, monkeypatch):
     import json
 
+    from sb3_gpu.benches import step
+
+    timed = []
+
+    def recorded(fns, device, repeats):
+        timed.append(len(fns))
+        return step_interleaved(fns, device, repeats)
+
+    step_interleaved = step.interleaved_medians
+    monkeypatch.setattr(step, "interleaved_medians", recorded)
     # QR-DQN with prioritized replay inside its graph; TD3 with its delayed actor (a graph with it, one without).
     cases = ["qrdqn+per:CartPole-v1", "ppo:CartPole-v1", "td3:Pendulum-v1"]
     assert bench.main(["step", "--cases", *cases, "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert timed == [3, 3] * len(cases)  # each case's training, then its collection: its three variants in turn
     rows = {(r["case"], r["variant"]): r for r in json.loads((tmp_path / "step.json").read_text())["rows"]}
     assert set(rows) == {(c, v) for c in cases for v in ("sb3", "eager", "compiled")}
     for case in cases:
@@ -267,17 +278,26 @@ def test_bench_step_counts_sb3s_argument_checks_after_a_compile_turned_them_off(
     assert th.distributions.Distribution._validate_args is False  # left as it was found
 
 
-def test_bench_step_times_a_cases_variants_in_turn():
+def test_bench_step_times_a_cases_variants_in_turn(monkeypatch):
     import torch as th
 
     from sb3_gpu.benches import step
 
-    calls = []
-    fns = [lambda name=name: calls.append(name) for name in ("sb3", "eager", "compiled")]
-    medians = step.interleaved_medians(fns, th.device("cpu"), repeats=3)
+    calls, clock = [], [0.0]
+    costs = {"sb3": [3.0, 1.0, 2.0], "eager": [5.0, 5.0, 4.0], "compiled": [1.0, 0.5, 9.0]}  # seconds, per call
+
+    def variant(name):
+        def call():
+            clock[0] += costs[name][sum(c == name for c in calls)]
+            calls.append(name)
+
+        return call
+
+    monkeypatch.setattr(step.time, "perf_counter", lambda: clock[0])
+    medians = step.interleaved_medians([variant(n) for n in costs], th.device("cpu"), repeats=3)
     # Each repeat meets every variant once, so none is timed only after the others warmed the process (or tired it).
     assert calls == ["sb3", "eager", "compiled"] * 3
-    assert len(medians) == 3 and all(m >= 0 for m in medians)
+    assert medians == [2.0, 5.0, 1.0]
 
 
 def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys):

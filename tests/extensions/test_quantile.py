@@ -107,6 +107,7 @@ def test_compiled_steps_keep_sb3_contribs_formula_which_inductor_fuses_better(mo
 
     from sb3_gpu.extensions import quantile
     from sb3_gpu.extensions.continuous import SyncFreeTQC
+    from sb3_gpu.extensions.per.dqn import PrioritizedQRDQN
 
     function = quantile._QuantileHuber
 
@@ -117,6 +118,7 @@ def test_compiled_steps_keep_sb3_contribs_formula_which_inductor_fuses_better(mo
             return function.apply(current, target)
 
     Batch = namedtuple("Batch", "observations actions")
+    QRBatch = namedtuple("QRBatch", "observations next_observations actions rewards dones")
     monkeypatch.setattr(quantile, "_QuantileHuber", EagerOnly)
     tqc_current, tqc_target = _inputs((16, 2, 5), (16, 1, 8), 0)
     qr_current, qr_target = _inputs((16, 5), (16, 5), 1)
@@ -126,8 +128,15 @@ def test_compiled_steps_keep_sb3_contribs_formula_which_inductor_fuses_better(mo
     def tqc_loss(current, target):
         return SyncFreeTQC._critic_loss(model, Batch(current, None), target)
 
-    def qr_loss(current, target):  # QR-DQN's prioritized step: per sample, before PER's weights
-        return quantile_huber(current, target).sum(dim=-1)
+    # QR-DQN's prioritized step, per sample before PER's weights: its quantile nets give the (batch, 5, 3) quantiles.
+    qr_model = SimpleNamespace(n_quantiles=5, quantile_net=lambda obs: obs, quantile_net_target=lambda obs: obs)
+    actions = th.tensor([i % 3 for i in range(16)]).reshape(16, 1)
+    rewards, dones = th.ones(16, 1), th.zeros(16, 1)
+
+    def qr_loss(current, target):  # the quantiles of the batch's actions, and the target net's
+        spread = th.stack([current, current - 1, current + 1], dim=2)
+        data = QRBatch(spread, th.stack([target] * 3, dim=2), actions, rewards, dones)
+        return PrioritizedQRDQN._per_sample_loss(qr_model, data, 0.99)[0]
 
     for loss, current, target in ((tqc_loss, tqc_current, tqc_target), (qr_loss, qr_current, qr_target)):
         ours, fused = current.clone().requires_grad_(), current.clone().requires_grad_()

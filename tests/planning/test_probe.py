@@ -212,16 +212,16 @@ def test_measuring_runs_the_real_train_step_and_inference(algo, policy_class, sp
     assert timing.train_s > 0 and timing.infer_s > 0 and th.get_num_threads() == threads
 
 
-@pytest.mark.parametrize("algo", ["qrdqn", "tqc"])
-def test_quantile_algorithms_are_timed_with_their_quantile_loss(algo, monkeypatch):
+@pytest.mark.parametrize(("algo", "drop", "target"), [("qrdqn", 0, (8, 7)), ("tqc", 2, (8, 1, 10)), ("tqc", 0, (8, 1, 14))])
+def test_quantile_algorithms_are_timed_with_their_quantile_loss(algo, drop, target, monkeypatch):
     from sb3_contrib import QRDQN, TQC
 
     # Every current quantile against every target one: most of their step, which a squared error would leave out.
     shapes = []
 
-    def counted(current, target):
-        shapes.append((tuple(current.shape), tuple(target.shape)))
-        return quantile_huber(current, target)
+    def counted(current, goal):
+        shapes.append((tuple(current.shape), tuple(goal.shape)))
+        return quantile_huber(current, goal)
 
     monkeypatch.setattr(probe_module, "quantile_huber", counted)
     box = spaces.Box(-1, 1, (3,), np.float32)
@@ -231,9 +231,26 @@ def test_quantile_algorithms_are_timed_with_their_quantile_loss(algo, monkeypatc
         policy_class, actions = TQC.policy_aliases["MlpPolicy"], spaces.Box(-1, 1, (2,), np.float32)
         kwargs = {"n_quantiles": 7, "n_critics": 2}
     workload = Workload(algo, policy_class, box, actions, {"net_arch": [8], **kwargs}, 8, 2, 1.0)
+    workload = dataclasses.replace(workload, top_quantiles_to_drop_per_net=drop, max_grad_norm=None)
     assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).train_s > 0
-    # QR-DQN: the batch's quantiles against the greedy action's; TQC: both critics' against the 14 less the top 2 each.
-    assert shapes and set(shapes) == ({((8, 7), (8, 7))} if algo == "qrdqn" else {((8, 2, 7), (8, 1, 10))})
+    # QR-DQN: the batch's quantiles against the greedy action's; TQC: both critics' against the 14 less those dropped.
+    current = (8, 7) if algo == "qrdqn" else (8, 2, 7)
+    assert shapes and set(shapes) == {(current, target)}
+
+
+@pytest.mark.parametrize(
+    ("algo", "overrides", "max_grad_norm"), [("dqn", {}, 10.0), ("qrdqn", {}, None), ("qrdqn", {"max_grad_norm": 5.0}, 5.0)]
+)
+def test_the_probe_clips_gradients_as_the_run_will(algo, overrides, max_grad_norm, gpu_machine):
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.3), "cpu fp32": (1.0, 0.2)})
+    plan = make_plan(
+        algo, "CartPole-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"per": False, **overrides}
+    )
+    assert plan.probe is not None and {o.workload.max_grad_norm for o in plan.probe.options} == {max_grad_norm}
+    drops = make_plan(
+        "tqc", "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"top_quantiles_to_drop_per_net": 3}
+    )
+    assert drops.probe is not None and {o.workload.top_quantiles_to_drop_per_net for o in drops.probe.options} == {3}
 
 
 def test_the_policy_sees_stacked_channel_first_frames():
