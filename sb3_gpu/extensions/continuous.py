@@ -40,7 +40,7 @@ from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.hostreads import no_argument_checks
-from sb3_gpu.extensions.quantile import quantile_huber
+from sb3_gpu.extensions.quantile import quantile_huber_mean
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
 
@@ -405,7 +405,7 @@ class SyncFreeTQC(_EntropyRegularised, TQC):
 
     def _critic_loss(self, data: ReplayBufferSamples, target: th.Tensor) -> th.Tensor:
         # sb3-contrib's quantile_huber_loss(sum_over_quantiles=False), its gradient made in the forward pass when eager
-        return quantile_huber(self.critic(data.observations, data.actions), target).mean()
+        return quantile_huber_mean(self.critic(data.observations, data.actions), target)
 
     def _actor_q(self, observations: th.Tensor, actions: th.Tensor) -> th.Tensor:
         return self.critic(observations, actions).mean(dim=2).mean(dim=1, keepdim=True)

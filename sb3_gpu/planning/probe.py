@@ -45,7 +45,7 @@ from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
-from sb3_gpu.extensions.quantile import quantile_huber
+from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
 from sb3_gpu.extensions.stepping import OptimizerStep
 
 PROBE_BUDGET_S = 3.0
@@ -361,7 +361,7 @@ def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -
             else:
                 goal = values(critic_target(obs, next_actions)).amin(dim=1, keepdim=True) - entropy
         if w.algo == "tqc":  # every current quantile against every target one: most of TQC's step
-            return quantile_huber(critic(obs, actions), goal.unsqueeze(1)).mean()
+            return quantile_huber_mean(critic(obs, actions), goal.unsqueeze(1))
         return ((values(critic(obs, actions)) - goal) ** 2).mean()
 
     pairs = [(list(critic.parameters()), list(critic_target.parameters()))]

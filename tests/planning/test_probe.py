@@ -17,7 +17,7 @@ from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_gpu.common.errors import ConfigError, cause_of, gist
 from sb3_gpu.extensions.continuous import SyncFreeTD3
-from sb3_gpu.extensions.quantile import quantile_huber
+from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
 from sb3_gpu.planning import probe as probe_module
 from sb3_gpu.planning.build import model_class
 from sb3_gpu.planning.plan import _policy_space, make_plan
@@ -219,11 +219,15 @@ def test_quantile_algorithms_are_timed_with_their_quantile_loss(algo, drop, targ
     # Every current quantile against every target one: most of their step, which a squared error would leave out.
     shapes = []
 
-    def counted(current, goal):
-        shapes.append((tuple(current.shape), tuple(goal.shape)))
-        return quantile_huber(current, goal)
+    def counted(loss):
+        def call(current, goal):
+            shapes.append((tuple(current.shape), tuple(goal.shape)))
+            return loss(current, goal)
 
-    monkeypatch.setattr(probe_module, "quantile_huber", counted)
+        return call
+
+    monkeypatch.setattr(probe_module, "quantile_huber", counted(quantile_huber))
+    monkeypatch.setattr(probe_module, "quantile_huber_mean", counted(quantile_huber_mean))
     box = spaces.Box(-1, 1, (3,), np.float32)
     if algo == "qrdqn":
         policy_class, actions, kwargs = QRDQN.policy_aliases["MlpPolicy"], spaces.Discrete(3), {"n_quantiles": 7}
