@@ -134,7 +134,12 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
     )
     solve.add_argument("--episodes", type=positive_int, default=20, help="fresh episodes per best model (default 20)")
     solve.add_argument("--target", type=float, help="the return to reach (default: each env's reward_threshold)")
-    solve.add_argument("--jobs", type=positive_int, default=1, help="trainings at once, each in a process (default 1)")
+    solve.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        help="trainings at once, each in a process on its share of the cores (default 1)",
+    )
     solve.add_argument("--out", default="bench-results", help="folder for solve.json and solve.md")
 
 

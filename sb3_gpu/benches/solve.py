@@ -20,6 +20,7 @@ from typing import Any
 
 from sb3_gpu.benches.base import machine_key, preset_sha256, save_json
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import BestModel, evaluate_run
 from sb3_gpu.runs.training import train_run
@@ -49,12 +50,17 @@ class Case:
 CASE_FIELDS = ("algo", "env", "per", "amp", "seed", "timesteps", "preset", "eval_freq")
 
 
-def solve_case(case: Case, episodes: int) -> dict[str, Any]:
-    """Train ``case`` into a temporary run dir and evaluate its best model on ``episodes`` fresh episodes."""
+def solve_case(case: Case, episodes: int, threads: int | None = None) -> dict[str, Any]:
+    """Train ``case`` into a temporary run dir and evaluate its best model on ``episodes`` fresh episodes.
+
+    :param threads: torch's threads for the training (None: the plan's choice)
+    """
     preset_hash = preset_sha256(case.algo, case.preset)  # the bytes the plan reads next, kept with the row
     overrides: dict[str, Any] = {"amp": case.amp}
     if case.per is not None:
         overrides["per"] = case.per
+    if threads is not None:
+        overrides["threads"] = threads
     plan = make_plan(
         case.algo, case.env, "auto", seed=case.seed, n_timesteps=case.timesteps, preset=case.preset, overrides=overrides
     )
@@ -70,6 +76,7 @@ def solve_case(case: Case, episodes: int) -> dict[str, Any]:
         "preset_sha256": preset_hash,
         "amp_used": plan.speed.amp if plan.speed is not None else None,
         "compile_used": plan.speed.compile_label if plan.speed is not None else None,  # the plan's choice
+        "threads_used": plan.speed.threads if plan.speed is not None else None,
         "evaluated": fresh["mean"],
         "evaluated_std": fresh["std"],
         "model": Path(fresh["model"]).name,
@@ -156,7 +163,9 @@ def bench_solve(
         for case in todo:
             done(solve_case(case, episodes))
     else:
-        _solve_in_pool(todo, episodes, jobs, done)
+        # Each job its share of the cores: each plan, probing while the others start, may take them all, and
+        # trainings whose threads outnumber the cores spend their time waiting on each other.
+        _solve_in_pool(todo, episodes, jobs, done, max(1, logical_cores() // jobs))
     order = {case: i for i, case in enumerate(cases)}
     return sorted(rows, key=lambda r: order[Case(**{k: r[k] for k in CASE_FIELDS})])
 
@@ -168,10 +177,10 @@ def _sigterm_as_interrupt(signum: int, frame: Any) -> None:
 _case_under_way = threading.Event()  # in a pool worker: whether it is solving a case now
 
 
-def _solve_in_worker(case: Case, episodes: int) -> dict[str, Any]:
+def _solve_in_worker(case: Case, episodes: int, threads: int) -> dict[str, Any]:
     _case_under_way.set()
     try:
-        return solve_case(case, episodes)
+        return solve_case(case, episodes, threads)
     finally:
         _case_under_way.clear()
 
@@ -191,7 +200,9 @@ def _worker_start() -> None:
         signal.signal(signal.SIGINT, _worker_signal)  # Ctrl-C in a terminal reaches the workers too
 
 
-def _solve_in_pool(cases: Sequence[Case], episodes: int, jobs: int, done: Callable[[dict[str, Any]], None]) -> None:
+def _solve_in_pool(
+    cases: Sequence[Case], episodes: int, jobs: int, done: Callable[[dict[str, Any]], None], threads: int
+) -> None:
     """``jobs`` cases at a time. Only as many are submitted as run: the pool's call queue would otherwise hold cases
     that cancelling cannot reach, and a worker would start one after a signal."""
 
@@ -204,7 +215,7 @@ def _solve_in_pool(cases: Sequence[Case], episodes: int, jobs: int, done: Callab
             def submit() -> None:
                 case = next(waiting, None)
                 if case is not None:
-                    running.add(pool.submit(_solve_in_worker, case, episodes))
+                    running.add(pool.submit(_solve_in_worker, case, episodes, threads))
 
             for _ in range(jobs):
                 submit()

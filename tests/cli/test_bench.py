@@ -429,13 +429,36 @@ def test_a_signal_unwinds_a_workers_case_and_lets_an_idle_worker_exit_quietly(mo
         solve._worker_signal(signal.SIGTERM, None)
     assert idle.value.code == 128 + signal.SIGTERM
 
-    def case_under_way(case, episodes):
+    def case_under_way(case, episodes, threads):
         solve._worker_signal(signal.SIGINT, None)
 
     monkeypatch.setattr(solve, "solve_case", case_under_way)
     with pytest.raises(KeyboardInterrupt, match="SIGINT"):
-        solve._solve_in_worker(None, 20)
+        solve._solve_in_worker(None, 20, 1)
     assert not solve._case_under_way.is_set()
+
+
+def test_bench_solves_parallel_jobs_each_train_on_their_share_of_the_cores(monkeypatch):
+    from sb3_gpu.benches import solve
+
+    # Each plan, probing while the others start, may take every core; jobs whose threads outnumber the cores wait.
+    shares, planned = [], []
+    monkeypatch.setattr(solve, "logical_cores", lambda: 16)
+    monkeypatch.setattr(solve, "_solve_in_pool", lambda cases, episodes, jobs, done, threads: shares.append(threads))
+    case = solve.Case("dqn", "CartPole-v1", None, "auto", 0)
+    for jobs in (3, 16, 32):
+        solve.bench_solve([case], 20, jobs, print_fn=lambda line: None)
+    assert shares == [5, 1, 1]
+
+    def plan(*args, overrides, **kwargs):
+        planned.append(overrides.get("threads"))
+        raise KeyboardInterrupt  # planned: enough
+
+    monkeypatch.setattr(solve, "make_plan", plan)
+    for threads in (5, None):  # one job alone keeps the plan's own choice
+        with pytest.raises(KeyboardInterrupt):
+            solve.solve_case(case, 20, threads)
+    assert planned == [5, None]
 
 
 def test_bench_solve_keeps_each_ended_case_and_trains_only_the_rest_when_run_again(monkeypatch, capsys, tmp_path):
