@@ -58,8 +58,12 @@ def _probe_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _keep_torch_settings():
-    """Building a model applies its plan's thread count and CUDA math flags process-wide: put them back after each test."""
+    """Building a model applies its plan's thread count and CUDA math flags process-wide: put them back after each test.
+
+    torch.distributions' argument checks start on, as in a new process: dynamo turns them off process-wide the first
+    time anything compiles, and a read count would otherwise depend on which test ran before it."""
     threads, cudnn, tf32 = th.get_num_threads(), th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32
+    th.distributions.Distribution.set_default_validate_args(__debug__)
     yield
     th.set_num_threads(threads)
     th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32 = cudnn, tf32

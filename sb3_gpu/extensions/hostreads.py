@@ -18,7 +18,8 @@ import torch as th
 from torch.overrides import TorchFunctionMode
 
 # What makes the host wait for a tensor's value. Ops whose output size depends on the values (nonzero,
-# masked_select, unique) wait too. Transfers to the device (`.to(device)`) do not, and are not counted.
+# masked_select, unique) wait too. Transfers to the device (`.to(device)`) do not, and are not counted; a blocking
+# `.to("cpu")` from a device is (see `_copies_to_host`).
 READS = frozenset(
     {
         "item",
@@ -71,13 +72,33 @@ class HostReads(TorchFunctionMode):
         # GPU's `t.cpu().numpy()` is one wait).
         copy = self._host_copies.get(id(args[0])) if name == "numpy" and args else None
         copied = copy is not None and copy() is args[0]
-        if name in READS and not copied and not _step_counter(args):
+        to_host = name == "to" and _copies_to_host(args, kwargs or {})
+        if (name in READS and not copied and not _step_counter(args)) or to_host:
             self.kinds[name] += 1
             self.sites[f"{name} at {_caller()}"] += 1
         out = func(*args, **(kwargs or {}))
-        if name == "cpu" and isinstance(out, th.Tensor):
+        if (name == "cpu" or to_host) and isinstance(out, th.Tensor):
             self._host_copies[id(out)] = weakref.ref(out, self._forget(id(out)))
         return out
+
+
+def _copies_to_host(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``Tensor.to`` copies a device tensor to the host and waits for it (``non_blocking`` unset).
+
+    On the CPU twin a source is never on a device, so this counts on a GPU only: there, ``.to(device)`` of a CPU
+    tensor and ``.to("cpu")`` of a CPU tensor look the same, and both are transfers the host does not wait for."""
+    tensor = args[0] if args and isinstance(args[0], th.Tensor) else None
+    if tensor is None or tensor.device.type == "cpu":
+        return False
+    if kwargs.get("non_blocking") or any(isinstance(a, bool) and a for a in args[1:]):  # to(device, dtype, True)
+        return False
+    target = kwargs.get("device")
+    for a in args[1:]:
+        if target is None and isinstance(a, str | th.device):
+            target = a
+        elif target is None and isinstance(a, th.Tensor):  # to(other): other's device
+            target = a.device
+    return target is not None and th.device(target).type == "cpu"
 
 
 def _step_counter(args: Any) -> bool:

@@ -17,7 +17,7 @@ from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.continuous import SyncFreeSAC
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.hostcopy import copy_into, queued_observation_copies, to_device
-from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.hostreads import HostReads, _copies_to_host
 from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
@@ -35,7 +35,7 @@ def test_every_kind_of_read_is_counted_at_its_line_and_transfers_to_the_device_a
         t.tolist()
         np.asarray(t)
         t.nonzero()
-        t.to("cpu", dtype=th.float64)  # a transfer: on a GPU, the host does not wait for it
+        t.to("cpu", dtype=th.float64)  # on the CPU twin, as `.to(device)` to the device looks: a transfer
         t * 2 + 1
     assert reads.kinds == {
         "item": 1,
@@ -49,6 +49,20 @@ def test_every_kind_of_read_is_counted_at_its_line_and_transfers_to_the_device_a
         "nonzero": 1,
     }
     assert reads.total == 9 and all(site.split(" at ")[1].startswith(__file__) for site in reads.sites)
+
+
+def test_a_blocking_copy_from_a_device_to_the_host_is_a_read():
+    device = th.empty(2, device="meta")  # a tensor off the host, as a GPU's is
+    host = th.empty(2)
+    assert _copies_to_host((device, "cpu"), {})
+    assert _copies_to_host((device,), {"device": th.device("cpu"), "dtype": th.float64})
+    assert _copies_to_host((device, host), {})  # to(other): other's device
+    assert _copies_to_host((device, "cpu", th.float64), {})
+    assert not _copies_to_host((device, "cpu"), {"non_blocking": True})  # the host goes on; a later read waits
+    assert not _copies_to_host((device, "cpu", th.float64, True), {})
+    assert not _copies_to_host((device, th.float16), {})  # stays on its device
+    assert not _copies_to_host((device, "meta"), {})
+    assert not _copies_to_host((host, "cpu"), {})  # on the CPU twin: `.to(device)` of the data, not a read
 
 
 def test_the_numpy_view_of_a_host_copy_is_not_a_second_read():
