@@ -150,6 +150,10 @@ def make_plan(
     needed = algo_.action_space
     if needed is not None and not isinstance(facts.action_space, needed):
         raise ConfigError(f"{algo_.name} needs a {needed.__name__} action space; {spec.name} has {facts.action_space}")
+    box = facts.action_space
+    if isinstance(box, spaces.Box) and not (np.isfinite(box.low).all() and np.isfinite(box.high).all()):
+        # SB3 squashes or clips actions into the bounds, and asserts them finite only when the model is built.
+        raise ConfigError(f"SB3 needs finite action bounds; {spec.name} has {box}: give its Box a finite low and high")
 
     policy = provisional.policy if provisional.policy != "auto" else _policy_for(facts.observation_space)
     kind = _policy_kind(policy, facts.observation_space)
@@ -189,6 +193,8 @@ def make_plan(
 
     resolved, vec = chosen.resolved, chosen.vec
     buffers = _buffers(resolved, chosen.device.device, facts)
+    if not training:  # a loaded model's buffer is built at its full size, and evaluation fills none: never on the GPU
+        buffers.update(buffers="host", buffers_reason="SB3's buffers: evaluation fills none")
     if training:
         # A replay buffer on a GPU holds its transitions there (and checks the GPU's free memory as it allocates).
         on_gpu = buffers["buffers"] == "device" and chosen.device.device.startswith("cuda")
@@ -630,6 +636,16 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         check_actor_critic_accumulation(params.grad_accum_steps, getattr(params, "use_sde", False))
         if preset.algo == "tqc":
             _check_quantiles(params.top_quantiles_to_drop_per_net, preset.policy_kwargs.get("n_quantiles", 25))
+    # Keys that SB3 takes and then ignores: refused, so that no run is believed to have used them.
+    if not getattr(params, "use_sde", False):
+        for key, unused in (("sde_sample_freq", -1), ("use_sde_at_warmup", False)):
+            if getattr(params, key, unused) != unused:
+                raise ConfigError(f"{key}={getattr(params, key)} applies with use_sde=true only; set use_sde or drop {key}")
+    if not isinstance(getattr(params, "ent_coef", "auto"), str) and getattr(params, "target_entropy", "auto") != "auto":
+        raise ConfigError(
+            f"target_entropy={params.target_entropy} applies where the entropy coefficient is learned (ent_coef auto or "
+            f"auto_<initial value>), not with ent_coef={params.ent_coef}"
+        )
     freq = getattr(params, "train_freq", None)
     if isinstance(freq, tuple) and freq[1] == "episode" and preset.n_envs > 1:
         raise ConfigError(

@@ -319,6 +319,10 @@ def evaluate_run(
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
     model_path, run = RunDir.find_model(target, which)
     config = load_config(run.config)
+    if not deterministic and config.algo == "td3":  # SB3's TD3 policy ignores the flag: the figures would be mislabelled
+        raise ConfigError(
+            "td3's policy has no stochastic actions (its exploration noise is training's); evaluate it without --stochastic"
+        )
     # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here.
     speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
     plan = make_plan(

@@ -10,6 +10,7 @@ from typing import Any
 
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError, named
@@ -23,6 +24,10 @@ from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles, read_zip_data
 
 # SB3 rebuilds these in ``_setup_model`` after loading, so the stored (pickled) values are never needed.
 _REBUILT_ON_LOAD = ("lr_schedule", "exploration_schedule")
+# The replay buffer is this plan's, not the saved run's: a run on a GPU's buffer computes its n-step returns itself
+# (n_steps in replay_buffer_kwargs, 1 on the algorithm), and SB3's buffer that a CPU plan loads it into takes them as
+# the algorithm's n_steps.
+_PLANNED_BUFFER = ("replay_buffer_class", "replay_buffer_kwargs", "n_steps")
 
 # What the pickles of a run dir may name: numpy arrays and generators, Gymnasium spaces, and the statistics and
 # buffer classes themselves. Nothing else is unpickled, so a run dir from elsewhere cannot run code through them.
@@ -159,6 +164,8 @@ def load_model(
                 f"{path} stores a pickled {key!r} that this run's config cannot supply; sb3_gpu does not unpickle "
                 f"model files (load it with SB3's {model_class.__name__}.load only if you trust where it came from)"
             )
+    if isinstance(template, OffPolicyAlgorithm):
+        custom.update({key: known[key] for key in _PLANNED_BUFFER if key in data})
     try:
         return model_class.load(str(path), env=env, device=device, custom_objects=custom)
     except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3

@@ -4,6 +4,7 @@ its reason, and models built, saved, resumed and reloaded with it."""
 from __future__ import annotations
 
 import pytest
+import torch as th
 from sb3_contrib import QRDQN
 from stable_baselines3 import PPO
 from stable_baselines3.common.buffers import NStepReplayBuffer, RolloutBuffer
@@ -15,6 +16,7 @@ from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.planning.build import build_env, build_model, model_class, model_kwargs
 from sb3_gpu.planning.plan import make_plan
+from sb3_gpu.runs.saving import load_plan_model
 from sb3_gpu.train import main as train_main
 
 TINY_DQN = ["--set", "buffer_size=500", "--set", "learning_starts=32", "--set", "train_freq=4", "--set", "batch_size=16"]
@@ -85,6 +87,27 @@ def test_a_run_on_host_or_device_buffers_saves_resumes_and_evaluates(args, tmp_p
     if "--save-replay-buffer" in args:
         assert "replay buffer restored from" in resumed.stdout.replace("\n", "")
     assert call_main(evaluate_main, run_dir, "--episodes", "1").returncode == 0
+
+
+@pytest.mark.parametrize("per", [False, True])
+def test_a_model_saved_from_a_device_buffer_with_n_step_returns_loads_into_the_evaluation_plans_buffer(per, tmp_path):
+    # A GPU run's buffer computes its 3-step returns itself (the algorithm keeps n_steps=1); the evaluation plan on the
+    # CPU, or on that GPU, loads it into SB3's host buffer, which takes them as the algorithm's n_steps.
+    tiny = {"per": per, "buffer_size": 500, "learning_starts": 32}
+    trained = make_plan("dqn", "CartPole-v1", "cpu", vec_env="dummy", overrides={**tiny, "device_buffers": True})
+    model = build_model(trained, build_env(trained))
+    assert (trained.buffers, model.n_steps, model.replay_buffer_kwargs["n_steps"]) == ("device", 1, 3)
+    model.save(tmp_path / "model.zip")
+    evaluation = make_plan(
+        "dqn", "CartPole-v1", "cpu", vec_env="dummy", overrides={**tiny, "device_buffers": True}, training=False
+    )
+    assert (evaluation.buffers, evaluation.buffers_reason) == ("host", "SB3's buffers: evaluation fills none")
+    loaded = load_plan_model(evaluation, tmp_path / "model.zip", build_env(evaluation))
+    # SB3's n-step buffer, or the host PER buffer, which computes the returns itself as the device ones do.
+    assert type(loaded.replay_buffer).__name__ == ("PrioritizedReplayBuffer" if per else "NStepReplayBuffer")
+    assert loaded.replay_buffer.n_steps == 3
+    for a, b in zip(model.policy.parameters(), loaded.policy.parameters(), strict=True):
+        assert th.equal(a, b)
 
 
 def test_off_policy_training_overlaps_collection_on_a_gpu_and_keeps_sb3s_schedule_on_the_cpu(gpu_machine, cpu_machine):

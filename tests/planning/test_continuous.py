@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
@@ -149,11 +150,36 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("sac", "Pendulum-v1", {"use_sde": True, "grad_accum_steps": 2}, "grad_accum_steps=2 is not supported with use_sde"),
         ("tqc", "Pendulum-v1", {"top_quantiles_to_drop_per_net": 25}, r"drops every one of each critic's n_quant"),
         ("tqc", "Pendulum-v1", {"policy_kwargs": {"n_quantiles": 0}}, r"policy_kwargs.n_quantiles must be an int >= 1"),
+        # Taken by SB3 and then ignored:
+        ("sac", "Pendulum-v1", {"use_sde_at_warmup": True}, "use_sde_at_warmup=True applies with use_sde=true only"),
+        ("tqc", "Pendulum-v1", {"sde_sample_freq": 4}, "sde_sample_freq=4 applies with use_sde=true only"),
+        ("ppo", "Pendulum-v1", {"sde_sample_freq": 4}, "sde_sample_freq=4 applies with use_sde=true only"),
+        ("sac", "Pendulum-v1", {"ent_coef": 0.1, "target_entropy": -2.0}, r"target_entropy=-2.0 applies where .* not with"),
     ],
 )
 def test_what_does_not_apply_is_refused_in_one_line(algo, env, overrides, message):
     with pytest.raises(ConfigError, match=message) as info:
         make_plan(algo, env, "cpu", overrides={"probe": False, **overrides})
+    assert "\n" not in str(info.value)
+
+
+class _Unbounded(gym.Env):
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Box(-np.inf, np.inf, (2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(3, np.float32), 0.0, False, True, {}
+
+
+@pytest.mark.parametrize("algo", ["sac", "ppo"])
+def test_an_action_space_without_finite_bounds_is_refused_in_one_line_by_the_plan(algo):
+    # SB3 asserts the bounds only when the model is built: after a run's folder exists, or after tune opened a study.
+    with pytest.raises(ConfigError, match=r"SB3 needs finite action bounds; .* give its Box a finite low and high") as info:
+        make_plan(algo, _Unbounded, "cpu", overrides={"probe": False})
     assert "\n" not in str(info.value)
 
 
@@ -232,6 +258,9 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates_with_a_video(tm
     evaluated = call_main(evaluate_main, run, "--episodes", "1", "--video", "--video-length", "20")
     assert evaluated.returncode == 0, evaluated.stderr
     assert read_back(tmp_path / "run" / "videos" / "best_model.mp4") == (20, 500, 500)  # Pendulum draws 500x500
+    # SB3's TD3 policy takes the same action either way: a "stochastic" figure would be its deterministic one.
+    stochastic = call_main(evaluate_main, run, "--episodes", "1", "--stochastic")
+    assert stochastic.returncode == 2 and "td3's policy has no stochastic actions" in stochastic.stderr
 
 
 @pytest.mark.parametrize("algo", ["sac", "tqc"])
