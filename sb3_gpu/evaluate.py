@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.evaluate", description="Evaluate a trained model.")
     p.add_argument("target", help="a run dir (its best model, else its final model) or a model .zip inside a run dir")
     p.add_argument("--episodes", type=positive_int, default=10, help="episodes to run (default 10)")
-    p.add_argument("--stochastic", action="store_true", help="sample actions instead of taking the most likely one")
+    p.add_argument("--stochastic", action="store_true", help="sample actions, not the most likely one (not for td3)")
     p.add_argument("--model", choices=("best", "final"), help="for a run dir: which model (default best)")
     p.add_argument("--device", default="cpu", help="device to run the policy on (default cpu)")
     p.add_argument("--seed", type=seed_int, default=None, help="seed of the evaluation env")

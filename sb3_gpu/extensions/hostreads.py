@@ -90,7 +90,8 @@ def _copies_to_host(args: Any, kwargs: dict[str, Any]) -> bool:
     tensor = args[0] if args and isinstance(args[0], th.Tensor) else None
     if tensor is None or tensor.device.type == "cpu":
         return False
-    if kwargs.get("non_blocking") or any(isinstance(a, bool) and a for a in args[1:]):  # to(device, dtype, True)
+    # non_blocking is the first bool of every form (to(dtype, non_blocking, copy), to(device, dtype, ...), to(other, ...))
+    if next((a for a in args[1:] if isinstance(a, bool)), kwargs.get("non_blocking", False)):
         return False
     target = kwargs.get("device")
     for a in args[1:]:

@@ -179,7 +179,7 @@ def make_plan(
         check_policy_kwargs(
             algo_, v.resolved.policy, v.resolved.policy_kwargs, v.resolved.sources.get("policy_kwargs", entry_label)
         )
-        _check_combinations(v.resolved, facts.observation_space)
+        _check_combinations(v.resolved, facts.observation_space, training)
         return v
 
     device_choice = choose_device(device, kind, algo_.on_policy, hardware)
@@ -625,7 +625,7 @@ def _check_quantiles(drop: int, n_quantiles: Any) -> None:
         )
 
 
-def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
+def _check_combinations(preset: Preset, obs_space: spaces.Space, training: bool = True) -> None:
     """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
     params: Any = preset.params
     if preset.algo == "ppo":
@@ -636,12 +636,14 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space) -> None:
         check_actor_critic_accumulation(params.grad_accum_steps, getattr(params, "use_sde", False))
         if preset.algo == "tqc":
             _check_quantiles(params.top_quantiles_to_drop_per_net, preset.policy_kwargs.get("n_quantiles", 25))
-    # Keys that SB3 takes and then ignores: refused, so that no run is believed to have used them.
-    if not getattr(params, "use_sde", False):
+    # Keys that SB3 takes and then ignores: refused, so that no run is believed to have used them (a run saved before
+    # they were refused still evaluates).
+    if training and not getattr(params, "use_sde", False):
         for key, unused in (("sde_sample_freq", -1), ("use_sde_at_warmup", False)):
             if getattr(params, key, unused) != unused:
                 raise ConfigError(f"{key}={getattr(params, key)} applies with use_sde=true only; set use_sde or drop {key}")
-    if not isinstance(getattr(params, "ent_coef", "auto"), str) and getattr(params, "target_entropy", "auto") != "auto":
+    fixed = not isinstance(getattr(params, "ent_coef", "auto"), str)
+    if training and fixed and getattr(params, "target_entropy", "auto") != "auto":
         raise ConfigError(
             f"target_entropy={params.target_entropy} applies where the entropy coefficient is learned (ent_coef auto or "
             f"auto_<initial value>), not with ent_coef={params.ent_coef}"

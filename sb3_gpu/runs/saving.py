@@ -164,10 +164,10 @@ def load_model(
                 f"{path} stores a pickled {key!r} that this run's config cannot supply; sb3_gpu does not unpickle "
                 f"model files (load it with SB3's {model_class.__name__}.load only if you trust where it came from)"
             )
-    if isinstance(template, OffPolicyAlgorithm):
-        custom.update({key: known[key] for key in _PLANNED_BUFFER if key in data})
+    # Given as load's keyword arguments, which SB3 sets after the zip's entries, whether or not the zip holds them.
+    planned = {key: known[key] for key in _PLANNED_BUFFER} if isinstance(template, OffPolicyAlgorithm) else {}
     try:
-        return model_class.load(str(path), env=env, device=device, custom_objects=custom)
+        return model_class.load(str(path), env=env, device=device, custom_objects=custom, **planned)
     except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "size mismatch" in str(e):  # torch lists every tensor that differs, one per line

@@ -60,6 +60,8 @@ def test_a_blocking_copy_from_a_device_to_the_host_is_a_read():
     assert _copies_to_host((device, "cpu", th.float64), {})
     assert not _copies_to_host((device, "cpu"), {"non_blocking": True})  # the host goes on; a later read waits
     assert not _copies_to_host((device, "cpu", th.float64, True), {})
+    assert _copies_to_host((device, "cpu", th.float64, False, True), {})  # copy=True: still waits
+    assert _copies_to_host((device, host, False, True), {})
     assert not _copies_to_host((device, th.float16), {})  # stays on its device
     assert not _copies_to_host((device, "meta"), {})
     assert not _copies_to_host((host, "cpu"), {})  # on the CPU twin: `.to(device)` of the data, not a read

@@ -163,6 +163,12 @@ def test_what_does_not_apply_is_refused_in_one_line(algo, env, overrides, messag
     assert "\n" not in str(info.value)
 
 
+def test_a_run_saved_with_a_key_sb3_ignored_still_evaluates():
+    ignored = {"probe": False, "use_sde_at_warmup": True, "ent_coef": 0.1, "target_entropy": -2.0}
+    plan = make_plan("sac", "Pendulum-v1", "cpu", overrides=ignored, training=False)
+    assert plan.preset.params.use_sde_at_warmup is True
+
+
 class _Unbounded(gym.Env):
     observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
     action_space = spaces.Box(-np.inf, np.inf, (2,), np.float32)
