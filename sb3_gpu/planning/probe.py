@@ -45,6 +45,7 @@ from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
+from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
 from sb3_gpu.extensions.stepping import OptimizerStep
 
@@ -414,7 +415,9 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
     compile (the run would fall back to eager)."""
     w, c = option.workload, option.candidate
     device = th.device(c.device)
-    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32):
+    # Argument checks off, as the run's compiled step has them: dynamo turns them off only at a process's first
+    # compile, and a distribution checked inside the graph would not compile.
+    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32), no_argument_checks():
         policy: Any = w.policy_class(w.observation_space, w.action_space, lambda _: 1e-4, **w.policy_kwargs).to(device)
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
         eager = _train_step(policy, w, obs, device, c.amp)
