@@ -29,7 +29,7 @@ from sb3_gpu.common.io import atomic_write_bytes
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.stepping import LossScale, first_non_finite, optimizer_step, settle_guards
-from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.build import build_env, build_model, model_class, model_kwargs
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, StopOnSignal
 from sb3_gpu.runs.evaluation import TimedEvalCallback
@@ -83,8 +83,9 @@ def _load(run_dir: Path, path: Path):
 
 
 def _load_zip(plan, path: Path, env):
-    preset = plan.preset
-    return load_model(preset.model_class, path, policy=preset.policy, model_kwargs=preset.sb3_kwargs(), env=env, device="cpu")
+    # The plan's class and arguments, as a run loads them: its buffer takes the n-step returns where it computes them.
+    kwargs = model_kwargs(plan)
+    return load_model(model_class(plan), path, policy=plan.preset.policy, model_kwargs=kwargs, env=env, device="cpu")
 
 
 def _no_temp_files(run_dir: Path) -> bool:
