@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS, default_env
-from sb3_gpu.common.cli import Parser, command, interrupted, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import (
+    Parser,
+    Terminated,
+    command,
+    interrupted,
+    positive_int,
+    print_error,
+    seed_int,
+    sigterm_as_interrupt,
+)
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.tuning import PRUNERS, SAMPLERS
@@ -110,6 +119,22 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.env = args.env or default_env(args.algo)  # as settings_from_args() fills it in
+    # SIGTERM (a preempted node, docker stop) stops the worker as Ctrl-C does, wherever it lands: while a trial plans
+    # or builds its envs too, where its default action would end the process past optuna's marking the trial failed.
+    with sigterm_as_interrupt():
+        return _main(args, argv)
+
+
+def _stop_code(e: KeyboardInterrupt) -> int:
+    """The exit status of a worker stopped by ``e``: 128 + the signal's number."""
+    from sb3_gpu.tuning.study import TrialInterrupted
+
+    if isinstance(e, TrialInterrupted):
+        return 128 + int(signal.Signals[e.signal_name])
+    return 128 + int(signal.SIGTERM) if isinstance(e, Terminated) else 130
+
+
+def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     new_folder: Path | None = None  # a study dir this call made, removed again if the study cannot open
     try:
         from sb3_gpu.common.io import make_dir, refuse_links
@@ -149,15 +174,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             where=mask_url(url),
             threshold=args.threshold,
             sampler_seed=args.sampler_seed,
+            scoring={
+                "--timesteps": plan.preset.n_timesteps,
+                "--seeds": args.seeds,
+                "--seed": args.seed,
+                "--eval-episodes": args.eval_episodes,
+                "--eval-freq": args.eval_freq,
+            },
         )
     except ConfigError as e:
         if new_folder is not None and new_folder.is_dir() and not any(new_folder.iterdir()):
             new_folder.rmdir()
         print_error(str(e))
         return 2
-    except KeyboardInterrupt:
-        print_error("interrupted before any trial began")
-        return interrupted()
+    except KeyboardInterrupt as e:
+        print_error(f"{'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'} before any trial began")
+        return interrupted(_stop_code(e))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for note in narrowed:
         console.print(f"search space: {note}", highlight=False)
@@ -172,10 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_trials(study, make_objective(settings_from_args(args), space), args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
-        from sb3_gpu.tuning.study import TrialInterrupted
-
-        print_error(f"{str(e) or 'interrupted'}; a running trial was marked failed. Run the same command to go on")
-        return interrupted(128 + int(signal.Signals[e.signal_name]) if isinstance(e, TrialInterrupted) else 130)
+        stopped = str(e) or ("stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted")
+        print_error(f"{stopped}; a running trial was marked failed. Run the same command to go on")
+        return interrupted(_stop_code(e))
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1

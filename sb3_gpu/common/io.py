@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import os
 import pickle
+import secrets
+import shutil
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -32,28 +36,63 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
     would otherwise be built whole in memory first). Any error in ``write`` removes the temp file, ``path`` untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp: Path | None = None
     try:
-        with os.fdopen(_create_new(tmp), "wb") as f:
+        tmp, fd = _create_new(path)
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        tmp = None
     except OSError as e:  # a full disk says so without a file name; name the file that was not written
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
     finally:
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
+        if tmp is not None:  # only the file this call created: another writer's temp file is its own
+            tmp.unlink(missing_ok=True)
     return path
 
 
-def _create_new(path: Path) -> int:
+def _create_new(path: Path) -> tuple[Path, int]:
+    """A temp file beside ``path`` that no one else has: its name is random (two writers of one pid, in two
+    containers sharing a folder, or two threads, never meet), and a name that exists is passed over, never removed."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            return tmp, os.open(tmp, flags, 0o644)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temp file name beside it", str(path))
+
+
+def keep_previous(path: Path) -> Callable[[bool], None]:
+    """Keep the file at ``path`` as it is now, for a write of it that must be undone if a later write fails.
+
+    Returns ``restore``: ``restore(True)`` puts the kept file back (or removes a new one where there was none),
+    ``restore(False)`` forgets it. A hard link keeps it (a full disk that failed the later write leaves no room for a
+    copy); a file system without hard links gets a copy.
+    """
+    kept = path.with_name(f".{path.name}.previous")
+    kept.unlink(missing_ok=True)
     try:
-        return os.open(path, flags, 0o644)
-    except FileExistsError:  # a temp file left by a killed writer of the same pid (or a link): remove it, once
-        path.unlink()
-        return os.open(path, flags, 0o644)
+        os.link(path, kept)  # atomic writes replace the file by a rename: the link keeps the old one
+    except FileNotFoundError:
+        pass
+    except OSError:
+        with contextlib.suppress(OSError):  # no copy either (a full disk): the old file cannot be brought back
+            shutil.copy2(path, kept)
+
+    def restore(failed: bool) -> None:
+        with contextlib.suppress(OSError):  # the write that failed already says why
+            if not failed:
+                kept.unlink(missing_ok=True)
+            elif kept.exists():
+                os.replace(kept, path)
+            else:
+                path.unlink(missing_ok=True)
+
+    return restore
 
 
 def check_dir_creatable(path: str | Path, what: str) -> Path:

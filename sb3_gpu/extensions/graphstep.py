@@ -67,6 +67,21 @@ def _running_refusal(guard: OptimizerStep) -> str | None:
     return None
 
 
+def saved_uncapturable(optimizer: th.optim.Optimizer) -> None:
+    """Leave ``capturable`` out of what ``optimizer.state_dict()`` saves (SB3's zip): it is this process's setting for
+    its GPU's step counts, and a torch Adam loaded with it on a CPU refuses to step there."""
+    if getattr(optimizer, "_saved_uncapturable", False):
+        return
+
+    def uncapturable(optimizer: th.optim.Optimizer, state: dict[str, Any]) -> None:
+        for group in state["param_groups"]:  # state_dict() copies each group: the live ones keep their flag
+            if "capturable" in group:
+                group["capturable"] = False
+
+    optimizer.register_state_dict_post_hook(uncapturable)
+    optimizer._saved_uncapturable = True  # type: ignore[attr-defined]
+
+
 class _Adam:
     """Adam's update of one parameter group, traceable; the state is the optimizer's, created as Adam's first step
     would create it."""
@@ -77,6 +92,7 @@ class _Adam:
             # Its step counts live on the device: a torch Adam that loads them must know (a host one would read
             # them back at every step).
             group["capturable"] = True
+            saved_uncapturable(optimizer)
         self.params: list[th.Tensor] = [p for p in group["params"] if p.requires_grad]
         self.beta1, self.beta2 = group["betas"]
         self.eps, self.weight_decay = group["eps"], group["weight_decay"]
@@ -310,6 +326,10 @@ class CompiledUpdate:
         try:  # a failure shows while tracing or compiling (the first call, a recompile), before anything changes
             with th._dynamo.config.patch(trace_autograd_ops=True, suppress_errors=False):
                 return self._compiled(*inputs)
+        except th.cuda.OutOfMemoryError:
+            # Not the compiler's failure: a CUDA graph's first call runs the step, which may have changed weights
+            # and Adam's state before the device ran out. Running it again uncompiled could apply part of it twice.
+            raise
         except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
             self.fallback = f"the compiled gradient step failed ({named(e, 200)}); it runs uncompiled"
             warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=4)

@@ -21,7 +21,7 @@ from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import save_pickle
 from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep, first_non_finite, optimizer_steps, settle_guards
 from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.saving import save_state, settle_training
+from sb3_gpu.runs.saving import non_finite_statistics, save_state, settle_training
 from sb3_gpu.runs.telemetry import WindowedRate
 
 
@@ -70,6 +70,7 @@ class StopOnSignal(BaseCallback):
 
 
 _CAUSES = "the loss diverged: look for NaN or inf in rewards or observations, or lower the learning rate"
+_STATISTICS = "an env returned a NaN or inf observation or reward, and VecNormalize took it into its running statistics"
 
 
 class NanGuard(BaseCallback):
@@ -145,6 +146,9 @@ class AtomicCheckpointCallback(BaseCallback):
             bad = first_non_finite(self.model.policy)
             if bad is not None:
                 raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps")
+            stats = non_finite_statistics(self.model)
+            if stats is not None:
+                raise TrainingDiverged(f"{stats} is NaN or inf at {self.num_timesteps:,} timesteps ({_STATISTICS})")
             files = self.run_dir.checkpoint(self.num_timesteps)
             lost = save_state(self.model, files, replay_buffer=self.save_replay_buffer)
             if lost is not None:  # the model is saved; the next checkpoint tries the buffer again
@@ -164,6 +168,9 @@ class SaveVecNormalizeCallback(BaseCallback):
     def _on_step(self) -> bool:
         vec_normalize = self.model.get_vec_normalize_env()
         if vec_normalize is not None:
+            stats = non_finite_statistics(self.model)
+            if stats is not None:
+                raise TrainingDiverged(f"{stats} is NaN or inf at {self.num_timesteps:,} timesteps ({_STATISTICS})")
             save_pickle(self.path, vec_normalize)
         return True
 

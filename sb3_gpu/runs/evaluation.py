@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import save_model, write_json
+from sb3_gpu.common.io import keep_previous, save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
@@ -215,26 +216,10 @@ class TimedEvalCallback(EvalCallback):
 
     def _companions_restorer(self) -> Callable[[bool], None]:
         """What, called with True, puts the best model's VecNormalize statistics back as they are now (or removes new
-        ones), and with False forgets them. A hard link keeps them: a full disk that failed the model's write leaves
-        no room for a copy."""
+        ones), and with False forgets them."""
         if self.run_dir is None:
             return lambda failed: None
-        path = self.run_dir.best_vecnormalize
-        kept = path.with_name(f".{path.name}.previous")
-        kept.unlink(missing_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.link(path, kept)  # the statistics' writes replace the file by a rename: the link keeps the old one
-
-        def restore(failed: bool) -> None:
-            with contextlib.suppress(OSError):  # the write that failed already says why
-                if not failed:
-                    kept.unlink(missing_ok=True)
-                elif kept.exists():
-                    os.replace(kept, path)
-                else:
-                    path.unlink(missing_ok=True)
-
-        return restore
+        return keep_previous(self.run_dir.best_vecnormalize)
 
     def _log_success_callback(self, locals_: dict[str, Any], globals_: dict[str, Any]) -> None:
         # evaluate_policy calls this after every step of the evaluation env: the one place to stop it midway.
@@ -243,10 +228,22 @@ class TimedEvalCallback(EvalCallback):
         super()._log_success_callback(locals_, globals_)
 
     def _publish(self) -> None:
-        if self.run_dir is not None:
-            scratch = self.run_dir.eval / RunDir.SCRATCH / RunDir.EVALUATIONS
-            if scratch.exists():
-                os.replace(scratch, self.run_dir.evaluations)
+        """Move SB3's ``evaluations.npz``, written in place, over the run's, unless its write was cut short (a full
+        disk, a second Ctrl-C inside ``np.savez``): then the run's stays as it was."""
+        if self.run_dir is None:
+            return
+        scratch = self.run_dir.eval / RunDir.SCRATCH / RunDir.EVALUATIONS
+        if not scratch.exists():
+            return
+        try:
+            with np.load(scratch) as data:
+                complete = {"timesteps", "results", "ep_lengths"} <= set(data.files)
+        except Exception:  # a truncated zip fails in many ways
+            complete = False
+        if complete:
+            os.replace(scratch, self.run_dir.evaluations)
+        else:
+            scratch.unlink(missing_ok=True)
 
     def _on_training_end(self) -> None:
         super()._on_training_end()
@@ -264,8 +261,17 @@ class TimedEvalCallback(EvalCallback):
             self.best_mean_reward = self.best.mean
         if not self.run_dir.evaluations.is_file():
             return
-        with np.load(self.run_dir.evaluations) as data:
-            timesteps, results, lengths = data["timesteps"], data["results"], data["ep_lengths"]
+        try:
+            with np.load(self.run_dir.evaluations) as data:
+                timesteps, results, lengths = data["timesteps"], data["results"], data["ep_lengths"]
+        except Exception as e:  # damaged outside sb3_gpu's writes: the history is lost, the run is not
+            warnings.warn(
+                f"{self.run_dir.evaluations} is not readable ({type(e).__name__}), so the resumed run's evaluation "
+                "history starts empty (its best model and best.json are kept)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         if len(results) and self.best is None:  # a run from before best records: its best periodic figure
             self.best_mean_reward = float(np.max(np.mean(results, axis=1)))
         keep = timesteps <= up_to_timesteps

@@ -8,15 +8,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError, named
-from sb3_gpu.common.io import load_pickle, save_model, save_pickle
+from sb3_gpu.common.io import keep_previous, load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
-from sb3_gpu.extensions.stepping import settle_guards
+from sb3_gpu.extensions.stepping import policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
@@ -101,9 +103,18 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
     """
     _finish_training(model)
     vec_normalize = model.get_vec_normalize_env()
-    if vec_normalize is not None:
-        save_pickle(files.vecnormalize, vec_normalize)
-    save_model(model, files.model)
+    # A failed or stopped model write puts the old statistics back: they never pair with a model they were not saved with.
+    restore = keep_previous(files.vecnormalize) if vec_normalize is not None else None
+    try:
+        if vec_normalize is not None:
+            save_pickle(files.vecnormalize, vec_normalize)
+        save_model(model, files.model)
+    except BaseException:
+        if restore is not None:
+            restore(True)
+        raise
+    if restore is not None:
+        restore(False)
     files.replay_buffer.unlink(missing_ok=True)  # the previous model's: after a failed model write it stays with it
     if not replay_buffer or getattr(model, "replay_buffer", None) is None:
         return None
@@ -111,6 +122,23 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
         save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
     except Exception as e:  # MemoryError and pickling errors too: the model is saved, only the buffer is lost
         return f"the replay buffer was not saved ({named(e)})"
+    return None
+
+
+def non_finite_statistics(model: BaseAlgorithm) -> str | None:
+    """The first VecNormalize statistic in use (``obs_rms`` where observations are normalised, ``ret_rms`` where
+    rewards are) holding a NaN or inf, or None. One NaN observation or reward poisons them for good, while the weights
+    may still be finite: such statistics are never saved, as NaN weights are not."""
+    vec_normalize = model.get_vec_normalize_env()
+    if vec_normalize is None:
+        return None
+    used: list[tuple[str, Any]] = [("obs_rms", vec_normalize.obs_rms)] if vec_normalize.norm_obs else []
+    used += [("ret_rms", vec_normalize.ret_rms)] if vec_normalize.norm_reward else []
+    for name, rms in used:
+        for key, stats in rms.items() if isinstance(rms, dict) else [(None, rms)]:
+            for field in ("mean", "var"):
+                if not np.all(np.isfinite(getattr(stats, field))):
+                    return f"VecNormalize's {name}{'' if key is None else f'[{key!r}]'}.{field}"
     return None
 
 
@@ -167,12 +195,20 @@ def load_model(
     # Given as load's keyword arguments, which SB3 sets after the zip's entries, whether or not the zip holds them.
     planned = {key: known[key] for key in _PLANNED_BUFFER} if isinstance(template, OffPolicyAlgorithm) else {}
     try:
-        return model_class.load(str(path), env=env, device=device, custom_objects=custom, **planned)
+        model = model_class.load(str(path), env=env, device=device, custom_objects=custom, **planned)
     except Exception as e:  # a truncated or foreign zip fails in many ways inside SB3
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "size mismatch" in str(e):  # torch lists every tensor that differs, one per line
             first = "its networks' shapes differ from the ones this config's env and net_arch give"
         raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {first})") from None
+    if model.device.type == "cpu":
+        # A GPU run's graph-captured Adam was capturable, and zips saved before sb3_gpu left that flag out hold it:
+        # torch's Adam on a CPU refuses to step with it.
+        entropy = getattr(model, "ent_coef_optimizer", None)
+        for optimizer in [*policy_optimizers(model.policy), *([entropy] if isinstance(entropy, th.optim.Optimizer) else [])]:
+            for group in optimizer.param_groups:
+                group["capturable"] = False
+    return model
 
 
 def _check_same_algorithm(path: Path, data: dict[str, Any], template: BaseAlgorithm) -> None:

@@ -23,7 +23,7 @@ from sb3_gpu.extensions.stepping import first_non_finite
 from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, StopOnSignal
 from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, evaluate
 from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.saving import save_state
+from sb3_gpu.runs.saving import non_finite_statistics, save_state
 from sb3_gpu.runs.telemetry import ThroughputCallback
 
 
@@ -186,8 +186,11 @@ class Session:
         assert self.run_dir is not None
         run, model = self.run_dir, self.model
         bad = first_non_finite(model.policy)
+        stats = non_finite_statistics(model) if bad is None else None
         if bad is not None:
             outcome.saved = f"the weights are NaN ({bad}), so no model was saved; {run.last_good()}"
+        elif stats is not None:
+            outcome.saved = f"{stats} is NaN or inf (an env returned one), so no model was saved; {run.last_good()}"
         else:
             try:
                 lost = save_state(model, run.final, replay_buffer=self.save_replay_buffer)

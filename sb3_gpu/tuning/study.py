@@ -334,18 +334,25 @@ def open_study(
     where: str,
     threshold: float | None = None,
     sampler_seed: int | None = None,
+    scoring: dict[str, int | None] | None = None,
 ) -> Any:
     """Create the study ``name`` in ``storage``, or join it; refuse one that tunes another algorithm or env, or
-    scores another way (another threshold, another search space).
+    scores another way (another threshold, another search space, other ``scoring`` settings).
 
     :param timesteps: of each seed's training; the median pruner waits for a third of them
     :param where: the storage as messages name it (without its password)
     :param threshold: the return a time-to-threshold study times (None: the study maximises the final return)
+    :param scoring: what else a trial's score depends on, by CLI flag (``--timesteps``, ``--seeds``, ...): workers
+        that differ would rank scores that cannot be compared
     """
     optuna = import_optuna()
+    makers = {
+        "tpe": lambda seed: optuna.samplers.TPESampler(n_startup_trials=5, seed=seed),
+        "random": lambda seed: optuna.samplers.RandomSampler(seed=seed),
+    }
     samplers = {
-        "tpe": lambda: optuna.samplers.TPESampler(n_startup_trials=5, seed=sampler_seed),
-        "random": lambda: optuna.samplers.RandomSampler(seed=sampler_seed),
+        name: (lambda make=make: make(None) if sampler_seed is None else per_trial_seeded(make, sampler_seed))
+        for name, make in makers.items()
     }
     pruners = {
         "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=timesteps // 3),
@@ -364,7 +371,7 @@ def open_study(
     if attrs.get("algo") is None:
         # "algo" marks a study as set up, so it is written last: a worker that joins while the first one writes these
         # (each its own transaction) either sees no "algo" yet or sees them all.
-        for key, value in (("env", env), ("space", space), ("threshold", threshold), ("algo", algo)):
+        for key, value in (("env", env), ("space", space), ("threshold", threshold), ("scoring", scoring), ("algo", algo)):
             study.set_user_attr(key, value)
         return study
     if (attrs["algo"], attrs.get("env")) != (algo, env):
@@ -372,12 +379,58 @@ def open_study(
     if attrs.get("threshold") != threshold:
         made = "the final return" if attrs.get("threshold") is None else f"the time to a return of {attrs['threshold']:g}"
         raise ConfigError(f"study {name!r} in {where} scores {made}; give the same --threshold or another --study-name")
+    made_with = attrs.get("scoring") or {}  # none in a study made before workers' scoring was compared
+    for flag, value in (scoring or {}).items():
+        if flag in made_with and made_with[flag] != value:
+            theirs, mine = ("its default" if v is None else v for v in (made_with[flag], value))
+            raise ConfigError(
+                f"study {name!r} in {where} scores trials with {flag} {theirs} (this worker: {mine}); give the same, "
+                "or another --study-name"
+            )
     if attrs.get("space", space) != space:
         raise ConfigError(
             f"study {name!r} in {where} was made with another search space (or a budget that narrowed it otherwise); "
             "give the same --space and --timesteps, or another --study-name"
         )
     return study
+
+
+def per_trial_seeded(make: Any, seed: int) -> Any:
+    """A sampler made by ``make(seed)`` anew for each trial, seeded from ``seed`` and the trial's number.
+
+    One seeded sampler draws from one generator per process: a study resumed by the same command, or a second worker
+    given the same seed, would draw the first trials' values again. Trial numbers are the study's, unique across
+    workers, so the draws stay reproducible and never repeat. (TPE keeps nothing between trials but its generator:
+    it reads the history from the study.)
+    """
+    import numpy as np
+
+    optuna = import_optuna()
+
+    class PerTrialSeeded(optuna.samplers.BaseSampler):  # type: ignore[name-defined]
+        def __init__(self) -> None:
+            self.inner = make(seed)
+
+        def before_trial(self, study: Any, trial: Any) -> None:
+            self.inner = make(int(np.random.SeedSequence([seed, trial.number]).generate_state(1)[0]))
+            self.inner.before_trial(study, trial)
+
+        def infer_relative_search_space(self, study: Any, trial: Any) -> Any:
+            return self.inner.infer_relative_search_space(study, trial)
+
+        def sample_relative(self, study: Any, trial: Any, search_space: Any) -> Any:
+            return self.inner.sample_relative(study, trial, search_space)
+
+        def sample_independent(self, study: Any, trial: Any, param_name: str, param_distribution: Any) -> Any:
+            return self.inner.sample_independent(study, trial, param_name, param_distribution)
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            self.inner.after_trial(study, trial, state, values)
+
+        def reseed_rng(self) -> None:
+            self.inner.reseed_rng()
+
+    return PerTrialSeeded()
 
 
 def seed_progress(number: int, seed: int, score: float, reached: bool | None, threshold: float | None) -> str:

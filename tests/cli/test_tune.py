@@ -160,6 +160,23 @@ def test_sigint_stops_the_running_trial_marks_it_failed_and_ends_the_worker(tmp_
     assert [t.state for t in load(storage).trials] == [optuna.trial.TrialState.FAIL]
 
 
+def test_sigterm_while_a_trial_builds_marks_it_failed_and_ends_the_worker_with_143(tmp_path, monkeypatch, capsys):
+    # Before a trial's training installs its own handlers (planning, building envs): a preempted node or docker stop.
+    def objective(trial):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises inside the sleep
+        return 0.0
+
+    monkeypatch.setattr(tuning, "make_objective", lambda settings, space: objective)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    before = signal.getsignal(signal.SIGTERM)
+    assert tune.main(["ppo", "--trials", "1", *TINY, "--storage", storage, "--study-dir", str(tmp_path)]) == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    err = capsys.readouterr().err
+    assert "error: stopped by SIGTERM; a running trial was marked failed." in err and "Traceback" not in err
+    assert [t.state for t in load(storage).trials] == [optuna.trial.TrialState.FAIL]
+
+
 def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
     class AlwaysPrune(optuna.pruners.BasePruner):
         def prune(self, study, trial):
@@ -489,6 +506,8 @@ def test_a_threshold_study_scores_the_seconds_each_seed_took_to_reach_it(tmp_pat
     assert summary.startswith("`python -m sb3_gpu.tune ppo --trials 1") and "reached 15" in summary
     again = call_main(tune.main, *args, "--threshold", "20", "--study-dir", str(tmp_path))
     assert again.returncode == 2 and "scores the time to a return of 15" in again.stderr
+    longer = call_main(tune.main, *args, "--threshold", "15", "--timesteps", "4096", "--study-dir", str(tmp_path))
+    assert longer.returncode == 2 and "scores trials with --timesteps 2048 (this worker: 4096)" in longer.stderr
 
 
 # --- PostgreSQL ----------------------------------------------------------------------------------------------
@@ -546,7 +565,35 @@ def test_a_new_study_is_marked_set_up_only_after_its_settings_are_written(monkey
     monkeypatch.setattr(optuna.study.Study, "set_user_attr", lambda self, key, value: written.append(key))
     settings = {"sampler": "random", "pruner": "none", "timesteps": 512, "algo": "ppo", "env": "CartPole-v1"}
     tuning.open_study("s", optuna.storages.InMemoryStorage(), space={}, where="memory", **settings)
-    assert written[-1] == "algo" and set(written) == {"algo", "env", "space", "threshold"}
+    assert written[-1] == "algo" and set(written) == {"algo", "env", "space", "threshold", "scoring"}
+
+
+def test_a_worker_whose_trials_would_score_another_way_is_refused_by_the_flag():
+    storage = optuna.storages.InMemoryStorage()
+    settings = {"sampler": "random", "pruner": "none", "timesteps": 512, "algo": "ppo", "env": "CartPole-v1"}
+    made = {"--timesteps": 512, "--seeds": 2, "--eval-freq": None}
+    tuning.open_study("s", storage, space={}, where="memory", scoring=made, **settings)
+    tuning.open_study("s", storage, space={}, where="memory", scoring=made, **settings)  # the same: joins
+    tuning.open_study("s", storage, space={}, where="memory", **settings)  # a caller that compares none
+    for flag, value, said in (("--seeds", 3, "--seeds 2 (this worker: 3)"), ("--eval-freq", 64, "its default (this")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            tuning.open_study("s", storage, space={}, where="memory", scoring={**made, flag: value}, **settings)
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe"])
+def test_a_seeded_study_resumed_by_the_same_command_never_draws_its_first_trials_again(sampler):
+    settings = {"sampler": sampler, "pruner": "none", "timesteps": 512, "algo": "ppo", "env": "CartPole-v1"}
+
+    def worker(storage, trials: int) -> list[float]:  # a fresh process's sampler each time: the command run again
+        study = tuning.open_study("s", storage, space={}, where="memory", sampler_seed=7, **settings)
+        study.optimize(lambda trial: trial.suggest_float("x", 0.0, 1.0), n_trials=trials)
+        return [t.params["x"] for t in study.trials]
+
+    resumed = optuna.storages.InMemoryStorage()
+    worker(resumed, 3)
+    drawn = worker(resumed, 3)  # stopped after 3 trials, then the same command
+    assert len(set(drawn)) == 6
+    assert worker(optuna.storages.InMemoryStorage(), 6) == drawn  # still reproducible: seeded by trial number
 
 
 def test_trials_of_dead_workers_on_this_host_are_failed():

@@ -184,6 +184,26 @@ def test_a_step_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch
         _train(model, seed=1)  # warned once
 
 
+def test_a_device_out_of_memory_inside_the_compiled_step_is_raised_not_run_again_uncompiled(monkeypatch):
+    # A CUDA graph's first call runs the step: part of the update may have landed before the device ran out.
+    model = _device_per_dqn()
+    model.compile_step()
+    calls = []
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(1)
+        raise th.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(model._compiled_step, "_compiled", out_of_memory)
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        with pytest.raises(th.cuda.OutOfMemoryError):
+            _train(model, seed=0, steps=1)
+    assert calls == [1] and model._compiled_step.fallback is None
+    assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))  # nothing run again
+
+
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_the_compiled_step_runs_under_bf16_autocast_as_the_eager_one(algo):
     _, cls, policy_kwargs = ALGOS[algo]

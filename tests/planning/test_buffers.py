@@ -11,6 +11,7 @@ from stable_baselines3.common.buffers import NStepReplayBuffer, RolloutBuffer
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.accumulate import GradAccumPPO
+from sb3_gpu.extensions.graphstep import saved_uncapturable
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedDQN, PrioritizedQRDQN
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
@@ -108,6 +109,31 @@ def test_a_model_saved_from_a_device_buffer_with_n_step_returns_loads_into_the_e
     assert loaded.replay_buffer.n_steps == 3
     for a, b in zip(model.policy.parameters(), loaded.policy.parameters(), strict=True):
         assert th.equal(a, b)
+
+
+def test_a_gpu_runs_capturable_adam_is_never_saved_and_an_older_zip_holding_it_steps_on_a_cpu(tmp_path):
+    # On a GPU the graph-captured step makes an unfused Adam capturable (its step counts live on the device); torch's
+    # Adam on a CPU refuses to step with that flag.
+    plan = make_plan(
+        "sac", "Pendulum-v1", "cpu", vec_env="dummy", overrides={"learning_starts": 8, "batch_size": 8, "compile": False}
+    )
+    model = build_model(plan, build_env(plan))
+    model.learn(16)  # Adam state in every optimizer
+    optimizers = [model.actor.optimizer, model.critic.optimizer, model.ent_coef_optimizer]
+    for optimizer in optimizers:
+        optimizer.param_groups[0]["capturable"] = True  # what the GPU run set
+    saved_uncapturable(model.actor.optimizer)
+    saved_uncapturable(model.actor.optimizer)  # once per optimizer, however often its step is rebuilt
+    saved = model.actor.optimizer.state_dict()["param_groups"][0]
+    assert saved["capturable"] is False and model.actor.optimizer.param_groups[0]["capturable"] is True
+    model.save(tmp_path / "model.zip")  # the critic's and the entropy's: as zips saved before the flag was left out
+    loaded = load_plan_model(plan, tmp_path / "model.zip", build_env(plan))
+    for optimizer in [loaded.actor.optimizer, loaded.critic.optimizer, loaded.ent_coef_optimizer]:
+        assert [g["capturable"] for g in optimizer.param_groups] == [False]
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = th.zeros_like(p)
+        optimizer.step()  # torch's own Adam on the CPU
 
 
 def test_off_policy_training_overlaps_collection_on_a_gpu_and_keeps_sb3s_schedule_on_the_cpu(gpu_machine, cpu_machine):

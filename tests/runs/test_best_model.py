@@ -152,6 +152,38 @@ def test_a_resumed_evaluator_measures_candidates_against_the_confirmed_best(tmp_
     assert evaluator.evaluations_timesteps == [32]
 
 
+def test_an_evaluation_whose_write_is_cut_short_leaves_the_runs_evaluations_whole(tmp_path, monkeypatch):
+    import errno
+
+    evaluator, _, model = _learn(tmp_path, 2)
+    run = evaluator.run_dir
+    assert run is not None
+
+    def cut_short(file, **arrays):  # SB3 writes its evaluations with np.savez: a full disk midway
+        with open(f"{file}.npz", "wb") as f:
+            f.write(b"PK\x03\x04 half of a zip")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("stable_baselines3.common.callbacks.np.savez", cut_short)
+    with pytest.raises(OSError, match="No space left"):
+        model.learn(EVERY, callback=evaluator, reset_num_timesteps=False)
+    with np.load(run.evaluations) as data:  # the two evaluations before it, still readable by --resume
+        assert data["timesteps"].tolist() == [EVERY, 2 * EVERY]
+    assert not (run.eval / RunDir.SCRATCH / RunDir.EVALUATIONS).exists()
+
+
+def test_a_damaged_evaluations_file_warns_and_the_resumed_history_starts_empty(tmp_path):
+    run = RunDir(tmp_path)
+    run.eval.mkdir()
+    run.evaluations.write_bytes(b"PK\x03\x04 half of a zip")  # damaged outside sb3_gpu's writes
+    record = BestModel(32, 30.0, 1.0, 6, 10.0, confirmed=True)
+    run.best_record.write_text(json.dumps(record.__dict__))
+    evaluator = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=run, confirm_episodes=6)
+    with pytest.warns(RuntimeWarning, match="evaluation history starts empty"):
+        evaluator.restore_history(up_to_timesteps=32)
+    assert evaluator.best == record and evaluator.best_mean_reward == 30.0 and evaluator.evaluations_timesteps == []
+
+
 ENDLESS = "tests.fault_envs:Endless"
 TINY = ["--vec-env", "dummy", "--n-envs", "1", "--set", "n_steps=32", "--set", "batch_size=32", "--set", "n_epochs=1"]
 

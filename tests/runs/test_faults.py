@@ -25,7 +25,7 @@ from stable_baselines3.common.save_util import json_to_data
 from sb3_gpu import ConfigError
 from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import StopNow, TrainingDiverged
-from sb3_gpu.common.io import atomic_write_bytes
+from sb3_gpu.common.io import atomic_write_bytes, keep_previous
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.stepping import LossScale, first_non_finite, optimizer_step, settle_guards
@@ -34,7 +34,7 @@ from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, StopOnSignal
 from sb3_gpu.runs.evaluation import TimedEvalCallback
 from sb3_gpu.runs.rundir import RunDir, zip_timesteps
-from sb3_gpu.runs.saving import load_model
+from sb3_gpu.runs.saving import load_model, load_vecnormalize, save_state
 from sb3_gpu.runs.training import train_run
 from sb3_gpu.train import main as train_main
 from tests.conftest import REPO, run_cli
@@ -899,16 +899,104 @@ def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_t
 # --- symbolic links, full disks, damaged zips -------------------------------------------------------------------
 
 
-def test_an_atomic_write_replaces_a_link_and_never_writes_through_one(tmp_path):
+def _temp_names(monkeypatch, *names: str) -> None:
+    """The random parts of the next temp file names, in order."""
+    given = iter(names)
+    monkeypatch.setattr("sb3_gpu.common.io.secrets.token_hex", lambda n: next(given))
+
+
+def test_an_atomic_write_replaces_a_link_and_never_writes_through_one(tmp_path, monkeypatch):
     victim = tmp_path / "victim"
     victim.write_text("precious")
     (tmp_path / "model.zip").symlink_to(victim)
-    (tmp_path / f".summary.json.tmp-{os.getpid()}").symlink_to(victim)  # a planted temp name
+    planted = tmp_path / f".summary.json.tmp-{os.getpid()}-0000aaaa"  # a planted temp name, guessed right
+    planted.symlink_to(victim)
+    _temp_names(monkeypatch, "1111bbbb", "0000aaaa", "2222cccc")
     atomic_write_bytes(tmp_path / "model.zip", b"new")
     atomic_write_bytes(tmp_path / "summary.json", b"{}")
     assert victim.read_text() == "precious"
     assert not (tmp_path / "model.zip").is_symlink() and (tmp_path / "model.zip").read_bytes() == b"new"
-    assert (tmp_path / "summary.json").read_bytes() == b"{}" and _no_temp_files(tmp_path)
+    assert (tmp_path / "summary.json").read_bytes() == b"{}"
+    assert [p for p in tmp_path.iterdir() if ".tmp-" in p.name] == [planted]  # passed over, and not ours to remove
+
+
+def test_an_atomic_write_leaves_another_writers_temp_file_alone(tmp_path, monkeypatch):
+    # A writer with the same pid (another container sharing the folder, or this process's other thread) is midway.
+    theirs = tmp_path / f".summary.json.tmp-{os.getpid()}-0000aaaa"
+    theirs.write_bytes(b"half of their file")
+    _temp_names(monkeypatch, "0000aaaa", "1111bbbb")
+    atomic_write_bytes(tmp_path / "summary.json", b"{}")
+    assert theirs.read_bytes() == b"half of their file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([theirs.name, "summary.json"])
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_keep_previous_puts_the_old_file_back_after_a_later_write_fails(tmp_path, monkeypatch, hard_links):
+    import errno
+
+    if not hard_links:  # gcsfuse, SMB and the like: a copy keeps it instead
+
+        def refuse(src, dst):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(src))
+
+        monkeypatch.setattr("sb3_gpu.common.io.os.link", refuse)
+    path = tmp_path / "vecnormalize.pkl"
+    path.write_bytes(b"old")
+    restore = keep_previous(path)
+    atomic_write_bytes(path, b"new")
+    restore(True)  # the model's write after it failed
+    assert path.read_bytes() == b"old"
+    restore = keep_previous(path)
+    atomic_write_bytes(path, b"newer")
+    restore(False)  # it succeeded
+    assert path.read_bytes() == b"newer" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    fresh = tmp_path / "best_vecnormalize.pkl"  # none before: a failed pair leaves none
+    restore = keep_previous(fresh)
+    atomic_write_bytes(fresh, b"new")
+    restore(True)
+    assert not fresh.exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_a_failed_model_write_puts_the_previous_statistics_back(tmp_path, monkeypatch):
+    import errno
+
+    plan = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy", overrides={"normalize": True})
+    model = build_model(plan, build_env(plan))
+    files = RunDir(tmp_path).final
+    save_state(model, files, replay_buffer=False)
+    saved = files.vecnormalize.read_bytes(), files.model.read_bytes()
+    model.get_vec_normalize_env().obs_rms.mean += 1.0  # newer statistics than the saved model's
+
+    def full(model, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr("sb3_gpu.runs.saving.save_model", full)
+    with pytest.raises(OSError, match="No space left"):
+        save_state(model, files, replay_buffer=False)
+    assert (files.vecnormalize.read_bytes(), files.model.read_bytes()) == saved  # still a pair
+    assert _no_temp_files(tmp_path) and not [p for p in tmp_path.iterdir() if p.name.endswith(".previous")]
+
+
+def test_nan_rewards_under_vecnormalize_never_save_its_poisoned_statistics(tmp_path):
+    # One NaN reward makes the return statistics NaN for good, while the weights may still be finite.
+    plan = make_plan(
+        "ppo",
+        FAULTY,
+        "cpu",
+        n_envs=2,
+        n_timesteps=20_000,
+        vec_env="dummy",
+        overrides={"normalize": True, "n_steps": 256, "env_kwargs": {"nan_at": 400}},
+    )
+    with pytest.raises(TrainingDiverged, match="NaN or inf"):
+        train_run(plan, tmp_path, eval_freq=100_000, checkpoint_freq=64, progress=False, report_s=None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "VecNormalize's ret_rms" in summary["saved"] and "no model was saved" in summary["saved"], summary["saved"]
+    states = RunDir(tmp_path).saved_states()
+    assert states and all(state.model.name != "model.zip" for state in states)  # checkpoints only
+    for state in states:
+        stats = load_vecnormalize(RunDir(tmp_path).vecnormalize_for(state.model), build_env(plan).venv)
+        assert np.isfinite(stats.ret_rms.var).all() and np.isfinite(stats.obs_rms.mean).all()
 
 
 def test_a_full_disk_at_the_final_save_says_so_and_names_the_last_complete_model(tmp_path, monkeypatch, capsys):
