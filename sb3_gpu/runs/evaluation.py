@@ -264,6 +264,7 @@ class TimedEvalCallback(EvalCallback):
         try:
             with np.load(self.run_dir.evaluations) as data:
                 timesteps, results, lengths = data["timesteps"], data["results"], data["ep_lengths"]
+                successes = data["successes"] if "successes" in data.files else None  # envs that report is_success
         except Exception as e:  # damaged outside sb3_gpu's writes: the history is lost, the run is not
             warnings.warn(
                 f"{self.run_dir.evaluations} is not readable ({type(e).__name__}), so the resumed run's evaluation "
@@ -278,6 +279,8 @@ class TimedEvalCallback(EvalCallback):
         self.evaluations_timesteps = [int(t) for t in timesteps[keep]]
         self.evaluations_results = [list(r) for r in results[keep]]
         self.evaluations_length = [list(n) for n in lengths[keep]]
+        if successes is not None and len(successes) == len(timesteps):  # SB3 writes them beside, one row per evaluation
+            self.evaluations_successes = [list(s) for s in successes[keep]]
 
 
 def evaluate(

@@ -152,6 +152,17 @@ def test_a_resumed_evaluator_measures_candidates_against_the_confirmed_best(tmp_
     assert evaluator.evaluations_timesteps == [32]
 
 
+def test_a_resumed_evaluator_keeps_the_success_rates_in_line_with_the_timesteps(tmp_path):
+    # An env that reports is_success: SB3 writes a row of successes per evaluation, beside the timesteps.
+    run = RunDir(tmp_path)
+    run.eval.mkdir()
+    rows = {"timesteps": np.array([32, 64]), "results": np.ones((2, 2)), "ep_lengths": np.ones((2, 2))}
+    np.savez(run.evaluations, **rows, successes=np.array([[0.0, 1.0], [1.0, 1.0]]))
+    evaluator = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=run)
+    evaluator.restore_history(up_to_timesteps=32)
+    assert evaluator.evaluations_timesteps == [32] and evaluator.evaluations_successes == [[0.0, 1.0]]
+
+
 def test_an_evaluation_whose_write_is_cut_short_leaves_the_runs_evaluations_whole(tmp_path, monkeypatch):
     import errno
 
