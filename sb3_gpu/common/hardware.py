@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -76,8 +77,40 @@ class HardwareProfile:
 
 
 def logical_cores() -> int:
-    """The logical cores this machine has (``os.cpu_count``): the one count that every core-based choice uses."""
-    return os.cpu_count() or 1
+    """The logical cores this process may use: the one count that every core-based choice uses.
+
+    That is its CPU affinity (``taskset``, a Slurm job, a container's cpuset), capped by a cgroup's CPU quota (a
+    Kubernetes CPU limit), where the OS says; else ``os.cpu_count``. A job given 4 CPUs of a 64-core node plans for 4.
+    """
+    allowed = _allowed_cpus()
+    count = len(allowed) if allowed is not None else os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(count, quota)) if quota is not None else max(1, count)
+
+
+def _allowed_cpus() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity query
+        return None
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
+    """The CPUs a cgroup's quota allows (rounded up), or None where it sets none: v2's ``cpu.max``, v1's CFS files."""
+    try:
+        with open(f"{root}/cpu.max", encoding="utf-8") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"{root}/cpu/cpu.cfs_quota_us", encoding="utf-8") as f:
+            quota_us = int(f.read())
+        with open(f"{root}/cpu/cpu.cfs_period_us", encoding="utf-8") as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else max(1, math.ceil(quota_us / period_us))
 
 
 def _cpu_info() -> tuple[str, set[str]]:
@@ -95,12 +128,17 @@ def _cpu_info() -> tuple[str, set[str]]:
 
 
 def _physical_cores(logical: int) -> int:
+    """The physical cores among the ``logical`` ones this process may use (the machine's, in the same proportion)."""
     try:
         import psutil
 
-        return psutil.cpu_count(logical=False) or logical
+        physical = psutil.cpu_count(logical=False)
     except ImportError:  # pragma: no cover - psutil is a dependency, but keep the probe harmless without it
         return logical
+    host = os.cpu_count() or logical
+    if not physical:
+        return logical
+    return max(1, min(logical, round(physical * logical / host)))
 
 
 def _ram_gb() -> float:
@@ -149,7 +187,9 @@ def busy_cores(interval: float = 0.1) -> int:
     """Cores more than half busy over ``interval`` seconds, while this process sleeps: other processes' work."""
     import psutil
 
+    allowed = _allowed_cpus()  # another job's cores, outside this process's affinity, are not this one's to count
     try:
-        return sum(load > 50.0 for load in psutil.cpu_percent(interval=interval, percpu=True))
+        loads = psutil.cpu_percent(interval=interval, percpu=True)
     except Exception:  # pragma: no cover - an unusual /proc: assume the cores are free
         return 0
+    return sum(load > 50.0 for cpu, load in enumerate(loads) if allowed is None or cpu in allowed)

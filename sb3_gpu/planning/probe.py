@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,9 +54,10 @@ from sb3_gpu.extensions.stepping import OptimizerStep
 PROBE_BUDGET_S = 3.0
 MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
 MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
-CACHE_VERSION = 5  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
+CACHE_VERSION = 6  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
 # entropy coefficient's step and target updates; 4: their compile time includes the action forward pass; 5: TQC's and
-# QR-DQN's quantile Huber losses
+# QR-DQN's quantile Huber losses; 6: PPO's inference as its rollout runs it (actions, values, log-probabilities), the
+# compiled step timed with argument checks off, classes keyed by module, SB3's and sb3_gpu's versions in every key
 
 
 class ProbeCacheWarning(UserWarning):
@@ -97,7 +100,7 @@ class Workload:
     def key(self) -> str:
         parts = [
             self.algo,
-            self.policy_class.__name__,
+            _named(self.policy_class),
             repr(self.observation_space),
             repr(self.action_space),
             repr(sorted((k, _named(v)) for k, v in self.policy_kwargs.items())),
@@ -112,7 +115,8 @@ class Workload:
 
 
 def _named(value: Any) -> Any:
-    return value.__name__ if isinstance(value, type) else value
+    # By module too: an edited (or another project's) CustomCNN of the same name must not meet this one's figures.
+    return f"{value.__module__}.{value.__qualname__}" if isinstance(value, type) else value
 
 
 @dataclass(frozen=True)
@@ -274,9 +278,11 @@ def measure_option(option: Option, seconds: float) -> Timing:
         rollout_obs = _batch(w.observation_space, w.n_envs)
         step = _train_step(policy, w, obs, device, c.amp)
 
-        def infer() -> None:  # the observation copy in, the forward pass, the action copy out (as predict's)
+        def infer() -> None:  # the observation copy in, the forward pass, the action copy out (as collection's)
             with th.no_grad(), _autocast(device, c.amp):
-                actions = policy._predict(policy.obs_to_tensor(rollout_obs)[0])
+                obs_t = policy.obs_to_tensor(rollout_obs)[0]
+                # PPO's rollout runs the whole policy (actions, values, log-probabilities); the others' predict.
+                actions = policy(obs_t)[0] if w.algo == "ppo" else policy._predict(obs_t)
             actions.float().cpu().numpy()  # a bf16 head (a probe's plain autocast) cannot go to numpy as it is
 
         def train() -> None:
@@ -638,6 +644,8 @@ def _passing(e: Exception) -> bool:
     loading = cause_of(e, ImportError)
     if loading is not None and _inductor_cache() in str(loading):
         return True
+    if cause_of(e, th.cuda.OutOfMemoryError) is not None or cause_of(e, BrokenProcessPool) is not None:
+        return True  # another process held the GPU's memory; inductor's compile workers died (killed, say)
     written = cause_of(e, OSError)
     return written is not None and written.errno in (errno.ENOSPC, errno.EDQUOT)
 
@@ -728,7 +736,22 @@ class Prober:
         return timing is not None
 
     def _key(self, option: Option) -> str:
-        return f"{self.context} | torch {th.__version__} | {option.workload.key} | {option.candidate.label}"
+        versions = f"torch {th.__version__}, {_library_versions()}"
+        return f"{self.context} | {versions} | {option.workload.key} | {option.candidate.label}"
+
+
+@functools.cache
+def _library_versions() -> str:
+    """SB3's and sb3_gpu's versions: with torch's, what the timed code is (a new release of any times afresh)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import stable_baselines3
+
+    try:
+        ours = version("sb3-gpu")
+    except PackageNotFoundError:  # run from a source folder, not installed
+        ours = "unknown"
+    return f"SB3 {stable_baselines3.__version__}, sb3_gpu {ours}"
 
 
 def _choose(result: ProbeResult) -> int:
@@ -736,8 +759,8 @@ def _choose(result: ProbeResult) -> int:
     device and precision first among near-ties); in doubt, the rules' device and precision with the fewest threads
     that are as fast as the best within MARGIN."""
     predicted = {i: p for i in range(len(result.options)) if (p := result.predicted(i)) is not None}
-    if result.rule not in predicted:  # nothing to compare with: the rules decide
-        return result.rule
+    if result.rule not in predicted:  # it failed to run here (it is always timed): the fastest that ran, if any
+        return min(predicted, key=lambda i: predicted[i]) if predicted else result.rule
     rule, rule_p, best = result.options[result.rule].candidate, predicted[result.rule], min(predicted.values())
 
     def preference(i: int) -> tuple[bool, bool, int, float]:

@@ -402,7 +402,11 @@ def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
             assert time.monotonic() < deadline, "no pool workers after 300 s"
             time.sleep(0.2)
         workers = pool_workers()
-        time.sleep(8)  # into the trainings: each worker imports torch and SB3 first
+        while len(list(scratch.glob("sb3_gpu_solve_*"))) < 2:  # into both trainings: their run dirs exist
+            if bench_process.poll() is not None:
+                pytest.fail(f"the bench ended before its cases began: {bench_process.stderr.read().decode()}")
+            assert time.monotonic() < deadline, "no case began within 300 s"
+            time.sleep(0.2)
         bench_process.send_signal(signal.SIGTERM)  # to the bench alone, as a job scheduler may send it
         _, stderr = bench_process.communicate(timeout=300)  # a guard against a hang, not a speed limit
     finally:  # a failed test must not leave four million-step trainings running under the rest of the suite

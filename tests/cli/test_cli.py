@@ -251,6 +251,7 @@ def bad_files(tmp_path, finished_run):
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) or "no-args" for a, _ in BAD_INPUTS])
 def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, monkeypatch, call_main):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # "--device cuda" is bad input on a machine without
     args = [a.format(**bad_files) for a in args]
     result = call_main(train_main, *args)
     assert result.returncode == 2, result.stdout + result.stderr

@@ -18,6 +18,43 @@ def test_detect_hardware_reads_the_real_cpu():
     assert not hw.in_notebook
 
 
+def test_a_job_pinned_to_4_cpus_of_a_64_core_node_plans_for_4(monkeypatch):
+    import psutil
+
+    from sb3_gpu.common import hardware
+
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {8, 9, 10, 11}, raising=False)
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 64 if logical else 32)
+    monkeypatch.setattr(hardware, "_cgroup_cpu_quota", lambda: None)
+    assert hardware.logical_cores() == 4 and hardware._physical_cores(4) == 2
+    # Only its own cores' load counts: the node's other 60 are other jobs' business.
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [100.0] * 64)
+    assert hardware.busy_cores() == 4
+    monkeypatch.setattr(hardware, "_cgroup_cpu_quota", lambda: 2)  # a Kubernetes CPU limit below the cpuset
+    assert hardware.logical_cores() == 2
+
+
+@pytest.mark.parametrize(
+    ("files", "cpus"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 2),  # cgroup v2: 1.5 CPUs' quota, rounded up
+        ({"cpu.max": "max 100000\n"}, None),  # no limit
+        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),  # no cgroup files (macOS, or a host without them)
+    ],
+    ids=["v2-quota", "v2-max", "v1-quota", "v1-unlimited", "none"],
+)
+def test_a_cgroup_cpu_quota_is_read_from_either_version(tmp_path, files, cpus):
+    from sb3_gpu.common.hardware import _cgroup_cpu_quota
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _cgroup_cpu_quota(str(tmp_path)) == cpus
+
+
 def test_detect_hardware_reports_each_gpu_from_torch_queries(monkeypatch):
     props = [
         SimpleNamespace(name="Tesla T4", total_memory=15 * 2**30, major=7, minor=5),

@@ -189,6 +189,8 @@ if __name__ == "__main__":
     if sys.argv[1] == "exit":
         sys.exit(0)  # no close(): the exit must still stop the workers
     try:
+        venv.step(np.zeros(4, dtype=int))
+        print("STEPPING", flush=True)  # inside the try: a signal from now on lands where it is caught
         while True:
             venv.step(np.zeros(4, dtype=int))
     except KeyboardInterrupt:
@@ -213,7 +215,7 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
     assert line.startswith("PIDS"), proc.stderr.read()
     pids = [int(p) for p in line.split()[1:]]
     if how != "exit":
-        time.sleep(1.0)
+        assert proc.stdout.readline().strip() == "STEPPING", proc.stderr.read()
         proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
     out, _err = proc.communicate(timeout=60)
     if how == "sigint":

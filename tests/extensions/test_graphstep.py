@@ -218,9 +218,14 @@ def test_the_compiled_step_runs_under_bf16_autocast_as_the_eager_one(algo):
         for m in (eager, compiled):
             _train(m, seed=i)
     assert compiled._compiled_step.fallback is None
+    moved = 0
     for a, b, s in zip(eager.policy.parameters(), compiled.policy.parameters(), start, strict=True):
         if not th.equal(a, s):  # the online network moved (by about 4e-3), the same in both up to rounding
+            moved += 1
             th.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        else:  # the target network, updated by neither step in 4 gradient steps
+            assert th.equal(b, s)
+    assert moved >= 2  # the online network's weights and biases at least
 
 
 def test_a_plan_that_compiles_dqn_compiles_its_gradient_step_and_learns():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import pytest
@@ -152,6 +153,9 @@ def test_the_cache_serves_the_same_machine_and_torch_and_is_stale_after_an_upgra
     monkeypatch.setattr(th, "__version__", "99.0.0")  # a torch upgrade: the old figures no longer apply
     plan()
     assert len(times.asked) == 2 * n
+    monkeypatch.setattr(probe_module, "_library_versions", lambda: "SB3 9.0.0, sb3_gpu 9.0.0")  # nor after SB3's
+    plan()
+    assert len(times.asked) == 3 * n
 
 
 @pytest.mark.parametrize(
@@ -210,6 +214,31 @@ def test_measuring_runs_the_real_train_step_and_inference(algo, policy_class, sp
     threads = th.get_num_threads()
     timing = measure_option(Option(probe_module.Candidate("cpu", amp, 1), workload), 0.01)
     assert timing.train_s > 0 and timing.infer_s > 0 and th.get_num_threads() == threads
+
+
+def test_ppo_inference_is_timed_as_its_rollout_runs_it_values_and_log_probabilities_too(monkeypatch):
+    # SB3's collect_rollouts calls the policy itself (actor, critic, log-probabilities), not predict's actor alone.
+    rollout_shapes = []
+    forward = ActorCriticPolicy.forward
+
+    def counted(self, obs, deterministic=False):
+        actions, values, log_prob = forward(self, obs, deterministic)
+        if not th.is_grad_enabled():  # inference, not the train step's
+            rollout_shapes.append((tuple(values.shape), tuple(log_prob.shape)))
+        return actions, values, log_prob
+
+    monkeypatch.setattr(ActorCriticPolicy, "forward", counted)
+    monkeypatch.setattr(ActorCriticPolicy, "_predict", lambda *a, **k: pytest.fail("predict's actor alone was timed"))
+    workload = Workload("ppo", ActorCriticPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), {}, 8, 2, 0.5)
+    assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).infer_s > 0
+    assert rollout_shapes and set(rollout_shapes) == {((2, 1), (2,))}  # n_envs = 2
+
+
+def test_figures_are_keyed_by_the_policy_classs_module_not_its_name_alone():
+    box, actions = spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3)
+    mine = type("DQNPolicy", (DQNPolicy,), {"__module__": "my_project.policies"})  # an edited or foreign class
+    keys = {Workload("dqn", cls, box, actions, {}, 8, 2, 0.5).key for cls in (DQNPolicy, mine)}
+    assert len(keys) == 2 and any("my_project.policies.DQNPolicy" in k for k in keys)
 
 
 @pytest.mark.parametrize(("algo", "drop", "target"), [("qrdqn", 0, (8, 7)), ("tqc", 2, (8, 1, 10)), ("tqc", 0, (8, 1, 14))])
@@ -281,6 +310,15 @@ def test_a_candidate_that_fails_to_run_is_not_chosen_and_says_why(gpu_machine):
     failing_rule = Prober(lambda option, seconds: (_ for _ in ()).throw(MemoryError("out of memory")), None)
     plan = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy", prober=failing_rule)
     assert plan.device.device == "cuda:0" and plan.speed.amp == "bf16"  # nothing timed: the rules decide
+
+    def only_the_rule_fails(option, seconds):
+        if (option.candidate.device, option.candidate.amp) == ("cuda:0", "bf16"):
+            raise RuntimeError("an op without a bf16 kernel")
+        return Timing(0.001 if option.candidate.device == "cuda:0" else 0.01, 0.001)
+
+    plan = make_plan("ppo", "ALE/Pong-v5", hardware=gpu_machine, vec_env="dummy", prober=Prober(only_the_rule_fails, None))
+    assert plan.device.device == "cuda:0" and plan.speed.amp != "bf16"  # the fastest that ran, not the one that failed
+    assert "cuda:0 bf16: failed (RuntimeError: an op without a bf16 kernel)" in plan.probe.lines()
 
 
 def test_a_switch_goes_to_the_clear_winner_not_to_a_near_tie_of_the_rules_choice():
@@ -647,6 +685,21 @@ def test_a_compile_that_fails_for_good_is_remembered(tmp_path, gpu_machine, caus
         prober.measure_compile = _failing_compile(cause, asked)
         plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
     assert len(asked) == 1 and "it failed on this machine before" in plan.speed.compile_reason
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [th.cuda.OutOfMemoryError("CUDA out of memory"), BrokenProcessPool("a compile worker was killed")],
+    ids=["another-process-held-the-gpu", "compile-workers-died"],
+)
+def test_a_compile_that_failed_on_the_machines_passing_state_is_tried_again(cause):
+    try:
+        try:
+            raise cause
+        except Exception:
+            raise RuntimeError("BackendCompilerFailed") from None  # as inductor wraps it: raised while handling it
+    except RuntimeError as e:
+        assert probe_module._passing(e)
 
 
 def test_a_full_disk_is_tried_again():

@@ -68,8 +68,11 @@ def test_one_callback_measures_each_learn_afresh():
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
     callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
     model.learn(256, callback=callback)
+    model.n_epochs = 2  # twice the optimizer steps per env step: a count carried over would land between the two
+    between = time.perf_counter()
     model.learn(256, callback=callback)  # counts restart; the idle time between the learns is not in the window
-    assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(1000 / 64)
+    assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(2 * 1000 / 64)
+    assert callback.window.points[0][0] > between  # the window holds the second learn's points only
     assert 0.0 < callback.latest["share_env"] < 1.0  # both parts measured (their ratio depends on the load beside it)
 
 
