@@ -86,8 +86,18 @@ def test_bench_solve_trains_a_preset_file_in_place_of_the_bundled_one(tmp_path, 
 def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys, callback):
     tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
     monkeypatch.setattr(telemetry, "TELEMETRY_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
+    built: list[list[str]] = []
+    real = telemetry.callbacks_for
+
+    def recorded(which: str):
+        callbacks = real(which)
+        built.append(sorted(type(c).__name__ for c in callbacks))
+        return callbacks
+
+    monkeypatch.setattr(telemetry, "callbacks_for", recorded)
     assert bench.main(["telemetry", "--repeats", "1", "--callback", callback]) == 0
     assert re.search(r"tiny PPO\s+\d+\s+\d+\s+[+-]\d+\.\d%\s+[+-]\d+\.\d%", capsys.readouterr().out)
+    assert built and all(names == sorted(type(c).__name__ for c in real(callback)) for names in built)  # the one asked for
 
 
 def test_bench_envs_writes_json_and_markdown_with_ratios_to_the_better_sb3_class(tmp_path, capsys):

@@ -108,18 +108,29 @@ def test_ppo_with_target_kl_reads_each_minibatchs_kl_as_sb3_does_and_stops_where
 
 
 # --------------------------------------------------------------------------- PPO gradient accumulation
-def test_ppo_accumulating_two_half_batches_equals_one_full_batch():
-    # normalize_advantage normalises per minibatch, so it would differ between half and full batches; clipping is on.
-    common = {"n_steps": 64, "n_epochs": 3, "normalize_advantage": False, "max_grad_norm": 0.05, "seed": 2, "device": "cpu"}
-    accumulated = GradAccumPPO("MlpPolicy", "CartPole-v1", batch_size=16, grad_accum_steps=4, **common)
+def _adam_state(model) -> list[th.Tensor]:
+    """Adam's moments, parameter by parameter: the first one is the gradient's scale, which the weights alone hide
+    (Adam's update is nearly the same for a gradient k times as large)."""
+    state = model.policy.optimizer.state
+    return [state[p][key] for p in model.policy.parameters() for key in ("exp_avg", "exp_avg_sq")]
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.05, 1e6], ids=["clipped", "unclipped"])
+def test_ppo_accumulating_two_half_batches_equals_one_full_batch(max_grad_norm):
+    # normalize_advantage normalises per minibatch, so it would differ between half and full batches. Clipping (on the
+    # summed gradient, not on each micro-batch's) would also bring a gradient of the wrong scale back to the same norm.
+    common = {"n_steps": 64, "n_epochs": 3, "normalize_advantage": False, "max_grad_norm": max_grad_norm, "seed": 2}
+    accumulated = GradAccumPPO("MlpPolicy", "CartPole-v1", batch_size=16, grad_accum_steps=4, device="cpu", **common)
     accumulated.learn(64)
-    full = PPO("MlpPolicy", "CartPole-v1", batch_size=64, **common)
+    full = PPO("MlpPolicy", "CartPole-v1", batch_size=64, device="cpu", **common)
     full.learn(64)
     for a, b in zip(_params(accumulated), _params(full), strict=True):
         th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(_adam_state(accumulated), _adam_state(full), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
     moved = sum(
         (a - b).abs().sum().item()
-        for a, b in zip(_params(full), _params(PPO("MlpPolicy", "CartPole-v1", **common)), strict=True)
+        for a, b in zip(_params(full), _params(PPO("MlpPolicy", "CartPole-v1", device="cpu", **common)), strict=True)
     )
     assert moved > 0, "training changed the parameters"
 
@@ -272,10 +283,11 @@ def test_clipping_sees_unscaled_gradients():
 
 def test_fp16_training_logs_scale_and_skipped_steps():
     model = DQN("MlpPolicy", "CartPole-v1", learning_starts=32, batch_size=16, policy_kwargs={"net_arch": [32]}, seed=0)
-    enable_amp(model, "fp16")
+    state = enable_amp(model, "fp16", init_scale=2.0**40)  # overflows fp16 at first: steps are skipped, the scale halves
     model.learn(200)
     logged = model.logger.name_to_value
-    assert logged["amp/scale"] > 0 and logged["amp/skipped_steps"] >= 0 and math.isfinite(logged["train/loss"])
+    assert 1 <= logged["amp/skipped_steps"] <= state.scaler.skipped_steps  # logged as the steps went
+    assert state.scaler.scale <= logged["amp/scale"] < 2.0**40 and math.isfinite(logged["train/loss"])
 
 
 def test_fp16_with_ppo_accumulation_counts_only_real_optimizer_steps():

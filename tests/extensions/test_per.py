@@ -416,6 +416,11 @@ def test_gradient_accumulation_averages_micro_batches():
     plain.train(gradient_steps=1, batch_size=32)
     for a, b in zip(plain.policy.parameters(), ours.policy.parameters(), strict=False):
         th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # One Adam step moves a weight by about lr whatever the gradient's scale: its moments tell a sum from a mean.
+    for a, b in zip(plain.policy.q_net.parameters(), ours.policy.q_net.parameters(), strict=True):
+        mine, theirs = ours.policy.optimizer.state[b], plain.policy.optimizer.state[a]
+        th.testing.assert_close(mine["exp_avg"], theirs["exp_avg"], rtol=1e-5, atol=1e-9)
+        th.testing.assert_close(mine["exp_avg_sq"], theirs["exp_avg_sq"], rtol=1e-4, atol=1e-12)
 
 
 def test_prioritized_model_saves_and_loads_with_its_class(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,38 @@ def test_ppo_counts_optimizer_steps_of_every_minibatch(tmp_path):
     model.learn(128 * 4, callback=callback)
     # 2 epochs x 4 minibatches of 32 per rollout of 128 steps: 8 optimizer steps per 128 env steps.
     assert callback.latest["grad_steps_per_1k_env_steps"] == pytest.approx(1000 * 8 / 128)
+
+
+# The dashboard's tags that only a GPU writes (its memory and its use).
+GPU_ONLY = {r"throughput/cuda_(allocated|peak)_mib", r"throughput/gpu_util_percent"}
+
+
+def test_every_chart_of_the_dashboard_draws_tags_a_run_writes(tmp_path):
+    # A chart whose pattern names no tag (a typo, a renamed key) stays empty: each one must match a tag of a run with
+    # PER, fp16 AMP and evaluations, on the CPU.
+    from stable_baselines3.common.callbacks import EvalCallback
+
+    from sb3_gpu.extensions.amp import enable_amp
+    from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedReplayBuffer
+
+    model = PrioritizedDQN(
+        "MlpPolicy",
+        "CartPole-v1",
+        learning_starts=0,
+        batch_size=32,
+        policy_kwargs={"net_arch": [16]},
+        replay_buffer_class=PrioritizedReplayBuffer,
+        tensorboard_log=str(tmp_path),
+        seed=0,
+    )
+    enable_amp(model, "fp16")
+    evaluation = EvalCallback(DQN("MlpPolicy", "CartPole-v1").get_env(), eval_freq=500, n_eval_episodes=1, verbose=0)
+    model.learn(1000, callback=[ThroughputCallback(warmup_s=0.0, record_s=0.0), evaluation], log_interval=2)
+    tags = set(_scalars(tmp_path))
+    patterns = [(chart, p) for category in DASHBOARD.values() for chart, (_, ps) in category.items() for p in ps]
+    assert len(patterns) == 19  # the layout's own count, so that a pattern dropped from it is noticed too
+    empty = [(chart, p) for chart, p in patterns if p not in GPU_ONLY and not any(re.fullmatch(p, t) for t in tags)]
+    assert not empty, f"charts drawing no tag: {empty}; the run wrote {sorted(tags)}"
 
 
 def test_train_run_writes_the_dashboard_layout_and_curves(tmp_path):
