@@ -406,6 +406,23 @@ def test_alpha_and_beta_zero_reproduce_plain_dqn_updates():
     assert th.equal(weights, th.ones_like(weights)), "beta = 0 means importance weights of one"
 
 
+def test_n_step_discounts_enter_the_targets_as_in_sb3s_n_step_dqn():
+    # An n-step sample carries each transition's discount (gamma ** the steps its return spans); SB3's DQN bootstraps
+    # with it. A step that used gamma instead would train on 3-step rewards with a 1-step bootstrap.
+    plain, ours = _twin_models(per=True)
+    sample = ours.replay_buffer.sample(16)
+    spans = np.random.default_rng(1).integers(1, 4, (16, 1))
+    n_step = sample._replace(discounts=th.as_tensor(plain.gamma**spans, dtype=th.float32))
+    ours.replay_buffer.sample = lambda n, env=None: n_step
+    plain.replay_buffer.sample = lambda n, env=None: ReplayBufferSamples(*n_step[:6])
+    ours.train(gradient_steps=1, batch_size=16)
+    plain.train(gradient_steps=1, batch_size=16)
+    assert ours._device_log.read()["train/loss"] == pytest.approx(plain.logger.name_to_value["train/loss"], rel=1e-6)
+    for a, b in zip(plain.policy.q_net.parameters(), ours.policy.q_net.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        th.testing.assert_close(ours.policy.optimizer.state[b]["exp_avg"], plain.policy.optimizer.state[a]["exp_avg"])
+
+
 def test_gradient_accumulation_averages_micro_batches():
     plain, ours = _twin_models(per=False, grad_accum_steps=2)
     fixed = ours.replay_buffer.sample(32)
