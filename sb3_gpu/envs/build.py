@@ -4,6 +4,7 @@ start fall back to DummyVecEnv with a warning; envs whose workers died are close
 from __future__ import annotations
 
 import contextlib
+import inspect
 import multiprocessing as mp
 import os
 import pickle
@@ -164,12 +165,22 @@ def _build(
     if kind == "class":
         assert vec_env_cls is not None
         return vec_env_cls(fns, **vec_env_kwargs)  # type: ignore[arg-type]
+    _check_kwargs(BatchedSubprocVecEnv if kind == "batched" else SubprocVecEnv, vec_env_kwargs)
     try:
         return _start_workers(kind, factories, vec_env_kwargs, seed)
     except _WorkersFailed as e:
         name = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
         warnings.warn(f"{name} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=3)
         return DummyVecEnv(fns)
+
+
+def _check_kwargs(cls: type[VecEnv], kwargs: dict[str, Any]) -> None:
+    """Refuse a keyword ``cls`` does not take, before any worker starts: its TypeError would otherwise read as
+    workers that could not start, and fall back to DummyVecEnv."""
+    accepted = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "env_fns")]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ConfigError(f"vec_env_kwargs {unknown} are not arguments of {cls.__name__}; accepted: {', '.join(accepted)}")
 
 
 class _WorkersFailed(Exception):

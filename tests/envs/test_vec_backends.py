@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -18,6 +19,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv
 from sb3_gpu import make_model, make_vec_env
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv
+from sb3_gpu.envs.choice import VecEnvFallbackWarning
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv, envpool_available
 from tests.conftest import REPO
 
@@ -221,6 +223,20 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
     if how == "sigint":
         assert "INTERRUPTED" in out and proc.returncode != 0
     assert _gone(pids), f"workers {pids} outlived their parent ({how})"
+
+
+@pytest.mark.parametrize(
+    ("kind", "kwargs", "message"),
+    [
+        ("subproc", {"n_workers": 2}, r"\['n_workers'\] are not arguments of SubprocVecEnv; accepted: start_method"),
+        ("batched", {"start_metod": "fork"}, r"\['start_metod'\] are not arguments of BatchedSubprocVecEnv; accepted: n_"),
+    ],
+)
+def test_a_keyword_the_subprocess_class_does_not_take_is_refused_not_taken_for_a_failed_start(kind, kwargs, message):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VecEnvFallbackWarning)  # no fallback: the caller's mistake is said as such
+        with pytest.raises(ConfigError, match=message):
+            make_vec_env("CartPole-v1", 2, vec_env=kind, vec_env_kwargs=kwargs)
 
 
 def test_unpicklable_factory_falls_back_to_dummy_with_a_warning():
