@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from sb3_gpu.common.version import __version__ as __version__
 
 # Public name -> the module that defines it.
 _EXPORTS = {

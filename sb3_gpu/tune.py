@@ -122,7 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (a preempted node, docker stop) stops the worker as Ctrl-C does, wherever it lands: while a trial plans
     # or builds its envs too, where its default action would end the process past optuna's marking the trial failed.
     with sigterm_as_interrupt():
-        return _main(args, argv)
+        try:
+            return _main(args, argv)
+        except KeyboardInterrupt as e:  # outside a trial: failing dead workers' trials, counting, writing the report
+            stopped = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+            print_error(f"{stopped}; run the same command to go on")
+            return interrupted(_stop_code(e))
 
 
 def _stop_code(e: KeyboardInterrupt) -> int:

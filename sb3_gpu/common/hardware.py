@@ -127,8 +127,23 @@ def _cpu_info() -> tuple[str, set[str]]:
     return model, flags
 
 
-def _physical_cores(logical: int) -> int:
-    """The physical cores among the ``logical`` ones this process may use (the machine's, in the same proportion)."""
+def _physical_cores(logical: int, sysfs: str = "/sys/devices/system/cpu") -> int:
+    """The physical cores under the ``logical`` CPUs this process may use: the distinct cores of its allowed CPUs as
+    Linux's topology files name them (``taskset -c 0-3`` on a machine with hyperthreads is 4 cores, not 2), else
+    the machine's physical cores in proportion."""
+    allowed = _allowed_cpus()
+    if allowed is not None and len(allowed) == logical:  # no quota below the affinity: its CPUs are the ones counted
+        cores = set()
+        try:
+            for cpu in allowed:
+                topology = f"{sysfs}/cpu{cpu}/topology"
+                with open(f"{topology}/physical_package_id", encoding="utf-8") as f:
+                    package = f.read().strip()
+                with open(f"{topology}/core_id", encoding="utf-8") as f:
+                    cores.add((package, f.read().strip()))
+            return max(1, len(cores))
+        except OSError:
+            pass
     try:
         import psutil
 
@@ -192,4 +207,9 @@ def busy_cores(interval: float = 0.1) -> int:
         loads = psutil.cpu_percent(interval=interval, percpu=True)
     except Exception:  # pragma: no cover - an unusual /proc: assume the cores are free
         return 0
-    return sum(load > 50.0 for cpu, load in enumerate(loads) if allowed is None or cpu in allowed)
+    busy = sum(load > 50.0 for cpu, load in enumerate(loads) if allowed is None or cpu in allowed)
+    shared = len(allowed) if allowed is not None else len(loads)
+    quota = _cgroup_cpu_quota()
+    if quota is not None and quota < shared:  # a CPU limit over shared CPUs: others' load takes its share of the quota
+        busy = math.floor(busy * quota / shared)
+    return min(busy, logical_cores())

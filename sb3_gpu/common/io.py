@@ -71,26 +71,26 @@ def keep_previous(path: Path) -> Callable[[bool], None]:
 
     Returns ``restore``: ``restore(True)`` puts the kept file back (or removes a new one where there was none),
     ``restore(False)`` forgets it. A hard link keeps it (a full disk that failed the later write leaves no room for a
-    copy); a file system without hard links gets a copy.
+    copy); a file system without hard links gets a copy, written atomically (a copy cut short is no copy).
     """
     kept = path.with_name(f".{path.name}.previous")
     kept.unlink(missing_ok=True)
-    try:
-        os.link(path, kept)  # atomic writes replace the file by a rename: the link keeps the old one
-    except FileNotFoundError:
-        pass
-    except OSError:
-        with contextlib.suppress(OSError):  # no copy either (a full disk): the old file cannot be brought back
-            shutil.copy2(path, kept)
+    existed = path.exists()
+    if existed:
+        try:
+            os.link(path, kept)  # atomic writes replace the file by a rename: the link keeps the old one
+        except OSError:
+            with contextlib.suppress(OSError), open(path, "rb") as old:
+                atomic_write(kept, lambda f: shutil.copyfileobj(old, f))
 
     def restore(failed: bool) -> None:
         with contextlib.suppress(OSError):  # the write that failed already says why
-            if not failed:
-                kept.unlink(missing_ok=True)
-            elif kept.exists():
-                os.replace(kept, path)
-            else:
+            if failed and kept.exists():
+                os.replace(kept, path)  # a no-op where both name one file (path was never replaced)
+            elif failed and not existed:
                 path.unlink(missing_ok=True)
+            # An old file that could not be kept is left as it is: it may still be the old one, and is never removed.
+            kept.unlink(missing_ok=True)
 
     return restore
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import hashlib
 import json
 import os
@@ -44,6 +43,7 @@ from stable_baselines3.common.preprocessing import get_action_dim
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.errors import cause_of, named
 from sb3_gpu.common.io import atomic_write_text
+from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
@@ -740,18 +740,11 @@ class Prober:
         return f"{self.context} | {versions} | {option.workload.key} | {option.candidate.label}"
 
 
-@functools.cache
 def _library_versions() -> str:
     """SB3's and sb3_gpu's versions: with torch's, what the timed code is (a new release of any times afresh)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     import stable_baselines3
 
-    try:
-        ours = version("sb3-gpu")
-    except PackageNotFoundError:  # run from a source folder, not installed
-        ours = "unknown"
-    return f"SB3 {stable_baselines3.__version__}, sb3_gpu {ours}"
+    return f"SB3 {stable_baselines3.__version__}, sb3_gpu {__version__}"
 
 
 def _choose(result: ProbeResult) -> int:

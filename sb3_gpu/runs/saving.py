@@ -201,14 +201,23 @@ def load_model(
         if "size mismatch" in str(e):  # torch lists every tensor that differs, one per line
             first = "its networks' shapes differ from the ones this config's env and net_arch give"
         raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {first})") from None
-    if model.device.type == "cpu":
-        # A GPU run's graph-captured Adam was capturable, and zips saved before sb3_gpu left that flag out hold it:
-        # torch's Adam on a CPU refuses to step with it.
-        entropy = getattr(model, "ent_coef_optimizer", None)
-        for optimizer in [*policy_optimizers(model.policy), *([entropy] if isinstance(entropy, th.optim.Optimizer) else [])]:
-            for group in optimizer.param_groups:
-                group["capturable"] = False
+    entropy = getattr(model, "ent_coef_optimizer", None)
+    for optimizer in [*policy_optimizers(model.policy), *([entropy] if isinstance(entropy, th.optim.Optimizer) else [])]:
+        _capturable_as_loaded(optimizer, model.device)
     return model
+
+
+def _capturable_as_loaded(optimizer: th.optim.Optimizer, device: th.device) -> None:
+    """``capturable`` for the device the optimizer was loaded on. A GPU run's graph-captured Adam kept its step counts
+    on the device and was capturable; zips leave the flag out (older ones hold it). On a CPU torch's Adam refuses to
+    step with it. On a GPU an unfused Adam whose counts SB3 loaded onto the device takes it again: without it, torch
+    reads each count back to the host at every step."""
+    for group in optimizer.param_groups:
+        if "capturable" not in group:
+            continue
+        steps = [optimizer.state[p].get("step") for p in group["params"]]
+        on_device = all(isinstance(t, th.Tensor) and t.device.type == "cuda" for t in steps)
+        group["capturable"] = device.type == "cuda" and not group.get("fused") and on_device
 
 
 def _check_same_algorithm(path: Path, data: dict[str, Any], template: BaseAlgorithm) -> None:

@@ -169,12 +169,29 @@ def test_sigterm_while_a_trial_builds_marks_it_failed_and_ends_the_worker_with_1
 
     monkeypatch.setattr(tuning, "make_objective", lambda settings, space: objective)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    before = signal.getsignal(signal.SIGTERM)
-    assert tune.main(["ppo", "--trials", "1", *TINY, "--storage", storage, "--study-dir", str(tmp_path)]) == 143
-    assert signal.getsignal(signal.SIGTERM) is before
+
+    def unhandled(signum, frame):  # where tune's own handler is missing, this test fails instead of pytest ending
+        raise AssertionError("SIGTERM reached the handler tune should have replaced")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert tune.main(["ppo", "--trials", "1", *TINY, "--storage", storage, "--study-dir", str(tmp_path)]) == 143
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     err = capsys.readouterr().err
     assert "error: stopped by SIGTERM; a running trial was marked failed." in err and "Traceback" not in err
     assert [t.state for t in load(storage).trials] == [optuna.trial.TrialState.FAIL]
+
+    # Between trials, outside any: counting the finished ones, say.
+    monkeypatch.setattr(tuning, "finished_trials", lambda study: os.kill(os.getpid(), signal.SIGTERM) or time.sleep(30))
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert tune.main(["ppo", "--trials", "1", *TINY, "--storage", storage, "--study-dir", str(tmp_path)]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err
+    assert err == "error: stopped by SIGTERM; run the same command to go on\n"
 
 
 def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):

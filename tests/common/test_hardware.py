@@ -18,7 +18,17 @@ def test_detect_hardware_reads_the_real_cpu():
     assert not hw.in_notebook
 
 
-def test_a_job_pinned_to_4_cpus_of_a_64_core_node_plans_for_4(monkeypatch):
+def _topology(root, cores: dict[int, int]) -> str:
+    """Linux's topology files for CPUs -> their core (one package)."""
+    for cpu, core in cores.items():
+        folder = root / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "physical_package_id").write_text("0\n")
+        (folder / "core_id").write_text(f"{core}\n")
+    return str(root)
+
+
+def test_a_job_pinned_to_4_cpus_of_a_64_core_node_plans_for_4(monkeypatch, tmp_path):
     import psutil
 
     from sb3_gpu.common import hardware
@@ -27,12 +37,17 @@ def test_a_job_pinned_to_4_cpus_of_a_64_core_node_plans_for_4(monkeypatch):
     monkeypatch.setattr(hardware.os, "cpu_count", lambda: 64)
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 64 if logical else 32)
     monkeypatch.setattr(hardware, "_cgroup_cpu_quota", lambda: None)
-    assert hardware.logical_cores() == 4 and hardware._physical_cores(4) == 2
+    assert hardware.logical_cores() == 4
+    # Its CPUs' own cores: 4 where each is a core of its own (Linux numbers the hyperthreads last), 2 where they are
+    # two cores' pairs; without topology files, the machine's proportion.
+    assert hardware._physical_cores(4, _topology(tmp_path / "a", {8: 8, 9: 9, 10: 10, 11: 11})) == 4
+    assert hardware._physical_cores(4, _topology(tmp_path / "b", {8: 4, 9: 4, 10: 5, 11: 5})) == 2
+    assert hardware._physical_cores(4, str(tmp_path / "none")) == 2
     # Only its own cores' load counts: the node's other 60 are other jobs' business.
     monkeypatch.setattr(psutil, "cpu_percent", lambda interval, percpu: [100.0] * 64)
     assert hardware.busy_cores() == 4
     monkeypatch.setattr(hardware, "_cgroup_cpu_quota", lambda: 2)  # a Kubernetes CPU limit below the cpuset
-    assert hardware.logical_cores() == 2
+    assert hardware.logical_cores() == 2 and hardware.busy_cores() == 2  # others' load takes its share of the quota
 
 
 @pytest.mark.parametrize(

@@ -950,11 +950,33 @@ def test_keep_previous_puts_the_old_file_back_after_a_later_write_fails(tmp_path
     atomic_write_bytes(path, b"newer")
     restore(False)  # it succeeded
     assert path.read_bytes() == b"newer" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    restore = keep_previous(path)  # its own write failed (or was refused): nothing replaced it
+    restore(True)
+    assert path.read_bytes() == b"newer" and [p.name for p in tmp_path.iterdir()] == [path.name]
     fresh = tmp_path / "best_vecnormalize.pkl"  # none before: a failed pair leaves none
     restore = keep_previous(fresh)
     atomic_write_bytes(fresh, b"new")
     restore(True)
     assert not fresh.exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_keep_previous_never_puts_back_a_copy_cut_short(tmp_path, monkeypatch):
+    import errno
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(src))
+
+    def full(src, dst, length=0):
+        dst.write(src.read(2))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("sb3_gpu.common.io.os.link", refuse)  # no hard links, and the copy fills the disk
+    monkeypatch.setattr("sb3_gpu.common.io.shutil.copyfileobj", full)
+    path = tmp_path / "vecnormalize.pkl"
+    path.write_bytes(b"old statistics")
+    restore = keep_previous(path)
+    restore(True)  # the statistics' own write failed on the full disk too: the old file is still there, and stays
+    assert path.read_bytes() == b"old statistics" and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_a_failed_model_write_puts_the_previous_statistics_back(tmp_path, monkeypatch):
