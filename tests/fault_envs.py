@@ -50,6 +50,14 @@ class FaultyCartPoleV1(TimeLimit):
         super().__init__(FaultyCartPole(**kwargs), max_episode_steps=500)
 
 
+class SlowCartPoleV1(FaultyCartPoleV1):
+    """:class:`FaultyCartPoleV1` that sleeps ``SB3_GPU_TEST_STEP_SLEEP`` seconds per step (none where it is unset):
+    the same command, slow in one process and quick in another."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(sleep=float(os.environ.get("SB3_GPU_TEST_STEP_SLEEP", "0")), **kwargs)
+
+
 class NanPendulum(TimeLimit):
     """Pendulum-v1 (continuous actions, 200-step episodes) whose rewards turn NaN from its own step ``nan_at`` on."""
 

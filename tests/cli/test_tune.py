@@ -124,10 +124,13 @@ def _poll(condition, what: str, timeout: float = 120.0) -> None:
 def test_a_killed_worker_leaves_a_failed_trial_and_the_study_goes_on(tmp_path):
     db = tmp_path / "study.db"
     storage = f"sqlite:///{db}"
-    base = ["--storage", storage, "--study-dir", str(tmp_path), "--heartbeat", "1", *TINY[2:]]
+    base = ["--storage", storage, "--study-dir", str(tmp_path), "--heartbeat", "1", *TINY]
+    base += ["--env", "tests.fault_envs:SlowCartPoleV1", "--study-name", "ppo-CartPole-v1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    long_trial = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", "1", "--timesteps", "200000", *base]
-    proc = subprocess.Popen(long_trial, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The same settings (a study refuses a worker that would score another way), on an env slow in this worker alone.
+    long_trial = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", "1", *base]
+    slow = {**env, "SB3_GPU_TEST_STEP_SLEEP": "0.5"}
+    proc = subprocess.Popen(long_trial, cwd=tmp_path, env=slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _poll(lambda: _heartbeat_ages(db), "the worker's first heartbeat")
     finally:
@@ -135,7 +138,8 @@ def test_a_killed_worker_leaves_a_failed_trial_and_the_study_goes_on(tmp_path):
         proc.wait(timeout=30)
     # Stale once no heartbeat came for longer than the grace period (two heartbeats of 1 s).
     _poll(lambda: min(_heartbeat_ages(db)) > 2.0, "the dead worker's trial going stale")
-    out = run_cli("sb3_gpu.tune", "ppo", "--trials", "1", "--timesteps", "512", *base, cwd=tmp_path)
+    quick = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", "1", *base]
+    out = subprocess.run(quick, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr
     states = [t.state for t in load(storage).trials]
     assert states.count(optuna.trial.TrialState.FAIL) == 1 and states.count(optuna.trial.TrialState.COMPLETE) == 1
