@@ -125,9 +125,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _main(args, argv)
         except KeyboardInterrupt as e:  # outside a trial: failing dead workers' trials, counting, writing the report
-            stopped = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
-            print_error(f"{stopped}; run the same command to go on")
+            print_error(f"{_stopped(e)}; run the same command to go on")
             return interrupted(_stop_code(e))
+
+
+def _stopped(e: KeyboardInterrupt) -> str:
+    return "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
 
 
 def _stop_code(e: KeyboardInterrupt) -> int:
@@ -193,7 +196,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         print_error(str(e))
         return 2
     except KeyboardInterrupt as e:
-        print_error(f"{'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'} before any trial began")
+        print_error(f"{_stopped(e)} before any trial began")
         return interrupted(_stop_code(e))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for note in narrowed:
@@ -209,8 +212,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     try:
         run_trials(study, make_objective(settings_from_args(args), space), args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
-        stopped = str(e) or ("stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted")
-        print_error(f"{stopped}; a running trial was marked failed. Run the same command to go on")
+        print_error(f"{str(e) or _stopped(e)}; a running trial was marked failed. Run the same command to go on")
         return interrupted(_stop_code(e))
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))

@@ -369,11 +369,17 @@ def policy_optimizers(policy: th.nn.Module) -> list[th.optim.Optimizer]:
     return list(found.values())
 
 
-def optimizer_steps(model: BaseAlgorithm) -> list[OptimizerStep]:
-    """The :class:`OptimizerStep` of every optimizer of ``model``'s policy, and of SAC's and TQC's learned entropy
-    coefficient (a parameter of the model, not of the policy, with an optimizer of its own)."""
-    steps = [optimizer_step(o, model.policy) for o in policy_optimizers(model.policy)]
+def entropy_optimizer(model: BaseAlgorithm) -> th.optim.Optimizer | None:
+    """SAC's and TQC's optimizer of their learned entropy coefficient (a parameter of the model, not of the policy),
+    or None."""
     entropy = getattr(model, "ent_coef_optimizer", None)
-    if isinstance(entropy, th.optim.Optimizer):
+    return entropy if isinstance(entropy, th.optim.Optimizer) else None
+
+
+def optimizer_steps(model: BaseAlgorithm) -> list[OptimizerStep]:
+    """The :class:`OptimizerStep` of every optimizer of ``model``'s policy, and of its entropy coefficient's."""
+    steps = [optimizer_step(o, model.policy) for o in policy_optimizers(model.policy)]
+    entropy = entropy_optimizer(model)
+    if entropy is not None:
         steps.append(optimizer_step(entropy, names={id(model.log_ent_coef): "log_ent_coef"}))  # type: ignore[attr-defined]
     return steps

@@ -18,7 +18,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import keep_previous, load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
-from sb3_gpu.extensions.stepping import policy_optimizers, settle_guards
+from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
@@ -201,8 +201,8 @@ def load_model(
         if "size mismatch" in str(e):  # torch lists every tensor that differs, one per line
             first = "its networks' shapes differ from the ones this config's env and net_arch give"
         raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {first})") from None
-    entropy = getattr(model, "ent_coef_optimizer", None)
-    for optimizer in [*policy_optimizers(model.policy), *([entropy] if isinstance(entropy, th.optim.Optimizer) else [])]:
+    entropy = entropy_optimizer(model)
+    for optimizer in [*policy_optimizers(model.policy), *([entropy] if entropy is not None else [])]:
         _capturable_as_loaded(optimizer, model.device)
     return model
 
