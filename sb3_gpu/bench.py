@@ -149,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "out", None) is not None:
             check_dir_creatable(args.out, "--out folder")  # before the work: an hour's results must have a place
+        seeds = getattr(args, "seeds", None) or []
+        if len(set(seeds)) < len(seeds):  # a seed twice would count one run twice in the medians
+            repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+            raise ConfigError(f"--seeds names {', '.join(map(str, repeated))} more than once; give each seed once")
         if args.command == "envs":
             return _main_envs(args, command)
         if args.command == "train":
@@ -218,7 +222,7 @@ def _main_speed(args: argparse.Namespace) -> int:
 
     hw = detect_hardware()
     flags = ", ".join(f for f, on in (("AVX512-BF16", hw.cpu_bf16 and not hw.cpu_amx), ("AMX", hw.cpu_amx)) if on) or "none"
-    print(f"machine: {hw.cpu_model}; {hw.describe()}; native bf16: {flags}; torch {th.__version__}")
+    print(f"machine: {hw.cpu}; {hw.describe()}; native bf16: {flags}; torch {th.__version__}")
     fp32, bf16 = matmul_ratio(args.repeats)
     print(f"4096x256 @ 256x256 matmul, 1 thread: fp32 {fp32 * 1e3:.2f} ms, bf16 {bf16 * 1e3:.2f} ms ({fp32 / bf16:.2f}x)")
     print("baseline of every row: fp32, uncompiled, 1 thread; speed-up = baseline time / switched time (>1 is faster)")

@@ -65,13 +65,43 @@ def paired_medians(
     return paired_times(baseline, ours, repeats, inner)[0].medians()
 
 
+@dataclass(frozen=True)
+class TorchSettings:
+    """torch's process-wide settings that a plan changes (``apply_speed``): its threads, TF32 and cuDNN autotuning."""
+
+    threads: int
+    tf32_matmul: bool
+    tf32_cudnn: bool
+    cudnn_benchmark: bool
+
+    @classmethod
+    def current(cls) -> TorchSettings:
+        return cls(
+            th.get_num_threads(),
+            th.backends.cuda.matmul.allow_tf32,
+            th.backends.cudnn.allow_tf32,
+            th.backends.cudnn.benchmark,
+        )
+
+    def apply(self) -> None:
+        th.set_num_threads(self.threads)
+        th.backends.cuda.matmul.allow_tf32 = self.tf32_matmul
+        th.backends.cudnn.allow_tf32 = self.tf32_cudnn
+        th.backends.cudnn.benchmark = self.cudnn_benchmark
+
+
+# As plain SB3 finds them: taken at import, before any plan of a bench sets its own. A baseline trains with these, not
+# with what the variant or seed before it left in the process.
+SB3_TORCH = TorchSettings.current()
+
+
 def machine_line() -> str:
     """The processor's model name, torch version and torch threads, for the first line of a bench's output.
 
     The model name, not just the architecture: the project's own figures come from VMs whose processor changes, and
     a timing table is only comparable with one from the same processor.
     """
-    return f"machine: {detect_hardware().cpu_model}, torch {th.__version__}, {th.get_num_threads()} threads"
+    return f"machine: {detect_hardware().cpu}, torch {th.__version__}, {th.get_num_threads()} threads"
 
 
 def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str) -> tuple[Path, Path]:
@@ -87,7 +117,7 @@ def machine_key() -> str:
     hidden is not one timed with it)."""
     hardware = detect_hardware()
     gpus = ", ".join(g.name for g in hardware.gpus) or ("Apple MPS" if hardware.mps else "no GPU")
-    return f"{hardware.cpu_model}, {hardware.logical_cores} cores, {gpus}"
+    return f"{hardware.cpu}, {hardware.logical_cores} cores, {gpus}"
 
 
 def preset_sha256(algo: str, preset: str | None = None) -> str:

@@ -20,7 +20,7 @@ import torch as th
 from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.vec_env import SubprocVecEnv
 
-from sb3_gpu.benches.base import paired_times
+from sb3_gpu.benches.base import SB3_TORCH, paired_times
 from sb3_gpu.benches.train import has_zoo_baseline, zoo_model
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv
 from sb3_gpu.envs.build import close_vec_envs
@@ -166,6 +166,7 @@ def _timed_learn(model: Any, steps: int, device: th.device, in_process: bool) ->
 def _train_once(case: tuple[str, str, str], device: str, steps: int, overrides: dict[str, Any] | None) -> dict[str, Any]:
     algo, env, profile = case
     if overrides is None:
+        SB3_TORCH.apply()
         model = zoo_model(algo, env, seed=0, vec_env_cls=SubprocVecEnv, device=device)
         try:
             return _timed_learn(model, steps, model.device, in_process=False)

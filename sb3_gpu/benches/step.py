@@ -100,8 +100,10 @@ def _model(text: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
     spec = get_algo(algo)
     cls = plan.preset.model_class if variant == "sb3" else spec.extended_class
     assert cls is not None
-    if variant == "sb3":
-        kwargs.pop("grad_accum_steps", None)
+    if variant == "sb3":  # SB3's train() cannot accumulate: it takes the k micro-batches as one batch, the same samples
+        accumulate = kwargs.pop("grad_accum_steps", 1)
+        if accumulate > 1:
+            kwargs["batch_size"] = accumulate * kwargs["batch_size"]
     model: Any = cls(plan.preset.policy, build_env(plan), device=plan.device.device, seed=0, **kwargs)
     if per:  # the trees' tensor ops (a GPU's only backend; the CPU would take numba's loops, outside any graph)
         buffer = model.replay_buffer

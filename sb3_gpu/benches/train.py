@@ -8,13 +8,18 @@ can be gathered over several sittings, and one stopped halfway loses only the ru
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sb3_contrib
+import stable_baselines3 as sb3
 import torch as th
 from sb3_contrib import QRDQN, TQC
 from stable_baselines3 import DQN, PPO, SAC, TD3
@@ -25,8 +30,9 @@ from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.utils import LinearSchedule
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
-from sb3_gpu.benches.base import machine_key, preset_sha256, save_json
+from sb3_gpu.benches.base import SB3_TORCH, machine_key, preset_sha256, save_json
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.version import __version__
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model
 from sb3_gpu.planning.plan import make_plan
@@ -36,7 +42,7 @@ from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, train_to_threshold
 # rl-zoo3's published hyperparameters (hyperparams/*.yml in DLR-RM/rl-baselines3-zoo), the baseline that `bench
 # train` runs with plain SB3. LunarLander-v3 takes the values rl-zoo3 lists for LunarLander-v2. ("lin", x) is
 # rl-zoo3's lin_x: x decaying linearly to 0 over the entry's `zoo_timesteps` (rl-zoo3's n_timesteps), else over the
-# bench's budget.
+# bench's budget; DQN's exploration_fraction, a share of learn()'s total, is a share of `zoo_timesteps` the same way.
 ZOO: dict[tuple[str, str], dict[str, Any]] = {
     ("ppo", "CartPole-v1"): dict(
         n_envs=8,
@@ -61,6 +67,7 @@ ZOO: dict[tuple[str, str], dict[str, Any]] = {
     ),
     ("dqn", "CartPole-v1"): dict(
         n_envs=1,
+        zoo_timesteps=50_000,
         learning_rate=2.3e-3,
         batch_size=64,
         buffer_size=100_000,
@@ -135,6 +142,16 @@ def has_zoo_baseline(algo: str, env_id: str) -> bool:
     return (algo, env_id) in ZOO or (_is_atari(env_id) and algo in ZOO_ATARI)
 
 
+def zoo_entry(algo: str, env_id: str) -> dict[str, Any]:
+    """rl-zoo3's values for ``algo`` on ``env_id``: its own entry, else its Atari entry."""
+    return ZOO[(algo, env_id)] if (algo, env_id) in ZOO else ZOO_ATARI[algo]
+
+
+def versions() -> str:
+    """The versions a saved run was trained with: runs of other code are not comparable, so not kept."""
+    return f"sb3_gpu {__version__}, SB3 {sb3.__version__}, sb3-contrib {sb3_contrib.__version__}, torch {th.__version__}"
+
+
 def zoo_model(
     algo: str,
     env_id: str,
@@ -150,7 +167,7 @@ def zoo_model(
         decays as it would over rl-zoo3's own length
     """
     atari = (algo, env_id) not in ZOO and _is_atari(env_id)
-    kwargs = dict(ZOO_ATARI[algo] if atari else ZOO[(algo, env_id)])
+    kwargs = dict(zoo_entry(algo, env_id))
     n_envs = kwargs.pop("n_envs")
     zoo_timesteps = kwargs.pop("zoo_timesteps", None)
     # SB3 schedules read the fraction of learn()'s total left; over rl-zoo3's length that is budget / zoo_timesteps.
@@ -158,6 +175,8 @@ def zoo_model(
     for key, value in list(kwargs.items()):
         if isinstance(value, tuple):
             kwargs[key] = LinearSchedule(value[1], 0.0, end_fraction)
+    if "exploration_fraction" in kwargs:  # epsilon reaches its floor after the env steps rl-zoo3's run takes to it
+        kwargs["exploration_fraction"] *= end_fraction
     env: VecEnv
     if atari:
         # AtariWrapper skips frames itself: a v5 id's own frame skip is turned off, as sb3_gpu's own Atari path does.
@@ -202,11 +221,6 @@ def train_once(
         "steps_per_s": round(run.steps_per_s, 1),
         "best": run.best,
     }
-
-
-# The torch threads a plain SB3 run gets: torch's own choice, taken before any plan sets its own. The baseline trains
-# with it, not with whatever the previous seed's plan left in the process.
-SB3_THREADS = th.get_num_threads()
 
 
 def runs_file(algo: str, env_id: str) -> str:
@@ -261,14 +275,17 @@ def _train_side(
 ) -> dict[str, Any]:
     """One seed of one side: our preset as the plan makes it (the plan named in the run), or rl-zoo3's values."""
     if side == "sb3_zoo":
-        th.set_num_threads(SB3_THREADS)
+        SB3_TORCH.apply()  # torch's own threads, no TF32, no cuDNN autotuning: not what the seed's plan left
         run = train_once(zoo_model(algo, env_id, seed, budget=budget), env_id, budget, threshold, every, episodes, seed)
-        return {**run, "threads": SB3_THREADS}
+        return {**run, "threads": SB3_TORCH.threads}
+    start = time.perf_counter()
     plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
+    plan_seconds = time.perf_counter() - start  # the probe's timings, cached for later plans: reported, not in the time
     run = train_once(build_model(plan, build_env(plan)), env_id, budget, threshold, every, episodes, seed)
     compiled = plan.speed.compile_label if plan.speed is not None else "false"
     return {
         **run,
+        "plan_seconds": round(plan_seconds, 2),
         "plan": f"device {plan.device.device}, vec_env {plan.vec_env}, {plan.preset.n_envs} envs, compile {compiled}",
     }
 
@@ -292,7 +309,16 @@ def bench_train(
     results: dict[str, list[dict[str, Any]]] = {"sb3_gpu": [], "sb3_zoo": []}
     first = make_plan(algo, env_id, "auto", seed=seeds[0], n_timesteps=max_timesteps, training=False)
     budget = max_timesteps or first.preset.n_timesteps
-    every = eval_freq or max(budget // THRESHOLD_EVALUATIONS, 1)
+    # Each side evaluates every `every` // n_envs vec steps: a multiple of both env counts evaluates both at the same
+    # env steps.
+    envs = (first.preset.n_envs, zoo_entry(algo, env_id)["n_envs"])
+    step = math.lcm(*envs)
+    every = eval_freq or max(budget // THRESHOLD_EVALUATIONS // step * step, step)
+    if every % step:
+        raise ConfigError(
+            f"--eval-freq {every} is not a multiple of {step}: sb3_gpu steps {envs[0]} envs at once and the baseline "
+            f"{envs[1]}, so the two would be evaluated at other env steps"
+        )
     settings = {
         "algo": algo,
         "env": env_id,
@@ -301,6 +327,8 @@ def bench_train(
         "eval_freq": every,
         "eval_episodes": episodes,
         "preset_sha256": preset_sha256(algo),
+        "baseline_sha256": hashlib.sha256(repr(zoo_entry(algo, env_id)).encode()).hexdigest(),
+        "versions": versions(),
         "machine": machine_key(),
     }
     saved = SavedRuns(out, settings)
@@ -339,6 +367,8 @@ def bench_train(
         }
     ours, zoo = summary["sb3_gpu"], summary["sb3_zoo"]
     summary["time_ratio"] = ours["median_train_seconds"] / max(zoo["median_train_seconds"], 1e-9)
+    planned = [r["plan_seconds"] for r in results["sb3_gpu"] if "plan_seconds" in r]  # runs saved before it was kept
+    ours["median_plan_seconds"] = statistics.median(planned) if planned else None
     return summary
 
 
@@ -366,4 +396,9 @@ def train_markdown(summary: dict[str, Any], command: str) -> str:
         f"Time to threshold, sb3_gpu / SB3 + rl-zoo3: {summary['time_ratio']:.2f}x (medians; below 1 is faster; a run "
         f"that never reached the threshold counts its whole time). Seeds reached: {ours['reached']} vs {zoo['reached']}.",
     ]
+    if ours.get("median_plan_seconds") is not None:
+        lines.append(
+            f"sb3_gpu's plan took {ours['median_plan_seconds']:.1f} s a seed (median), outside its time: the first plan on a "
+            "machine times its options, and later plans read those timings from the cache."
+        )
     return "\n".join(lines) + "\n"

@@ -47,6 +47,9 @@ class HardwareProfile:
     cpu_amx: bool = False
     # Cores busy with other work when the machine was queried (other trainings, say): not free for torch threads.
     busy_cores: int = 0
+    # The vector instructions torch's CPU kernels use (AVX2, AVX512, ...): a VM may name two processor generations
+    # alike ("AMD EPYC") whose matmuls differ threefold, so timings are kept apart by it too.
+    cpu_capability: str = ""
 
     @property
     def has_cuda(self) -> bool:
@@ -60,6 +63,11 @@ class HardwareProfile:
     def busy_physical_cores(self) -> int:
         """:attr:`busy_cores` (logical CPUs) as physical cores, as the thread counts count them."""
         return -(-self.busy_cores * self.physical_cores // max(self.logical_cores, 1))
+
+    @property
+    def cpu(self) -> str:
+        """The processor's name and the vector instructions torch uses on it, e.g. ``AMD EPYC (AVX2)``."""
+        return f"{self.cpu_model} ({self.cpu_capability})" if self.cpu_capability else self.cpu_model
 
     def describe(self) -> str:
         """One line, e.g. ``2 cores (2 physical), 23.4 GiB RAM, no GPU``."""
@@ -195,6 +203,7 @@ def detect_hardware() -> HardwareProfile:
         in_colab="google.colab" in sys.modules,
         cpu_amx="amx_bf16" in flags,
         busy_cores=busy_cores(),
+        cpu_capability=th.backends.cpu.get_cpu_capability(),
     )
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch as th
+from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.extensions.stepping import policy_optimizers
 
@@ -92,6 +93,7 @@ class _Overlap:
         self.actor = _actor_copy(learner)
         self.rng = np.random.default_rng(np.random.randint(2**63 - 1, dtype=np.int64))  # the envs' exploration draws
         self.progress = 1.0  # the training's progress remaining, taken when it was submitted
+        self.normalization: VecNormalize | None = None  # VecNormalize's statistics as they were then (a copy)
 
     def role(self, name: str) -> bool:
         return bool(getattr(self.local, name, False))
@@ -169,6 +171,19 @@ class OverlappedTraining:
         self.__dict__["_current_progress_remaining"] = value
 
     @property
+    def _vec_normalize_env(self) -> VecNormalize | None:
+        # SB3 trains on statistics as they stand at the end of a rollout; the live ones change as the envs step on
+        # (mean and var assigned one after the other): a training normalises with a copy taken when it was submitted.
+        state = self._state()
+        if state is not None and state.role("training"):
+            return state.normalization
+        return self.__dict__.get("_vec_normalize_env")
+
+    @_vec_normalize_env.setter
+    def _vec_normalize_env(self, value: VecNormalize | None) -> None:
+        self.__dict__["_vec_normalize_env"] = value
+
+    @property
     def logger(self) -> Any:
         state = self._state()
         if state is not None and state.role("training"):
@@ -232,6 +247,7 @@ class OverlappedTraining:
                     gradient_steps = s.gradient_steps if s.gradient_steps >= 0 else rollout.episode_timesteps
                     if gradient_steps > 0:
                         state.progress = s._current_progress_remaining
+                        state.normalization = copy.deepcopy(self.__dict__.get("_vec_normalize_env"))  # not its envs
                         state.pending = state.pool.submit(self._train_on_thread, gradient_steps)
             self.sync_training()
         finally:

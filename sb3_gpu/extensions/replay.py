@@ -291,6 +291,26 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         self._free_rows += range(len(old), len(grown))
         self._terminal_obs = grown
 
+    def end_episodes_under_way(self) -> None:
+        """See :func:`end_episodes_under_way`; in one-copy storage the next observations of the cut transitions, in
+        slot ``pos`` that the resumed run's first step overwrites, are kept aside as an episode end's are."""
+        if self.pos == 0 and not self.full:
+            return
+        last = (self.pos - 1) % self.buffer_size
+        scalars = self._scalars[last]  # (env, [reward, done, timeout])
+        under_way = scalars[:, 1] == 0
+        scalars[:, 2] = th.where(under_way, 1.0, scalars[:, 2])
+        if self.next_observations is not None:
+            return
+        rows = self._terminal_row_host[last].copy()
+        for env in np.flatnonzero(under_way.cpu().numpy()):
+            while not self._free_rows:
+                self._grow_terminal_store()
+            rows[env] = row = self._free_rows.pop()
+            self._terminal_obs[row] = self.observations[self.pos, env]
+        self._terminal_row_host[last] = rows
+        copy_into(self._terminal_row[last], rows)
+
     def reset(self) -> None:
         super().reset()
         if self.optimize_memory_usage:
@@ -330,7 +350,10 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         return not self.optimize_memory_usage and env is None
 
     def fill_position(self, position: th.Tensor) -> None:
-        """Write :meth:`samples_at_draws`'s ``position``: the slots filled, and the newest one (int64, on the device)."""
+        """Write :meth:`samples_at_draws`'s ``position``: the slots filled, and the newest one (int64, on the device).
+        Before a compiled step samples in its graph, as :meth:`sample` does before it draws: an empty buffer is refused
+        here, in one line, not inside the graph (on a GPU, a device-side assert that ends the process's CUDA use)."""
+        refuse_empty(self)
         position[0].fill_(self.size())  # fill_, not a copy from a host tensor: that copy would wait for the device
         position[1].fill_((self.pos - 1) % self.buffer_size)
 
@@ -430,3 +453,14 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
             return reward
         std = float(np.sqrt(env.ret_rms.var + env.epsilon))
         return (reward.double() / std).clamp(-env.clip_reward, env.clip_reward).float()
+
+
+def end_episodes_under_way(buffer: ReplayBuffer) -> None:
+    """End the episodes under way in a loaded buffer where it was saved, as a time limit ends them (their targets
+    bootstrap from the next observation): the resumed run starts its envs anew, and an n-step return must not run on
+    from a saved episode into a new one."""
+    if isinstance(buffer, DeviceReplayBuffer):
+        buffer.end_episodes_under_way()
+    elif buffer.pos > 0 or buffer.full:  # SB3's buffers and the host PER's, numpy arrays
+        last = (buffer.pos - 1) % buffer.buffer_size
+        buffer.timeouts[last] = np.logical_or(buffer.timeouts[last], buffer.dones[last] == 0)

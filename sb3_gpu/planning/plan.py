@@ -186,8 +186,9 @@ def make_plan(
     chosen = check(variant(device_choice))
     probed: ProbeResult | None = None
     if prober is None and hardware_detected:
-        # The CPU's model too: machines alike in cores and memory that share a home folder keep figures apart.
-        prober = Prober(context=f"{hardware.describe()}, {hardware.cpu_model}, {hardware.busy_cores} busy cores")
+        # The CPU's model and vector instructions too: machines alike in cores and memory that share a home folder keep
+        # figures apart.
+        prober = Prober(context=f"{hardware.describe()}, {hardware.cpu}, {hardware.busy_cores} busy cores")
     if training and prober is not None and chosen.resolved.probe:
         chosen, probed = _probed(chosen, variant, device, hardware, prober, facts)
         check(chosen)

@@ -17,7 +17,7 @@ def plan_table(plan: Plan) -> Table:
     table.add_column("setting", style="bold")
     table.add_column("value")
     table.add_column("why / source", style="dim")
-    _row(table, "hardware", plan.hardware.describe(), plan.hardware.cpu_model)
+    _row(table, "hardware", plan.hardware.describe(), plan.hardware.cpu)
     _row(table, "device", plan.device.device, plan.device.reason)
     _row(table, "profile", plan.preset.profile, f"{plan.preset.entry}: {plan.profile_reason}")
     _row(table, "vec_env", plan.vec_env, plan.vec_env_reason)

@@ -161,10 +161,12 @@ class TimedEvalCallback(EvalCallback):
             self.on_new_best.init_callback(self.model)
 
     def _on_step(self) -> bool:
+        if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
+            # A step skipped on the device stops the run here, before it is evaluated. Waiting for the steps training
+            # still runs (in the background, or queued on the GPU) is training's time, so the clock starts after it.
+            settle_training(self.model)
         start = time.perf_counter()
         bar = self.best_mean_reward
-        if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
-            settle_training(self.model)  # a step skipped on the device stops the run here, before it is evaluated
         try:
             keep_going = super()._on_step()
             if self.best_mean_reward > bar:  # SB3 took this evaluation for a new best: a candidate, until confirmed

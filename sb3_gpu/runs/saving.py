@@ -18,6 +18,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import keep_previous, load_pickle, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
+from sb3_gpu.extensions.replay import end_episodes_under_way
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.planning.plan import Plan
@@ -88,6 +89,7 @@ def load_replay_buffer(model: BaseAlgorithm, path: Path) -> None:
     if not isinstance(buffer, ReplayBuffer):
         raise ConfigError(f"{path} holds a {type(buffer).__name__}, not a replay buffer")
     buffer.device = model.device  # saved on another machine, maybe: it samples onto this model's device
+    end_episodes_under_way(buffer)  # the resumed run resets its envs
     model.replay_buffer = buffer  # type: ignore[attr-defined]
 
 

@@ -127,26 +127,41 @@ def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path,
     for name in ("sb3_gpu", "sb3_zoo"):
         (run,) = data[name]["runs"]
         assert run["timesteps"] <= 2048 + 256 and run["train_seconds"] > 0 and run["steps_per_s"] > 0
+    assert data["sb3_gpu"]["runs"][0]["plan_seconds"] > 0 and data["sb3_gpu"]["median_plan_seconds"] > 0
     assert "| SB3 + rl-zoo3 values |" in (tmp_path / "train.md").read_text()
+    assert "sb3_gpu's plan took" in (tmp_path / "train.md").read_text()
     assert data["plan"].endswith(", compile false"), data["plan"]  # planned for its 2,048 steps, too few to earn it
 
 
-def test_bench_train_trains_the_baseline_with_torchs_own_threads_not_those_a_plan_left(monkeypatch):
-    import torch as th
-
+def test_bench_train_trains_the_baseline_with_torchs_own_settings_not_those_a_plan_left(monkeypatch):
     from sb3_gpu.benches import train
+    from sb3_gpu.benches.base import TorchSettings
 
     seen = []
     monkeypatch.setattr(train, "zoo_model", lambda *args, **kwargs: None)
-    monkeypatch.setattr(train, "train_once", lambda *args: seen.append(th.get_num_threads()) or {"seed": 0})
-    monkeypatch.setattr(train, "SB3_THREADS", 2)
-    before = th.get_num_threads()
+    monkeypatch.setattr(train, "train_once", lambda *args: seen.append(TorchSettings.current()) or {"seed": 0})
+    plain = TorchSettings(2, False, False, False)
+    monkeypatch.setattr(train, "SB3_TORCH", plain)
+    before = TorchSettings.current()
     try:
-        th.set_num_threads(1)  # as a plan for small networks leaves it
+        TorchSettings(1, True, True, True).apply()  # as a CUDA plan for a small CNN leaves them
         assert train._train_side("sb3_zoo", "sac", "Pendulum-v1", 0, None, 1000, -200.0, 100, 2)["threads"] == 2
     finally:
-        th.set_num_threads(before)
-    assert seen == [2]
+        before.apply()
+    assert seen == [plain]
+
+
+def test_bench_train_refuses_a_seed_twice_and_evaluations_the_two_sides_would_take_at_other_steps(capsys):
+    assert bench.main(["train", "--seeds", "0", "1", "0"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "--seeds names 0 more than once" in err
+    assert bench.main(["solve", "--seeds", "3", "3"]) == 2
+    assert "--seeds names 3 more than once" in capsys.readouterr().err
+    # DQN's CartPole preset steps 8 envs, rl-zoo3's 1: every 500 env steps is 496 for one side and 500 for the other.
+    args = ["train", "--algo", "dqn", "--seeds", "0", "--threshold", "30", "--max-timesteps", "2048", "--eval-freq", "500"]
+    assert bench.main(args) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "--eval-freq 500 is not a multiple of 8: sb3_gpu steps 8 envs at once and the baseline 1" in err
 
 
 def test_bench_train_keeps_each_run_as_it_ends_and_goes_on_from_them(tmp_path, monkeypatch, capsys):
@@ -182,6 +197,15 @@ def test_bench_train_keeps_each_run_as_it_ends_and_goes_on_from_them(tmp_path, m
     assert bench.main(other) == 2  # other settings: refused, not mixed in
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "train-runs-ppo-CartPole-v1.json holds runs with other settings: threshold 30.0 (now 40.0)" in err, err
+    # Runs of another baseline, or of other code, are not comparable either.
+    monkeypatch.setitem(train.ZOO, ("ppo", "CartPole-v1"), {**train.ZOO["ppo", "CartPole-v1"], "n_epochs": 10})
+    assert bench.main(args) == 2
+    assert "holds runs with other settings: baseline_sha256" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setattr(train, "_train_side", fake_side)
+    monkeypatch.setattr(train, "versions", lambda: "sb3_gpu 9.9")
+    assert bench.main(args) == 2
+    assert "(now 'sb3_gpu 9.9')" in capsys.readouterr().err
     (tmp_path / "train-runs-ppo-CartPole-v1.json").write_text("[1, 2]")
     assert bench.main(args) == 2
     assert "train-runs-ppo-CartPole-v1.json is not a saved bench train" in capsys.readouterr().err
@@ -197,6 +221,12 @@ def test_zoo_schedules_decay_over_rl_zoo3s_length_whatever_the_budget():
     assert sac.policy.net_arch == [400, 300] and sac.learning_starts == 10_000 and sac.tau == 0.01
     ppo = zoo_model("ppo", "CartPole-v1", seed=0, budget=100_000)  # no length of its own: over the budget
     assert ppo.lr_schedule(0.0) == 0.0 and ppo.lr_schedule(1.0) == pytest.approx(1e-3)
+    # DQN's epsilon falls to 0.04 over 0.16 of rl-zoo3's 50k steps, 8,000, whatever the budget: halfway at 4,000.
+    for algo in ("dqn", "qrdqn"):
+        dqn = zoo_model(algo, "CartPole-v1", seed=0, budget=100_000)
+        assert dqn.exploration_schedule(1 - 8_000 / 100_000) == pytest.approx(0.04)
+        assert dqn.exploration_schedule(1 - 4_000 / 100_000) == pytest.approx((1 + 0.04) / 2)
+        dqn.get_env().close()
     for model in (sac, ppo):
         model.get_env().close()
 
@@ -526,3 +556,16 @@ def test_saved_results_are_keyed_by_the_bytes_of_the_preset_file_a_run_reads(tmp
     assert preset_sha256("ppo") == hashlib.sha256((presets_dir() / "ppo.yaml").read_bytes()).hexdigest()
     with pytest.raises(ConfigError, match=r"cannot read the preset file .*nope\.yaml"):
         preset_sha256("ppo", str(tmp_path / "nope.yaml"))
+
+
+def test_bench_step_gives_sb3_the_samples_an_accumulating_step_takes(monkeypatch):
+    # The large profile's step takes two micro-batches: SB3's, which cannot accumulate, takes them as one batch, so
+    # that a gradient step is the same work on both sides.
+    from sb3_gpu.benches import step
+
+    kwargs_of = step.model_kwargs
+    monkeypatch.setattr(step, "model_kwargs", lambda plan: {**kwargs_of(plan), "grad_accum_steps": 2})
+    for variant, (batch, accumulate) in {"sb3": (128, 1), "eager": (64, 2)}.items():
+        model, _ = step._model("dqn:CartPole-v1", "cpu", variant)
+        assert (model.batch_size, getattr(model, "grad_accum_steps", 1)) == (batch, accumulate), variant
+        model.get_env().close()

@@ -16,6 +16,22 @@ def test_detect_hardware_reads_the_real_cpu():
     assert hw.logical_cores >= 1 and hw.physical_cores >= 1
     assert hw.ram_gb > 0
     assert not hw.in_notebook
+    assert hw.cpu_capability == th.backends.cpu.get_cpu_capability() and hw.cpu.endswith(f"({hw.cpu_capability})")
+
+
+def test_saved_timings_are_kept_apart_by_the_vector_instructions_of_a_processor_named_alike(monkeypatch):
+    # Two VMs both called "AMD EPYC", one with AVX512 and one with AVX2 only: a SAC step of 128x128 networks took
+    # 2.5 ms on the first and 8.5 ms on the second. A bench run or a probe timing from one is not the other's.
+    import dataclasses
+
+    from sb3_gpu.benches import base
+
+    keys = set()
+    for capability in ("AVX512", "AVX2"):
+        hw = dataclasses.replace(machine(), cpu_model="AMD EPYC", cpu_capability=capability)
+        monkeypatch.setattr(base, "detect_hardware", lambda hw=hw: hw)
+        keys.add(base.machine_key())
+    assert keys == {"AMD EPYC (AVX512), 8 cores, no GPU", "AMD EPYC (AVX2), 8 cores, no GPU"}
 
 
 def _topology(root, cores: dict[int, int]) -> str:

@@ -9,12 +9,13 @@ import torch as th
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN
 from stable_baselines3.common.buffers import NStepReplayBuffer, ReplayBuffer
+from stable_baselines3.common.logger import configure
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import save_pickle
 from sb3_gpu.extensions import replay
-from sb3_gpu.extensions.per import PrioritizedDQN
+from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.runs import saving
 from sb3_gpu.runs.saving import load_replay_buffer
@@ -434,3 +435,55 @@ def test_sampling_an_empty_buffer_says_so():
             buffer.sample(4)
         fill([buffer], record(*spaces, 1, steps=2))
         assert buffer.sample(4).observations.shape == (4, *spaces[0].shape)
+
+
+@pytest.mark.parametrize("algo", ["dqn", "sac"])
+def test_a_step_that_samples_inside_its_graph_refuses_an_empty_buffer_as_sample_does(algo):
+    # learn() never trains on an empty buffer, but a direct train() after compile_step() may: inside the graph the
+    # index would be -1, an opaque error on the CPU and a device-side assert on a GPU.
+    from sb3_gpu.extensions.continuous import SyncFreeSAC
+
+    cls, env = (PrioritizedDQN, "CartPole-v1") if algo == "dqn" else (SyncFreeSAC, "Pendulum-v1")
+    model = cls("MlpPolicy", env, replay_buffer_class=DeviceReplayBuffer, policy_kwargs={"net_arch": [8]}, device="cpu")
+    assert model.compile_step("eager") is None
+    model.set_logger(configure(None, [""]))
+    with pytest.raises(ValueError, match="cannot sample from an empty DeviceReplayBuffer: add transitions first"):
+        model.train(gradient_steps=1, batch_size=8)
+
+
+RESUMED_BUFFERS = {
+    "device": lambda spaces: DeviceReplayBuffer(10, *spaces, "cpu", 2, n_steps=3, gamma=0.5),
+    "device one-copy": lambda spaces: DeviceReplayBuffer(10, *spaces, "cpu", 2, True, n_steps=3, gamma=0.5),
+    "host PER": lambda spaces: PrioritizedReplayBuffer(10, *spaces, "cpu", 2, n_steps=3, gamma=0.5),
+    "SB3 n-step": lambda spaces: NStepReplayBuffer(10, *spaces, "cpu", 2, n_steps=3, gamma=0.5),
+}
+
+
+@pytest.mark.parametrize("make", RESUMED_BUFFERS.values(), ids=RESUMED_BUFFERS.keys())
+def test_a_resumed_buffer_ends_the_saved_episodes_where_they_were_saved(tmp_path, make):
+    # The resumed run resets its envs. Unless the episodes under way end at the save, as a time limit ends them, an
+    # n-step return runs on from a saved episode into a new one, and in one-copy storage the last saved transition
+    # bootstraps from the reset observation that overwrote its next one.
+    from types import SimpleNamespace
+
+    spaces = SPACES["vector-discrete"]
+    saved, reference = make(spaces), make(spaces)
+    episodes = record(*spaces, 2, steps=5, p_done=0.0)
+    fill([saved], episodes)
+    model = SimpleNamespace(device=th.device("cpu"))
+    load_replay_buffer(model, save_pickle(tmp_path / "replay_buffer.pkl", saved))
+    resumed = model.replay_buffer
+    # Uninterrupted, with the same episodes cut by a time limit at their fifth step, then the new ones.
+    obs, next_obs, action, reward, _, _ = episodes[-1]
+    episodes[-1] = (obs, next_obs, action, reward, np.ones(2, bool), [{"TimeLimit.truncated": True}] * 2)
+    fill([reference], episodes)
+    fill([resumed, reference], record(*spaces, 2, steps=4, seed=1, p_done=0.0))
+    batch = np.repeat(np.arange(reference.size()), 2)
+    if isinstance(reference, NStepReplayBuffer):
+        np.random.seed(3)  # the env indices it draws
+        expected, got = reference._get_samples(batch), (np.random.seed(3), resumed._get_samples(batch))[1]
+    else:
+        envs = np.tile([0, 1], reference.size())
+        expected, got = reference._get_samples_at(batch, envs, None), resumed._get_samples_at(batch, envs, None)
+    for field in (*FIELDS, "discounts"):
+        th.testing.assert_close(getattr(got, field), getattr(expected, field), msg=field)

@@ -313,3 +313,34 @@ def test_a_resumed_model_follows_this_plans_schedule_not_the_saved_ones(tmp_path
     saved.save(tmp_path / "model.zip")
     assert load_plan_model(plan(False), tmp_path / "model.zip", build_env(plan(False))).overlap_training is False
     assert load_plan_model(plan(True), tmp_path / "model.zip", build_env(plan(True))).overlap_training is True
+
+
+def test_a_training_normalises_with_the_statistics_of_its_submission_while_the_envs_update_theirs():
+    # SB3 trains after a rollout on VecNormalize's statistics as they then are. Overlapped, the envs step on (and
+    # update the statistics, mean and var one after the other) while the training samples: it takes a copy.
+    import time
+
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    env = VecNormalize(make_vec_env("CartPole-v1", n_envs=2, seed=0))
+    model = PrioritizedDQN("MlpPolicy", env, seed=0, device="cpu", overlap_training=True, policy_kwargs=POLICY, **SMALL)
+    live = model.get_vec_normalize_env()
+    seen: list[tuple[bool, float, float, float]] = []
+    train = model.train
+
+    def waiting_train(gradient_steps, batch_size=100):
+        used = model._vec_normalize_env  # on the trainer thread: what this training normalises with
+        start, deadline = live.obs_rms.count, time.monotonic() + 2.0
+        while live.obs_rms.count == start and time.monotonic() < deadline:  # let the envs step on meanwhile
+            time.sleep(0.001)
+        train(gradient_steps, batch_size)
+        after = model._vec_normalize_env.obs_rms.count
+        seen.append((used is live, float(used.obs_rms.count), float(after), float(live.obs_rms.count)))
+
+    model.train = waiting_train
+    model.learn(200)
+    assert len(seen) > 10 and model._vec_normalize_env is live  # outside a training: the envs' own
+    # Each training's statistics are a copy, and stayed as they were at its start while the live ones moved on (all
+    # but the last training, after which the envs stop).
+    assert all(not is_live and before == after for is_live, before, after, _ in seen), seen[:3]
+    assert all(now > after for _, _, after, now in seen[:-1]), seen[:3]

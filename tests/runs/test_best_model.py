@@ -365,3 +365,22 @@ def test_a_model_zip_inside_a_run_dir_names_the_run_dir_as_given(tmp_path, monke
     assert str(model) == "runs/r/checkpoints/model_96_steps.zip" and str(run) == "runs/r"
     _, run = RunDir.find_model(tmp_path / "runs" / "r" / "checkpoints" / "model_96_steps.zip")
     assert run.path == tmp_path / "runs" / "r"
+
+
+def test_waiting_for_training_at_an_evaluation_is_training_time_not_evaluation_time(tmp_path, monkeypatch):
+    # On a GPU, settle_training waits for background steps and the device's queue: training's own time. Were it
+    # timed as evaluation, bench train would subtract it from sb3_gpu's side alone (plain SB3 has no such wait).
+    from types import SimpleNamespace
+
+    clock = [0.0]
+    _scripted(monkeypatch, [10, 5, 5], [30])
+    monkeypatch.setattr(evaluation, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(evaluation, "settle_training", lambda model: clock.__setitem__(0, clock[0] + 100.0))
+
+    def timed_confirm(*args, **kwargs):
+        clock[0] += 1.0  # a confirmation takes a second of the fake clock
+        return 30.0, 1.0
+
+    monkeypatch.setattr(evaluation, "evaluate", timed_confirm)
+    evaluator, _, _ = _learn(tmp_path, 3, confirm_episodes=6)
+    assert clock[0] == 3 * 100.0 + 1.0 and evaluator.seconds == 1.0
