@@ -415,6 +415,9 @@ class SyncFreeTD3(_ActorCriticTraining, TD3):
     """SB3's TD3 whose gradient steps read nothing back from the device, and compile whole (:meth:`compile_step`).
     The delayed actor update is a second graph, chosen on the host by the step count (no read)."""
 
+    def train(self, gradient_steps: int, batch_size: int = 100) -> None:  # TD3's own default batch, not SAC's 64
+        super().train(gradient_steps, batch_size)
+
     def _optimizers(self) -> list[th.optim.Optimizer]:
         return [self.critic.optimizer, self.actor.optimizer]
 

@@ -447,3 +447,12 @@ def test_accumulation_is_refused_beside_gsde_and_kept_by_save_and_load(tmp_path)
     loaded = SyncFreeSAC.load(tmp_path / "sac", device="cpu")
     assert loaded.grad_accum_steps == 3
     assert all(s.micro_batches == 3 for s in optimizer_steps(loaded))
+
+
+@pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
+def test_train_called_directly_takes_the_batch_size_sb3s_class_takes(case):
+    import inspect
+
+    theirs, ours = PAIRS[case]
+    default = inspect.signature(theirs.train).parameters["batch_size"].default
+    assert inspect.signature(ours.train).parameters["batch_size"].default == default  # TD3's 100, SAC's and TQC's 64
