@@ -14,6 +14,7 @@ import pytest
 import torch as th
 from hypothesis import settings
 
+from sb3_gpu.benches.base import TorchSettings
 from sb3_gpu.common.hardware import GPUInfo, HardwareProfile
 
 # In CI the property tests run the same examples every time: a red CI must come from a change, not from a draw.
@@ -62,11 +63,10 @@ def _keep_torch_settings():
 
     torch.distributions' argument checks start on, as in a new process: dynamo turns them off process-wide the first
     time anything compiles, and a read count would otherwise depend on which test ran before it."""
-    threads, cudnn, tf32 = th.get_num_threads(), th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32
+    before = TorchSettings.current()
     th.distributions.Distribution.set_default_validate_args(__debug__)
     yield
-    th.set_num_threads(threads)
-    th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32 = cudnn, tf32
+    before.apply()
 
 
 @pytest.fixture

@@ -148,7 +148,8 @@ def zoo_entry(algo: str, env_id: str) -> dict[str, Any]:
 
 
 def versions() -> str:
-    """The versions a saved run was trained with: runs of other code are not comparable, so not kept."""
+    """The versions a saved run was trained with: runs of other releases are not comparable, so not kept (sb3_gpu's
+    commits between two releases are not told apart)."""
     return f"sb3_gpu {__version__}, SB3 {sb3.__version__}, sb3-contrib {sb3_contrib.__version__}, torch {th.__version__}"
 
 
@@ -275,12 +276,14 @@ def _train_side(
 ) -> dict[str, Any]:
     """One seed of one side: our preset as the plan makes it (the plan named in the run), or rl-zoo3's values."""
     if side == "sb3_zoo":
-        SB3_TORCH.apply()  # torch's own threads, no TF32, no cuDNN autotuning: not what the seed's plan left
+        SB3_TORCH.apply()  # torch's own threads, TF32 and cuDNN settings: not what the seed's plan left
         run = train_once(zoo_model(algo, env_id, seed, budget=budget), env_id, budget, threshold, every, episodes, seed)
         return {**run, "threads": SB3_TORCH.threads}
     start = time.perf_counter()
     plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
     plan_seconds = time.perf_counter() - start  # the probe's timings, cached for later plans: reported, not in the time
+    if every % plan.preset.n_envs:  # the probe chose another profile than the one bench_train checked the interval for
+        raise ConfigError(f"--eval-freq {every} is not a multiple of the {plan.preset.n_envs} envs seed {seed}'s plan steps")
     run = train_once(build_model(plan, build_env(plan)), env_id, budget, threshold, every, episodes, seed)
     compiled = plan.speed.compile_label if plan.speed is not None else "false"
     return {

@@ -298,7 +298,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
             return
         last = (self.pos - 1) % self.buffer_size
         scalars = self._scalars[last]  # (env, [reward, done, timeout])
-        under_way = scalars[:, 1] == 0
+        under_way = (scalars[:, 1] == 0) & (scalars[:, 2] == 0)  # not cut already (a run saved again before a step)
         scalars[:, 2] = th.where(under_way, 1.0, scalars[:, 2])
         if self.next_observations is not None:
             return

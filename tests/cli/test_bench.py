@@ -151,6 +151,16 @@ def test_bench_train_trains_the_baseline_with_torchs_own_settings_not_those_a_pl
     assert seen == [plain]
 
 
+def test_bench_train_refuses_a_seeds_plan_whose_envs_the_evaluation_interval_does_not_divide():
+    # bench_train checks the interval against its first, unprobed plan; a seed's probed plan may take another profile
+    # with another env count (on a GPU machine), so each seed's is checked too, before it trains.
+    from sb3_gpu.benches import train
+    from sb3_gpu.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--eval-freq 6 is not a multiple of the 8 envs seed 0's plan steps"):
+        train._train_side("sb3_gpu", "dqn", "CartPole-v1", 0, 2048, 2048, 30.0, 6, 2)
+
+
 def test_bench_train_refuses_a_seed_twice_and_evaluations_the_two_sides_would_take_at_other_steps(capsys):
     assert bench.main(["train", "--seeds", "0", "1", "0"]) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()

@@ -487,3 +487,19 @@ def test_a_resumed_buffer_ends_the_saved_episodes_where_they_were_saved(tmp_path
         expected, got = reference._get_samples_at(batch, envs, None), resumed._get_samples_at(batch, envs, None)
     for field in (*FIELDS, "discounts"):
         th.testing.assert_close(getattr(got, field), getattr(expected, field), msg=field)
+
+
+def test_a_buffer_resumed_twice_before_a_step_is_cut_once_and_keeps_its_store_whole(tmp_path):
+    # Saved again before the resumed run took a step (its budget reached, a Ctrl-C): the second load finds the
+    # episodes already cut and leaves them, so the store of episode ends loses no row.
+    from types import SimpleNamespace
+
+    spaces = SPACES["vector-discrete"]
+    buffer = DeviceReplayBuffer(10, *spaces, "cpu", 2, True, n_steps=3)
+    fill([buffer], record(*spaces, 2, steps=4, p_done=0.0))
+    model = SimpleNamespace(device=th.device("cpu"))
+    for round_ in range(2):
+        load_replay_buffer(model, save_pickle(tmp_path / f"replay_buffer_{round_}.pkl", buffer))
+        buffer = model.replay_buffer
+    in_use = {int(r) for r in buffer._terminal_row_host.reshape(-1) if r >= 0}
+    assert len(in_use) == 2 and len(in_use) + len(buffer._free_rows) == len(buffer._terminal_obs)
