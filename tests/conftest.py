@@ -14,8 +14,8 @@ import pytest
 import torch as th
 from hypothesis import settings
 
-from sb3_gpu.benches.base import TorchSettings
 from sb3_gpu.common.hardware import GPUInfo, HardwareProfile
+from sb3_gpu.common.torch_settings import TorchSettings
 
 # In CI the property tests run the same examples every time: a red CI must come from a change, not from a draw.
 settings.register_profile("ci", derandomize=True, print_blob=True)

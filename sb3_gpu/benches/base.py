@@ -17,6 +17,7 @@ import torch as th
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import atomic_write_text, make_dir
+from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.config.files import presets_dir
 
 
@@ -63,31 +64,6 @@ def paired_medians(
 ) -> tuple[float, float]:
     """Median wall seconds per call of each, over ``repeats`` rounds that alternate the two (drift hits both alike)."""
     return paired_times(baseline, ours, repeats, inner)[0].medians()
-
-
-@dataclass(frozen=True)
-class TorchSettings:
-    """torch's process-wide settings that a plan changes (``apply_speed``): its threads, TF32 and cuDNN autotuning."""
-
-    threads: int
-    tf32_matmul: bool
-    tf32_cudnn: bool
-    cudnn_benchmark: bool
-
-    @classmethod
-    def current(cls) -> TorchSettings:
-        return cls(
-            th.get_num_threads(),
-            th.backends.cuda.matmul.allow_tf32,
-            th.backends.cudnn.allow_tf32,
-            th.backends.cudnn.benchmark,
-        )
-
-    def apply(self) -> None:
-        th.set_num_threads(self.threads)
-        th.backends.cuda.matmul.allow_tf32 = self.tf32_matmul
-        th.backends.cudnn.allow_tf32 = self.tf32_cudnn
-        th.backends.cudnn.benchmark = self.cudnn_benchmark
 
 
 # As plain SB3 finds them: taken at import, before any plan of a bench sets its own. A baseline trains with these, not

@@ -43,6 +43,7 @@ from stable_baselines3.common.preprocessing import get_action_dim
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.errors import cause_of, named
 from sb3_gpu.common.io import atomic_write_text
+from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
@@ -243,12 +244,12 @@ def _cuda_flags(device: th.device, cudnn_benchmark: bool, tf32: bool) -> Iterato
     if device.type != "cuda":
         yield
         return
-    before = th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32, th.backends.cudnn.allow_tf32
-    th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32, th.backends.cudnn.allow_tf32 = cudnn_benchmark, tf32, tf32
+    before = TorchSettings.current()
+    before.with_cuda_math(tf32, cudnn_benchmark).apply()
     try:
         yield
     finally:
-        th.backends.cudnn.benchmark, th.backends.cuda.matmul.allow_tf32, th.backends.cudnn.allow_tf32 = before
+        before.apply()
 
 
 def _autocast(device: th.device, amp: str) -> contextlib.AbstractContextManager[Any]:

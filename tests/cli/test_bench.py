@@ -135,7 +135,7 @@ def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path,
 
 def test_bench_train_trains_the_baseline_with_torchs_own_settings_not_those_a_plan_left(monkeypatch):
     from sb3_gpu.benches import train
-    from sb3_gpu.benches.base import TorchSettings
+    from sb3_gpu.common.torch_settings import TorchSettings
 
     seen = []
     monkeypatch.setattr(train, "zoo_model", lambda *args, **kwargs: None)

@@ -1,0 +1,36 @@
+"""torch's process-wide settings that a plan sets (threads, TF32, cuDNN autotuning): taken and put back as one."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch as th
+
+
+@dataclass(frozen=True)
+class TorchSettings:
+    """torch's threads, TF32 matmuls and convolutions, and cuDNN's autotuning, as one value."""
+
+    threads: int
+    tf32_matmul: bool
+    tf32_cudnn: bool
+    cudnn_benchmark: bool
+
+    @classmethod
+    def current(cls) -> TorchSettings:
+        return cls(
+            th.get_num_threads(),
+            th.backends.cuda.matmul.allow_tf32,
+            th.backends.cudnn.allow_tf32,
+            th.backends.cudnn.benchmark,
+        )
+
+    def apply(self) -> None:
+        th.set_num_threads(self.threads)
+        th.backends.cuda.matmul.allow_tf32 = self.tf32_matmul
+        th.backends.cudnn.allow_tf32 = self.tf32_cudnn
+        th.backends.cudnn.benchmark = self.cudnn_benchmark
+
+    def with_cuda_math(self, tf32: bool, cudnn_benchmark: bool) -> TorchSettings:
+        return dataclasses.replace(self, tf32_matmul=tf32, tf32_cudnn=tf32, cudnn_benchmark=cudnn_benchmark)
