@@ -75,7 +75,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
 
     Pass it as ``replay_buffer_class=DeviceReplayBuffer`` to DQN or QR-DQN. Observations keep their space's dtype
     (uint8 frames cross to the device once, as uint8) and samples have the dtypes SB3's buffer gives. Indices come from
-    the buffer's own torch generator, seeded from numpy's global RNG on first use, so ``set_random_seed`` repeats a run.
+    the buffer's own torch generator, seeded from numpy's global RNG at each draw, so ``set_random_seed`` repeats a run.
     Unlike SB3's, ``optimize_memory_usage`` works with ``handle_timeout_termination``: the next observation of each
     transition that ended an episode is kept aside, so sampled next observations are always exact.
 
@@ -321,10 +321,11 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
     # -- sampling -------------------------------------------------------------------------------------------------
 
     def _rng(self) -> th.Generator:
+        # Seeded afresh from numpy's global RNG at every draw, as SB3's buffer draws its indices from it: a
+        # set_random_seed repeats the samples that follow it, whenever it is called (seeding is a host write: no wait).
         if self._generator is None:
-            # Seeded from numpy's global RNG, which SB3's set_random_seed seeds: a seeded run repeats its samples.
             self._generator = th.Generator(device=self.device)
-            self._generator.manual_seed(int(np.random.randint(0, 2**63 - 1, dtype=np.int64)))
+        self._generator.manual_seed(int(np.random.randint(0, 2**63 - 1, dtype=np.int64)))
         return self._generator
 
     def _randint(self, low: int, high: int, n: int) -> th.Tensor:

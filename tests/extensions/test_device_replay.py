@@ -425,6 +425,26 @@ def test_the_store_of_episode_ends_grows_no_larger_than_the_buffer_and_checks_th
         fill([short], record(*spaces, 2, steps=40, p_done=1.0))
 
 
+def test_seeding_numpys_global_rng_again_repeats_the_draws_that_follow_as_sb3s_buffer_does():
+    # SB3's set_random_seed seeds numpy's global RNG, from which SB3's buffer draws at every sample: a model seeded
+    # again mid-life repeats its draws. The device buffers' generator must follow it at every draw, not only the first.
+    from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer
+
+    spaces = SPACES["vector-discrete"]
+    for cls in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer):
+        buffer = cls(64, *spaces, "cpu", n_envs=2)
+        fill([buffer], record(*spaces, 2, steps=30))
+        np.random.seed(4)
+        first, other = buffer.sample(16), buffer.sample(16)
+        first_draws = buffer.draws(16)
+        np.random.seed(4)
+        again = buffer.sample(16)
+        assert_samples_equal(again, first)
+        assert not th.equal(other.observations, first.observations)
+        buffer.sample(16)
+        assert th.equal(buffer.draws(16), first_draws)
+
+
 def test_sampling_an_empty_buffer_says_so():
     from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 
