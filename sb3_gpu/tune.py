@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threshold",
         type=float,
         help="score the time to this mean return instead of the final return: each seed trains until its best, "
-        "confirmed on fresh episodes, reaches it, and scores minus its training seconds (twice its whole time if never)",
+        "confirmed on fresh episodes, reaches it, and scores minus its training seconds (a seed that never does ranks "
+        "behind every seed that does)",
     )
     p.add_argument("--seed", type=seed_int, default=0, help="first seed (default 0)")
     p.add_argument("--timesteps", type=positive_int, help="timesteps per seed (default: the preset's)")

@@ -16,9 +16,11 @@ from sb3_gpu.runs.session import Session
 # Evaluations in a run timed to a threshold, unless told otherwise: fine enough that the time is not rounded up to a
 # tenth of the budget (PPO CartPole gets there in 10,000-15,000 of 100,000 steps).
 THRESHOLD_EVALUATIONS = 50
-# An unreached threshold costs this many times the run's whole training time: a run that never gets there must
-# score worse than any that does, whatever its steps cost.
-UNREACHED_FACTOR = 2.0
+# A run that never reaches the threshold costs its whole training time plus this many seconds (about eleven days),
+# more than any run that reaches it takes: runs then rank by whether they got there, then by time. A multiple of the
+# run's own time could not promise that, as runs train at different speeds: a trial whose settings train three times
+# faster would beat, without ever getting there, a slow one that did.
+UNREACHED_PENALTY_S = 1e6
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ class ThresholdRun:
 
     @property
     def cost_seconds(self) -> float:
-        """Seconds to the threshold; a run that never reached it counts :data:`UNREACHED_FACTOR` times its time."""
-        return self.train_seconds if self.reached else UNREACHED_FACTOR * self.train_seconds
+        """Seconds to the threshold; a run that never reached it adds :data:`UNREACHED_PENALTY_S` to its time."""
+        return self.train_seconds if self.reached else self.train_seconds + UNREACHED_PENALTY_S
 
 
 def train_to_threshold(

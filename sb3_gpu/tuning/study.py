@@ -27,7 +27,7 @@ from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, confirm_count, eval_envs
 from sb3_gpu.runs.session import Session
-from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, UNREACHED_FACTOR, train_to_threshold
+from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, UNREACHED_PENALTY_S, train_to_threshold
 from sb3_gpu.tuning.storage import import_optuna
 
 
@@ -94,7 +94,9 @@ class TrialInterrupted(KeyboardInterrupt):
 class TrialEvalCallback(TimedEvalCallback):
     """SB3's EvalCallback that reports each evaluation to the trial and stops training when the pruner says so.
 
-    :param step_offset: added to the reported step, so that the seeds of one trial report one rising curve
+    :param step_offset: added to the reported step, so that the seeds of one trial report one rising curve: twice
+        the budget per seed, as a seed reports past its budget (SB3 completes a rollout, which the plan keeps within
+        the budget)
     :param kwargs: TimedEvalCallback's (``eval_freq`` counts calls, env steps / n_envs, as EvalCallback counts)
     """
 
@@ -177,7 +179,7 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
                 confirm_episodes=confirm_count(settings.eval_episodes),
                 evaluator_class=TrialEvalCallback,
                 trial=trial,
-                step_offset=index * timesteps,
+                step_offset=index * 2 * timesteps,
             )
             _raise_if_cut_short(trial, run.stopped_by, evaluator, run.timesteps, seed)
             return -run.cost_seconds, run.reached
@@ -185,7 +187,7 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
         trial_evaluator = TrialEvalCallback(
             eval_env,
             trial=trial,
-            step_offset=index * timesteps,
+            step_offset=index * 2 * timesteps,
             n_eval_episodes=settings.eval_episodes,
             eval_freq=max(freq // n_envs, 1),
             verbose=0,
@@ -264,8 +266,9 @@ def study_markdown(study: Any, command: str, top: int = 10) -> str:
     scored = (
         "the final mean return, averaged over seeds"
         if threshold is None
-        else f"minus the training seconds until the best, confirmed on fresh episodes, reached {threshold:g} (a seed that "
-        "never did counts twice its whole time), averaged over seeds"
+        else f"minus the training seconds until the best, confirmed on fresh episodes, reached {threshold:g}, averaged "
+        f"over seeds; a seed that never did counts its whole time plus {UNREACHED_PENALTY_S:,.0f} s, so a trial ranks by "
+        "how many of its seeds reached it, then by time"
     )
     done = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.value, reverse=True)
     lines = [
@@ -439,8 +442,11 @@ def seed_progress(number: int, seed: int, score: float, reached: bool | None, th
         return f"trial {number}, seed {seed}: mean return {score:.1f}"
     if reached:
         return f"trial {number}, seed {seed}: reached {threshold:g} in {-score:.1f} s of training"
-    counted = f"scores {-score:.0f} s, {UNREACHED_FACTOR:g}x its training time"
-    return f"trial {number}, seed {seed}: never reached {threshold:g} ({counted})"
+    seconds = -score - UNREACHED_PENALTY_S
+    return (
+        f"trial {number}, seed {seed}: never reached {threshold:g} in {seconds:.1f} s of training (scored behind every "
+        "seed that reached it)"
+    )
 
 
 def seed_cells(trial: Any, threshold: float | None) -> str:
@@ -449,7 +455,9 @@ def seed_cells(trial: Any, threshold: float | None) -> str:
     if threshold is None:
         return ", ".join(f"{s:.1f}" for s in scores)
     reached = trial.user_attrs.get("seed_reached", [True] * len(scores))
-    return ", ".join(f"{-s:.1f} s" if r else f"not reached ({-s:.0f})" for s, r in zip(scores, reached, strict=False))
+    unreached = (-s - UNREACHED_PENALTY_S for s in scores)
+    cells = (f"{-s:.1f} s" if r else f"not reached in {u:.1f} s" for s, u, r in zip(scores, unreached, reached, strict=False))
+    return ", ".join(cells)
 
 
 def finished_trials(study: Any) -> int:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ optuna = pytest.importorskip("optuna", reason="tuning needs the [tune] extra")
 from sb3_gpu import tune  # noqa: E402
 from sb3_gpu.common.errors import ConfigError  # noqa: E402
 from sb3_gpu.config.search import load_space  # noqa: E402
+from sb3_gpu.runs.threshold import ThresholdRun  # noqa: E402
 from sb3_gpu.tuning import storage as tuning_storage  # noqa: E402
 from sb3_gpu.tuning import study as tuning  # noqa: E402
 from tests.conftest import REPO, run_cli  # noqa: E402
@@ -222,6 +224,32 @@ def test_a_trial_stopped_in_its_second_seed_keeps_the_first_seeds_score(tmp_path
     (trial,) = study.trials
     assert trial.state == optuna.trial.TrialState.PRUNED
     assert len(trial.user_attrs["seed_scores"]) == 1  # seed 0 finished and was stored; seed 1 was cut short
+
+
+def test_each_seed_reports_at_steps_of_its_own_though_a_rollout_carries_a_seed_past_its_budget(tmp_path):
+    # 8 envs of 32 steps: a rollout is 256 env steps, so a budget of 384 trains to 512 (SB3 completes a rollout) and
+    # seed 0 reports at 512. Seed 1 must not report at that step too: optuna would keep the first and drop the other.
+    space = tmp_path / "space.yaml"
+    space.write_text("n_steps: {choices: [32]}\nn_epochs: {choices: [1]}\n")
+    tiny = ["--eval-episodes", "1", "--vec-env", "dummy", "--device", "cpu", "--space", str(space)]
+    args = tune.build_parser().parse_args(["ppo", *tiny, "--timesteps", "384", "--eval-freq", "128", "--seeds", "2"])
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.NopPruner())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # optuna warns where it drops a second report at one step
+        study.optimize(tuning.make_objective(tune.settings_from_args(args), load_space("ppo", space)), n_trials=1)
+    (trial,) = study.trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    steps = sorted(trial.intermediate_values)
+    assert len(steps) == 2 * 4 and steps[3] == 512  # each seed's four evaluations, the last past the budget
+
+
+def test_a_seed_that_never_reaches_the_threshold_ranks_behind_a_slower_one_that_does():
+    # Trials train at different speeds: one three times faster that never gets there must still score worse.
+    fast_never = ThresholdRun(reached=False, timesteps=2048, train_seconds=30.0, best=12.0)
+    slow_reached = ThresholdRun(reached=True, timesteps=1024, train_seconds=90.0, best=480.0)
+    assert -fast_never.cost_seconds < -slow_reached.cost_seconds
+    line = tuning.seed_progress(3, 1, -fast_never.cost_seconds, False, 475.0)
+    assert line == "trial 3, seed 1: never reached 475 in 30.0 s of training (scored behind every seed that reached it)"
 
 
 @pytest.mark.parametrize(
