@@ -41,7 +41,7 @@ class TrialSettings:
         ``threshold``)
     :ivar threshold: None: a seed scores its final evaluation's mean return. Else it trains until its best,
         confirmed on fresh episodes, reaches this return, and scores minus the training seconds that took (evaluation
-        left out); a seed that never gets there scores minus twice its whole training time
+        left out); a seed that never gets there scores minus its whole training time and UNREACHED_PENALTY_S more
     """
 
     algo: str
