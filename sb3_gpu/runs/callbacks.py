@@ -21,7 +21,7 @@ from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import save_pickle
 from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep, first_non_finite, optimizer_steps, settle_guards
 from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.saving import non_finite_statistics, save_state, settle_training
+from sb3_gpu.runs.saving import calls_from_the_models_steps, non_finite_statistics, save_state, settle_training
 from sb3_gpu.runs.telemetry import WindowedRate
 
 
@@ -139,6 +139,9 @@ class AtomicCheckpointCallback(BaseCallback):
     def __init__(self, save_freq: int, run_dir: RunDir, save_replay_buffer: bool = False, verbose: int = 0):
         super().__init__(verbose)
         self.save_freq, self.run_dir, self.save_replay_buffer = save_freq, run_dir, save_replay_buffer
+
+    def _init_callback(self) -> None:
+        calls_from_the_models_steps(self)
 
     def _on_step(self) -> bool:
         if self.n_calls % self.save_freq == 0:

@@ -27,7 +27,7 @@ from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
-from sb3_gpu.runs.saving import load_plan_model, load_vecnormalize, settle_training
+from sb3_gpu.runs.saving import calls_from_the_models_steps, load_plan_model, load_vecnormalize, settle_training
 from sb3_gpu.runs.video import record_video, recordable
 
 MAX_EVAL_ENVS = 5
@@ -157,6 +157,7 @@ class TimedEvalCallback(EvalCallback):
 
     def _init_callback(self) -> None:
         super()._init_callback()
+        calls_from_the_models_steps(self)
         if self.on_new_best is not None:
             self.on_new_best.init_callback(self.model)
 

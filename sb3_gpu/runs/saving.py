@@ -12,6 +12,7 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import ReplayBuffer
+from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
@@ -142,6 +143,13 @@ def non_finite_statistics(model: BaseAlgorithm) -> str | None:
                 if not np.all(np.isfinite(getattr(stats, field))):
                     return f"VecNormalize's {name}{'' if key is None else f'[{key!r}]'}.{field}"
     return None
+
+
+def calls_from_the_models_steps(callback: BaseCallback) -> None:
+    """Start ``callback.n_calls`` (SB3 counts its calls from 0 in each ``learn``) at the calls the model's timesteps
+    stand for: a resumed run then evaluates and checkpoints at the timesteps a run never stopped would, and a resumed
+    part shorter than the interval still reaches its next one. Call it from the callback's ``_init_callback``."""
+    callback.n_calls = callback.model.num_timesteps // callback.model.n_envs
 
 
 def settle_training(model: BaseAlgorithm) -> None:

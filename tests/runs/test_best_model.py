@@ -183,6 +183,24 @@ def test_an_evaluation_whose_write_is_cut_short_leaves_the_runs_evaluations_whol
     assert not (run.eval / RunDir.SCRATCH / RunDir.EVALUATIONS).exists()
 
 
+def test_a_resumed_run_evaluates_and_checkpoints_at_the_timesteps_of_a_run_never_stopped(tmp_path):
+    # Resumed at 48 timesteps, with evaluations and checkpoints every 32: the next of each falls at 64, as in a run
+    # never stopped, not 32 steps after the resume (a run resumed in parts shorter than the interval would never
+    # evaluate or checkpoint).
+    from sb3_gpu.runs.callbacks import AtomicCheckpointCallback
+
+    run = RunDir(tmp_path)
+    model = PPO("MlpPolicy", make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=0), n_steps=EVERY, batch_size=EVERY)
+    model.num_timesteps = 48  # as loaded from a checkpoint at 48
+    eval_env = make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=1)
+    evaluator = TimedEvalCallback(eval_env, run_dir=run, eval_freq=EVERY, n_eval_episodes=1, verbose=0)
+    checkpoints = AtomicCheckpointCallback(EVERY, run)
+    model.learn(EVERY, callback=[evaluator, checkpoints], reset_num_timesteps=False)
+    assert model.num_timesteps == 80
+    assert evaluator.evaluations_timesteps == [64]
+    assert sorted(p.name for p in run.checkpoints.glob("*.zip")) == [run.checkpoint(64).model.name]
+
+
 def test_a_damaged_evaluations_file_warns_and_the_resumed_history_starts_empty(tmp_path):
     run = RunDir(tmp_path)
     run.eval.mkdir()
