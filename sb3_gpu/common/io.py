@@ -73,7 +73,7 @@ def keep_previous(path: Path) -> Callable[[bool], None]:
     ``restore(False)`` forgets it. A hard link keeps it (a full disk that failed the later write leaves no room for a
     copy); a file system without hard links gets a copy, written atomically (a copy cut short is no copy).
     """
-    kept = path.with_name(f".{path.name}.previous")
+    kept = _kept(path)
     kept.unlink(missing_ok=True)
     existed = path.exists()
     if existed:
@@ -93,6 +93,31 @@ def keep_previous(path: Path) -> Callable[[bool], None]:
             kept.unlink(missing_ok=True)
 
     return restore
+
+
+def _kept(path: Path) -> Path:
+    return path.with_name(f".{path.name}.previous")
+
+
+def companion_of(companion: Path, main: Path) -> Path | None:
+    """The file that pairs with ``main``, where ``companion`` is written first and ``main`` after it, with
+    :func:`keep_previous` keeping the old companion until ``main`` is written (a model's VecNormalize statistics): the
+    companion, or the kept old one where a SIGKILL or a power loss cut the pair's write short after the companion's,
+    so that ``main`` is older than it. None where there is no companion."""
+    kept = _kept(companion)
+    try:
+        if kept.is_file() and main.stat().st_mtime_ns < companion.stat().st_mtime_ns:
+            return kept
+    except FileNotFoundError:
+        pass
+    return companion if companion.is_file() else None
+
+
+def put_back_cut_short(companion: Path, main: Path) -> None:
+    """Before a new write of the pair: where the last one was cut short (:func:`companion_of`), put the companion that
+    pairs with ``main`` back in its place, for :func:`keep_previous` to keep."""
+    if companion_of(companion, main) == _kept(companion):
+        os.replace(_kept(companion), companion)
 
 
 def check_dir_creatable(path: str | Path, what: str) -> Path:

@@ -21,7 +21,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import keep_previous, save_model, write_json
+from sb3_gpu.common.io import keep_previous, put_back_cut_short, save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
@@ -222,6 +222,7 @@ class TimedEvalCallback(EvalCallback):
         ones), and with False forgets them."""
         if self.run_dir is None:
             return lambda failed: None
+        put_back_cut_short(self.run_dir.best_vecnormalize, self.run_dir.best_model)
         return keep_previous(self.run_dir.best_vecnormalize)
 
     def _log_success_callback(self, locals_: dict[str, Any], globals_: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import make_dir, open_no_follow, refuse_links
+from sb3_gpu.common.io import companion_of, make_dir, open_no_follow, refuse_links
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ class RunDir:
                 except ConfigError as e:
                     on_skip(f"skipped {e}")
             if steps is not None:
-                vecnormalize = files.vecnormalize if files.vecnormalize.is_file() else None
+                vecnormalize = companion_of(files.vecnormalize, files.model)
                 replay_buffer = files.replay_buffer if files.replay_buffer.is_file() else None
                 found.append(SavedState(files.model, steps, vecnormalize, replay_buffer))
         # Newest first; at equal timesteps the final model (written at the stop) wins over a checkpoint of that step.
@@ -255,12 +255,13 @@ class RunDir:
 
     def vecnormalize_for(self, model: Path) -> Path | None:
         """The VecNormalize statistics saved with ``model``, if the run normalised."""
-        candidates = [self.best_vecnormalize] if model.name == self.BEST_MODEL else []
+        pairs = [(self.best_vecnormalize, self.best_model)] if model.name == self.BEST_MODEL else []
         match = self._CHECKPOINT.fullmatch(model.name)
         if match and model.parent.name == self.checkpoints.name:
-            candidates.append(self.checkpoint(int(match.group(1))).vecnormalize)
-        candidates.append(self.final.vecnormalize)
-        return next((c for c in candidates if c.is_file()), None)
+            checkpoint = self.checkpoint(int(match.group(1)))
+            pairs.append((checkpoint.vecnormalize, checkpoint.model))
+        pairs.append((self.final.vecnormalize, self.final.model))
+        return next((found for c, m in pairs if (found := companion_of(c, m)) is not None), None)
 
     @classmethod
     def find_model(cls, target: str | Path, which: str = "best") -> tuple[Path, RunDir]:

@@ -17,7 +17,7 @@ from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError, named
-from sb3_gpu.common.io import keep_previous, load_pickle, save_model, save_pickle
+from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
 from sb3_gpu.extensions.replay import end_episodes_under_way
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
@@ -107,6 +107,8 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
     _finish_training(model)
     vec_normalize = model.get_vec_normalize_env()
     # A failed or stopped model write puts the old statistics back: they never pair with a model they were not saved with.
+    if vec_normalize is not None:
+        put_back_cut_short(files.vecnormalize, files.model)
     restore = keep_previous(files.vecnormalize) if vec_normalize is not None else None
     try:
         if vec_normalize is not None:

@@ -960,6 +960,53 @@ def test_keep_previous_puts_the_old_file_back_after_a_later_write_fails(tmp_path
     assert not fresh.exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+@pytest.mark.parametrize("pair", ["final", "best"])
+def test_statistics_whose_models_write_was_killed_never_pair_with_the_older_model(tmp_path, monkeypatch, pair):
+    # The statistics are written, then the model; a SIGKILL (the grace period after SIGTERM, the OOM killer) between
+    # the two leaves new statistics beside the old model, and the kept old ones beside them. Resume and evaluate must
+    # read the kept ones, and the next save must keep those, not the new ones, for a model write that fails.
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    from sb3_gpu.common.io import save_model, save_pickle
+    from sb3_gpu.runs import saving
+
+    env = VecNormalize(DummyVecEnv([lambda: gym.make("CartPole-v1")]))
+    model = PPO("MlpPolicy", env, n_steps=32, batch_size=32, n_epochs=1, policy_kwargs={"net_arch": [8]})
+    model.learn(32)
+    run = RunDir(tmp_path)
+    stats, model_zip = (
+        (run.final.vecnormalize, run.final.model) if pair == "final" else (run.best_vecnormalize, run.best_model)
+    )
+    save_pickle(stats, env)
+    save_model(model, model_zip)
+    paired = stats.read_bytes()
+    a_minute_ago = time.time_ns() - 60 * 10**9  # saves are seconds apart at least; file times can be coarser than that
+    os.utime(model_zip, ns=(a_minute_ago, a_minute_ago))
+    keep_previous(stats)
+    env.obs_rms.mean += 1.0
+    save_pickle(stats, env)  # ... and the process was killed before the model's write
+    assert stats.read_bytes() != paired
+    assert run.vecnormalize_for(model_zip).read_bytes() == paired
+    if pair == "final":
+        (state,) = run.saved_states()
+        assert state.vecnormalize is not None and state.vecnormalize.read_bytes() == paired
+
+    def full(model, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    if pair == "final":
+        monkeypatch.setattr(saving, "save_model", full)
+        with pytest.raises(OSError, match="No space left"):
+            saving.save_state(model, run.final, replay_buffer=False)
+    else:  # a new best: its statistics are written, then its model's write fails
+        restore = TimedEvalCallback(env, run_dir=run)._companions_restorer()
+        save_pickle(stats, env)
+        restore(True)
+    assert stats.read_bytes() == paired and run.vecnormalize_for(model_zip) == stats
+
+
 def test_keep_previous_never_puts_back_a_copy_cut_short(tmp_path, monkeypatch):
     import errno
 
