@@ -331,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # outside the session's signal handlers: planning or building envs, say
         _remove_if_empty(run, new=args.resume is None)
         if run is not None and _written_since(run.summary, started):  # after training: closing the envs, say
-            what = f"; {_saved_note(run)}"
+            what = f"; {_saved_note(run, started)}"
         elif run is not None and args.resume is not None:
             what = f" before training resumed; nothing new was saved, {run.last_good()}"
         else:
@@ -342,16 +342,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(f"interrupted{what}")
         return interrupted()
     except (EnvWorkerError, TrainingDiverged) as e:
+        _remove_if_empty(run, new=args.resume is None)
         print_error(str(e).splitlines()[0])
-        print_error(_saved_note(run))
+        print_error(_saved_note(run, started))
         return 1
     except OSError as e:  # a full or read-only disk while saving: the atomic writes kept the earlier files whole
+        _remove_if_empty(run, new=args.resume is None)
         print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
-        print_error(_saved_note(run))
+        print_error(_saved_note(run, started))
         return 1
     except Exception:
         traceback.print_exc()  # an unexpected error (an env raising in this process, say): its traceback matters
-        print_error(_saved_note(run))
+        _remove_if_empty(run, new=args.resume is None)
+        print_error(_saved_note(run, started))
         return 1
     assert run is not None
     console.print(summary_table(summary, run))
@@ -432,10 +435,13 @@ def _remove_if_empty(run: RunDir | None, *, new: bool) -> None:
         shutil.rmtree(run.path, ignore_errors=True)
 
 
-def _saved_note(run: RunDir | None) -> str:
-    """What the emergency save wrote, as this run recorded it in summary.json; else what the run dir holds."""
-    if run is None:
+def _saved_note(run: RunDir | None, started: float) -> str:
+    """What the emergency save wrote, as this process recorded it in summary.json (a resumed run's file may be the
+    last part's); else what the run dir holds."""
+    if run is None or not run.path.is_dir():
         return "no model was saved"
+    if not _written_since(run.summary, started):
+        return run.last_good()
     try:
         return str(json.loads(run.summary.read_text(encoding="utf-8"))["saved"])
     except (OSError, ValueError, KeyError):

@@ -470,6 +470,32 @@ def test_a_killed_worker_stops_the_run_with_its_env_named_after_a_save(tmp_path,
     assert _load(run_dir, run_dir / "model.zip").num_timesteps >= 512
 
 
+def test_a_new_run_that_fails_before_any_model_leaves_no_run_dir_and_a_resume_names_its_own_save(
+    tmp_path, monkeypatch, call_main
+):
+    from sb3_gpu.runs import training
+
+    real_build_model = training.build_model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no room for the model")
+
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--vec-env", "dummy", "--n-envs", "1", "--set", "n_steps=32", "--set", "batch_size=32"]
+    args += ["--timesteps", "64", "--eval-freq", "64", "--eval-episodes", "1", "--no-progress", "--run-dir", str(run_dir)]
+    monkeypatch.setattr(training, "build_model", broken)
+    failed = call_main(train_main, *args)
+    assert failed.returncode == 1 and "no room for the model" in failed.stderr
+    assert "error: no model was saved" in failed.stderr and not run_dir.exists()  # the same --run-dir works again
+    monkeypatch.setattr(training, "build_model", real_build_model)
+    assert call_main(train_main, *args).returncode == 0
+    # A resume that fails before it saves must not quote the summary.json of the part before it.
+    monkeypatch.setattr(training, "restore_model", broken)
+    resumed = call_main(train_main, "--resume", str(run_dir), "--timesteps", "128", "--no-progress")
+    assert resumed.returncode == 1 and "no room for the model" in resumed.stderr
+    assert f"error: the last complete model is {run_dir / 'model.zip'} (64 timesteps)" in resumed.stderr
+
+
 @pytest.mark.parametrize("vec_env", ["batched", "subproc", "dummy"])
 def test_an_env_raising_at_step_n_stops_the_run_after_a_save(tmp_path, vec_env):
     run_dir = tmp_path / "run"
