@@ -342,18 +342,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(f"interrupted{what}")
         return interrupted()
     except (EnvWorkerError, TrainingDiverged) as e:
-        _remove_if_empty(run, new=args.resume is None)
+        _remove_if_never_trained(run, new=args.resume is None, started=started)
         print_error(str(e).splitlines()[0])
         print_error(_saved_note(run, started))
         return 1
     except OSError as e:  # a full or read-only disk while saving: the atomic writes kept the earlier files whole
-        _remove_if_empty(run, new=args.resume is None)
+        _remove_if_never_trained(run, new=args.resume is None, started=started)
         print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
         print_error(_saved_note(run, started))
         return 1
     except Exception:
         traceback.print_exc()  # an unexpected error (an env raising in this process, say): its traceback matters
-        _remove_if_empty(run, new=args.resume is None)
+        _remove_if_never_trained(run, new=args.resume is None, started=started)
         print_error(_saved_note(run, started))
         return 1
     assert run is not None
@@ -433,6 +433,13 @@ def _remove_if_empty(run: RunDir | None, *, new: bool) -> None:
     --run-dir "already exist" on the next try."""
     if run is not None and new and not run.saved_states() and not run.best_model.exists():
         shutil.rmtree(run.path, ignore_errors=True)
+
+
+def _remove_if_never_trained(run: RunDir | None, *, new: bool, started: float) -> None:
+    """After an error: a new run dir whose training never began (it wrote no summary) is removed as an empty one is;
+    one that trained keeps its logs for a look at what went wrong (a run that diverged before its first save)."""
+    if run is not None and not _written_since(run.summary, started):
+        _remove_if_empty(run, new=new)
 
 
 def _saved_note(run: RunDir | None, started: float) -> str:

@@ -448,7 +448,6 @@ def test_a_step_that_samples_inside_its_graph_equals_the_same_step_run_eagerly()
     compiled, eager = _uniform_dqn(), _uniform_dqn()
     for model, mode in ((compiled, "default"), (eager, "eager")):
         assert model.compile_step(mode) is None
-        model.replay_buffer._generator.manual_seed(7)  # the same draws for both
         with HostReads() as reads:
             _train(model, seed=0, steps=8)
         assert reads.total == 0, reads.sites
@@ -478,7 +477,6 @@ def test_prioritized_sampling_and_updates_inside_the_graph_equal_the_buffers_own
     assert compiled.compile_step() is None
     compiled.replay_buffer.sample = None  # the in-graph draws, never the buffer's sample()
     for model in (compiled, eager):
-        model.replay_buffer._generator.manual_seed(7)  # the same draws for both
         model._current_progress_remaining = 0.5  # beta annealed half-way: a tensor in the graph, a float eagerly
         with HostReads() as reads:
             _train(model, seed=0, steps=8)

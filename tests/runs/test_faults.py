@@ -6,6 +6,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -488,6 +489,18 @@ def test_a_new_run_that_fails_before_any_model_leaves_no_run_dir_and_a_resume_na
     assert failed.returncode == 1 and "no room for the model" in failed.stderr
     assert "error: no model was saved" in failed.stderr and not run_dir.exists()  # the same --run-dir works again
     monkeypatch.setattr(training, "build_model", real_build_model)
+    # One that trained keeps its logs, model or not (NaN weights are never saved): a look at what went wrong.
+    real_learn = training._learn
+
+    def diverged(plan, run, *rest):
+        atomic_write_bytes(run.summary, b'{"saved": "no finite model was saved"}')
+        raise TrainingDiverged("parameter q_net.0.weight is NaN or inf at 32 timesteps")
+
+    monkeypatch.setattr(training, "_learn", diverged)
+    kept = call_main(train_main, *args)
+    assert kept.returncode == 1 and "error: no finite model was saved" in kept.stderr and run_dir.is_dir()
+    shutil.rmtree(run_dir)
+    monkeypatch.setattr(training, "_learn", real_learn)
     assert call_main(train_main, *args).returncode == 0
     # A resume that fails before it saves must not quote the summary.json of the part before it.
     monkeypatch.setattr(training, "restore_model", broken)
