@@ -39,5 +39,6 @@ lint: setup
 	$(BIN)/ruff format --check sb3_gpu tests tools
 	$(BIN)/mypy sb3_gpu
 
+# Every test: -m "" takes back the default's leaving out of the slow and heavy ones (pyproject.toml).
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m ""

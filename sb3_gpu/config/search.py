@@ -20,13 +20,47 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     data = read_yaml(path, "search space")
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"{path}: a search space must be a mapping of preset keys to {{low, high}} or {{choices}}")
+    space: dict[str, dict[str, Any]] = {}
     for key, spec in data.items():
         where = f"{path}, key {key}"
         for value in _candidates(spec, where):  # the preset checks say whether the key exists and the value fits
-            flat: dict[str, Any] = {}
-            apply_override(flat, str(key), value)
-            validate_flat(algo_, flat, f"{path}")
-    return {str(k): v for k, v in data.items()}
+            _check(algo_, str(key), value, path)
+        space[str(key)] = spec if "choices" in spec else _typed_range(algo_, str(key), spec, path)
+    return space
+
+
+def _check(algo: Any, key: str, value: Any, path: Path) -> None:
+    flat: dict[str, Any] = {}
+    apply_override(flat, key, value)
+    validate_flat(algo, flat, f"{path}")
+
+
+def _typed_range(algo: Any, key: str, spec: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The range with bounds of the key's type, which is what the sampler goes by: ints draw whole numbers.
+
+    How the bounds are written must not decide it: ``high: 1.0e+6`` for a buffer size would draw fractions that every
+    trial's preset check refuses, and ``{low: 0, high: 1}`` for a coefficient would draw only 0 and 1. The key's own
+    check decides: a value between the bounds that is not a whole number either fits it or not. Keys passed on
+    unchecked (``policy_kwargs.*``, ``env_kwargs.*``: their classes take what they take) go by how the bounds are
+    written, ints drawing ints.
+    """
+    low, high = spec["low"], spec["high"]
+    if _accepts(algo, key, "not a number", path):
+        whole = isinstance(low, int) and isinstance(high, int)
+    else:
+        fraction = low / 2 + high / 2
+        if float(fraction).is_integer():
+            fraction += min(0.25, (high - low) / 4)
+        whole = not _accepts(algo, key, fraction, path)  # then its check took the bounds, so they are whole
+    return {**spec, "low": int(low), "high": int(high)} if whole else {**spec, "low": float(low), "high": float(high)}
+
+
+def _accepts(algo: Any, key: str, value: Any, path: Path) -> bool:
+    try:
+        _check(algo, key, value, path)
+    except ConfigError:
+        return False
+    return True
 
 
 def _candidates(spec: Any, where: str) -> list[Any]:

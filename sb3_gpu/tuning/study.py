@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 import os
 import socket
@@ -390,7 +391,8 @@ def open_study(
                 f"study {name!r} in {where} scores trials with {flag} {theirs} (this worker: {mine}); give the same, "
                 "or another --study-name"
             )
-    if attrs.get("space", space) != space:
+    # As JSON, so that types count too: 1 and 1.0 draw from optuna's int and float ranges, which cannot share a name.
+    if json.dumps(attrs.get("space", space), sort_keys=True) != json.dumps(space, sort_keys=True):
         raise ConfigError(
             f"study {name!r} in {where} was made with another search space (or a budget that narrowed it otherwise); "
             "give the same --space and --timesteps, or another --study-name"

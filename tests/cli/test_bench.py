@@ -13,6 +13,7 @@ from sb3_gpu.benches import speed, telemetry
 from sb3_gpu.extensions.per import tree_backends
 
 
+@pytest.mark.heavy
 def test_bench_speed_prints_a_row_per_switch(monkeypatch, capsys):
     tiny = {"n_envs": 2, "n_steps": 16, "batch_size": 16, "n_epochs": 1, "net_arch": [16]}
     monkeypatch.setattr(speed, "SPEED_CASES", [("tiny PPO", "ppo", "CartPole-v1", tiny)])
@@ -25,6 +26,7 @@ def test_bench_speed_prints_a_row_per_switch(monkeypatch, capsys):
     assert all(len(re.findall(r"\d+\.\d\dx", r)) == 2 for r in rows)
 
 
+@pytest.mark.heavy
 def test_bench_per_times_each_tree_backend_and_the_gradient_step(capsys):
     assert bench.main(["per", "--repeats", "1", "--capacities", "1000", "--batch-size", "32"]) == 0
     out = capsys.readouterr().out
@@ -48,6 +50,7 @@ def test_bench_solve_refuses_what_it_cannot_train_in_one_line(capsys, args, mess
     assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.heavy
 def test_bench_solve_trains_each_case_in_its_own_process_and_evaluates_the_best_on_fresh_episodes(tmp_path, capsys):
     import json
 
@@ -66,6 +69,7 @@ def test_bench_solve_trains_each_case_in_its_own_process_and_evaluates_the_best_
     assert re.search(line, out), out
 
 
+@pytest.mark.heavy
 def test_bench_solve_trains_a_preset_file_in_place_of_the_bundled_one(tmp_path, capsys):
     import json
 
@@ -100,6 +104,7 @@ def test_bench_telemetry_prints_the_overhead(monkeypatch, capsys, callback):
     assert built and all(names == sorted(type(c).__name__ for c in real(callback)) for names in built)  # the one asked for
 
 
+@pytest.mark.heavy
 def test_bench_envs_writes_json_and_markdown_with_ratios_to_the_better_sb3_class(tmp_path, capsys):
     import json
 
@@ -118,6 +123,7 @@ def test_bench_envs_writes_json_and_markdown_with_ratios_to_the_better_sb3_class
     )
 
 
+@pytest.mark.heavy
 def test_bench_train_runs_the_preset_and_the_zoo_baseline_side_by_side(tmp_path, capsys):
     import json
 
@@ -256,6 +262,7 @@ def test_bench_envs_refuses_more_processes_than_a_machine_runs_before_starting_a
     assert "start one process per env: at most 1024 (got" in err
 
 
+@pytest.mark.heavy
 def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp_path, capsys):
     import json
 
@@ -282,6 +289,7 @@ def test_bench_gpu_runs_on_the_cpu_and_writes_the_sample_and_training_ratios(tmp
     assert "| dqn CartPole-v1 | device buffers, overlapped training |" in markdown
 
 
+@pytest.mark.heavy
 def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path, monkeypatch):
     import json
 
@@ -313,6 +321,7 @@ def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path, monk
     assert "| qrdqn+per:CartPole-v1 | compiled | 0.00 |" in (tmp_path / "step.md").read_text()
 
 
+@pytest.mark.heavy
 def test_bench_step_counts_sb3s_argument_checks_after_a_compile_turned_them_off(monkeypatch):
     import torch as th
 
@@ -356,6 +365,7 @@ def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys)
     assert capsys.readouterr().err == "error: --device cuda: this machine has no CUDA device\n"
 
 
+@pytest.mark.heavy
 def test_bench_auto_times_auto_against_every_alternative_idle_and_beside_busy_work(tmp_path):
     import json
 
@@ -417,6 +427,7 @@ def test_a_signal_during_bench_solve_stops_the_bench_not_only_its_training(monke
     assert not (tmp_path / "solve.json").exists()
 
 
+@pytest.mark.heavy
 def test_a_sigterm_to_bench_solve_alone_stops_its_workers_too(tmp_path):
     import os
     import signal

@@ -18,6 +18,7 @@ from sb3_gpu.train import main as train_main
 from tests.conftest import run_cli
 
 
+@pytest.mark.heavy
 def test_train_writes_a_complete_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli(
@@ -76,6 +77,7 @@ def test_train_writes_a_complete_run_dir(tmp_path):
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
+@pytest.mark.heavy
 def test_plan_prints_and_trains_nothing(tmp_path):
     result = run_cli("sb3_gpu.train", "dqn", "--env", "CartPole-v1", "--plan", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -308,6 +310,7 @@ def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call
 
 
 # The table above runs in this process; these run the real commands, as a user would.
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("module", "args", "message"),
     [
@@ -324,6 +327,7 @@ def test_bad_input_in_a_real_process_exits_2_with_one_line(module, args, message
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.heavy
 def test_a_run_logged_to_a_file_prints_no_progress_bar_and_commands_that_run_as_printed(tmp_path):
     run_dir = tmp_path / "logged"
     args = ("ppo", "--env", "CartPole-v1", "--timesteps", "1024", "--n-envs", "2", "--set", "n_epochs=1")

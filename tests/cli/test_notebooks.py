@@ -35,6 +35,7 @@ def _text(nb) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("SB3_GPU_NOTEBOOK_SMOKE", "1")

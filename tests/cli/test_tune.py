@@ -41,6 +41,7 @@ def finished(study):
     return [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
 
 
+@pytest.mark.heavy
 def test_a_tiny_study_exports_a_preset_that_train_accepts(tmp_path):
     out = run_cli("sb3_gpu.tune", "ppo", "--trials", "3", "--study-dir", str(tmp_path), *TINY, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -94,6 +95,7 @@ def _check_shared(storage: str, trials: int):
     assert len({t.user_attrs["worker"] for t in done}) == 2, "both workers must have run trials"
 
 
+@pytest.mark.heavy
 def test_two_workers_share_one_study_on_a_journal_file(tmp_path):
     storage = f"journal:{tmp_path / 'journal.log'}"
     for out in _workers(storage, tmp_path, trials=6):
@@ -123,6 +125,7 @@ def _poll(condition, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.heavy
 def test_a_killed_worker_leaves_a_failed_trial_and_the_study_goes_on(tmp_path):
     db = tmp_path / "study.db"
     storage = f"sqlite:///{db}"
@@ -147,6 +150,7 @@ def test_a_killed_worker_leaves_a_failed_trial_and_the_study_goes_on(tmp_path):
     assert states.count(optuna.trial.TrialState.FAIL) == 1 and states.count(optuna.trial.TrialState.COMPLETE) == 1
 
 
+@pytest.mark.heavy
 def test_sigint_stops_the_running_trial_marks_it_failed_and_ends_the_worker(tmp_path):
     db = tmp_path / "study.db"
     storage = f"sqlite:///{db}"
@@ -325,6 +329,7 @@ def test_optunas_lock_on_a_journal_file_is_no_link_to_refuse_and_look_alikes_are
         refuse_links(tmp_path, "study dir", allowed=tuning_storage.journal_lock(f"sqlite:///{tmp_path / 'study.db'}"))
 
 
+@pytest.mark.heavy
 def test_a_worker_that_starts_while_another_holds_the_journal_lock_waits_for_it(tmp_path, call_main):
     import threading
 
@@ -373,6 +378,26 @@ def test_the_search_spaces_behind_the_tuning_records_still_load(path):
     # Each records the study that tuned (or tested) a preset entry, and must stay a space tune would run.
     algo = path.name.split("-")[0]
     assert load_space(algo, path)
+
+
+def test_a_range_draws_values_of_its_keys_type_however_its_bounds_are_written(tmp_path):
+    # YAML reads 1.0e+6 as a float and 0 as an int: the key decides, or every trial would be refused (a buffer size of
+    # 52345.6) or a coefficient drawn only at 0 and 1.
+    path = tmp_path / "space.yaml"
+    path.write_text("buffer_size: {low: 10000, high: 1.0e+6, log: true}\nexploration_fraction: {low: 0, high: 1}\n")
+    space = load_space("dqn", path)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = [tuning.sample(study.ask(), space) for _ in range(20)]
+    assert all(type(d["buffer_size"]) is int and 10_000 <= d["buffer_size"] <= 1_000_000 for d in drawn)
+    assert all(type(d["exploration_fraction"]) is float for d in drawn)
+    assert len({d["exploration_fraction"] for d in drawn}) == 20
+    # Keys handed on unchecked to a class go by how their bounds are written.
+    path.write_text("policy_kwargs.n_quantiles: {low: 10, high: 200}\nenv_kwargs.scale: {low: 1, high: 2.5}\n")
+    typed = {key: (spec["low"], spec["high"], type(spec["low"])) for key, spec in load_space("qrdqn", path).items()}
+    assert typed == {"policy_kwargs.n_quantiles": (10, 200, int), "env_kwargs.scale": (1.0, 2.5, float)}
+    path.write_text("n_steps: {low: 16, high: 64.5}\n")
+    with pytest.raises(ConfigError, match=r"n_steps: expected a positive int, got 64\.5"):  # a bound's own check
+        load_space("ppo", path)
 
 
 def test_per_subkeys_are_only_drawn_with_per_on():
@@ -481,6 +506,7 @@ def test_the_exported_preset_is_what_the_best_trial_trained(tmp_path):
     assert yaml.safe_load(path.read_text())["Pendulum-v1"]["buffer_size"] == 10_000
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("sampler_seed", range(5))
 def test_a_one_trial_study_of_1500_steps_completes_whatever_the_sampler_draws(tmp_path, sampler_seed, call_main, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -491,6 +517,7 @@ def test_a_one_trial_study_of_1500_steps_completes_whatever_the_sampler_draws(tm
     assert trial.state == optuna.trial.TrialState.COMPLETE, trial.user_attrs
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", ["sac", "td3", "tqc"])
 def test_a_continuous_study_trains_its_trial_and_exports_a_preset_train_accepts(tmp_path, algo, call_main, monkeypatch):
     """The off-policy continuous algorithms through the whole path: a trial on Pendulum-v1 that learns from its own
@@ -537,6 +564,7 @@ def test_a_continuous_study_trains_its_trial_and_exports_a_preset_train_accepts(
     assert (run / "model.zip").is_file()
 
 
+@pytest.mark.heavy
 def test_a_threshold_study_scores_the_seconds_each_seed_took_to_reach_it(tmp_path, monkeypatch, call_main):
     monkeypatch.chdir(tmp_path)
     args = ["ppo", "--trials", "1", *TINY, "--timesteps", "2048", "--eval-freq", "256", "--seeds", "2"]
@@ -600,6 +628,7 @@ def postgres_url():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.heavy
 def test_two_workers_share_one_study_on_postgresql(tmp_path, postgres_url):
     for out in _workers(postgres_url, tmp_path, trials=6):
         assert out.returncode == 0, out.stderr
@@ -627,6 +656,16 @@ def test_a_worker_whose_trials_would_score_another_way_is_refused_by_the_flag():
     for flag, value, said in (("--seeds", 3, "--seeds 2 (this worker: 3)"), ("--eval-freq", 64, "its default (this")):
         with pytest.raises(ConfigError, match=re.escape(said)):
             tuning.open_study("s", storage, space={}, where="memory", scoring={**made, flag: value}, **settings)
+
+
+def test_a_study_whose_range_drew_ints_is_refused_by_a_space_that_draws_floats():
+    # optuna refuses a float range for a name it drew ints for: every trial would fail. 0 == 0.0, but not as JSON.
+    storage = optuna.storages.InMemoryStorage()
+    settings = {"sampler": "random", "pruner": "none", "timesteps": 512, "algo": "dqn", "env": "CartPole-v1"}
+    tuning.open_study("s", storage, space={"exploration_fraction": {"low": 0, "high": 1}}, where="memory", **settings)
+    with pytest.raises(ConfigError, match="was made with another search space"):
+        space = {"exploration_fraction": {"low": 0.0, "high": 1.0}}
+        tuning.open_study("s", storage, space=space, where="memory", **settings)
 
 
 @pytest.mark.parametrize("sampler", ["random", "tpe"])

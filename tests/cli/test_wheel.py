@@ -7,9 +7,12 @@ import sys
 import sysconfig
 import zipfile
 
+import pytest
+
 from tests.conftest import REPO
 
 
+@pytest.mark.heavy
 def test_wheel_installs_into_a_fresh_venv_and_works_outside_the_repo(tmp_path):
     dist = tmp_path / "dist"
     subprocess.run(

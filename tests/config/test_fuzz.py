@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,6 +40,7 @@ def loads_or_config_error(fn, *args):
         return None
 
 
+@pytest.mark.heavy
 @FUZZ
 @given(algo=st.sampled_from(sorted(ALGOS)), entry=entries, profile=st.sampled_from(PROFILES))
 def test_any_entry_validates_and_resolves_or_raises_config_error(algo, entry, profile):

@@ -73,6 +73,7 @@ def _installed(env_id: str) -> bool:
     return True
 
 
+@pytest.mark.heavy
 def test_every_zoo_entry_loads_or_is_refused_for_a_listed_reason_and_installed_ones_make_a_plan(capsys):
     listing: dict[str, list[str]] = {"planned": [], "loaded, env not installed": [], "refused": []}
     for algo in ZOO_ALGOS:

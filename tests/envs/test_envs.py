@@ -132,6 +132,7 @@ def test_unpicklable_factory_falls_back_with_one_warning_naming_the_cause():
     assert isinstance(venv, DummyVecEnv) and venv.num_envs == 2
 
 
+@pytest.mark.heavy
 def test_factory_failing_only_in_workers_falls_back_and_names_the_cause():
     before = set(mp.active_children())
     with pytest.warns(VecEnvFallbackWarning, match="RuntimeError: env 'MyEnv-v0' is not registered") as record:
@@ -142,6 +143,7 @@ def test_factory_failing_only_in_workers_falls_back_and_names_the_cause():
     assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
 
 
+@pytest.mark.heavy
 def test_worker_dying_on_first_reset_falls_back():
     with pytest.warns(VecEnvFallbackWarning, match="SubprocVecEnv could not start"):
         venv = make_vec_env(reset_fails_in_worker, 2, vec_env="subproc")
@@ -198,6 +200,7 @@ def test_n_envs_must_be_a_positive_int(n_envs):
         make_vec_env("CartPole-v1", n_envs)
 
 
+@pytest.mark.heavy
 def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path):
     import subprocess
     import sys

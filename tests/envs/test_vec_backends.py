@@ -90,6 +90,7 @@ def assert_same_step(ours, theirs):
                 assert a[key] == b[key], key
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("factory", [short_cartpole, dict_cartpole], ids=["box", "dict"])
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_batched_matches_dummy_step_for_step(factory, workers):
@@ -121,6 +122,7 @@ def _single(obs, i):
     return {k: v[i] for k, v in obs.items()} if isinstance(obs, dict) else obs[i]
 
 
+@pytest.mark.heavy
 def test_batched_attrs_methods_seed_and_render_reach_the_right_envs():
     venv = BatchedSubprocVecEnv([short_cartpole] * 5, n_workers=2)
     try:
@@ -156,6 +158,7 @@ def _gone(pids, timeout=10.0):
     return False
 
 
+@pytest.mark.heavy
 def test_an_env_that_raises_is_named_and_no_worker_is_left():
     venv = BatchedSubprocVecEnv([FailingFactory(i == 3) for i in range(4)], n_workers=2)
     pids = venv.pids
@@ -170,6 +173,7 @@ def test_an_env_that_raises_is_named_and_no_worker_is_left():
     venv.close()  # closing a failed vec env is a no-op
 
 
+@pytest.mark.heavy
 def test_a_killed_worker_is_named_and_the_rest_are_stopped():
     venv = BatchedSubprocVecEnv([short_cartpole] * 4, n_workers=2)
     pids = venv.pids
@@ -201,6 +205,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", ["exit", "sigint", "sigterm"])
 def test_no_worker_outlives_its_parent(tmp_path, how):
     script = tmp_path / "loop.py"
@@ -344,6 +349,7 @@ def test_ppo_learns_cartpole_on_each_backend(vec_env):
     assert mean >= 400, f"PPO on {vec_env} reached only {mean:.0f}"
 
 
+@pytest.mark.heavy
 def test_close_after_a_step_cut_short_does_not_hang():
     # Ctrl-C while step_wait had read worker 0 but not worker 1: close() must collect only what is still owed.
     venv = BatchedSubprocVecEnv([short_cartpole] * 4, n_workers=2)
@@ -355,6 +361,7 @@ def test_close_after_a_step_cut_short_does_not_hang():
     assert venv.closed and _gone(pids)
 
 
+@pytest.mark.heavy
 def test_a_fallback_leaves_this_process_threads_alone():
     import torch as th
 

@@ -20,7 +20,12 @@ from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv, envpool_available
 
 N_ENVS = 3
 needs_envpool = pytest.mark.skipif(not envpool_available(), reason="EnvPool is not installed (pip install 'sb3-gpu[envpool]')")
-PYTHON_BACKENDS = ["dummy", "batched-1", "batched-2"]  # batched-2 splits the 3 envs 2 + 1 (or 1 + 2)
+# The batched ones start worker processes (seconds each): the default run keeps the in-process one.
+PYTHON_BACKENDS = [
+    "dummy",
+    pytest.param("batched-1", marks=pytest.mark.heavy),
+    pytest.param("batched-2", marks=pytest.mark.heavy),  # splits the 3 envs 2 + 1 (or 1 + 2)
+]
 ALL_BACKENDS = [*PYTHON_BACKENDS, pytest.param("envpool", marks=needs_envpool)]
 
 

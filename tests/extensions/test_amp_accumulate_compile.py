@@ -325,6 +325,7 @@ def test_fp16_scale_on_the_device_is_logged_when_the_logs_are_written():
     assert all(th.isfinite(p).all() for p in model.policy.parameters())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", ["ppo", "dqn"])
 def test_the_compiled_step_scales_fp16_losses_on_the_device_as_the_eager_step(algo):
     from sb3_gpu.extensions.per import PrioritizedDQN
@@ -413,6 +414,7 @@ def test_a_compile_failure_keeps_amps_forward(monkeypatch):
     model.learn(64)
 
 
+@pytest.mark.heavy
 def test_compile_for_real_keeps_state_dict_keys_and_trains():
     model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
     keys = set(model.policy.state_dict())
@@ -422,6 +424,7 @@ def test_compile_for_real_keeps_state_dict_keys_and_trains():
     model.learn(128)
 
 
+@pytest.mark.heavy
 def test_models_compiled_one_after_another_each_compile_past_the_recompile_limit():
     # tune's trials build model after model in one process: with networks sharing their forward's code, dynamo's
     # recompile limit (8; 1 here) would leave the later ones uncompiled without a word.
@@ -435,6 +438,7 @@ def test_models_compiled_one_after_another_each_compile_past_the_recompile_limit
             model.learn(64)
 
 
+@pytest.mark.heavy
 def test_a_real_compiler_failure_falls_back_and_training_goes_on(tmp_path):
     # No working C++ compiler for inductor: compilation fails for real, in its own process and cache dir.
     code = (
@@ -453,6 +457,7 @@ def test_a_real_compiler_failure_falls_back_and_training_goes_on(tmp_path):
     assert "TRAINED 128" in result.stdout
 
 
+@pytest.mark.heavy
 def test_torchs_step_after_a_compiled_one_keeps_the_device_scale_moving_and_logs_it():
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
     state = enable_amp(model, "fp16", init_scale=2.0**40)  # overflows fp16 at first
@@ -467,6 +472,7 @@ def test_torchs_step_after_a_compiled_one_keeps_the_device_scale_moving_and_logs
     assert kept.rows[-1]["amp/skipped_steps"] >= 1
 
 
+@pytest.mark.heavy
 def test_a_compiled_fp16_step_logs_its_scale():
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
     state = enable_amp(model, "fp16", init_scale=2.0**40)

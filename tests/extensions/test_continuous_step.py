@@ -61,6 +61,7 @@ def _learned(cls: type, case: str, steps: int = 100, mode: str | None = None, en
     return model.learn(steps)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", list(EXTRA))
 def test_the_uncompiled_step_updates_as_sb3s_train_and_logs_the_same_figures(case):
     plain_cls, ours_cls = _pair(case)
@@ -82,6 +83,7 @@ def test_the_uncompiled_step_updates_as_sb3s_train_and_logs_the_same_figures(cas
         assert pending[key] == pytest.approx(plain.logger.name_to_value[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", list(EXTRA))
 def test_the_compiled_step_updates_as_sb3s_train_without_a_graph_break(case):
     # 60 gradient steps: float rounding, which the written-out Adam orders otherwise than torch's, grows with
@@ -140,6 +142,7 @@ class _GridActions(gym.Env):
         return self._observation(), reward, False, self._t >= 20, {}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
 def test_actions_of_several_dimensions_step_as_sb3s(case):
     plain_cls, ours_cls = _pair(case)
@@ -159,6 +162,7 @@ def test_actions_of_several_dimensions_step_as_sb3s(case):
     assert "train/critic_loss" in figures and all(np.isfinite(v) for v in figures.values())
 
 
+@pytest.mark.heavy
 def test_an_optimizer_state_saved_unfused_is_guarded_on_the_host():
     # A fused policy's entropy optimizer is made fused; a state saved by SB3's plain one unfuses its param group.
     model = _learned(SyncFreeSAC, "sac", policy_kwargs=fused(SMALL["policy_kwargs"], on_policy=False))
@@ -172,6 +176,7 @@ def test_an_optimizer_state_saved_unfused_is_guarded_on_the_host():
     assert not th.equal(before, model.log_ent_coef)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
 def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back(case):
     _, cls = _pair(case)
@@ -276,6 +281,7 @@ def _bf16(case: str, mode: str):
     return model.learn(100)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
 def test_bf16_autocasts_the_hidden_layers_and_keeps_the_heads_float32(case):
     model = _bf16(case, "eager")

@@ -274,6 +274,7 @@ def test_training_steps_on_the_device_buffer_equal_those_on_the_host_buffer(back
         assert ours.logger.name_to_value[key] == pytest.approx(host.logger.name_to_value[key], rel=1e-5)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo, policy_kwargs", [(PrioritizedDQN, {}), (PrioritizedQRDQN, {"n_quantiles": 5})])
 def test_prioritized_dqn_and_qrdqn_train_on_it_and_write_back_priorities(algo, policy_kwargs):
     model = algo(

@@ -332,6 +332,7 @@ class RecordingBuffer(DeviceReplayBuffer):
         return samples
 
 
+@pytest.mark.heavy
 def test_dqn_trains_on_it_and_a_seed_repeats_the_sampled_batches():
     def train():
         model = DQN(

@@ -236,6 +236,7 @@ class _ForwardInOnStep(BaseCallback):
         return True
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("host_rows", [True, False], ids=["numpy views", "tensor copies"])
 def test_rollout_stores_the_observations_it_was_given_whatever_a_callback_runs(compiled, host_rows):

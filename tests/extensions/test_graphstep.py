@@ -59,6 +59,7 @@ def _train(model, seed, steps=1):
     model.train(gradient_steps=steps, batch_size=16)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["eager", "default"])
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_the_compiled_step_updates_as_sb3s_train(algo, mode):
@@ -102,6 +103,7 @@ def _device_per_dqn(**kwargs):
     return model
 
 
+@pytest.mark.heavy
 def test_a_compiled_step_with_device_per_reads_nothing_back_and_equals_the_eager_one():
     eager, compiled = _device_per_dqn(), _device_per_dqn()
     compiled.policy.load_state_dict(eager.policy.state_dict())
@@ -118,6 +120,7 @@ def test_a_compiled_step_with_device_per_reads_nothing_back_and_equals_the_eager
     th.testing.assert_close(eager.replay_buffer.tree[leaves], compiled.replay_buffer.tree[leaves], rtol=1e-5, atol=0)
 
 
+@pytest.mark.heavy
 def test_a_non_finite_gradient_is_skipped_on_the_device_and_named_when_the_flags_are_read():
     model = _device_per_dqn()
     assert model.compile_step() is None
@@ -142,6 +145,7 @@ def test_a_non_finite_gradient_is_skipped_on_the_device_and_named_when_the_flags
     assert int(model._compiled_step.skipped) == 3 and guard.steps == 4
 
 
+@pytest.mark.heavy
 def test_the_compiled_step_follows_a_replaced_optimizer_state():
     model = _device_per_dqn()
     model.compile_step()
@@ -204,6 +208,7 @@ def test_a_device_out_of_memory_inside_the_compiled_step_is_raised_not_run_again
     assert all(th.equal(a, b) for a, b in zip(before, model.policy.parameters(), strict=True))  # nothing run again
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_the_compiled_step_runs_under_bf16_autocast_as_the_eager_one(algo):
     _, cls, policy_kwargs = ALGOS[algo]
@@ -228,6 +233,7 @@ def test_the_compiled_step_runs_under_bf16_autocast_as_the_eager_one(algo):
     assert moved >= 2  # the online network's weights and biases at least
 
 
+@pytest.mark.heavy
 def test_a_plan_that_compiles_dqn_compiles_its_gradient_step_and_learns():
     plan = make_plan(
         "dqn",
@@ -247,6 +253,7 @@ def test_a_plan_that_compiles_dqn_compiles_its_gradient_step_and_learns():
 SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("clip_range_vf", [None, 0.2])
 def test_ppos_compiled_step_updates_and_logs_as_sb3s_train(clip_range_vf):
     # One rollout each, then one train() (4 minibatch steps): the same actions, so the same data for both.
@@ -269,6 +276,7 @@ def _assert_ppo_updated_and_logged_as(ours, plain, rtol, atol, log_rel):
         assert pending[f"train/{key}"] == pytest.approx(expected, rel=log_rel, abs=1e-6), key
 
 
+@pytest.mark.heavy
 def test_ppos_compiled_rollout_forward_collects_what_sb3s_forward_collects():
     # Random ops as torch's own (inductor would otherwise draw from its own generator on some devices).
     kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
@@ -282,6 +290,7 @@ def test_ppos_compiled_rollout_forward_collects_what_sb3s_forward_collects():
         th.testing.assert_close(getattr(ours.rollout_buffer, name), getattr(plain.rollout_buffer, name), msg=name)
 
 
+@pytest.mark.heavy
 def test_a_rollout_forward_that_fails_to_compile_runs_uncompiled_with_a_warning(monkeypatch):
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
     assert model.compile_step() is None
@@ -295,6 +304,7 @@ def test_a_rollout_forward_that_fails_to_compile_runs_uncompiled_with_a_warning(
     assert model.num_timesteps == 64 and model._compiled_act._compiled is None
 
 
+@pytest.mark.heavy
 def test_ppos_compiled_step_on_the_device_rollout_buffer_reads_nothing_back():
     kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **kwargs)
@@ -309,6 +319,7 @@ def _adam_steps(model):
     return [int(state["step"]) for state in model.policy.optimizer.state_dict()["state"].values()]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["eager", "default"])
 def test_ppos_compiled_step_with_target_kl_stops_where_sb3_stops(mode):
     # Eight minibatches an epoch: SB3 stops in the middle of one, where a minibatch's KL is too large. The compiled
@@ -369,6 +380,7 @@ def test_a_step_held_back_by_its_gate_changes_nothing_and_counts_as_no_skip(loss
     assert int(descent.skipped) == 0
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("target_kl", "epochs"), [(1e-12, 1), (1e9, 2)], ids=["stops-at-once", "never-stops"])
 def test_ppos_compiled_step_with_target_kl_reads_once_per_epoch(target_kl, epochs):
     kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
@@ -383,6 +395,7 @@ def test_ppos_compiled_step_with_target_kl_reads_once_per_epoch(target_kl, epoch
     assert reads.total == epochs, reads.sites
 
 
+@pytest.mark.heavy
 def test_ppos_compiled_step_with_target_kl_says_where_it_stopped(capsys):
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", device="cpu", target_kl=1e-12, verbose=1, **SMALL_PPO)
     assert model.compile_step() is None
@@ -391,6 +404,7 @@ def test_ppos_compiled_step_with_target_kl_says_where_it_stopped(capsys):
     assert "Early stopping at step 0 due to reaching max kl: 0.00" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_many_models_in_one_process_each_compile_their_step():
     # Dynamo's recompile limit (8) is per code object: each step has one of its own, as a tuning study needs.
     for _ in range(9):
@@ -400,6 +414,7 @@ def test_many_models_in_one_process_each_compile_their_step():
         assert model._compiled_step.fallback is None
 
 
+@pytest.mark.heavy
 def test_a_step_that_would_overflow_a_weight_is_skipped_and_the_guard_needs_no_read_per_rollout():
     model = _device_per_dqn(learning_rate=1e38)  # finite gradients, but an update far beyond float32's range
     model.compile_step()
@@ -444,6 +459,7 @@ def test_samples_drawn_inside_the_graph_are_the_buffers_own():
         assert (a is None and b is None) or th.equal(a, b)
 
 
+@pytest.mark.heavy
 def test_a_step_that_samples_inside_its_graph_equals_the_same_step_run_eagerly():
     compiled, eager = _uniform_dqn(), _uniform_dqn()
     for model, mode in ((compiled, "default"), (eager, "eager")):
@@ -472,6 +488,7 @@ def _prioritized_dqn():
     return model
 
 
+@pytest.mark.heavy
 def test_prioritized_sampling_and_updates_inside_the_graph_equal_the_buffers_own_sample_and_update():
     compiled, eager = _prioritized_dqn(), _prioritized_dqn()
     assert compiled.compile_step() is None
@@ -494,6 +511,7 @@ def test_prioritized_sampling_and_updates_inside_the_graph_equal_the_buffers_own
     assert not th.equal(mine.tree[leaves], mine._new_leaf.expand(300))  # the priorities did move
 
 
+@pytest.mark.heavy
 def test_a_buffer_loaded_after_compile_step_is_the_one_fixed_and_sampled():
     model = _prioritized_dqn()
     assert model.compile_step() is None

@@ -30,6 +30,7 @@ def dqn(cls=PrioritizedDQN, n_envs=1, seed=0, **kwargs):
     return cls("MlpPolicy", env, seed=seed, device="cpu", **kwargs)
 
 
+@pytest.mark.heavy
 def test_a_seeded_overlapped_run_is_reproducible():
     # The envs explore with draws of their own: the trainer thread's draws from NumPy's global generator (the replay
     # buffer's) cannot be reordered by thread timing; and a training reads the learning rate's schedule as it was
@@ -59,6 +60,7 @@ def test_off_is_sb3s_exact_schedule():
         assert th.equal(a, b)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("cls", "kwargs"),
     [

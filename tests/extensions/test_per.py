@@ -466,6 +466,7 @@ def test_profile_missing_from_the_entry_is_an_error(cpu_machine):
         make_plan("dqn", "CartPole-v1", profile="large", hardware=cpu_machine)
 
 
+@pytest.mark.heavy
 def test_per_cli_switch_lands_in_the_plan(tmp_path):
     from tests.conftest import run_cli
 

@@ -64,6 +64,7 @@ def test_the_model_gets_the_buffers_the_plan_chose(request_, rollout, replay):
     assert type(build_model(dqn, build_env(dqn)).replay_buffer) is replay
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "args",
     [
@@ -164,6 +165,7 @@ def test_off_policy_training_overlaps_collection_on_a_gpu_and_keeps_sb3s_schedul
         make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"overlap_training": True})
 
 
+@pytest.mark.heavy
 def test_an_overlapped_run_saves_resumes_and_evaluates(tmp_path, call_main):
     from sb3_gpu.evaluate import main as evaluate_main
 

@@ -199,6 +199,7 @@ def test_sacs_entropy_coefficient_forms_reach_sb3(ent_coef):
         assert float(model.log_ent_coef.detach().exp()) == pytest.approx(start)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", list(CLASSES))
 def test_each_learns_a_few_hundred_steps_and_counts_one_gradient_step_per_env_step(algo):
     overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "probe": False}
@@ -216,6 +217,7 @@ def test_each_learns_a_few_hundred_steps_and_counts_one_gradient_step_per_env_st
     assert any(not np.allclose(a, b.detach()) for a, b in zip(weights, model.policy.parameters(), strict=True))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", list(CLASSES))
 def test_accumulated_gradient_steps_count_once_and_the_plan_names_their_class(algo):
     overrides = {"learning_starts": 100, "batch_size": 16, "net_arch": [16, 16], "grad_accum_steps": 2, "probe": False}
@@ -229,6 +231,7 @@ def test_accumulated_gradient_steps_count_once_and_the_plan_names_their_class(al
     assert all(p.isfinite().all() for p in model.policy.parameters())
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", list(CLASSES))
 def test_asked_to_compile_each_trains_with_its_whole_step_compiled_on_a_device_buffer(algo):
     overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "probe": False}
@@ -243,6 +246,7 @@ def test_asked_to_compile_each_trains_with_its_whole_step_compiled_on_a_device_b
     assert all(p.isfinite().all() for p in model.policy.parameters())
 
 
+@pytest.mark.heavy
 def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates_with_a_video(tmp_path, call_main):
     run = str(tmp_path / "run")
     common = ["--vec-env", "dummy", "--eval-episodes", "1", "--no-progress", "--device", "cpu"]
@@ -293,6 +297,7 @@ def test_a_resumed_sac_or_tqc_has_its_replay_buffer_and_entropy_coefficients_opt
     assert resumed.num_timesteps == 250
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "algo, env",
     [

@@ -571,6 +571,7 @@ def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
     assert (first.speed.compile, first.speed.compile_reason) == (second.speed.compile, second.speed.compile_reason)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("algo", "policy_class", "policy_kwargs"),
     [("dqn", DQNPolicy, {"net_arch": [16]}), ("ppo", ActorCriticPolicy, {"net_arch": [16]})],
@@ -584,6 +585,7 @@ def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy
     assert timing.act_compile_s > 0 and not timing.act_failed
 
 
+@pytest.mark.heavy
 def test_probing_many_policies_in_one_process_compiles_each_forward_pass():
     # Dynamo's recompile limit (8) counts per code object: tune's trials probe network after network in one process,
     # and forward passes that shared their code would, past the limit, be timed as "did not compile". Limit 1 here.
@@ -595,6 +597,7 @@ def test_probing_many_policies_in_one_process_compiles_each_forward_pass():
             assert not timing.act_failed, (algo, depth)
 
 
+@pytest.mark.heavy
 def test_a_forward_pass_that_does_not_compile_leaves_the_steps_figures(monkeypatch):
     # The run would collect with that pass eager and keep its compiled step, so the probe must not drop the step.
     workload = Workload("dqn", DQNPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), {"net_arch": [16]}, 8, 2, 1)

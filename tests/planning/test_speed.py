@@ -133,6 +133,7 @@ class _ThreadsEnv(gym.Env):
         return np.zeros(1, np.float32), 0.0, True, False, {}
 
 
+@pytest.mark.heavy
 def test_subprocess_env_workers_run_one_thread():
     venv = make_vec_env(resolve_env(_ThreadsEnv), 2, vec_env="subproc")
     try:

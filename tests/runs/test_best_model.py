@@ -298,6 +298,7 @@ def test_a_check_that_fails_costs_neither_the_summary_nor_the_chosen_best(tmp_pa
     assert summary["best_eval_mean"] == summary["best"]["mean"] and not summary["interrupted"]
 
 
+@pytest.mark.heavy
 def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overrides_it(tmp_path, call_main):
     preset = tmp_path / "often.yaml"
     preset.write_text("CartPole-v1:\n  eval_freq: 64\n")
@@ -332,6 +333,7 @@ def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overri
     )
 
 
+@pytest.mark.heavy
 def test_a_replayed_config_evaluates_and_saves_as_its_run_did_and_flags_still_win(tmp_path, call_main):
     import yaml
 

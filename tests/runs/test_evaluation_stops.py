@@ -130,6 +130,7 @@ def test_a_signal_at_the_last_step_of_training_advises_evaluate_not_resume(tmp_p
     )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "signum, code, message",
     [

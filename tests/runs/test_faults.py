@@ -96,6 +96,7 @@ def _no_temp_files(run_dir: Path) -> bool:
 # --- signals and resume ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_sigint_saves_everything_and_resume_continues_schedules_buffer_and_tensorboard(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(
@@ -174,6 +175,7 @@ def test_sigint_saves_everything_and_resume_continues_schedules_buffer_and_tenso
     assert json.loads(evaluation.stdout)["episodes"] == 2
 
 
+@pytest.mark.heavy
 def test_sigterm_exits_143_stops_workers_and_resume_restores_normalization(tmp_path):
     run_dir = tmp_path / "run"
     proc = _start(
@@ -225,6 +227,7 @@ def _vecnormalize_count(path: Path) -> float:
         return float(pickle.load(f).obs_rms.count)
 
 
+@pytest.mark.heavy
 def test_a_second_signal_quits_at_once_and_keeps_the_last_good_files(tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "in-step-40"
     # The env blocks in its 40th step (after the 32-step checkpoint), so that both signals land inside one env step.
@@ -373,6 +376,7 @@ def test_a_best_model_that_cannot_be_written_is_not_reported_as_the_best(tmp_pat
     assert _load(run_dir, run_dir / "model.zip").num_timesteps == 32  # the final save kept what was trained
 
 
+@pytest.mark.heavy
 def test_a_replay_buffer_that_cannot_be_written_costs_the_buffer_not_the_model(tmp_path, monkeypatch):
     from sb3_gpu.runs import saving
 
@@ -436,6 +440,7 @@ class _StderrReader:
 # --- crashed envs and workers -----------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("vec_env", ["batched", "subproc"])
 def test_a_killed_worker_stops_the_run_with_its_env_named_after_a_save(tmp_path, vec_env):
     run_dir = tmp_path / "run"
@@ -509,6 +514,7 @@ def test_a_new_run_that_fails_before_any_model_leaves_no_run_dir_and_a_resume_na
     assert f"error: the last complete model is {run_dir / 'model.zip'} (64 timesteps)" in resumed.stderr
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("vec_env", ["batched", "subproc", "dummy"])
 def test_an_env_raising_at_step_n_stops_the_run_after_a_save(tmp_path, vec_env):
     run_dir = tmp_path / "run"
@@ -552,6 +558,7 @@ def test_an_env_raising_at_step_n_stops_the_run_after_a_save(tmp_path, vec_env):
 FUSED = {"policy_kwargs.optimizer_kwargs": {"fused": True}}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "algo, overrides",
     [
@@ -599,6 +606,7 @@ def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, o
         assert not (tmp_path / "replay_buffer.pkl").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("algo", ["sac", "td3", "tqc"])
 def test_nan_rewards_stop_continuous_control_before_any_weight_turns_nan(tmp_path, algo):
     overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "env_kwargs": {"nan_at": 300}}
@@ -858,6 +866,7 @@ def test_a_pickled_entry_in_a_model_zip_is_never_unpickled(tmp_path):
     assert pwned.exists()
 
 
+@pytest.mark.heavy
 def test_the_pickles_of_a_run_dir_load_data_and_run_nothing(tmp_path):
     import pickle
 
@@ -924,7 +933,8 @@ def test_a_lock_removed_by_the_process_that_held_it_is_not_taken_over(tmp_path, 
 
 
 def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_the_handlers():
-    before = signal.getsignal(signal.SIGTERM)
+    # What they were: a job started in the background by a shell without job control begins with SIGINT ignored.
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     stop = StopOnSignal()
     with stop:
         assert stop._on_step() is True
@@ -932,7 +942,7 @@ def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_t
         assert stop.received == signal.SIGTERM and stop._on_step() is False
         with pytest.raises(StopNow):
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 # --- symbolic links, full disks, damaged zips -------------------------------------------------------------------

@@ -29,6 +29,7 @@ def _scalars(log_dir) -> dict[str, list[float]]:
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.heavy
 def test_dqn_throughput_tags_land_in_tensorboard_with_sane_values(tmp_path):
     model = DQN(
         "MlpPolicy",
@@ -56,6 +57,7 @@ def test_dqn_throughput_tags_land_in_tensorboard_with_sane_values(tmp_path):
     assert not {"step_async", "step_wait", "reset"} & set(vars(model.env.unwrapped)), "the timer is removed after learn"
 
 
+@pytest.mark.heavy
 def test_train_run_with_a_normalizing_preset_evaluates_and_times_the_env(tmp_path):
     # Acrobot's PPO preset normalises observations: EvalCallback syncs the VecNormalize statistics through the env.
     overrides = {"n_timesteps": 1024, "n_envs": 2, "n_steps": 128, "batch_size": 64}
@@ -117,6 +119,7 @@ def test_every_chart_of_the_dashboard_draws_tags_a_run_writes(tmp_path):
     assert not empty, f"charts drawing no tag: {empty}; the run wrote {sorted(tags)}"
 
 
+@pytest.mark.heavy
 def test_train_run_writes_the_dashboard_layout_and_curves(tmp_path):
     plan = make_plan(
         "ppo", "CartPole-v1", "cpu", seed=0, overrides={"n_timesteps": 2048, "n_envs": 2, "n_steps": 64, "batch_size": 64}
@@ -129,6 +132,7 @@ def test_train_run_writes_the_dashboard_layout_and_curves(tmp_path):
     assert summary["curves"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.heavy
 def test_plot_cli_draws_several_runs_and_refuses_non_runs(tmp_path):
     for seed in (0, 1):
         plan = make_plan(
@@ -203,6 +207,7 @@ def _get(url: str) -> bytes:
         return response.read()
 
 
+@pytest.mark.heavy
 def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
     model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path))
     model.learn(1500, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0), tb_log_name="seed0")
@@ -234,6 +239,7 @@ def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
         server.wait(timeout=30)
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium (.ci/run installs Debian's where apt-get can)")
 def test_headless_chromium_renders_the_dashboard(tmp_path):
     model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path))

@@ -33,6 +33,7 @@ def read_back(path) -> tuple[int, int, int]:
         video.release()
 
 
+@pytest.mark.heavy
 def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main):
     run_dir = tmp_path / "quickstart"
     # The quick start's command (make quickstart), on a short budget.
