@@ -40,6 +40,24 @@ from sb3_gpu.common.hardware import logical_cores
 _PRELOAD = ["sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
 
 
+def worker_start_method(start_method: str | None) -> str:
+    """``start_method``, by default ``forkserver`` where available, else ``spawn`` (SB3's SubprocVecEnv's choice).
+
+    For ``forkserver``, the server is asked to preload torch and SB3 if it is not up yet, whichever subprocess VecEnv
+    starts it: a server started without them (by a plain SubprocVecEnv, say) would make every later worker import
+    them itself. A server already up keeps what it preloads.
+    """
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if start_method == "forkserver":
+        from multiprocessing import forkserver
+
+        # Add to (not replace) what the process preloads already.
+        current = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", ["__main__"])
+        mp.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*current, *_PRELOAD])))
+    return start_method
+
+
 def batched_workers(n_envs: int, limit: int | None = None) -> int:
     """Worker processes for ``n_envs`` envs: ``limit`` (default one per logical core), at most one per env."""
     return max(1, min(n_envs, limit or logical_cores()))
@@ -266,15 +284,7 @@ class BatchedSubprocVecEnv(VecEnv):
         bounds = np.linspace(0, n_envs, workers + 1).round().astype(int)
         self.slices = [(int(lo), int(hi)) for lo, hi in itertools.pairwise(bounds)]
         payloads = [cloudpickle.dumps(env_fns[lo:hi]) for lo, hi in self.slices]  # fails here, in the parent
-        if start_method is None:
-            start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            from multiprocessing import forkserver
-
-            # Add to (not replace) what the process preloads already; it takes effect if the server is not up yet.
-            current = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", ["__main__"])
-            ctx.set_forkserver_preload(list(dict.fromkeys([*current, *_PRELOAD])))
+        ctx = mp.get_context(worker_start_method(start_method))
         self.waiting, self.closed = False, False
         self._owed: set[int] = set()  # workers that were sent a command and have not answered yet
         self.processes: list[Any] = []

@@ -21,7 +21,7 @@ import gymnasium as gym
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError
-from sb3_gpu.envs.batched import BatchedSubprocVecEnv
+from sb3_gpu.envs.batched import BatchedSubprocVecEnv, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
 from sb3_gpu.envs.spec import EnvFactory, EnvSpec, resolve_env
@@ -195,6 +195,8 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
         raise _WorkersFailed(f"the env factory cannot be pickled ({type(e).__name__}: {e})") from None
     before = set(mp.active_children())
     cls = BatchedSubprocVecEnv if kind == "batched" else SubprocVecEnv
+    if kind == "subproc":
+        worker_start_method(kwargs.get("start_method"))  # so that a forkserver started here preloads torch and SB3
     with tempfile.TemporaryDirectory(prefix="sb3_gpu_") as tmp:
         for i, factory in enumerate(factories):
             factory.report, factory.worker = os.path.join(tmp, f"env{i}.err"), True

@@ -21,7 +21,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import keep_previous, put_back_cut_short, save_model, write_json
+from sb3_gpu.common.io import check_dir_creatable, keep_previous, put_back_cut_short, save_model, write_json
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
@@ -348,8 +348,9 @@ def evaluate_run(
         overrides=speed_off,
         training=False,
     )
-    if video:
-        recordable(plan.env)  # a video that cannot be made is refused now, not after the evaluation
+    if video:  # a video that cannot be made or written is refused now, not after the evaluation
+        recordable(plan.env)
+        check_dir_creatable(run.path / "videos", "video folder")
     env = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
     if isinstance(env, VecNormalize):
         stats = run.vecnormalize_for(model_path)

@@ -18,6 +18,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import make_dir
 from sb3_gpu.envs.build import make_vec_env, temporary_environ
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
 
@@ -54,7 +55,8 @@ def record_video(
     the policy sees what it saw in training: Atari games through SB3's AtariWrapper, ``frame_stack`` frames stacked,
     observations normalised with ``normalization``'s statistics (frozen), or the model's own VecNormalize's.
 
-    :raises ConfigError: where the env cannot render, or moviepy (the ``video`` extra) is missing
+    :raises ConfigError: where the env cannot render, moviepy (the ``video`` extra) is missing, or the folder cannot be
+        made
     """
     if video_length < 0:
         raise ConfigError(f"video_length must be >= 0 (0: the first episode), got {video_length}")
@@ -80,7 +82,7 @@ def record_video(
         recorders.append(recorder)
         return recorder
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent, "video folder")
     shutil.rmtree(scratch, ignore_errors=True)  # what an earlier, interrupted recording left
     with _headless():
         try:

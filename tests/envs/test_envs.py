@@ -112,6 +112,31 @@ def test_subproc_starts_and_steps():
     venv.close()
 
 
+@pytest.mark.skipif("forkserver" not in mp.get_all_start_methods(), reason="no forkserver on this platform")
+def test_a_subproc_vec_env_has_the_forkserver_preload_torch_and_sb3_for_later_workers(monkeypatch):
+    # A forkserver started by a plain SubprocVecEnv would otherwise make every later worker (batched ones too, an eval
+    # env's) import torch and SB3 itself: seconds per worker.
+    from multiprocessing import forkserver
+
+    from sb3_gpu.envs import build
+
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", ["__main__"])  # as a process that has started none
+    preloads = []
+
+    class Recording(DummyVecEnv):  # what the server would preload, at the moment the workers would start
+        def __init__(self, env_fns, start_method=None):
+            preloads.append((start_method, list(forkserver._forkserver._preload_modules)))
+            super().__init__(env_fns)
+
+    monkeypatch.setattr(build, "SubprocVecEnv", Recording)
+    make_vec_env("CartPole-v1", 2, vec_env="subproc", seed=0, vec_env_kwargs={"start_method": "spawn"}).close()
+    make_vec_env("CartPole-v1", 2, vec_env="subproc", seed=0).close()
+    assert preloads == [
+        ("spawn", ["__main__"]),  # spawn has no server to preload
+        (None, ["__main__", "sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]),
+    ]
+
+
 def test_subproc_and_dummy_agree_for_the_same_seed():
     dummy = make_vec_env("CartPole-v1", 2, vec_env="dummy", seed=5)
     sub = make_vec_env("CartPole-v1", 2, vec_env="subproc", seed=5)

@@ -217,17 +217,26 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
+        # Ctrl-C as a terminal delivers it: a test run started in the background by a shell without job control
+        # passes SIGINT on ignored, and Python then raises no KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    line = proc.stdout.readline()
-    assert line.startswith("PIDS"), proc.stderr.read()
-    pids = [int(p) for p in line.split()[1:]]
-    if how != "exit":
-        assert proc.stdout.readline().strip() == "STEPPING", proc.stderr.read()
-        proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
-    out, _err = proc.communicate(timeout=60)
-    if how == "sigint":
-        assert "INTERRUPTED" in out and proc.returncode != 0
-    assert _gone(pids), f"workers {pids} outlived their parent ({how})"
+    pids: list[int] = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), proc.stderr.read()
+        pids = [int(p) for p in line.split()[1:]]
+        if how != "exit":
+            assert proc.stdout.readline().strip() == "STEPPING", proc.stderr.read()
+            proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
+        out, _err = proc.communicate(timeout=60)
+        if how == "sigint":
+            assert "INTERRUPTED" in out and proc.returncode != 0
+        assert _gone(pids), f"workers {pids} outlived their parent ({how})"
+    finally:  # a failed check leaves no script stepping envs for the rest of the session (its workers follow it)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 @pytest.mark.parametrize(

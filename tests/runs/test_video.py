@@ -57,6 +57,16 @@ def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main):
     result = call_main(evaluate_main, str(run_dir), "--model", "final", "--episodes", "1", "--video-length", "30")
     assert result.returncode == 0 and read_back(run_dir / "videos" / "model.mp4") == (30, 600, 400)
 
+    # A run dir where the video cannot be written is refused in one line, before any episode is played.
+    for video in path.parent.iterdir():
+        video.unlink()
+    path.parent.rmdir()
+    path.parent.write_text("")
+    result = call_main(evaluate_main, str(run_dir), "--episodes", "2", "--video")
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    refused = f"error: cannot create video folder {path.parent}: {path.parent} is in the way (not a folder)"
+    assert result.stderr.strip() == refused
+
 
 @pytest.mark.parametrize("length", [6, 11, 12, 31])  # clip lengths whose last frame moviepy's writer drops
 def test_every_recorded_frame_is_in_the_file(tmp_path, length):
@@ -98,6 +108,9 @@ def test_an_env_that_cannot_render_frames_is_refused_in_one_line(tmp_path):
         record_video(model, "tests.runs.test_video:NoRender", tmp_path / "x.mp4")
     with pytest.raises(ConfigError, match="a video is written as mp4"):
         record_video(model, "CartPole-v1", tmp_path / "x.gif")
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot create video folder \S+taken: a file is in the way"):
+        record_video(model, "CartPole-v1", tmp_path / "taken" / "x.mp4")
 
 
 def test_a_missing_moviepy_names_the_extra_to_install(tmp_path, monkeypatch):
