@@ -23,9 +23,9 @@ from pathlib import Path
 
 from sb3_gpu.benches import CALLBACK_SETS
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
-from sb3_gpu.common.cli import Parser, interrupted, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, finite_float, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import command as command_name
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, ResultsNotWritten
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.common.io import check_dir_creatable
 
@@ -112,7 +112,9 @@ def _train_parser(train: argparse.ArgumentParser) -> None:
     train.add_argument("--algo", choices=ALGO_NAMES, default="ppo")
     train.add_argument("--env", default="CartPole-v1", help="an env with an rl-zoo3 baseline (default CartPole-v1)")
     train.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2, 3, 4], help="default: 0 1 2 3 4")
-    train.add_argument("--threshold", type=float, help="mean eval return to reach (default: the env's reward_threshold)")
+    train.add_argument(
+        "--threshold", type=finite_float, help="mean eval return to reach (default: the env's reward_threshold)"
+    )
     train.add_argument(
         "--max-timesteps", type=positive_int, help="budget per run, planned for (default: the preset's n_timesteps)"
     )
@@ -133,7 +135,7 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
         "--eval-freq", type=positive_int, help="evaluate every N env steps (default: the preset's eval_freq, else a tenth)"
     )
     solve.add_argument("--episodes", type=positive_int, default=20, help="fresh episodes per best model (default 20)")
-    solve.add_argument("--target", type=float, help="the return to reach (default: each env's reward_threshold)")
+    solve.add_argument("--target", type=finite_float, help="the return to reach (default: each env's reward_threshold)")
     solve.add_argument(
         "--jobs",
         type=positive_int,
@@ -176,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_error("interrupted; no results were written")
         return interrupted()
+    except ResultsNotWritten as e:
+        print_error(str(e))
+        return 1
 
 
 def _interrupted_keeping(saved: Path, what: str) -> int:
@@ -347,8 +352,8 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
                 print_error(f"--cases: expected ALGO:ENV with ALGO one of {', '.join(ALGO_NAMES)}, got {text!r}")
                 return 2
             cases.append((algo, env))
-    if args.compete < 0:
-        print_error(f"--compete: expected a count >= 0, got {args.compete}")
+    if not 0 <= args.compete <= MAX_BENCH_PROCESSES:  # each is a busy process: a typo must not fork thousands
+        print_error(f"--compete: expected a count from 0 to {MAX_BENCH_PROCESSES}, got {args.compete}")
         return 2
     machine = machine_line()  # before the runs set torch's thread count
     print(machine)

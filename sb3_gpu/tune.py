@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import re
 import shlex
 import signal
@@ -23,6 +22,7 @@ from sb3_gpu.common.cli import (
     Parser,
     Terminated,
     command,
+    finite_float,
     interrupted,
     positive_int,
     print_error,
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=positive_int, default=1, help="seeds per trial; the score is their mean (default 1)")
     p.add_argument(
         "--threshold",
-        type=float,
+        type=finite_float,
         help="score the time to this mean return instead of the final return: each seed trains until its best, "
         "confirmed on fresh episodes, reaches it, and scores minus its training seconds (a seed that never does ranks "
         "behind every seed that does)",
@@ -146,7 +146,7 @@ def _stop_code(e: KeyboardInterrupt) -> int:
 def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     new_folder: Path | None = None  # a study dir this call made, removed again if the study cannot open
     try:
-        from sb3_gpu.common.io import make_dir, refuse_links
+        from sb3_gpu.common.io import check_dir_creatable, make_dir, refuse_links
         from sb3_gpu.config.schema import get_algo
         from sb3_gpu.config.search import fit_to_budget, load_space
         from sb3_gpu.planning.plan import make_plan
@@ -155,8 +155,6 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
         console = cli_console()
         optuna = import_optuna()
-        if args.threshold is not None and not math.isfinite(args.threshold):
-            raise ConfigError(f"--threshold must be a finite return, got {args.threshold}")
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
         space, narrowed = fit_to_budget(
             load_space(args.algo, args.space),
@@ -168,7 +166,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         name = args.study_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.algo}-{plan.env.name}")
         wanted = Path(args.study_dir or Path("tune") / name)
         new_folder = None if wanted.exists() else wanted
-        folder = make_dir(wanted, "study dir")
+        folder = check_dir_creatable(make_dir(wanted, "study dir"), "study dir")  # hours of trials, then no results
         url = args.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
         refuse_links(folder, "study dir", allowed=journal_lock(url))  # another worker may hold the journal's lock
         study = open_study(
@@ -219,7 +217,11 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1
     argv = sys.argv[1:] if argv is None else list(argv)
-    return _report(study, args, argv, plan.env.name, folder, plan.preset.n_timesteps, console)
+    try:
+        return _report(study, args, argv, plan.env.name, folder, plan.preset.n_timesteps, console)
+    except OSError as e:  # a full disk, say: the trials are safe in the storage, and the same command reports again
+        print_error(f"cannot write the study's results into {folder}: {e.strerror or e}; its trials are in {mask_url(url)}")
+        return 1
 
 
 class _LogFilter(logging.Filter):

@@ -41,8 +41,10 @@ def default_cases() -> list[tuple[str, str]]:
 @contextmanager
 def competing(processes: int) -> Iterator[None]:
     """``processes`` CPU-bound Python processes (busy loops) running beside the block."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
-    try:
+    spinners: list[subprocess.Popen[bytes]] = []
+    try:  # a start that fails part way (a process limit) or Ctrl-C still stops those already spinning
+        for _ in range(processes):
+            spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
         if spinners:
             time.sleep(0.5)  # running before the plan looks at the cores
         yield

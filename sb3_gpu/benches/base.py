@@ -14,7 +14,7 @@ from typing import Any
 
 import torch as th
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, ResultsNotWritten
 from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import atomic_write_text, make_dir
 from sb3_gpu.common.torch_settings import TorchSettings
@@ -83,8 +83,11 @@ def machine_line() -> str:
 def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str) -> tuple[Path, Path]:
     """``NAME.json`` and ``NAME.md`` in ``out_dir``, each written atomically."""
     make_dir(out_dir, "--out folder")
-    json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
-    md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
+    try:
+        json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
+        md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
+    except OSError as e:
+        raise ResultsNotWritten(f"cannot write the results into {out_dir}: {e.strerror or e}") from None
     return json_path, md_path
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv
 
+from sb3_gpu.envs.batched import worker_start_method
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.envs.choice import envpool_fits, vec_env_choice
 from sb3_gpu.envs.spec import EnvFactory, resolve_env
@@ -28,6 +29,7 @@ def _build(kind: str, env_id: str, n_envs: int) -> VecEnv:
     if kind == "dummy":
         return DummyVecEnv(fns)
     if kind == "subproc":
+        worker_start_method(None)  # a forkserver started here preloads what the batched workers after it need
         return SubprocVecEnv(fns)
     if kind == "auto w/o envpool":  # what auto picks where EnvPool is not installed
         kind = vec_env_choice("auto", spec, n_envs, envpool_allowed=False).kind

@@ -52,10 +52,16 @@ Check = Callable[[Any, str], Any]
 _NUMBER_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def _as_number(value: Any, where: str, what: str) -> float:
-    # PyYAML reads `1e5` (no dot) as a string; accept it, since users write it that way.
+def yaml_number(value: Any) -> Any:
+    """``value``, or the float a string such as ``"1e5"`` spells: PyYAML reads an exponent without a dot as a string,
+    and users write numbers that way."""
     if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
-        value = float(value)
+        return float(value)
+    return value
+
+
+def _as_number(value: Any, where: str, what: str) -> float:
+    value = yaml_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         text = repr(value)
         raise ConfigError(f"{where}: expected {what}, got {text if len(text) <= 60 else text[:57] + '...'}")

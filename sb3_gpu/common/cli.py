@@ -61,6 +61,17 @@ def seed_int(text: str) -> int:
     return _integer(text, 0, "a seed, an integer >= 0", high=2**32 - 1)
 
 
+def finite_float(text: str) -> float:
+    """A return to reach: any finite number (``-200``, ``1e3``); not ``nan`` or ``inf``, which no run can compare to."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def print_error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr, flush=True)
 

@@ -72,3 +72,8 @@ class TrainingDiverged(RuntimeError):
 
 class StopNow(KeyboardInterrupt):
     """A second SIGINT or SIGTERM while a run was already stopping: quit at once, writing nothing more."""
+
+
+class ResultsNotWritten(OSError):
+    """A bench ran, but its results could not be written (a full disk, say); the message is one line naming the folder
+    and the cause, which the CLI prints, exiting with code 1."""

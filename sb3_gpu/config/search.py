@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sb3_gpu.common.checks import yaml_number
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.config.files import presets_dir, read_yaml
 from sb3_gpu.config.presets import apply_override
@@ -23,6 +24,8 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     space: dict[str, dict[str, Any]] = {}
     for key, spec in data.items():
         where = f"{path}, key {key}"
+        if isinstance(spec, dict):  # `low: 1e-5` reads as a string, as in presets
+            spec = {name: yaml_number(v) if name in ("low", "high") else v for name, v in spec.items()}
         for value in _candidates(spec, where):  # the preset checks say whether the key exists and the value fits
             _check(algo_, str(key), value, path)
         space[str(key)] = spec if "choices" in spec else _typed_range(algo_, str(key), spec, path)

@@ -164,6 +164,8 @@ def _build(
         return DummyVecEnv(fns)
     if kind == "class":
         assert vec_env_cls is not None
+        if issubclass(vec_env_cls, (SubprocVecEnv, BatchedSubprocVecEnv)):  # a user's subclass: the same preload
+            worker_start_method(vec_env_kwargs.get("start_method"))
         return vec_env_cls(fns, **vec_env_kwargs)  # type: ignore[arg-type]
     _check_kwargs(BatchedSubprocVecEnv if kind == "batched" else SubprocVecEnv, vec_env_kwargs)
     try:

@@ -102,14 +102,14 @@ def plot_runs(run_dirs: Sequence[str | Path | RunDir], out: str | Path, labels: 
     out = Path(out)
     if out.suffix.lower() != ".png":
         raise ConfigError(f"the plot is written as a PNG file: give a path ending in .png, got {str(out)!r}")
+    curves = [load_curves(run_dir) for run_dir in run_dirs]  # first: a path that is no run dir is named as such
     if out.is_dir():
         raise ConfigError(f"cannot write the plot to {out}: it is a folder")
     check_dir_creatable(out.parent, "the plot's folder")
     plt = _pyplot()
     labels = list(labels) if labels else [Path(str(r)).name for r in run_dirs]
     fig, (by_steps, by_time, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
-    for run_dir, label in zip(run_dirs, labels, strict=True):
-        c = load_curves(run_dir)
+    for c, label in zip(curves, labels, strict=True):
         smooth = _rolling(c["returns"], 20)
         (line,) = by_steps.plot(c["steps"], smooth, label=label)
         if "eval_steps" in c:

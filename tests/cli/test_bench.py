@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -394,6 +396,7 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
         (["envs", "--envs", "CartPole-v1", "--seconds", "inf"], "--seconds must be a finite number > 0 (got inf)"),
         (["envs", "--envs", "CartPole-v1", "--out", "{file}"], "cannot create --out folder {file}: {file} is in the way"),
         (["solve", "--out", "{file}/sub"], "cannot create --out folder {file}/sub: {file} is in the way"),
+        (["auto", "--compete", "100000"], "--compete: expected a count from 0 to 1024, got 100000"),  # busy processes
     ],
 )
 def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, tmp_path, capsys, monkeypatch):
@@ -410,6 +413,39 @@ def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, t
     err = capsys.readouterr().err
     assert err.startswith("error: " + message.format(file="file")) and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no results folder made
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sb3_gpu.bench", "train", "--threshold", "nan"],
+        ["sb3_gpu.bench", "solve", "--target", "inf"],
+        ["sb3_gpu.tune", "ppo", "--threshold", "inf"],
+    ],
+)
+def test_a_return_to_reach_that_no_run_can_compare_to_is_refused(args, call_main):
+    # NaN would stop each run at its first new best and report it as never reached; a rerun then refuses the saved
+    # runs, whose threshold NaN never equals itself.
+    import importlib
+
+    result = call_main(importlib.import_module(args[0]).main, *args[1:])
+    option, value = args[-2:]
+    assert result.returncode == 2 and f"error: argument {option}: expected a finite number, got '{value}'" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_results_a_full_disk_will_not_take_end_the_bench_in_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from sb3_gpu.benches import base
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(base, "atomic_write_text", disk_full)
+    monkeypatch.setattr(bench, "_main_step", lambda args, command: print(*base.write_results(Path(args.out), "step", {}, "")))
+    assert bench.main(["step", "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"error: cannot write the results into {tmp_path / 'out'}: No space left on device\n"
 
 
 def test_a_signal_during_bench_solve_stops_the_bench_not_only_its_training(monkeypatch, capsys, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import re
@@ -398,6 +399,10 @@ def test_a_range_draws_values_of_its_keys_type_however_its_bounds_are_written(tm
     path.write_text("n_steps: {low: 16, high: 64.5}\n")
     with pytest.raises(ConfigError, match=r"n_steps: expected a positive int, got 64\.5"):  # a bound's own check
         load_space("ppo", path)
+    # An exponent without a dot is a string to YAML; bounds take it, as presets do.
+    path.write_text("learning_rate: {low: 1e-5, high: 3e-3, log: true}\nn_steps: {low: 16, high: 2e3}\n")
+    typed = {key: (spec["low"], spec["high"], type(spec["high"])) for key, spec in load_space("ppo", path).items()}
+    assert typed == {"learning_rate": (1e-5, 3e-3, float), "n_steps": (16, 2000, int)}
 
 
 def test_per_subkeys_are_only_drawn_with_per_on():
@@ -585,6 +590,22 @@ def test_a_threshold_study_scores_the_seconds_each_seed_took_to_reach_it(tmp_pat
     assert again.returncode == 2 and "scores the time to a return of 15" in again.stderr
     longer = call_main(tune.main, *args, "--threshold", "15", "--timesteps", "4096", "--study-dir", str(tmp_path))
     assert longer.returncode == 2 and "scores trials with --timesteps 2048 (this worker: 4096)" in longer.stderr
+
+    # Results that cannot be written (a full disk) end in one line that says where the trials are; the same command,
+    # its trials done, writes them once it can.
+    from sb3_gpu.common import io
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    (tmp_path / "summary.md").unlink()
+    with monkeypatch.context() as m:
+        m.setattr(io, "atomic_write_text", disk_full)
+        full = call_main(tune.main, *args, "--threshold", "15", "--study-dir", str(tmp_path))
+    expected = f"error: cannot write the study's results into {tmp_path}: No space left on device; its trials are in sqlite"
+    assert full.returncode == 1 and full.stderr.startswith(expected) and full.stderr.count("\n") == 1, full.stderr
+    assert call_main(tune.main, *args, "--threshold", "15", "--study-dir", str(tmp_path)).returncode == 0
+    assert (tmp_path / "summary.md").read_text().startswith("`python -m sb3_gpu.tune ppo --trials 1")
 
 
 # --- PostgreSQL ----------------------------------------------------------------------------------------------

@@ -128,13 +128,16 @@ def test_a_subproc_vec_env_has_the_forkserver_preload_torch_and_sb3_for_later_wo
             preloads.append((start_method, list(forkserver._forkserver._preload_modules)))
             super().__init__(env_fns)
 
+    class Subclass(Recording):  # a user's own SubprocVecEnv, passed as vec_env_cls
+        pass
+
     monkeypatch.setattr(build, "SubprocVecEnv", Recording)
     make_vec_env("CartPole-v1", 2, vec_env="subproc", seed=0, vec_env_kwargs={"start_method": "spawn"}).close()
     make_vec_env("CartPole-v1", 2, vec_env="subproc", seed=0).close()
-    assert preloads == [
-        ("spawn", ["__main__"]),  # spawn has no server to preload
-        (None, ["__main__", "sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]),
-    ]
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", ["__main__"])
+    make_vec_env("CartPole-v1", 2, seed=0, vec_env_cls=Subclass).close()
+    preloaded = ["__main__", "sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
+    assert preloads == [("spawn", ["__main__"]), (None, preloaded), (None, preloaded)]  # spawn has no server to preload
 
 
 def test_subproc_and_dummy_agree_for_the_same_seed():

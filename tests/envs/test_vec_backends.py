@@ -185,10 +185,13 @@ def test_a_killed_worker_is_named_and_the_rest_are_stopped():
 
 
 SCRIPT = """
-import sys, time
+import signal, sys, time
 import numpy as np
 from sb3_gpu import make_vec_env
 if __name__ == "__main__":
+    # Ctrl-C as from a terminal: a test run started in the background by a shell without job control passes SIGINT
+    # on ignored, and Python then raises no KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     venv = make_vec_env("CartPole-v1", 4, vec_env="batched")
     print("PIDS", *venv.unwrapped.pids, flush=True)
     venv.reset()
@@ -217,17 +220,18 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        # Ctrl-C as a terminal delivers it: a test run started in the background by a shell without job control
-        # passes SIGINT on ignored, and Python then raises no KeyboardInterrupt.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    pids: list[int] = []
+
+    def stderr() -> str:  # for a failed check's message: the script may still be stepping, so stop it first
+        proc.kill()
+        return proc.communicate()[1]
+
     try:
         line = proc.stdout.readline()
-        assert line.startswith("PIDS"), proc.stderr.read()
+        assert line.startswith("PIDS"), stderr()
         pids = [int(p) for p in line.split()[1:]]
         if how != "exit":
-            assert proc.stdout.readline().strip() == "STEPPING", proc.stderr.read()
+            assert proc.stdout.readline().strip() == "STEPPING", stderr()
             proc.send_signal(signal.SIGINT if how == "sigint" else signal.SIGTERM)
         out, _err = proc.communicate(timeout=60)
         if how == "sigint":

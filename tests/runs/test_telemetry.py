@@ -190,9 +190,36 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
     from sb3_gpu.common.errors import ConfigError
     from sb3_gpu.runs.curves import plot_runs
 
+    (tmp_path / "monitor").mkdir()
+    (tmp_path / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n1,2,3\n')
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ConfigError, match=r"pip install 'sb3-gpu\[plot\]'"):
         plot_runs([tmp_path], tmp_path / "curves.png")
+
+
+def test_plot_names_a_path_that_is_no_run_dir_and_a_plot_it_could_not_write(tmp_path, monkeypatch, call_main):
+    import errno
+    import os
+
+    from sb3_gpu import plot
+    from sb3_gpu.runs import curves
+
+    (tmp_path / "run" / "monitor").mkdir(parents=True)
+    (tmp_path / "run" / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n1,2,3\n')
+    (tmp_path / "run" / "model.zip").write_bytes(b"PK")
+    monkeypatch.chdir(tmp_path)
+    # A model file given for its run: said as such, not as a plot folder that a file is in the way of.
+    result = call_main(plot.main, "run/model.zip")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: run/model.zip has no monitor/*.monitor.csv; is it a run dir"), result.stderr
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(curves, "atomic_write_bytes", disk_full)
+    result = call_main(plot.main, "run")
+    assert (result.returncode, result.stderr) == (1, "error: cannot write the plot: No space left on device\n")
+    assert not (tmp_path / "run" / "curves.png").exists()
 
 
 def _screenshot_tool():
