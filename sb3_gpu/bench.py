@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sb3_gpu.benches import CALLBACK_SETS
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
-from sb3_gpu.common.cli import Parser, finite_float, interrupted, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, count_int, finite_float, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import command as command_name
 from sb3_gpu.common.errors import ConfigError, ResultsNotWritten
 from sb3_gpu.common.hardware import logical_cores
@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are printed (default 3)")
     auto.add_argument(
         "--compete",
-        type=int,
-        default=logical_cores(),
+        type=count_int,
+        default=min(logical_cores(), MAX_BENCH_PROCESSES),
         help="busy processes beside the second phase (default: one per core; 0 skips that phase)",
     )
     auto.add_argument("--out", default="bench-results", help="folder for auto.json and auto.md")
@@ -352,7 +352,7 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
                 print_error(f"--cases: expected ALGO:ENV with ALGO one of {', '.join(ALGO_NAMES)}, got {text!r}")
                 return 2
             cases.append((algo, env))
-    if not 0 <= args.compete <= MAX_BENCH_PROCESSES:  # each is a busy process: a typo must not fork thousands
+    if args.compete > MAX_BENCH_PROCESSES:  # each is a busy process: a typo must not fork thousands
         print_error(f"--compete: expected a count from 0 to {MAX_BENCH_PROCESSES}, got {args.compete}")
         return 2
     machine = machine_line()  # before the runs set torch's thread count

@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error("interrupted; no plot was written")
         return interrupted()
     except OSError as e:  # a full disk, say, while the PNG was written (atomically: no half file is left)
-        print_error(f"cannot write the plot: {e.strerror or e}")
+        print_error(f"cannot write {e.filename or 'the plot'}: {e.strerror or e}")
         return 1
     print(f"wrote {path}")
     return 0

@@ -86,7 +86,7 @@ def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str)
     try:
         json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
         md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
-    except OSError as e:
+    except OSError as e:  # the runs file (bench train, solve) still holds the ended runs: the same command writes them
         raise ResultsNotWritten(f"cannot write the results into {out_dir}: {e.strerror or e}") from None
     return json_path, md_path
 
@@ -122,4 +122,4 @@ def save_json(path: Path, data: dict[str, Any], what: str) -> None:
         make_dir(path.parent, "--out folder")
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")
     except OSError as exc:
-        raise ConfigError(f"cannot save {what} to {path}: {exc.strerror or exc}") from None
+        raise ResultsNotWritten(f"cannot save {what} to {path}: {exc.strerror or exc}") from None

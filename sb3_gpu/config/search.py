@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,28 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     space: dict[str, dict[str, Any]] = {}
     for key, spec in data.items():
         where = f"{path}, key {key}"
-        if isinstance(spec, dict):  # `low: 1e-5` reads as a string, as in presets
-            spec = {name: yaml_number(v) if name in ("low", "high") else v for name, v in spec.items()}
+        if isinstance(spec, dict):
+            spec = _numbers_read(spec)
         for value in _candidates(spec, where):  # the preset checks say whether the key exists and the value fits
             _check(algo_, str(key), value, path)
         space[str(key)] = spec if "choices" in spec else _typed_range(algo_, str(key), spec, path)
     return space
+
+
+def _numbers_read(spec: dict[str, Any]) -> dict[str, Any]:
+    """Bounds and choices written ``1e-5`` or ``2e3``, which YAML reads as strings, as the numbers they spell (as presets
+    read them): a whole one as an int, as YAML reads ``2000``."""
+
+    def number(value: Any) -> Any:
+        read = yaml_number(value)
+        if read is not value and "." not in value and read.is_integer():
+            return int(read)
+        return read
+
+    read = {name: number(v) if name in ("low", "high") else v for name, v in spec.items()}
+    if isinstance(read.get("choices"), list):
+        read["choices"] = [number(v) for v in read["choices"]]
+    return read
 
 
 def _check(algo: Any, key: str, value: Any, path: Path) -> None:
@@ -76,8 +93,9 @@ def _candidates(spec: Any, where: str) -> list[Any]:
         if set(spec) != {"choices"} or not isinstance(spec["choices"], list) or not spec["choices"]:
             raise ConfigError(f"{where}: 'choices' must be a non-empty list and stand alone")
         return list(spec["choices"])
-    if not {"low", "high"} <= set(spec) or not all(isinstance(spec[b], (int, float)) for b in ("low", "high")):
-        raise ConfigError(f"{where}: a range needs numeric 'low' and 'high'")
+    bounds = [spec.get("low"), spec.get("high")]
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) for b in bounds):
+        raise ConfigError(f"{where}: a range needs finite numbers for 'low' and 'high', got {bounds[0]!r} and {bounds[1]!r}")
     if not isinstance(spec.get("log", False), bool):
         raise ConfigError(f"{where}: 'log' is true or false, got {spec['log']!r}")
     if spec["low"] >= spec["high"] or (spec.get("log") and spec["low"] <= 0):

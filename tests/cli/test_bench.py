@@ -400,13 +400,14 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
     ],
 )
 def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, tmp_path, capsys, monkeypatch):
-    from sb3_gpu.benches import envs, step
+    from sb3_gpu.benches import auto, envs, step
 
     def no_work(*a, **k):
         raise AssertionError("the bench ran before refusing its input")
 
     monkeypatch.setattr(step, "bench_step", no_work)
     monkeypatch.setattr(envs, "bench_envs", no_work)
+    monkeypatch.setattr(auto, "bench_auto", no_work)
     (tmp_path / "file").write_text("")
     monkeypatch.chdir(tmp_path)
     assert bench.main([a.format(file="file") for a in args]) == 2
@@ -423,11 +424,19 @@ def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, t
         ["sb3_gpu.tune", "ppo", "--threshold", "inf"],
     ],
 )
-def test_a_return_to_reach_that_no_run_can_compare_to_is_refused(args, call_main):
+def test_a_return_to_reach_that_no_run_can_compare_to_is_refused(args, call_main, monkeypatch, tmp_path):
     # NaN would stop each run at its first new best and report it as never reached; a rerun then refuses the saved
     # runs, whose threshold NaN never equals itself.
     import importlib
 
+    from sb3_gpu.benches import solve, train
+
+    def no_work(*a, **k):
+        raise AssertionError("the bench ran before refusing its input")
+
+    monkeypatch.setattr(train, "bench_train", no_work)
+    monkeypatch.setattr(solve, "bench_solve", no_work)
+    monkeypatch.chdir(tmp_path)
     result = call_main(importlib.import_module(args[0]).main, *args[1:])
     option, value = args[-2:]
     assert result.returncode == 2 and f"error: argument {option}: expected a finite number, got '{value}'" in result.stderr
@@ -446,6 +455,11 @@ def test_results_a_full_disk_will_not_take_end_the_bench_in_one_line(tmp_path, m
     monkeypatch.setattr(bench, "_main_step", lambda args, command: print(*base.write_results(Path(args.out), "step", {}, "")))
     assert bench.main(["step", "--out", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err == f"error: cannot write the results into {tmp_path / 'out'}: No space left on device\n"
+    # The runs file that bench train and solve save after each run: the same (exit 1, not bad input's 2).
+    monkeypatch.setattr(bench, "_main_step", lambda args, command: base.save_json(Path(args.out, "x.json"), {}, "the runs"))
+    assert bench.main(["step", "--out", str(tmp_path / "out")]) == 1
+    runs_file = tmp_path / "out" / "x.json"
+    assert capsys.readouterr().err == f"error: cannot save the runs to {runs_file}: No space left on device\n"
 
 
 def test_a_signal_during_bench_solve_stops_the_bench_not_only_its_training(monkeypatch, capsys, tmp_path):

@@ -399,10 +399,25 @@ def test_a_range_draws_values_of_its_keys_type_however_its_bounds_are_written(tm
     path.write_text("n_steps: {low: 16, high: 64.5}\n")
     with pytest.raises(ConfigError, match=r"n_steps: expected a positive int, got 64\.5"):  # a bound's own check
         load_space("ppo", path)
-    # An exponent without a dot is a string to YAML; bounds take it, as presets do.
-    path.write_text("learning_rate: {low: 1e-5, high: 3e-3, log: true}\nn_steps: {low: 16, high: 2e3}\n")
-    typed = {key: (spec["low"], spec["high"], type(spec["high"])) for key, spec in load_space("ppo", path).items()}
-    assert typed == {"learning_rate": (1e-5, 3e-3, float), "n_steps": (16, 2000, int)}
+    # An exponent without a dot is a string to YAML; bounds and choices take it as the number it spells, as presets
+    # do, a whole one as an int (so that an unchecked key's range still draws ints).
+    path.write_text(
+        "learning_rate: {low: 1e-5, high: 3e-3, log: true}\nbuffer_size: {low: 1e4, high: 1e6}\n"
+        "policy_kwargs.n_quantiles: {low: 10, high: 2e2}\nbatch_size: {choices: [64, 1e3]}\n"
+    )
+    typed = {
+        key: [(v, type(v)) for v in spec.get("choices", [spec.get("low"), spec.get("high")])]
+        for key, spec in load_space("qrdqn", path).items()
+    }
+    assert typed == {
+        "learning_rate": [(1e-5, float), (3e-3, float)],
+        "buffer_size": [(10_000, int), (1_000_000, int)],
+        "policy_kwargs.n_quantiles": [(10, int), (200, int)],
+        "batch_size": [(64, int), (1000, int)],
+    }
+    path.write_text("policy_kwargs.n_quantiles: {low: 10, high: .inf}\n")  # unchecked keys too: no infinite bound
+    with pytest.raises(ConfigError, match=r"a range needs finite numbers for 'low' and 'high', got 10 and inf"):
+        load_space("qrdqn", path)
 
 
 def test_per_subkeys_are_only_drawn_with_per_on():
