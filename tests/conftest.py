@@ -4,6 +4,7 @@ them, in a subprocess)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -23,6 +24,12 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The CLIs the tests start, and the ones they signal, meet Ctrl-C as from a terminal, however this run was started: a
+# shell without job control starts a background job with SIGINT ignored, its children inherit that, and Python then
+# raises no KeyboardInterrupt in them. (A handler, unlike an ignored signal, is reset in a child, to the default.)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def machine(
