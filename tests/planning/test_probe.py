@@ -560,7 +560,8 @@ def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
             measure_compile=compile_times,
             announce=said.append,
         )
-        return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober)
+        # A vec env named, so that no env step is timed: a live figure in the reason would differ between the plans.
+        return make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=prober, vec_env="dummy")
 
     first, second = plan(), plan()
     assert len(compile_times.asked) == 1 and (tmp_path / "compile-probes.json").is_file()
