@@ -3,6 +3,7 @@ them, in a subprocess)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -84,6 +85,11 @@ def cpu_machine() -> HardwareProfile:
 @pytest.fixture
 def gpu_machine() -> HardwareProfile:
     return machine(gpus=2)
+
+
+def disk_full(*args: object, **kwargs: object) -> None:
+    """A stand-in for a file write on a full disk."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def run_cli(*args: str, cwd: Path | str | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:

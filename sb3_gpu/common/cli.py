@@ -34,12 +34,19 @@ class Parser(argparse.ArgumentParser):
         return super()._get_value(action, arg_string)
 
 
-def _integer(text: str, low: int, what: str, high: int = MAX_COUNT) -> int:
+def _finite(text: str, what: str) -> float:
     try:
         value = float(text.replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if not math.isfinite(value) or value < low or value != int(value):
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _integer(text: str, low: int, what: str, high: int = MAX_COUNT) -> int:
+    value = _finite(text, what)
+    if value < low or value != int(value):
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     if value > high:
         raise argparse.ArgumentTypeError(f"expected {what} up to {high:,}, got {text!r}")
@@ -63,13 +70,7 @@ def seed_int(text: str) -> int:
 
 def finite_float(text: str) -> float:
     """A return to reach: any finite number (``-200``, ``1e3``); not ``nan`` or ``inf``, which no run can compare to."""
-    try:
-        value = float(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
+    return _finite(text, "a finite number")
 
 
 def print_error(message: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from sb3_gpu import bench
 from sb3_gpu.benches import speed, telemetry
 from sb3_gpu.extensions.per import tree_backends
+from tests.conftest import disk_full
 
 
 @pytest.mark.heavy
@@ -444,12 +444,7 @@ def test_a_return_to_reach_that_no_run_can_compare_to_is_refused(args, call_main
 
 
 def test_results_a_full_disk_will_not_take_end_the_bench_in_one_line(tmp_path, monkeypatch, capsys):
-    import errno
-
     from sb3_gpu.benches import base
-
-    def disk_full(*a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(base, "atomic_write_text", disk_full)
     monkeypatch.setattr(bench, "_main_step", lambda args, command: print(*base.write_results(Path(args.out), "step", {}, "")))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import os
 import re
@@ -28,7 +27,7 @@ from sb3_gpu.config.search import load_space  # noqa: E402
 from sb3_gpu.runs.threshold import ThresholdRun  # noqa: E402
 from sb3_gpu.tuning import storage as tuning_storage  # noqa: E402
 from sb3_gpu.tuning import study as tuning  # noqa: E402
-from tests.conftest import REPO, run_cli  # noqa: E402
+from tests.conftest import REPO, disk_full, run_cli  # noqa: E402
 
 TINY_SPACE = REPO / "tests" / "cli" / "tiny_ppo_space.yaml"
 TINY = ["--timesteps", "512", "--eval-episodes", "2", "--vec-env", "dummy", "--device", "cpu", "--space", str(TINY_SPACE)]
@@ -609,9 +608,6 @@ def test_a_threshold_study_scores_the_seconds_each_seed_took_to_reach_it(tmp_pat
     # Results that cannot be written (a full disk) end in one line that says where the trials are; the same command,
     # its trials done, writes them once it can.
     from sb3_gpu.common import io
-
-    def disk_full(*a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     (tmp_path / "summary.md").unlink()
     with monkeypatch.context() as m:

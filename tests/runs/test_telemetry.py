@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.telemetry import DASHBOARD, ThroughputCallback
 from sb3_gpu.runs.training import train_run
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, disk_full, run_cli
 
 
 def _scalars(log_dir) -> dict[str, list[float]]:
@@ -198,9 +198,6 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch, tmp_path):
 
 
 def test_plot_names_a_path_that_is_no_run_dir_and_a_plot_it_could_not_write(tmp_path, monkeypatch, call_main):
-    import errno
-    import os
-
     from sb3_gpu import plot
     from sb3_gpu.runs import curves
 
@@ -212,9 +209,6 @@ def test_plot_names_a_path_that_is_no_run_dir_and_a_plot_it_could_not_write(tmp_
     result = call_main(plot.main, "run/model.zip")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("error: run/model.zip has no monitor/*.monitor.csv; is it a run dir"), result.stderr
-
-    def disk_full(*a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(curves, "atomic_write_bytes", disk_full)
     result = call_main(plot.main, "run")
