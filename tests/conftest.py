@@ -26,11 +26,13 @@ if os.environ.get("CI"):
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The CLIs the tests start, and the ones they signal, meet Ctrl-C as from a terminal, however this run was started: a
-# shell without job control starts a background job with SIGINT ignored, its children inherit that, and Python then
-# raises no KeyboardInterrupt in them. (A handler, unlike an ignored signal, is reset in a child, to the default.)
+# The CLIs the tests start, and the ones they signal, meet Ctrl-C and SIGTERM as from a terminal, however this run was
+# started. A shell without job control starts a background job with SIGINT ignored, and a supervisor may start it with
+# the signal blocked; children inherit both (a blocked one stays pending for good), and Python then raises no
+# KeyboardInterrupt in them. A handler, unlike an ignored signal, is reset in a child, to the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def machine(
@@ -75,6 +77,25 @@ def _keep_torch_settings():
     th.distributions.Distribution.set_default_validate_args(__debug__)
     yield
     before.apply()
+
+
+def _signal_state() -> tuple[object, object, frozenset[int]]:
+    blocked = frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), blocked
+
+
+@pytest.fixture(autouse=True)
+def _signals_kept():
+    """A test leaves Ctrl-C and SIGTERM as it found them in this process: every CLI a later test starts inherits an
+    ignored or blocked signal and cannot be stopped by it (a CI run once waited 10 minutes on such a CLI)."""
+    before = _signal_state()
+    yield
+    after = _signal_state()
+    if after != before:
+        signal.signal(signal.SIGINT, before[0])  # type: ignore[arg-type]
+        signal.signal(signal.SIGTERM, before[1])  # type: ignore[arg-type]
+        signal.pthread_sigmask(signal.SIG_SETMASK, before[2])
+        pytest.fail(f"the test changed this process's (SIGINT, SIGTERM, blocked) from {before} to {after}")
 
 
 @pytest.fixture

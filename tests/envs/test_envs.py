@@ -126,6 +126,8 @@ def test_a_subproc_vec_env_has_the_forkserver_preload_torch_and_sb3_for_later_wo
     class Recording(DummyVecEnv):  # what the server would preload, at the moment the workers would start
         def __init__(self, env_fns, start_method=None):
             preloads.append((start_method, list(forkserver._forkserver._preload_modules)))
+            for fn in env_fns:  # a worker's settings (one thread, Ctrl-C ignored) would stay in this test process
+                fn.worker = False
             super().__init__(env_fns)
 
     class Subclass(Recording):  # a user's own SubprocVecEnv, passed as vec_env_cls
