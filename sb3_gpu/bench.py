@@ -25,7 +25,7 @@ from sb3_gpu.benches import CALLBACK_SETS
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
 from sb3_gpu.common.cli import Parser, count_int, finite_float, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import command as command_name
-from sb3_gpu.common.errors import ConfigError, ResultsNotWritten
+from sb3_gpu.common.errors import BenchCannotRun, ConfigError, ResultsNotWritten
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.common.io import check_dir_creatable
 
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_error("interrupted; no results were written")
         return interrupted()
-    except ResultsNotWritten as e:
+    except (ResultsNotWritten, BenchCannotRun) as e:
         print_error(str(e))
         return 1
 

@@ -289,7 +289,7 @@ def next_commands(run: RunDir) -> list[str]:
 
 
 # With --resume the run's config.yaml decides everything but these.
-_RESUME_FLAGS = {"resume", "timesteps", "save_replay_buffer", "no_progress"}
+_RESUME_FLAGS = {"resume", "timesteps", "save_replay_buffer", "device", "no_progress"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -311,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     run.path,
                     timesteps=args.timesteps,
                     save_replay_buffer=args.save_replay_buffer,
+                    device=args.device,
                     progress=_progress_bar(args, console),
                     console=console,
                 )
@@ -378,7 +379,8 @@ def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         flag = "--" + fixed[0].replace("_", "-") if fixed[0] != "algo" else f"the algorithm {args.algo!r}"
         raise ConfigError(
             f"--resume continues {run} with its own config.yaml, so {flag} cannot be given; "
-            "accepted with --resume: --timesteps (a new total), --[no-]save-replay-buffer, --no-progress"
+            "accepted with --resume: --timesteps (a new total), --[no-]save-replay-buffer, --device (where it trains now), "
+            "--no-progress"
         )
 
 

@@ -118,7 +118,11 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.seed + args.seeds > 2**32:  # each trial trains seeds --seed .. --seed + --seeds - 1, and numpy takes < 2**32
+        last = args.seed + args.seeds - 1
+        parser.error(f"--seed {args.seed} with --seeds {args.seeds} would train seed {last:,}; seeds stop at 2**32 - 1")
     args.env = args.env or default_env(args.algo)  # as settings_from_args() fills it in
     # SIGTERM (a preempted node, docker stop) stops the worker as Ctrl-C does, wherever it lands: while a trial plans
     # or builds its envs too, where its default action would end the process past optuna's marking the trial failed.

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch as th
 
+from sb3_gpu.common.errors import BenchCannotRun
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import COMPILE_TIMED, Plan, auto_compile_mode, make_plan
@@ -43,8 +44,11 @@ def competing(processes: int) -> Iterator[None]:
     """``processes`` CPU-bound Python processes (busy loops) running beside the block."""
     spinners: list[subprocess.Popen[bytes]] = []
     try:  # a start that fails part way (a process limit) or Ctrl-C still stops those already spinning
-        for _ in range(processes):
-            spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        for i in range(processes):
+            try:
+                spinners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            except OSError as e:
+                raise BenchCannotRun(f"cannot start busy process {i + 1} of {processes} for --compete: {e}") from None
         if spinners:
             time.sleep(0.5)  # running before the plan looks at the cores
         yield

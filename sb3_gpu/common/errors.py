@@ -77,3 +77,8 @@ class StopNow(KeyboardInterrupt):
 class ResultsNotWritten(OSError):
     """A bench ran, but its results could not be written (a full disk, say); the message is one line naming the folder
     and the cause, which the CLI prints, exiting with code 1."""
+
+
+class BenchCannotRun(OSError):
+    """The machine refused what a bench needs to run (a process it starts: a process limit, no memory); the message is
+    one line naming what and why, which the CLI prints, exiting with code 1."""

@@ -14,12 +14,14 @@ from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import ConfigError, closest, named
+from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import make_dir, write_json, write_yaml
 from sb3_gpu.config.presets import Preset
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.device import requested_device
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
 from sb3_gpu.runs.curves import plot_runs
@@ -133,6 +135,7 @@ def resume_run(
     *,
     timesteps: int | None = None,
     save_replay_buffer: bool | None = None,
+    device: str | None = None,
     progress: bool = True,
     console: Console | None = None,
     report_s: float | None = 30.0,
@@ -142,6 +145,8 @@ def resume_run(
 
     :param timesteps: the new total length (default: the run's own)
     :param save_replay_buffer: from now on save the replay buffer too (default: as the run did)
+    :param device: where to train from now on (default: the run's own ``device``), with the run's hyperparameters:
+        a run started on a GPU can go on on a CPU, and the other way round
     """
     run = RunDir(run_dir)
     if run.path.exists() and not run.path.is_dir():
@@ -172,10 +177,15 @@ def resume_run(
     if save_replay_buffer is not None:
         options = dataclasses.replace(options, save_replay_buffer=save_replay_buffer)
     options.check(config.algo)
+    if device is None:
+        try:
+            requested_device(config.device, detect_hardware())
+        except ConfigError as e:  # a run moved to another machine: say how to go on here
+            raise ConfigError(f"--resume: {run}'s config.yaml: {e}; --resume takes --device for where it trains now") from None
     plan = make_plan(
         config.algo,
         config.env,
-        config.device,
+        config.device if device is None else device,
         vec_env=config.vec_env,
         seed=seed,
         config=config,

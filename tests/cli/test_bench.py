@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -379,6 +380,40 @@ def test_bench_auto_times_auto_against_every_alternative_idle_and_beside_busy_wo
         assert row["auto"] in row["steps_per_s"] and row["best"] in row["steps_per_s"]
         assert all(v > 0 for v in row["steps_per_s"].values()) and 0 < row["ratio"] <= 1
     assert "| ppo CartPole-v1 | idle |" in (tmp_path / "auto.md").read_text()
+
+
+def test_bench_auto_that_cannot_start_its_busy_processes_says_so_in_one_line_and_stops_those_it_started(
+    tmp_path, monkeypatch, capsys
+):
+    from sb3_gpu.benches import auto
+
+    started = []
+    real_popen = subprocess.Popen
+
+    class Spinner:
+        def __new__(cls, args, **kwargs):  # the subprocess module's own Popen for anything but a busy process
+            return super().__new__(cls) if args[-1] == "while True: pass" else real_popen(args, **kwargs)
+
+        def __init__(self, args, **kwargs):
+            if started:
+                raise BlockingIOError(11, "Resource temporarily unavailable")  # fork() at a process limit
+            started.append(self)
+            self.killed = False
+
+        def kill(self):
+            self.killed = True
+
+        def wait(self):
+            return -9
+
+    monkeypatch.setattr(auto.subprocess, "Popen", Spinner)
+    monkeypatch.setattr(auto, "_run", lambda *args: 1000.0)  # the idle phase's runs: not what this test is about
+    args = ["auto", "--cases", "ppo:CartPole-v1", "--steps", "512", "--repeats", "1", "--compete", "2"]
+    assert bench.main([*args, "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (
+        "error: cannot start busy process 2 of 2 for --compete: [Errno 11] Resource temporarily unavailable\n"
+    )
+    assert len(started) == 1 and started[0].killed
 
 
 def test_bench_auto_refuses_a_case_it_cannot_read(capsys):

@@ -133,6 +133,11 @@ BAD_INPUTS = [
     (["--resume", "{done}", "--env", "CartPole-v1"], "so --env cannot be given; accepted with --resume: --timesteps"),
     (["--resume", "{done}", "--set", "n_steps=8"], "so --set cannot be given"),
     (["ppo", "--resume", "{done}"], "so the algorithm 'ppo' cannot be given"),
+    # A run started on a GPU, resumed on a machine without one: --device says where it goes on.
+    (["--resume", "{on_gpu}", "--timesteps", "128"], "on_gpu's config.yaml: device 'cuda' asked for a CUDA GPU, but"),
+    (["--resume", "{on_gpu}", "--timesteps", "128"], "; --resume takes --device for where it trains now"),
+    (["--resume", "{done}", "--timesteps", "128", "--device", "cuda:1"], "device 'cuda:1' asked for a CUDA GPU, but"),
+    (["--resume", "{done}", "--timesteps", "128", "--device", "tpu"], "unknown device 'tpu'; accepted: auto, cpu, cuda"),
     (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
     (["--resume", "{run_zero}", "--timesteps", "128"], "eval_episodes must be a positive int, got 0"),
     (["--resume", "{run_null}", "--timesteps", "128"], "eval_episodes must be a positive int, got None"),
@@ -174,10 +179,12 @@ def finished_run(tmp_path_factory):
     return run_dir
 
 
-def _variant(run_dir, dest, run_options=None, tamper=False, env=None, algo=None):
+def _variant(run_dir, dest, run_options=None, tamper=False, env=None, algo=None, device=None):
     shutil.copytree(run_dir, dest)
-    if run_options is not None or env is not None or algo is not None:
+    if run_options is not None or env is not None or algo is not None or device is not None:
         config = yaml.safe_load((dest / "config.yaml").read_text())
+        if device is not None:
+            config["device"] = device
         if run_options is not None:
             config["run"] = run_options
         if env is not None:
@@ -224,6 +231,7 @@ def bad_files(tmp_path, finished_run):
     (broken / "model.zip").write_bytes(b"PK\x03\x04 not really a zip")
     paths["broken"] = broken
     paths["done"] = _variant(finished_run, tmp_path / "done")
+    paths["on_gpu"] = _variant(finished_run, tmp_path / "on_gpu", device="cuda")
     paths["run_typo"] = _variant(finished_run, tmp_path / "run_typo", {"eval_frek": 5})
     paths["run_zero"] = _variant(finished_run, tmp_path / "run_zero", {"eval_episodes": 0})
     paths["run_null"] = _variant(finished_run, tmp_path / "run_null", {"eval_episodes": None})
@@ -263,6 +271,16 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, mon
     assert "Traceback" not in result.stdout + result.stderr
     assert not (tmp_path / "pwned").exists()
     assert (tmp_path / "victim").read_text() == "precious"
+
+
+def test_a_run_started_on_a_gpu_resumes_on_the_cpu_with_device(finished_run, tmp_path, monkeypatch, call_main):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    run_dir = _variant(finished_run, tmp_path / "moved", device="cuda")
+    result = call_main(train_main, "--resume", str(run_dir), "--timesteps", "128", "--device", "cpu", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["timesteps"] == 128 and summary["device"] == "cpu"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["device"] == "cpu"  # a later --resume goes on there
 
 
 def test_evaluate_does_not_check_what_only_training_allocates(finished_run, tmp_path, call_main):

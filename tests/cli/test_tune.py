@@ -277,6 +277,7 @@ def test_a_seed_that_never_reaches_the_threshold_ranks_behind_a_slower_one_that_
         (["--storage", "study.db"], "storage 'study.db' is not a URL"),
         (["--storage", "foo://bar"], "cannot open storage foo://bar: Can't load plugin: sqlalchemy.dialects:foo (accepted: "),
         (["--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
+        (["--seed", "4294967295", "--seeds", "2"], "would train seed 4,294,967,296; seeds stop at 2**32 - 1"),
         (["--storage", "journal:"], "storage 'journal:': journal:PATH names a file to write, and . is a folder"),
         (["--storage", "journal:sub"], "storage 'journal:sub': journal:PATH names a file to write, and sub is a folder"),
         (["--storage", "journal:notes.txt/j.log"], "cannot create the journal's folder notes.txt: a file is in the way"),
