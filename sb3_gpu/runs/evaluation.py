@@ -355,7 +355,10 @@ def evaluate_run(
     if isinstance(env, VecNormalize):
         stats = run.vecnormalize_for(model_path)
         if stats is None:
-            raise ConfigError(f"{run} normalised its observations but holds no vecnormalize.pkl for {model_path.name}")
+            missing = run.vecnormalize_name(model_path)
+            raise ConfigError(
+                f"{run} normalised its observations but holds no {missing}, the statistics saved with {model_path.name}"
+            )
         env = load_vecnormalize(stats, env.venv)
         env.training, env.norm_reward = False, False
     result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}

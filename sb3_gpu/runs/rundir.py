@@ -254,14 +254,22 @@ class RunDir:
         return "no complete model was saved"
 
     def vecnormalize_for(self, model: Path) -> Path | None:
-        """The VecNormalize statistics saved with ``model``, if the run normalised."""
-        pairs = [(self.best_vecnormalize, self.best_model)] if model.name == self.BEST_MODEL else []
+        """The VecNormalize statistics saved with ``model``, if the run normalised; None where they are missing, rather
+        than another model's, which moved on since and would feed the policy differently scaled observations."""
+        return companion_of(*self._vecnormalize_pair(model))
+
+    def vecnormalize_name(self, model: Path) -> str:
+        """The name of the statistics file saved with ``model``, for a message that it is missing."""
+        return self._vecnormalize_pair(model)[0].name
+
+    def _vecnormalize_pair(self, model: Path) -> tuple[Path, Path]:
+        if model.name == self.BEST_MODEL:
+            return self.best_vecnormalize, self.best_model
         match = self._CHECKPOINT.fullmatch(model.name)
         if match and model.parent.name == self.checkpoints.name:
             checkpoint = self.checkpoint(int(match.group(1)))
-            pairs.append((checkpoint.vecnormalize, checkpoint.model))
-        pairs.append((self.final.vecnormalize, self.final.model))
-        return next((found for c, m in pairs if (found := companion_of(c, m)) is not None), None)
+            return checkpoint.vecnormalize, checkpoint.model
+        return self.final.vecnormalize, self.final.model  # the final model, or a copy of a model under another name
 
     @classmethod
     def find_model(cls, target: str | Path, which: str = "best") -> tuple[Path, RunDir]:

@@ -283,6 +283,22 @@ def test_a_run_started_on_a_gpu_resumes_on_the_cpu_with_device(finished_run, tmp
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["device"] == "cpu"  # a later --resume goes on there
 
 
+def test_evaluate_refuses_a_best_model_whose_statistics_are_missing_in_one_line(tmp_path, call_main):
+    from sb3_gpu import make_plan, train_run
+    from sb3_gpu.runs.rundir import RunDir
+
+    overrides = {"n_steps": 32, "batch_size": 32, "normalize": True, "eval_freq": 32}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, vec_env="dummy", overrides=overrides)
+    train_run(plan, tmp_path / "run", eval_episodes=1, progress=False, report_s=None)
+    run = RunDir(tmp_path / "run")
+    assert run.best_model.is_file() and run.final.vecnormalize.is_file()
+    run.best_vecnormalize.unlink()  # the final model's statistics are still there, and are not the best model's
+    result = call_main(evaluate_main, str(run.path), "--episodes", "1")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "holds no best_vecnormalize.pkl, the statistics saved with best_model.zip" in result.stderr
+    assert call_main(evaluate_main, str(run.path), "--episodes", "1", "--model", "final").returncode == 0
+
+
 def test_evaluate_does_not_check_what_only_training_allocates(finished_run, tmp_path, call_main):
     # A run made before a size check, or on a bigger machine, must stay evaluable: evaluation allocates none of it.
     run_dir = _variant(finished_run, tmp_path / "short")

@@ -1056,6 +1056,22 @@ def test_statistics_whose_models_write_was_killed_never_pair_with_the_older_mode
     assert stats.read_bytes() == paired and run.vecnormalize_for(model_zip) == stats
 
 
+def test_a_model_whose_own_statistics_are_missing_gets_none_rather_than_another_models(tmp_path):
+    run = RunDir(tmp_path)
+    run.checkpoints.mkdir()
+    checkpoint = run.checkpoint(64)
+    for path in (run.best_model, checkpoint.model, run.final.model, run.final.vecnormalize):
+        path.write_bytes(b"saved")
+    # The final statistics moved on since the best model and the checkpoint were saved: they would scale their
+    # observations differently.
+    assert run.vecnormalize_for(run.best_model) is None and run.vecnormalize_name(run.best_model) == "best_vecnormalize.pkl"
+    assert run.vecnormalize_for(checkpoint.model) is None
+    assert run.vecnormalize_name(checkpoint.model) == checkpoint.vecnormalize.name
+    assert run.vecnormalize_for(run.final.model) == run.final.vecnormalize
+    run.best_vecnormalize.write_bytes(b"best's")
+    assert run.vecnormalize_for(run.best_model) == run.best_vecnormalize
+
+
 def test_keep_previous_never_puts_back_a_copy_cut_short(tmp_path, monkeypatch):
     import errno
 
