@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue a stopped run from its newest model or checkpoint (with --timesteps: a new total)",
+        help="continue a stopped run from its newest model or checkpoint (with --timesteps: a new total; with "
+        "--device: on another device)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plan", action="store_true", help="print the plan and exit without training")

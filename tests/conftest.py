@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 # KeyboardInterrupt in them. A handler, unlike an ignored signal, is reset in a child, to the default.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
@@ -92,8 +94,9 @@ def _signals_kept():
     yield
     after = _signal_state()
     if after != before:
-        signal.signal(signal.SIGINT, before[0])  # type: ignore[arg-type]
-        signal.signal(signal.SIGTERM, before[1])  # type: ignore[arg-type]
+        for signum, handler in ((signal.SIGINT, before[0]), (signal.SIGTERM, before[1])):
+            if handler is not None:  # None: a handler not set from Python, which cannot be put back from here
+                signal.signal(signum, handler)  # type: ignore[arg-type]
         signal.pthread_sigmask(signal.SIG_SETMASK, before[2])
         pytest.fail(f"the test changed this process's (SIGINT, SIGTERM, blocked) from {before} to {after}")
 

@@ -355,10 +355,8 @@ def evaluate_run(
     if isinstance(env, VecNormalize):
         stats = run.vecnormalize_for(model_path)
         if stats is None:
-            missing = run.vecnormalize_name(model_path)
-            raise ConfigError(
-                f"{run} normalised its observations but holds no {missing}, the statistics saved with {model_path.name}"
-            )
+            hint = "; --model final evaluates model.zip with its own" if model_path.name == run.BEST_MODEL else ""
+            raise ConfigError(f"{run} normalised its observations, but {run.missing_vecnormalize(model_path)}{hint}")
         env = load_vecnormalize(stats, env.venv)
         env.training, env.norm_reward = False, False
     result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}

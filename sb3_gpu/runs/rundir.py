@@ -256,20 +256,27 @@ class RunDir:
     def vecnormalize_for(self, model: Path) -> Path | None:
         """The VecNormalize statistics saved with ``model``, if the run normalised; None where they are missing, rather
         than another model's, which moved on since and would feed the policy differently scaled observations."""
-        return companion_of(*self._vecnormalize_pair(model))
+        pair = self._vecnormalize_pair(model)
+        return None if pair is None else companion_of(*pair)
 
-    def vecnormalize_name(self, model: Path) -> str:
-        """The name of the statistics file saved with ``model``, for a message that it is missing."""
-        return self._vecnormalize_pair(model)[0].name
+    def missing_vecnormalize(self, model: Path) -> str:
+        """Why :meth:`vecnormalize_for` found no statistics for ``model``, for a message."""
+        pair = self._vecnormalize_pair(model)
+        if pair is None:
+            return f"{model.name} is none of its own models, so which statistics go with it is not known"
+        return f"it holds no {pair[0].name}, the statistics saved with {model.name}"
 
-    def _vecnormalize_pair(self, model: Path) -> tuple[Path, Path]:
+    def _vecnormalize_pair(self, model: Path) -> tuple[Path, Path] | None:
+        """(statistics, model) as the run saves them, for a model the run wrote; None for a file of another name."""
         if model.name == self.BEST_MODEL:
             return self.best_vecnormalize, self.best_model
+        if model.name == self.final.model.name:
+            return self.final.vecnormalize, self.final.model
         match = self._CHECKPOINT.fullmatch(model.name)
         if match and model.parent.name == self.checkpoints.name:
             checkpoint = self.checkpoint(int(match.group(1)))
             return checkpoint.vecnormalize, checkpoint.model
-        return self.final.vecnormalize, self.final.model  # the final model, or a copy of a model under another name
+        return None
 
     @classmethod
     def find_model(cls, target: str | Path, which: str = "best") -> tuple[Path, RunDir]:

@@ -19,7 +19,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
-from sb3_gpu.extensions.replay import end_episodes_under_way
+from sb3_gpu.extensions.replay import DeviceReplayBuffer, end_episodes_under_way
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.planning.plan import Plan
@@ -280,8 +280,13 @@ def restore_model(plan: Plan, env: VecEnv, state: SavedState, run: RunDir, say: 
         return model
     if state.replay_buffer is not None:
         load_replay_buffer(model, state.replay_buffer)
-        size = model.replay_buffer.size() * env.num_envs  # type: ignore[attr-defined]
-        say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions)")
+        buffer = model.replay_buffer  # type: ignore[attr-defined]
+        size = buffer.size() * env.num_envs
+        kept = ""
+        if isinstance(buffer, DeviceReplayBuffer) != (plan.buffers == "device"):  # a run moved with --device
+            kind = "sb3_gpu's device buffer" if plan.buffers == "host" else "SB3's host buffer"
+            kept = f"; kept as {kind}, as it was saved, where a new run here would use the other"
+        say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions{kept})")
     else:
         say(
             f"no replay buffer was saved with {state.model.name} (--save-replay-buffer keeps it): it starts empty, and "

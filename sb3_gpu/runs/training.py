@@ -177,7 +177,7 @@ def resume_run(
     if save_replay_buffer is not None:
         options = dataclasses.replace(options, save_replay_buffer=save_replay_buffer)
     options.check(config.algo)
-    if device is None:
+    if device is None and config.device.strip().lower() not in ("auto", "cpu"):  # a GPU this machine may lack
         try:
             requested_device(config.device, detect_hardware())
         except ConfigError as e:  # a run moved to another machine: say how to go on here

@@ -295,7 +295,7 @@ def test_evaluate_refuses_a_best_model_whose_statistics_are_missing_in_one_line(
     run.best_vecnormalize.unlink()  # the final model's statistics are still there, and are not the best model's
     result = call_main(evaluate_main, str(run.path), "--episodes", "1")
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
-    assert "holds no best_vecnormalize.pkl, the statistics saved with best_model.zip" in result.stderr
+    assert "but it holds no best_vecnormalize.pkl, the statistics saved with best_model.zip; --model final" in result.stderr
     assert call_main(evaluate_main, str(run.path), "--episodes", "1", "--model", "final").returncode == 0
 
 

@@ -1064,10 +1064,17 @@ def test_a_model_whose_own_statistics_are_missing_gets_none_rather_than_another_
         path.write_bytes(b"saved")
     # The final statistics moved on since the best model and the checkpoint were saved: they would scale their
     # observations differently.
-    assert run.vecnormalize_for(run.best_model) is None and run.vecnormalize_name(run.best_model) == "best_vecnormalize.pkl"
+    assert run.vecnormalize_for(run.best_model) is None
+    assert (
+        run.missing_vecnormalize(run.best_model)
+        == "it holds no best_vecnormalize.pkl, the statistics saved with best_model.zip"
+    )
     assert run.vecnormalize_for(checkpoint.model) is None
-    assert run.vecnormalize_name(checkpoint.model) == checkpoint.vecnormalize.name
+    assert checkpoint.vecnormalize.name in run.missing_vecnormalize(checkpoint.model)
     assert run.vecnormalize_for(run.final.model) == run.final.vecnormalize
+    copy = tmp_path / "mine.zip"  # a copy of some model: whose statistics it needs is not known
+    copy.write_bytes(b"saved")
+    assert run.vecnormalize_for(copy) is None and "mine.zip is none of its own models" in run.missing_vecnormalize(copy)
     run.best_vecnormalize.write_bytes(b"best's")
     assert run.vecnormalize_for(run.best_model) == run.best_vecnormalize
 
