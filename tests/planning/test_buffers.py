@@ -3,8 +3,11 @@ its reason, and models built, saved, resumed and reloaded with it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch as th
+import yaml
 from sb3_contrib import QRDQN
 from stable_baselines3 import PPO
 from stable_baselines3.common.buffers import NStepReplayBuffer, RolloutBuffer
@@ -89,6 +92,24 @@ def test_a_run_on_host_or_device_buffers_saves_resumes_and_evaluates(args, tmp_p
     if "--save-replay-buffer" in args:
         assert "replay buffer restored from" in resumed.stdout.replace("\n", "")
     assert call_main(evaluate_main, run_dir, "--episodes", "1").returncode == 0
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("saved, now", [("true", False), ("false", True)], ids=["device-to-host", "host-to-device"])
+def test_a_resumed_run_whose_plan_picks_the_other_buffer_kind_keeps_its_own_and_says_so(saved, now, tmp_path, call_main):
+    # As a run moved with --resume --device to a machine where the plan picks the other kind of buffer.
+    run_dir = tmp_path / "run"
+    common = ["--n-envs", "1", "--vec-env", "dummy", "--eval-episodes", "1", "--no-progress", "--save-replay-buffer"]
+    args = ["dqn", "--no-per", *TINY_DQN, "--set", f"device_buffers={saved}", *common, "--run-dir", str(run_dir)]
+    assert call_main(train_main, *args, "--timesteps", "64").returncode == 0
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["hyperparameters"]["device_buffers"] = now
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    resumed = call_main(train_main, "--resume", str(run_dir), "--timesteps", "128", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    kind = "SB3's host buffer" if now else "sb3_gpu's device buffer"
+    assert f"kept as {kind}, as it was saved, where a new run here would use the other" in " ".join(resumed.stdout.split())
+    assert json.loads((run_dir / "summary.json").read_text())["timesteps"] == 128
 
 
 @pytest.mark.parametrize("per", [False, True])
