@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--device", default="auto", help="auto (default: cuda if there is one, else cpu), cpu, cuda, cuda:N")
     step.add_argument("--repeats", type=positive_int, default=7, help="timed calls; medians are printed (default 7)")
     step.add_argument("--vec-steps", type=positive_int, default=64, help="vec env steps per timed collection (default 64)")
+    step.add_argument(
+        "--buffer-size",
+        type=positive_int,
+        help="replay buffer of the off-policy cases (default: the preset's); a step's counts do not depend on it",
+    )
     step.add_argument("--out", default="bench-results", help="folder for step.json and step.md")
     auto = sub.add_parser("auto", help="auto's device, amp and threads against every alternative, idle and beside busy work")
     auto.add_argument("--cases", nargs="+", metavar="ALGO:ENV", help="default: PPO and DQN CartPole, PPO LunarLander, Pong")
@@ -298,13 +303,14 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
     cases = args.cases or (GPU_CASES if device.startswith("cuda") else CPU_CASES)
     try:
         for case in cases:
-            plan_case(case, device)  # an env or profile that does not suit the case fails here, not after others ran
+            plan_case(case, device, buffer_size=args.buffer_size)  # fails here, not after other cases ran
     except (ValueError, ConfigError) as e:
-        print_error(f"--cases: {e}")
+        hint = "; or count with a smaller --buffer-size" if "buffer_size=" in str(e) and args.buffer_size is None else ""
+        print_error(f"--cases: {e}{hint}")
         return 2
     machine = machine_line() + f", device {device}"
     print(machine)
-    rows = bench_step(cases, device, args.repeats, args.vec_steps)
+    rows = bench_step(cases, device, args.repeats, args.vec_steps, args.buffer_size)
     markdown = step_markdown(rows, command, machine)
     print(markdown)
     paths = write_results(Path(args.out), "step", {"command": command, "machine": machine, "rows": rows_json(rows)}, markdown)

@@ -79,21 +79,25 @@ def parse_case(text: str) -> tuple[str, str, str]:
     return algo, env, profile or "auto"
 
 
-def plan_case(text: str, device: str, variant: str = "sb3") -> Plan:
-    """The plan a case's variant trains with (a ConfigError for an env or profile that does not suit it)."""
+def plan_case(text: str, device: str, variant: str = "sb3", buffer_size: int | None = None) -> Plan:
+    """The plan a case's variant trains with (a ConfigError for an env or profile that does not suit it).
+    ``buffer_size`` replaces an off-policy preset's: a step reads a batch, whatever the buffer holds, so the counts do
+    not change with it, and a CPU can then count a profile whose buffer only a big machine holds."""
     algo, env, profile = parse_case(text)
     algo, _, extension = algo.partition("+")
     overrides: dict[str, Any] = {"amp": "off", "compile": False, "device_buffers": variant != "sb3"}
     if algo != "ppo":
         overrides["learning_starts"] = 1_000  # a short warm-up
+        if buffer_size is not None:
+            overrides["buffer_size"] = buffer_size
     if algo in ("dqn", "qrdqn"):
         overrides["per"] = extension == "per" and variant != "sb3"  # SB3's own train() has no PER
     return make_plan(algo, env, device, seed=0, profile=profile, overrides=overrides, vec_env="dummy")
 
 
-def _model(text: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
+def _model(text: str, device: str, variant: str, buffer_size: int | None) -> tuple[BaseAlgorithm, str]:
     """A model of the variant, warmed up on its own data (buffers filled, compiled), and its graph-break note."""
-    plan = plan_case(text, device, variant)
+    plan = plan_case(text, device, variant, buffer_size)
     algo, off_policy = plan.algo, plan.algo != "ppo"
     per = bool(getattr(plan.preset.params, "per", False))  # plan_case's choice: +per, and not SB3's own variant
     kwargs = model_kwargs(plan)
@@ -116,7 +120,12 @@ def _model(text: str, device: str, variant: str) -> tuple[BaseAlgorithm, str]:
         refused = compile_step("reduce-overhead" if plan.device.device.startswith("cuda") else "default")
         if refused:
             return model, f"not compiled: {refused}"
-    model.learn(model.learning_starts + 1_000 if off_policy else model.n_steps * model.n_envs)
+    # Off-policy: the warm-up's transitions and two rounds of training past them (a CNN's step at a large profile's
+    # batches takes seconds on a CPU). _collector explores at the final rate whatever the steps done.
+    if off_policy:
+        model.learn(model.learning_starts + 2 * model.n_envs * max(model.train_freq.frequency, 1))
+    else:
+        model.learn(model.n_steps * model.n_envs)
     if variant == "compiled":
         _train(model)  # compiles now, if learn did not train yet
         compiled = getattr(model, "_compiled_step", None) or model._compiled  # the DQN family and PPO's, SAC's family's
@@ -231,13 +240,13 @@ def _sync_free(fn: Callable[[], None], device: th.device) -> str | None:
         th.cuda.set_sync_debug_mode("default")
 
 
-def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int) -> list[StepRow]:
-    """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled)."""
+def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None = None) -> list[StepRow]:
+    """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled); ``buffer_size`` as for plan_case."""
     # Inductor's CPU kernels then show in the profiler, one event per kernel call, as CUDA kernels do.
     th._inductor.config.cpp.enable_kernel_profile = True
     checks = th.distributions.Distribution._validate_args
     try:
-        return _rows(cases, device, repeats, vec_steps)
+        return _rows(cases, device, repeats, vec_steps, buffer_size)
     finally:
         th.distributions.Distribution.set_default_validate_args(checks)
 
@@ -260,20 +269,20 @@ class _Variant:
     vec_steps: int  # vec steps per collect() call
 
 
-def _rows(cases: list[str], device: str, repeats: int, vec_steps: int) -> list[StepRow]:
+def _rows(cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None) -> list[StepRow]:
     rows = []
     for text in cases:
-        rows += _case_rows(text, device, repeats, vec_steps)
+        rows += _case_rows(text, device, repeats, vec_steps, buffer_size)
         print(f"  {text}: done", flush=True)
     return rows
 
 
-def _case_rows(text: str, device: str, repeats: int, vec_steps: int) -> list[StepRow]:
+def _case_rows(text: str, device: str, repeats: int, vec_steps: int, buffer_size: int | None) -> list[StepRow]:
     """The case's variants, built side by side (at most three models, envs and buffers alive at once; all freed on
     return), counted one by one and timed in turn."""
     built: list[_Variant] = []
     for name in VARIANTS:
-        model, breaks = _model(text, device, name)
+        model, breaks = _model(text, device, name, buffer_size)
         if breaks.startswith("not "):
             print(f"  {text}, {name}: {breaks}", flush=True)
             continue

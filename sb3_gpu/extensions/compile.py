@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch as th
+from stable_baselines3.common import preprocessing
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_gpu.common.errors import ConfigError, named
@@ -22,12 +23,22 @@ class CompileFallbackWarning(UserWarning):
 def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     """``method`` (a function or a bound method) with a code object of its own: dynamo keeps compiled graphs per code
     object, and every model's function would otherwise count against one recompile limit (8), which a process with
-    several models reaches."""
+    several models reaches. Every function sb3_gpu compiles passes here, so SB3's space checks are made constants of
+    the graph here too (:func:`_space_checks_constant`)."""
+    _space_checks_constant()
     raw: Any = getattr(method, "__func__", method)
     own = types.FunctionType(raw.__code__.replace(), raw.__globals__, raw.__name__, raw.__defaults__, raw.__closure__)
     own.__kwdefaults__ = raw.__kwdefaults__
     bound = getattr(method, "__self__", None)
     return own if bound is None else types.MethodType(own, bound)
+
+
+def _space_checks_constant() -> None:
+    """Mark SB3's ``is_image_space`` as constant for dynamo. SB3's ``preprocess_obs`` asks it whether a Box of uint8
+    frames is bounded by 0 and 255, with NumPy comparisons of the space's bounds, which dynamo traces as tensor ops and
+    then cannot branch on: every CNN policy's graph broke there ("Data-dependent branching"). A space's bounds do not
+    change, so the answer is a constant of each graph. Marking changes nothing outside a compiled function."""
+    th.compiler.assume_constant_result(preprocessing.is_image_space)
 
 
 def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | None:

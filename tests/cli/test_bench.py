@@ -427,6 +427,10 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
         (["step", "--cases", "ppo:CartPole-v1", "sac:CartPole-v1"], "--cases: sac needs a Box action space"),
         (["step", "--cases", "ppo:Nope-v1"], "--cases: unknown env id 'Nope-v1'"),
         (["step", "--cases", "ppo:CartPole-v1:bogus"], "--cases: unknown profile 'bogus'"),
+        (
+            ["step", "--cases", "dqn:CartPole-v1", "--buffer-size", "10"],
+            "--cases: batch_size (64) is more than buffer_size (10)",
+        ),
         (["envs", "--envs", "CartPole-v1", "--seconds", "nan"], "--seconds must be a finite number > 0 (got nan)"),
         (["envs", "--envs", "CartPole-v1", "--seconds", "inf"], "--seconds must be a finite number > 0 (got inf)"),
         (["envs", "--envs", "CartPole-v1", "--out", "{file}"], "cannot create --out folder {file}: {file} is in the way"),
@@ -449,6 +453,28 @@ def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, t
     err = capsys.readouterr().err
     assert err.startswith("error: " + message.format(file="file")) and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no results folder made
+
+
+def test_bench_step_counts_a_buffer_too_big_for_this_machine_with_a_smaller_one(tmp_path, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from sb3_gpu.benches import step
+    from sb3_gpu.planning import plan as plan_module
+
+    # 100 KB free: DQN CartPole's 50,000 transitions do not fit, 64 do.
+    total = plan_module.psutil.virtual_memory().total
+    monkeypatch.setattr(plan_module.psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=100_000))
+    args = ["step", "--cases", "dqn:CartPole-v1", "--out", str(tmp_path)]
+    assert bench.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --cases: buffer_size=50,000 needs") and err.count("\n") == 1, err
+    assert err.endswith("lower buffer_size; or count with a smaller --buffer-size\n")
+    asked = []
+    monkeypatch.setattr(step, "bench_step", lambda cases, device, repeats, vec_steps, size: asked.append(size) or [])
+    assert bench.main([*args, "--buffer-size", "64"]) == 0
+    assert asked == [64]
+    assert step.plan_case("dqn:CartPole-v1", "cpu", "eager", 64).preset.params.buffer_size == 64
+    assert step.plan_case("ppo:CartPole-v1", "cpu", "eager", 64).preset.params.n_steps == 32  # PPO has no buffer_size
 
 
 @pytest.mark.parametrize(

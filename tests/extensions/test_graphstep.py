@@ -7,6 +7,7 @@ import copy
 import types
 import warnings
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
@@ -338,6 +339,7 @@ def test_ppos_compiled_step_with_target_kl_stops_where_sb3_stops(mode):
     # updates; 15 + 16 steps), so the means must leave out that epoch's other seven.
     assert (plain._n_updates, steps[0]) == (5, 31)
     assert optimizer_step(ours.policy.optimizer).steps == steps[0], "held-back steps are not counted as taken"
+    th.testing.assert_close(th.as_tensor(ours.rollout_buffer.actions), th.as_tensor(plain.rollout_buffer.actions))
     _assert_ppo_updated_and_logged_as(ours, plain, rtol=1e-4, atol=1e-5, log_rel=1e-3)
 
 
@@ -592,3 +594,38 @@ def test_the_guard_names_the_right_parameter_when_a_run_switches_between_the_com
     net.optimizer = optimizer
     with pytest.raises(TrainingDiverged, match=r"^\[1\.bias\]$"):
         settle_guards(types.SimpleNamespace(policy=net))
+
+
+class _Frames(gym.Env):
+    """Random uint8 frames, as an Atari env's observations (SB3's image checks: a Box bounded by 0 and 255)."""
+
+    observation_space = gym.spaces.Box(0, 255, (1, 36, 36), np.uint8)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self._frame(), {}
+
+    def step(self, action):
+        self._t += 1
+        return self._frame(), float(action == 1), False, self._t >= 16, {}
+
+    def _frame(self):
+        return self.np_random.integers(0, 256, (1, 36, 36), dtype=np.uint8)
+
+
+@pytest.mark.heavy
+def test_a_cnn_policys_step_and_forward_pass_compile_without_a_graph_break():
+    # SB3's preprocess_obs asks is_image_space about the frames' bounds with NumPy comparisons: a data-dependent branch
+    # in the graph unless sb3_gpu makes the answer a constant.
+    kwargs = dict(n_steps=16, batch_size=16, n_epochs=1, policy_kwargs={"features_extractor_kwargs": {"features_dim": 32}})
+    ours = GradAccumPPO("CnnPolicy", make_vec_env(_Frames, n_envs=2), seed=1, device="cpu", **kwargs)
+    assert ours.compile_step() is None
+    with warnings.catch_warnings(), th._inductor.config.patch(fallback_random=True):  # actions sampled as torch's
+        warnings.simplefilter("error", CompileFallbackWarning)
+        ours.learn(32)
+    plain = PPO("CnnPolicy", make_vec_env(_Frames, n_envs=2), seed=1, device="cpu", **kwargs).learn(32)  # seeded anew
+    assert ours._compiled_step.fallback is None and ours._compiled_act.fallback is None
+    th.testing.assert_close(th.as_tensor(ours.rollout_buffer.actions), th.as_tensor(plain.rollout_buffer.actions))
+    _assert_ppo_updated_and_logged_as(ours, plain, rtol=1e-4, atol=1e-5, log_rel=1e-3)
