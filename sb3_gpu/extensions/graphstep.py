@@ -42,8 +42,9 @@ class Batch(NamedTuple):
 LossFn = Callable[..., tuple[th.Tensor, tuple[th.Tensor, ...]]]
 
 
-def refusal(optimizer: th.optim.Optimizer, guard: OptimizerStep, observations: Any) -> str | None:
-    """Why ``optimizer``'s steps cannot be compiled whole, or None where they can."""
+def refusal(optimizer: th.optim.Optimizer, guard: OptimizerStep, observations: Any, accumulates: bool = False) -> str | None:
+    """Why ``optimizer``'s steps cannot be compiled whole, or None where they can; ``accumulates``: the caller's
+    compiled step takes a whole accumulation window (its loss the mean of the micro-batches' losses)."""
     if not hasattr(th._dynamo.config, "trace_autograd_ops"):
         return f"torch {th.__version__} cannot trace the backward pass into a graph (trace_autograd_ops)"
     if type(optimizer) is not th.optim.Adam:
@@ -57,12 +58,13 @@ def refusal(optimizer: th.optim.Optimizer, guard: OptimizerStep, observations: A
         return "the compiled step runs plain Adam (no amsgrad, maximize, decoupled weight decay, tensor hyperparameters)"
     if not isinstance(observations, th.Tensor):
         return "dict observations"
-    return _running_refusal(guard)
+    return _running_refusal(guard, guard.micro_batches if accumulates else 1)
 
 
-def _running_refusal(guard: OptimizerStep) -> str | None:
-    """What an extension switched on since may rule out: the step's own wrapper doing part of the work."""
-    if guard.micro_batches > 1:
+def _running_refusal(guard: OptimizerStep, micro_batches: int) -> str | None:
+    """What an extension switched on since may rule out: the step's own wrapper doing part of the work (accumulating
+    other than over the ``micro_batches`` the compiled step takes)."""
+    if guard.micro_batches != micro_batches:
         return "gradient accumulation steps once per several backward passes"
     return None
 
@@ -173,10 +175,15 @@ class Descent:
     update, traced into the caller's graph by calling it with the loss. Its flags are the ones the NaN guard reads.
 
     Call :meth:`prepare` before and :meth:`finish` after each (compiled) call of the function that calls it.
+    ``accumulates``: the caller takes the guard's whole accumulation window in one call, and its loss is the mean of
+    the micro-batches' losses, whose gradient is the mean of theirs, as the accumulating torch step takes it.
     """
 
-    def __init__(self, optimizer: th.optim.Optimizer, guard: OptimizerStep, max_grad_norm: float | None):
+    def __init__(
+        self, optimizer: th.optim.Optimizer, guard: OptimizerStep, max_grad_norm: float | None, accumulates: bool = False
+    ):
         self.optimizer, self.guard, self.max_grad_norm = optimizer, guard, max_grad_norm
+        self.micro_batches = guard.micro_batches if accumulates else 1
         self._build()
 
     def _build(self) -> None:
@@ -227,9 +234,9 @@ class Descent:
             self.guard._notify()  # AMP's scale logger, as after torch's step
 
     def usable(self) -> bool:
-        """Whether the optimizer's wrapper still leaves the whole step to this one (no accumulation switched on since
-        it was built, and no loss scale other than the one it took)."""
-        return _running_refusal(self.guard) is None and self.guard.loss_scale is self.scaler
+        """Whether the optimizer's wrapper still leaves the whole step to this one (no other accumulation switched on
+        since it was built, and no loss scale other than the one it took)."""
+        return _running_refusal(self.guard, self.micro_batches) is None and self.guard.loss_scale is self.scaler
 
     def __call__(self, loss: th.Tensor, gate: th.Tensor | None = None) -> None:
         """Step on ``loss``'s gradients; ``gate`` (a 0-dim bool tensor): where false the step is held back on the
@@ -354,9 +361,10 @@ class CompiledStep(CompiledUpdate):
         guard: OptimizerStep,
         max_grad_norm: float | None,
         mode: str = "default",
+        accumulates: bool = False,
     ):
         self.loss_fn = loss_fn
-        self.descent = Descent(optimizer, guard, max_grad_norm)
+        self.descent = Descent(optimizer, guard, max_grad_norm, accumulates)
         super().__init__(self._step, [self.descent], mode)
 
     @property

@@ -316,7 +316,7 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
     probe's figure for the eager step, timed here where the probe had nothing to compare (a run too short to earn any
     compile back is not timed compiled)."""
     device, on_cpu = v.device.device, v.device.device == "cpu"
-    refused = _compile_refusal(v.resolved, facts.observation_space)
+    refused = _compile_refusal(v.resolved, facts.observation_space, device)
     workload = _workload(v, facts)
     if refused is None and workload is None:
         refused = "the schedule counts episodes, so the run's gradient steps are not known"
@@ -377,8 +377,9 @@ def _not_compiled(v: _Variant, why: str | None) -> _Variant:
     return dataclasses.replace(v, speed=dataclasses.replace(v.speed, compile_reason=f"auto: not compiled: {why}"))
 
 
-def _compile_refusal(preset: Preset, obs_space: spaces.Space) -> str | None:
-    """Why the gradient step of ``preset`` could not be compiled whole (see ``extensions.graphstep.refusal``)."""
+def _compile_refusal(preset: Preset, obs_space: spaces.Space, device: str) -> str | None:
+    """Why the gradient step of ``preset`` on ``device`` could not be compiled whole (see
+    ``extensions.graphstep.refusal``)."""
     params: Any = preset.params
     optimizer = preset.policy_kwargs.get("optimizer_class")
     if optimizer not in (None, th.optim.Adam):
@@ -387,7 +388,16 @@ def _compile_refusal(preset: Preset, obs_space: spaces.Space) -> str | None:
     if any(adam_kwargs.get(k) for k in ("amsgrad", "maximize", "differentiable", "decoupled_weight_decay")):
         return "the compiled step runs plain Adam (no amsgrad, maximize, decoupled weight decay)"
     if getattr(params, "grad_accum_steps", 1) > 1:
-        return "gradient accumulation steps once per several backward passes"
+        if preset.algo not in ("dqn", "qrdqn"):  # the DQN family's compiled step takes a whole accumulation window
+            return "gradient accumulation steps once per several backward passes"
+        # As the model's own rule (PrioritizedDQN.compile_step): micro-batches see each other's priorities, so the
+        # graph must sample and update the trees itself, which it does on CUDA's device buffers.
+        in_graph = device.startswith("cuda") and preset.device_buffers != "false" and not preset.normalize
+        if getattr(params, "per", False) and not in_graph:
+            return (
+                "gradient accumulation with prioritized replay whose trees are searched on the host: each micro-batch's "
+                "priorities are updated before the next one is sampled, between graphs"
+            )
     if isinstance(obs_space, spaces.Dict):
         return "dict observations"
     if preset.algo != "ppo" and getattr(params, "use_sde", False):  # PPO's compiled step takes gSDE

@@ -22,7 +22,13 @@ from sb3_gpu.extensions.amp import enable_amp
 from sb3_gpu.extensions.compile import CompileFallbackWarning
 from sb3_gpu.extensions.graphstep import Descent
 from sb3_gpu.extensions.hostreads import HostReads
-from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, DeviceSumMinTree, PrioritizedDQN, PrioritizedQRDQN
+from sb3_gpu.extensions.per import (
+    DevicePrioritizedReplayBuffer,
+    DeviceSumMinTree,
+    PrioritizedDQN,
+    PrioritizedQRDQN,
+    PrioritizedReplayBuffer,
+)
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
@@ -164,7 +170,10 @@ def test_the_compiled_step_follows_a_replaced_optimizer_state():
         ({"policy_kwargs": {"optimizer_class": th.optim.SGD}}, "runs Adam's update, and this optimizer is SGD"),
         ({"policy_kwargs": {"optimizer_kwargs": {"amsgrad": True}}}, "plain Adam"),
         ({"policy_kwargs": {"optimizer_kwargs": {"weight_decay": 0.1, "decoupled_weight_decay": True}}}, "plain Adam"),
-        ({"grad_accum_steps": 2}, "gradient accumulation"),
+        (
+            {"grad_accum_steps": 2, "replay_buffer_class": PrioritizedReplayBuffer},
+            "gradient accumulation with prioritized replay whose trees are searched on the host",
+        ),
     ],
 )
 def test_what_the_compiled_step_cannot_run_stays_torchs_own_step_with_the_reason(kwargs, reason):
@@ -475,16 +484,15 @@ def test_a_step_that_samples_inside_its_graph_equals_the_same_step_run_eagerly()
     assert compiled._n_updates == eager._n_updates
 
 
-def _prioritized_dqn():
+def _prioritized_dqn(cls=PrioritizedDQN, **kwargs):
     """A DQN on the prioritized device buffer, with 3-step returns and two envs, filled past a wrap-around."""
-    model = PrioritizedDQN(
+    model = cls(
         "MlpPolicy",
         make_vec_env("CartPole-v1", n_envs=2, seed=0),
         replay_buffer_class=DevicePrioritizedReplayBuffer,
         replay_buffer_kwargs={"n_steps": 3, "gamma": 0.99, "alpha": 0.6, "beta": 0.5, "normalize": "buffer"},
         buffer_size=300,
-        policy_kwargs={"net_arch": [16]},
-        **{**COMMON, "learning_starts": 400},
+        **{**COMMON, "learning_starts": 400, "policy_kwargs": {"net_arch": [16]}, **kwargs},
     )
     model.learn(800)
     return model
@@ -629,3 +637,72 @@ def test_a_cnn_policys_step_and_forward_pass_compile_without_a_graph_break():
     assert ours._compiled_step.fallback is None and ours._compiled_act.fallback is None
     th.testing.assert_close(th.as_tensor(ours.rollout_buffer.actions), th.as_tensor(plain.rollout_buffer.actions))
     _assert_ppo_updated_and_logged_as(ours, plain, rtol=1e-4, atol=1e-5, log_rel=1e-3)
+
+
+def _assert_same_training(ours, theirs):
+    for a, b in zip(ours.policy.parameters(), theirs.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for mine, other in zip(_adam_state(ours), _adam_state(theirs), strict=True):
+        th.testing.assert_close(mine, other, rtol=1e-5, atol=1e-7)
+    assert ours._n_updates == theirs._n_updates
+
+
+def _adam_state(model):
+    return [t for state in model.policy.optimizer.state_dict()["state"].values() for t in state.values()]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_a_compiled_step_takes_a_whole_accumulation_window_as_torchs_step_does(algo):
+    # Three micro-batches per step, drawn from SB3's host buffer one after the other as torch's step draws them; a
+    # small max_grad_norm, so that clipping (of the mean gradient) takes part.
+    _, cls, policy_kwargs = ALGOS[algo]
+    kwargs = dict(COMMON, policy_kwargs=policy_kwargs, max_grad_norm=0.05, grad_accum_steps=3)
+    compiled, eager = cls("MlpPolicy", "CartPole-v1", **kwargs), cls("MlpPolicy", "CartPole-v1", **kwargs)
+    compiled.policy.load_state_dict(eager.policy.state_dict())
+    assert compiled.compile_step() is None
+    _fill(compiled, eager)
+    losses = []
+    for i in range(4):
+        for m in (compiled, eager):
+            _train(m, seed=i, steps=2)
+        losses.append(eager._device_log.read()["train/loss"])
+        losses[-1] = (losses[-1], compiled._device_log.read()["train/loss"])
+    assert compiled._compiled_step.fallback is None
+    _assert_same_training(compiled, eager)
+    assert int(_adam_state(compiled)[0]) == 8  # one Adam step per window of three micro-batches
+    for theirs, mine in losses:  # the mean over the micro-batches
+        assert mine == pytest.approx(theirs, rel=1e-5)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("cls", [PrioritizedDQN, PrioritizedQRDQN])
+def test_a_compiled_step_samples_each_micro_batch_after_the_last_ones_priority_update(cls):
+    # Prioritized device buffer, sampled inside the graph: the second micro-batch is drawn from the priorities the
+    # first one left, as torch's accumulating step draws it, with no read from the device.
+    extra = {"policy_kwargs": {"net_arch": [16], "n_quantiles": 5}} if cls is PrioritizedQRDQN else {}
+    compiled, eager = _prioritized_dqn(cls, grad_accum_steps=2, **extra), _prioritized_dqn(cls, grad_accum_steps=2, **extra)
+    assert compiled.compile_step() is None
+    compiled.replay_buffer.sample = None  # the in-graph draws, never the buffer's sample()
+    for model in (compiled, eager):
+        with HostReads() as reads:
+            _train(model, seed=0, steps=4)
+        assert reads.total == 0 or model is eager, reads.sites
+    assert compiled._compiled_step.fallback is None
+    _assert_same_training(compiled, eager)
+    mine, theirs = compiled.replay_buffer, eager.replay_buffer
+    leaves = th.arange(300)
+    th.testing.assert_close(mine.tree[leaves], theirs.tree[leaves], rtol=1e-5, atol=0)
+    th.testing.assert_close(mine.max_priority, theirs.max_priority, rtol=1e-5, atol=0)
+
+
+@pytest.mark.heavy
+def test_a_compiled_accumulating_step_on_the_uniform_device_buffer_reads_nothing_back():
+    compiled, eager = _uniform_dqn(grad_accum_steps=2), _uniform_dqn(grad_accum_steps=2)
+    for model, mode in ((compiled, "default"), (eager, "eager")):
+        assert model.compile_step(mode) is None
+        with HostReads() as reads:
+            _train(model, seed=0, steps=4)
+        assert reads.total == 0, reads.sites
+    assert compiled._compiled_step.fallback is None
+    _assert_same_training(compiled, eager)

@@ -390,17 +390,41 @@ def test_compile_auto_stays_eager_where_compiling_is_not_faster_or_would_not_pay
     )
 
 
-@pytest.mark.parametrize(
-    ("overrides", "why"),
-    [({"grad_accum_steps": 2, "batch_size": 32}, "gradient accumulation steps once per several backward passes")],
-    ids=["accumulation"],
+HOST_TREES = (
+    "gradient accumulation with prioritized replay whose trees are searched on the host: each micro-batch's "
+    "priorities are updated before the next one is sampled, between graphs"
 )
-def test_compile_auto_does_not_time_a_step_that_cannot_compile_whole(gpu_machine, overrides, why):
+
+
+@pytest.mark.parametrize(
+    ("algo", "device", "overrides", "why"),
+    [
+        (
+            "ppo",
+            "cuda:0",
+            {"grad_accum_steps": 2, "batch_size": 32},
+            "gradient accumulation steps once per several backward passes",
+        ),
+        ("dqn", "cpu", {"grad_accum_steps": 2, "per": True}, HOST_TREES),
+        ("dqn", "cuda:0", {"grad_accum_steps": 2, "per": True, "device_buffers": False}, HOST_TREES),
+    ],
+    ids=["ppo-accumulation", "dqn-per-cpu", "dqn-per-host-buffers"],
+)
+def test_compile_auto_does_not_time_a_step_that_cannot_compile_whole(gpu_machine, algo, device, overrides, why):
     compile_times = FakeCompile()
     prober = fake_prober(FakeTimes({"cuda:0": (1.0, 0.2), "cpu": (9.0, 0.5)}), compile_times)
-    plan = make_plan("ppo", "CartPole-v1", "cuda:0", hardware=gpu_machine, prober=prober, overrides=overrides)
+    plan = make_plan(algo, "CartPole-v1", device, hardware=gpu_machine, prober=prober, overrides=overrides)
     assert compile_times.asked == []
     assert plan.speed.compile == "false" and plan.speed.compile_reason == f"auto: not compiled: {why}"
+
+
+@pytest.mark.parametrize("overrides", [{"grad_accum_steps": 2, "per": True}, {"grad_accum_steps": 2, "per": False}])
+def test_compile_auto_times_the_dqn_familys_accumulating_step_where_it_compiles_whole(gpu_machine, overrides):
+    # On CUDA's device buffers the graph samples and updates the trees itself; a uniform buffer needs neither.
+    compile_times = FakeCompile()
+    prober = fake_prober(FakeTimes({"cuda:0": (1.0, 0.2), "cpu": (9.0, 0.5)}), compile_times)
+    plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine, prober=prober, overrides=overrides)
+    assert compile_times.asked != [] and plan.speed.compile_reason.startswith("probe: gradient step")
 
 
 def test_compile_auto_is_off_where_nothing_is_probed_and_on_devices_it_does_not_time(gpu_machine):

@@ -35,7 +35,8 @@ class _PrioritizedTraining(StagedObservations):
 
     Unlike SB3's, it reads nothing back from the device to log: the losses (their mean since the last write) and the
     device PER figures stay tensors until ``dump_logs``, which reads them in one go. With :meth:`compile_step` each
-    gradient step after the sampling is one compiled graph (``extensions.graphstep``).
+    gradient step, all its micro-batches, is one compiled graph (``extensions.graphstep``), with the sampling inside
+    where the buffer allows it.
     """
 
     grad_accum_steps: int
@@ -78,20 +79,36 @@ class _PrioritizedTraining(StagedObservations):
         raise NotImplementedError
 
     def compile_step(self, mode: str = "default", collect: bool = True) -> str | None:
-        """Run each gradient step (after the sampling) as one compiled graph, a CUDA graph on CUDA with
-        ``mode="reduce-overhead"``; ``mode="eager"`` runs the same step uncompiled. Returns why the step stays
-        torch's own, or None. Collection runs the Q-network as it is (``compile_policy`` compiles it), whatever
-        ``collect`` says. Call it again after ``load``."""
+        """Run each gradient step (its ``grad_accum_steps`` micro-batches, and their sampling where the buffer can
+        sample inside a graph) as one compiled graph, a CUDA graph on CUDA with ``mode="reduce-overhead"``;
+        ``mode="eager"`` runs the same step uncompiled. Returns why the step stays torch's own, or None. Collection
+        runs the Q-network as it is (``compile_policy`` compiles it), whatever ``collect`` says. Call it again after
+        ``load``."""
         optimizer = self.policy.optimizer  # type: ignore[attr-defined]
         guard = optimizer_step(optimizer, self.policy)  # type: ignore[attr-defined]
-        reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])  # type: ignore[attr-defined]
+        obs = self.policy.obs_to_tensor(self.observation_space.sample())[0]  # type: ignore[attr-defined]
+        reason = refusal(optimizer, guard, obs, accumulates=True) or self._host_trees_refusal(self.replay_buffer)  # type: ignore[attr-defined]
         if reason is None:
-            self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode)  # type: ignore[attr-defined]
+            self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode, accumulates=True)  # type: ignore[attr-defined]
             self._position = th.zeros(2, dtype=th.long, device=self.device)  # type: ignore[attr-defined]
             th._dynamo.mark_static_address(self._position)
             self._fixed_buffer: Any = None
             self._fix_buffer(self.replay_buffer)  # type: ignore[attr-defined]
         return reason
+
+    def _host_trees_refusal(self, buffer: Any) -> str | None:
+        """Why ``buffer`` rules out a compiled step: with accumulation, each micro-batch's priorities are updated
+        before the next one is sampled, which one graph can do only where it samples and updates the trees itself."""
+        if self.grad_accum_steps == 1 or not isinstance(buffer, _PRIORITIZED) or self._samples_in_graph(buffer):
+            return None
+        return (
+            "gradient accumulation with prioritized replay whose trees are searched on the host: each micro-batch's "
+            "priorities are updated before the next one is sampled, between graphs"
+        )
+
+    def _samples_in_graph(self, buffer: Any) -> bool:
+        env = self._vec_normalize_env  # type: ignore[attr-defined]
+        return type(buffer) in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer) and buffer.samples_in_graph(env)
 
     def _fix_buffer(self, buffer: Any) -> None:
         """Fix the addresses of what the compiled step samples from (and with PER, updates) inside its graph, so that
@@ -104,11 +121,23 @@ class _PrioritizedTraining(StagedObservations):
             th._dynamo.mark_static_address(t)
         self._fixed_buffer = buffer
 
-    def _graph_loss(self, source: str, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
-        """The compiled step's loss, by ``source``: ``batch`` (a sampled batch: ``batch, discounts, weights``),
-        ``uniform`` (the batch that ``draws, position`` pick from a uniform device buffer) or ``prioritized`` (the
-        batch that ``uniforms, position`` pick from a prioritized device buffer, whose priorities the TD errors then
-        update): the last two sampled inside the graph."""
+    def _graph_loss(
+        self, source: str, micro_batches: tuple[tuple[Any, ...], ...], *shared: Any
+    ) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
+        """The compiled step's loss: the mean of its micro-batches' losses (whose gradient is the mean of theirs, as
+        the accumulating torch step takes it), and each one's TD errors. Each micro-batch's inputs, by ``source``:
+        ``batch`` (a sampled batch: ``batch, discounts, weights``), ``uniform`` (the batch that ``draws`` and the
+        shared ``position`` pick from a uniform device buffer) or ``prioritized`` (the batch that ``uniforms`` and
+        ``position`` pick from a prioritized device buffer, whose priorities its TD errors then update, before the
+        next micro-batch is drawn): the last two sampled inside the graph."""
+        losses, td_errors = [], []
+        for inputs in micro_batches:
+            loss, (td,) = self._micro_batch_loss(source, *inputs, *shared)
+            losses.append(loss)
+            td_errors.append(td)
+        return losses[0] if len(losses) == 1 else th.stack(losses).mean(), tuple(td_errors)
+
+    def _micro_batch_loss(self, source: str, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         if source == "batch":
             return self._weighted_loss(*inputs)
         buffer = self.replay_buffer  # type: ignore[attr-defined]
@@ -144,34 +173,38 @@ class _PrioritizedTraining(StagedObservations):
         if self._accumulator is not None:
             self._accumulator.reset()
         compiled = self._compiled_step
-        if compiled is not None and not compiled.usable():
-            compiled = None  # accumulation or fp16 scaling switched on since compile_step: torch's step does them
-        env = self._vec_normalize_env  # type: ignore[attr-defined]
-        in_graph = type(buffer) in (DeviceReplayBuffer, DevicePrioritizedReplayBuffer) and buffer.samples_in_graph(env)
-        if compiled is not None and in_graph:
+        if compiled is not None and (not compiled.usable() or self._host_trees_refusal(buffer)):
+            # Accumulation or fp16 scaling switched on since compile_step, or a loaded buffer whose trees are searched
+            # on the host where micro-batches must see each other's priorities: torch's step does them.
+            compiled = None
+        micro = self.grad_accum_steps
+        if compiled is not None and self._samples_in_graph(buffer):
             self._fix_buffer(buffer)
             buffer.fill_position(self._position)  # where the envs have written to, as each sample() would read it
             if per is not None:
                 buffer.prepare_graph_sampling(batch_size)
-            for _ in range(gradient_steps):  # one op outside the graph: the draws, from the buffer's generator
-                if per is None:
-                    loss, _ = compiled("uniform", buffer.draws(batch_size), self._position)
-                else:
-                    loss, _ = compiled("prioritized", buffer.uniforms(batch_size), self._position)
+            source, draw = ("uniform", buffer.draws) if per is None else ("prioritized", buffer.uniforms)
+            for _ in range(gradient_steps):  # one op per micro-batch outside the graph: its draws, from the buffer's generator
+                loss, _ = compiled(source, tuple((draw(batch_size),) for _ in range(micro)), self._position)
                 self._device_log.mean("train/loss", loss)
             self._n_updates += gradient_steps  # type: ignore[attr-defined]
             self._log(per)
             return
-        for _ in range(gradient_steps * self.grad_accum_steps):
-            data = buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[attr-defined]
-            discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
-            if compiled is not None:
-                batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
-                loss, (td_errors,) = compiled("batch", batch, discounts, data.weights.flatten() if per is not None else None)
+        if compiled is not None:
+            for _ in range(gradient_steps):
+                # Drawn one after the other, as torch's step draws them (with PER only one micro-batch: see above).
+                samples = [buffer.sample(batch_size, env=self._vec_normalize_env) for _ in range(micro)]  # type: ignore[attr-defined]
+                inputs = tuple(self._batch_inputs(data, per is not None) for data in samples)
+                loss, each = compiled("batch", inputs)
                 self._device_log.mean("train/loss", loss)
                 if per is not None:  # a non-finite TD error is refused by the tree as it skipped the step
-                    self._update_priorities(per, data.indices, td_errors)
-                continue
+                    self._update_priorities(per, samples[0].indices, each[0])
+            self._n_updates += gradient_steps  # type: ignore[attr-defined]
+            self._log(per)
+            return
+        for _ in range(gradient_steps * micro):
+            data = buffer.sample(batch_size, env=self._vec_normalize_env)  # type: ignore[attr-defined]
+            discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
             loss, (td_errors,) = self._weighted_loss(data, discounts, data.weights.flatten() if per is not None else None)
             if per is not None:
                 # Before the backward pass: a NaN TD error is refused before anything reaches the tree or the weights.
@@ -184,6 +217,12 @@ class _PrioritizedTraining(StagedObservations):
             optimizer.step()
         self._n_updates += gradient_steps  # type: ignore[attr-defined]
         self._log(per)
+
+    def _batch_inputs(self, data: Any, per: bool) -> tuple[Batch, th.Tensor | float, th.Tensor | None]:
+        """A sample as the compiled step's ``batch`` source takes it."""
+        discounts = data.discounts if data.discounts is not None else self.gamma  # type: ignore[attr-defined]
+        batch = Batch(data.observations, data.actions, data.next_observations, data.dones, data.rewards)
+        return batch, discounts, data.weights.flatten() if per else None
 
     @staticmethod
     def _update_priorities(per: Any, indices: Any, td_errors: th.Tensor) -> None:
