@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--buffer-size",
         type=positive_int,
-        help="replay buffer of the off-policy cases (default: the preset's); a step's counts do not depend on it",
+        help="replay buffer of the off-policy cases (default: the preset's); uniform replay's counts do not depend on it, "
+        "PER's tree has fewer levels in a smaller buffer",
     )
     step.add_argument("--out", default="bench-results", help="folder for step.json and step.md")
     auto = sub.add_parser("auto", help="auto's device, amp and threads against every alternative, idle and beside busy work")

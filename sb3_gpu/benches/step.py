@@ -81,8 +81,9 @@ def parse_case(text: str) -> tuple[str, str, str]:
 
 def plan_case(text: str, device: str, variant: str = "sb3", buffer_size: int | None = None) -> Plan:
     """The plan a case's variant trains with (a ConfigError for an env or profile that does not suit it).
-    ``buffer_size`` replaces an off-policy preset's: a step reads a batch, whatever the buffer holds, so the counts do
-    not change with it, and a CPU can then count a profile whose buffer only a big machine holds."""
+    ``buffer_size`` replaces an off-policy preset's, so that a CPU can count a profile whose buffer only a big machine
+    holds: a uniform sample's ops do not change with it; PER's tree searches and updates take one op more per level
+    of its trees, which a smaller buffer can have fewer of."""
     algo, env, profile = parse_case(text)
     algo, _, extension = algo.partition("+")
     overrides: dict[str, Any] = {"amp": "off", "compile": False, "device_buffers": variant != "sb3"}
@@ -300,11 +301,18 @@ def _case_rows(text: str, device: str, repeats: int, vec_steps: int, buffer_size
     if not built:
         return []
     dev = built[0].model.device
-    counts = [(_count(v.train, dev), _count(v.collect, dev)) for v in built]
+    # Training first, all of it: a collection shorter than PPO's rollout leaves its buffer part-filled, which SB3's
+    # train() refuses.
+    grad_counts = [_count(v.train, dev) for v in built]
     grad_s = interleaved_medians([v.train for v in built], dev, repeats)
+    sync_free = [_sync_free(v.train, dev) for v in built]
+    vec_counts = [_count(v.collect, dev) for v in built]
     vec_s = interleaved_medians([v.collect for v in built], dev, repeats)
+    counts = zip(grad_counts, vec_counts, sync_free, strict=True)
     rows = []
-    for v, ((grad_reads, grad_ops, busy), (vec_reads, vec_ops, _)), g, c in zip(built, counts, grad_s, vec_s, strict=True):
+    for v, ((grad_reads, grad_ops, busy), (vec_reads, vec_ops, _), free), g, c in zip(
+        built, counts, grad_s, vec_s, strict=True
+    ):
         rows.append(
             StepRow(
                 text,
@@ -317,7 +325,7 @@ def _case_rows(text: str, device: str, repeats: int, vec_steps: int, buffer_size
                 c / v.vec_steps * 1e3,
                 v.breaks,
                 busy,
-                _sync_free(v.train, dev),
+                free,
             )
         )
     return rows

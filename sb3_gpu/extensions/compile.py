@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from collections.abc import Callable
@@ -9,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch as th
+from gymnasium import spaces
 from stable_baselines3.common import preprocessing
 from stable_baselines3.common.base_class import BaseAlgorithm
 
@@ -37,8 +39,33 @@ def _space_checks_constant() -> None:
     """Mark SB3's ``is_image_space`` as constant for dynamo. SB3's ``preprocess_obs`` asks it whether a Box of uint8
     frames is bounded by 0 and 255, with NumPy comparisons of the space's bounds, which dynamo traces as tensor ops and
     then cannot branch on: every CNN policy's graph broke there ("Data-dependent branching"). A space's bounds do not
-    change, so the answer is a constant of each graph. Marking changes nothing outside a compiled function."""
-    th.compiler.assume_constant_result(preprocessing.is_image_space)
+    change, so the answer is a constant of each graph. Marking changes nothing outside a compiled function; it is
+    left undone where this torch's dynamo cannot take a space as such a function's argument."""
+    if _constants_take_objects():
+        th.compiler.assume_constant_result(preprocessing.is_image_space)
+
+
+def _is_box(space: Any) -> bool:
+    return isinstance(space, spaces.Box)
+
+
+@functools.cache
+def _constants_take_objects() -> bool:
+    """Whether dynamo takes an object (a space) as the argument of a function marked constant, guarding on the
+    object's identity, as torch 2.13's does. A dynamo that takes only Python constants there would break every graph
+    that calls the marked function: every policy's, MLPs' too, since ``preprocess_obs`` asks about any Box. Traced
+    once per process, without compiling (dynamo's eager backend)."""
+    marked = th.compiler.assume_constant_result(_is_box)
+    space = spaces.Box(0.0, 1.0, (1,))
+
+    def probe(x: th.Tensor) -> th.Tensor:
+        return x + 1 if marked(space) else x
+
+    try:
+        th.compile(probe, backend="eager", fullgraph=True)(th.zeros(1))
+    except Exception:  # dynamo's refusals take several types across versions
+        return False
+    return True
 
 
 def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | None:

@@ -243,6 +243,10 @@ class Descent:
         device, as a non-finite gradient holds it back, but not counted as one (PPO's ``target_kl`` early stop)."""
         params = self.adam.params
         scale = self.scaler.tensors[0] if self.scaler is not None and self.scaler.tensors is not None else None
+        if scale is not None and self.micro_batches > 1:
+            # The loss is the micro-batches' mean: each one's backward pass runs at the full scale, as torch's step
+            # runs it (its overflows are the same), and the sum comes out divided by the scale and their number.
+            scale = scale * self.micro_batches
         scaled = loss * scale if scale is not None else loss  # fp16: small gradients kept above fp16's underflow
         grads: list[th.Tensor | None] = list(th.autograd.grad(scaled, params, allow_unused=True))
         with th.no_grad():

@@ -387,6 +387,8 @@ def _compile_refusal(preset: Preset, obs_space: spaces.Space, device: str) -> st
     adam_kwargs = preset.policy_kwargs.get("optimizer_kwargs") or {}
     if any(adam_kwargs.get(k) for k in ("amsgrad", "maximize", "differentiable", "decoupled_weight_decay")):
         return "the compiled step runs plain Adam (no amsgrad, maximize, decoupled weight decay)"
+    if isinstance(obs_space, spaces.Dict):
+        return "dict observations"
     if getattr(params, "grad_accum_steps", 1) > 1:
         if preset.algo not in ("dqn", "qrdqn"):  # the DQN family's compiled step takes a whole accumulation window
             return "gradient accumulation steps once per several backward passes"
@@ -398,8 +400,6 @@ def _compile_refusal(preset: Preset, obs_space: spaces.Space, device: str) -> st
                 "gradient accumulation with prioritized replay whose trees are searched on the host: each micro-batch's "
                 "priorities are updated before the next one is sampled, between graphs"
             )
-    if isinstance(obs_space, spaces.Dict):
-        return "dict observations"
     if preset.algo != "ppo" and getattr(params, "use_sde", False):  # PPO's compiled step takes gSDE
         return "gSDE's exploration matrix is resampled outside the step"
     return None

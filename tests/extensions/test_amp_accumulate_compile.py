@@ -326,16 +326,17 @@ def test_fp16_scale_on_the_device_is_logged_when_the_logs_are_written():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("algo", ["ppo", "dqn"])
+@pytest.mark.parametrize("algo", ["ppo", "dqn", "dqn-accumulating"])
 def test_the_compiled_step_scales_fp16_losses_on_the_device_as_the_eager_step(algo):
     from sb3_gpu.extensions.per import PrioritizedDQN
 
     def make():
         if algo == "ppo":
             return GradAccumPPO("MlpPolicy", "CartPole-v1", seed=0, device="cpu", **SMALL_PPO)
-        return PrioritizedDQN(
+        return PrioritizedDQN(  # accumulating: each micro-batch's backward pass at the full scale, as torch's step
             "MlpPolicy",
             "CartPole-v1",
+            grad_accum_steps=2 if algo == "dqn-accumulating" else 1,
             learning_starts=32,
             batch_size=16,
             seed=0,

@@ -706,3 +706,33 @@ def test_a_compiled_accumulating_step_on_the_uniform_device_buffer_reads_nothing
         assert reads.total == 0, reads.sites
     assert compiled._compiled_step.fallback is None
     _assert_same_training(compiled, eager)
+
+
+def test_sb3s_image_check_is_a_graph_constant_where_this_torch_takes_a_space_as_its_argument():
+    from stable_baselines3.common import preprocessing
+
+    from sb3_gpu.extensions import compile as compile_module
+
+    compile_module.own_code(lambda: None)
+    # torch 2.13's dynamo guards on the space's identity: a marked function with a space argument traces.
+    assert compile_module._constants_take_objects()
+    assert getattr(preprocessing.is_image_space, "_dynamo_marked_constant", False)
+
+
+def test_an_accumulating_fp16_step_backpropagates_each_micro_batch_at_the_full_scale(monkeypatch):
+    # The loss is the micro-batches' mean: scaled by the scale times their number, each one's backward pass runs at
+    # the scale torch's accumulating step runs it at, so the two overflow alike.
+    model = PrioritizedDQN("MlpPolicy", "CartPole-v1", grad_accum_steps=2, policy_kwargs={"net_arch": [16]}, **COMMON)
+    enable_amp(model, "fp16", init_scale=2.0**8)
+    assert model.compile_step("eager") is None
+    _fill(model)
+    backpropagated = []
+    grad = th.autograd.grad
+
+    def recorded(outputs, *args, **kwargs):
+        backpropagated.append(float(outputs))
+        return grad(outputs, *args, **kwargs)
+
+    monkeypatch.setattr(th.autograd, "grad", recorded)
+    _train(model, seed=0)
+    assert backpropagated == [pytest.approx(model._device_log.read()["train/loss"] * 2.0**8 * 2, rel=1e-3)]

@@ -135,7 +135,9 @@ class _PrioritizedTraining(StagedObservations):
             loss, (td,) = self._micro_batch_loss(source, *inputs, *shared)
             losses.append(loss)
             td_errors.append(td)
-        return losses[0] if len(losses) == 1 else th.stack(losses).mean(), tuple(td_errors)
+        loss = losses[0] if len(losses) == 1 else th.stack(losses).mean()
+        # Sampled inside the graph, the TD errors were used there: no output to copy out of a CUDA graph's pool.
+        return loss, tuple(td_errors) if source == "batch" else ()
 
     def _micro_batch_loss(self, source: str, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:
         if source == "batch":
