@@ -103,7 +103,8 @@ def _model(text: str, device: str, variant: str, buffer_size: int | None) -> tup
     per = bool(getattr(plan.preset.params, "per", False))  # plan_case's choice: +per, and not SB3's own variant
     kwargs = model_kwargs(plan)
     spec = get_algo(algo)
-    cls = plan.preset.model_class if variant == "sb3" else spec.extended_class
+    # SB3's own class for its row, also where a profile's accumulation or PER would make the preset's sb3_gpu's.
+    cls = spec.model_class if variant == "sb3" else spec.extended_class
     assert cls is not None
     if variant == "sb3":  # SB3's train() cannot accumulate: it takes the k micro-batches as one batch, the same samples
         accumulate = kwargs.pop("grad_accum_steps", 1)

@@ -696,3 +696,14 @@ def test_bench_step_gives_sb3_the_samples_an_accumulating_step_takes(monkeypatch
         model, _ = step._model("dqn:CartPole-v1", "cpu", variant)
         assert (model.batch_size, getattr(model, "grad_accum_steps", 1)) == (batch, accumulate), variant
         model.get_env().close()
+
+
+def test_bench_steps_sb3_row_is_sb3s_own_class_where_the_profile_accumulates():
+    from stable_baselines3 import DQN
+
+    from sb3_gpu.benches import step
+
+    # The large profile accumulates two micro-batches of 1,024, which would make the preset's class sb3_gpu's: SB3's
+    # row takes the two as one batch.
+    model, breaks = step._model("dqn:FrozenLake-v1:large", "cpu", "sb3", 4096)
+    assert type(model) is DQN and model.batch_size == 2048 and breaks == "-"
