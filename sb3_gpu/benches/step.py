@@ -96,7 +96,7 @@ def plan_case(text: str, device: str, variant: str = "sb3", buffer_size: int | N
     return make_plan(algo, env, device, seed=0, profile=profile, overrides=overrides, vec_env="dummy")
 
 
-def _model(text: str, device: str, variant: str, buffer_size: int | None) -> tuple[BaseAlgorithm, str]:
+def _model(text: str, device: str, variant: str, buffer_size: int | None = None) -> tuple[BaseAlgorithm, str]:
     """A model of the variant, warmed up on its own data (buffers filled, compiled), and its graph-break note."""
     plan = plan_case(text, device, variant, buffer_size)
     algo, off_policy = plan.algo, plan.algo != "ppo"
