@@ -39,6 +39,9 @@ lint: setup
 	$(BIN)/ruff format --check sb3_gpu tests tools
 	$(BIN)/mypy sb3_gpu
 
-# Every test: -m "" takes back the default's leaving out of the slow and heavy ones (pyproject.toml).
+# Every test: -m "" takes back the default's leaving out of the slow and heavy ones (pyproject.toml), on TEST_WORKERS
+# processes (pytest-xdist): most of the suite's time is one core compiling or training, so two workers on two cores
+# take about half the time of one.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -m ""
+	$(BIN)/python -m pytest -m "" -n $(TEST_WORKERS)

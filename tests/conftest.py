@@ -37,6 +37,12 @@ if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
+def squashed(text: str) -> str:
+    """``text`` without its whitespace: where rich wraps a line (at a space, or inside a long path) depends on the
+    width of the terminal and of the paths printed, so a test compares printed text with this on both sides."""
+    return "".join(text.split())
+
+
 def machine(
     gpus: int = 0,
     capability: tuple[int, int] = (8, 0),

@@ -45,8 +45,11 @@ _NO_KERNEL = frozenset(
         *("view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "expand", "as_strided"),
         *("t", "transpose", "permute", "select", "slice", "unbind", "split", "chunk", "alias", "detach"),
         *("lift_fresh", "to", "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg"),
+        *("new_empty", "new_empty_strided", "resize_", "as_strided_"),
     )
 )
+# What an op that computes calls to make its output, where it dispatches that (a convolution on the CPU does).
+_ALLOCATES = frozenset(("empty", "empty_like", "empty_strided", "resize_", "as_strided_"))
 
 
 @dataclass(frozen=True)
@@ -197,13 +200,30 @@ def _count(fn: Callable[[], None], device: th.device) -> tuple[int, int, float |
     # On the CPU: the ops that would each be a kernel on a GPU, the innermost aten ops that compute (not views or
     # no-op casts), and inductor's kernels (events of their own with enable_kernel_profile). Not dynamo's guards: they
     # read 0-dim float64 and int tensors with item() only where those live on the CPU (a GPU's stay on the device).
-    ops = 0
-    for e in events:
-        if e.name.startswith(("cpp_fused", "graph_")):
-            ops += 1
-        elif e.name.startswith("aten::") and e.name[6:] not in _NO_KERNEL and not _in_guard(e):
-            ops += not any(c.name.startswith("aten::") for c in e.cpu_children)
+    ops = sum(e.name.startswith(("cpp_fused", "graph_")) or (_kernel(e) and not _in_guard(e)) for e in events)
     return reads.total, ops, None
+
+
+def _computes(event: Any) -> bool:
+    """Whether ``event`` is an aten op that is not a view or a change of metadata."""
+    return bool(event.name.startswith("aten::") and event.name[6:] not in _NO_KERNEL)
+
+
+def _kernel(event: Any) -> bool:
+    """Whether ``event`` is an op that is itself one kernel: it computes, nothing it calls does (``aten::linear`` is
+    not one, the ``aten::addmm`` inside it is), and it calls nothing, or only what makes its output (a convolution
+    does: it is one kernel, not the two bookkeeping calls inside it). ``aten::flatten``, which only calls a view, is
+    none."""
+    children = [c for c in event.cpu_children if c.name.startswith("aten::")]
+    return (
+        _computes(event)
+        and not any(_computes(c) or _computes_inside(c) for c in children)
+        and (not children or any(c.name[6:] in _ALLOCATES for c in children))
+    )
+
+
+def _computes_inside(event: Any) -> bool:
+    return any(_computes(c) or _computes_inside(c) for c in event.cpu_children)
 
 
 def _in_guard(event: Any) -> bool:

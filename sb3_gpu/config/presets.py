@@ -93,7 +93,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     """Parse ``key=value`` (the value read as a YAML scalar, list or mapping)."""
     key, sep, raw = text.partition("=")
     key = key.strip()
-    if not sep or not key:
+    if not sep or not key or not key.isprintable() or any(c.isspace() for c in key):
         raise ConfigError(f"--set expects key=value (e.g. batch_size=128), got {text!r}")
     return key, parse_yaml(raw, f"--set {key}")
 

@@ -15,7 +15,7 @@ from stable_baselines3 import PPO
 from sb3_gpu.evaluate import main as evaluate_main
 from sb3_gpu.train import build_parser, run_options
 from sb3_gpu.train import main as train_main
-from tests.conftest import run_cli
+from tests.conftest import run_cli, squashed
 
 
 @pytest.mark.heavy
@@ -67,7 +67,7 @@ def test_train_writes_a_complete_run_dir(tmp_path):
 
     replay = run_cli("sb3_gpu.train", "--config", str(run_dir / "config.yaml"), "--plan")
     assert replay.returncode == 0, replay.stderr
-    assert "n_epochs" in replay.stdout and str(run_dir / "config.yaml") in replay.stdout.replace("\n", "")
+    assert "n_epochs" in replay.stdout and squashed(str(run_dir / "config.yaml")) in squashed(replay.stdout)
 
     evaluation = run_cli("sb3_gpu.evaluate", str(run_dir), "--episodes", "2", "--json")
     assert evaluation.returncode == 0, evaluation.stderr

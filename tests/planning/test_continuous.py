@@ -27,7 +27,7 @@ from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import restore_model, save_state
 from sb3_gpu.runs.telemetry import ThroughputCallback
 from sb3_gpu.train import main as train_main
-from tests.conftest import machine
+from tests.conftest import machine, squashed
 from tests.planning.test_probe import FakeCompile, FakeTimes, fake_prober
 from tests.runs.test_video import read_back
 
@@ -254,10 +254,10 @@ def test_td3_trains_resumes_with_its_replay_buffer_and_evaluates_with_a_video(tm
     tiny += ["--set", "compile=default", "--set", "device_buffers=true"]  # resumed: compiled anew, buffer restored
     first = call_main(train_main, "td3", *tiny, *common, "--timesteps", "300", "--save-replay-buffer", "--run-dir", run)
     assert first.returncode == 0, first.stderr
-    assert "Pendulum-v1" in first.stdout and "td3.yaml:Pendulum-v1" in first.stdout.replace("\n", "")
+    assert "Pendulum-v1" in first.stdout and "td3.yaml:Pendulum-v1" in squashed(first.stdout)
     resumed = call_main(train_main, "--resume", run, "--timesteps", "450", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
-    assert "replay buffer restored from" in resumed.stdout.replace("\n", "")
+    assert squashed("replay buffer restored from") in squashed(resumed.stdout)
     assert (tmp_path / "run" / "replay_buffer.pkl").is_file()  # saved again, as the run did
     unsaved = call_main(train_main, "--resume", run, "--timesteps", "500", "--no-save-replay-buffer", "--no-progress")
     assert unsaved.returncode == 0, unsaved.stderr

@@ -17,6 +17,7 @@ from sb3_gpu.runs import evaluation, training
 from sb3_gpu.runs.evaluation import BestModel, EvaluationStopped, TimedEvalCallback
 from sb3_gpu.runs.rundir import RunDir, zip_timesteps
 from sb3_gpu.train import main as train_main
+from tests.conftest import squashed
 from tests.fault_envs import Endless
 
 EVERY = 32  # env steps between evaluations: one PPO rollout of 32 steps on one env
@@ -299,7 +300,8 @@ def test_a_check_that_fails_costs_neither_the_summary_nor_the_chosen_best(tmp_pa
 
 
 @pytest.mark.heavy
-def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overrides_it(tmp_path, call_main):
+def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overrides_it(tmp_path, call_main, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # a plan table's cells on one line each, however long this test's paths
     preset = tmp_path / "often.yaml"
     preset.write_text("CartPole-v1:\n  eval_freq: 64\n")
     args = ["ppo", *TINY, "--preset", str(preset), "--timesteps", "128", "--eval-episodes", "1", "--confirm-episodes", "0"]
@@ -317,7 +319,7 @@ def test_a_presets_eval_freq_sets_how_often_a_run_evaluates_and_eval_freq_overri
     trained = call_main(train_main, *args, "--eval-freq", "32", "--timesteps", "100", "--run-dir", str(over), "--no-progress")
     assert trained.returncode == 0, trained.stderr
     assert "every 32 env steps (--eval-freq; 4 times)" in " ".join(trained.stdout.split())
-    assert "--timesteps; trains 128: SB3 completes each rollout of n_steps * n_envs" in trained.stdout.replace("\n", "")
+    assert squashed("--timesteps; trains 128: SB3 completes each rollout of n_steps * n_envs") in squashed(trained.stdout)
     assert np.load(over / "eval" / "evaluations.npz")["timesteps"].tolist() == [32, 64, 96, 128]
     # A resumed run evaluates as its config says: the preset's interval is among its hyperparameters.
     resumed = call_main(train_main, "--resume", str(tmp_path / "run2"), "--timesteps", "256", "--no-progress")
@@ -349,30 +351,36 @@ def test_a_replayed_config_evaluates_and_saves_as_its_run_did_and_flags_still_wi
         result = call_main(train_main, "--config", str(first), *extra, "--run-dir", str(run_dir), "--no-progress")
         assert result.returncode == 0, result.stderr
         run = yaml.safe_load((run_dir / "config.yaml").read_text())["run"]
-        return np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist(), run, " ".join(result.stdout.split())
+        # squashed: a path in the table may wrap anywhere
+        return np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist(), run, squashed(result.stdout)
 
     at, run, out = replay("same")
-    assert at == [32, 64, 96, 128] and "(eval_freq, " in out, out
+    assert at == [32, 64, 96, 128] and squashed("(eval_freq, ") in out, out
     assert run == {"eval_freq": None, "eval_episodes": 1, "confirm_episodes": 0, "checkpoint_freq": 64,
                    "save_replay_buffer": False}  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "same" / "checkpoints").glob("*.zip")) == sorted(
         p.name for p in (first / "checkpoints").glob("*.zip")
     )
     at, run, out = replay("flags", "--eval-freq", "64", "--eval-episodes", "2")
-    assert at == [64, 128] and run["eval_episodes"] == 2 and run["confirm_episodes"] == 0 and "(--eval-freq; 2 times)" in out
+    assert (
+        at == [64, 128]
+        and run["eval_episodes"] == 2
+        and run["confirm_episodes"] == 0
+        and squashed("(--eval-freq; 2 times)") in out
+    )
     # A config written while --eval-freq was a run option kept the interval there: a replay keeps it, as the preset's.
     config = yaml.safe_load((first / "config.yaml").read_text())
     del config["hyperparameters"]["eval_freq"]
     config["run"]["eval_freq"] = 64
     (first / "config.yaml").write_text(yaml.safe_dump(config))
     at, run, out = replay("older")
-    assert at == [64, 128] and "(run.eval_freq, " in out and "first/config.yaml; 2 times)" in out, out
+    assert at == [64, 128] and "(run.eval_freq," in out and squashed("first/config.yaml; 2 times)") in out, out
     assert (
         run["eval_freq"] is None
         and yaml.safe_load((tmp_path / "older" / "config.yaml").read_text())["hyperparameters"]["eval_freq"] == 64
     )
     at, run, out = replay("older_set", "--set", "eval_freq=32")
-    assert at == [32, 64, 96, 128] and "(eval_freq, --set; 4 times)" in out, out
+    assert at == [32, 64, 96, 128] and squashed("(eval_freq, --set; 4 times)") in out, out
 
 
 def test_a_model_zip_inside_a_run_dir_names_the_run_dir_as_given(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.planning.table import plan_table
 from sb3_gpu.runs.rundir import zip_timesteps
 from sb3_gpu.train import main as train_main
-from tests.conftest import run_cli
+from tests.conftest import run_cli, squashed
 from tests.fault_envs import Endless
 
 ENDLESS = "tests.fault_envs:Endless"
@@ -103,7 +103,7 @@ def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_pa
     expected = (
         f"stopped by SIGINT: model saved to {model} at 32 timesteps; continue with: {command()} -m sb3_gpu.train --resume"
     )
-    assert expected in result.stderr.replace("\n", "")
+    assert squashed(expected) in squashed(result.stderr)
     assert zip_timesteps(model) == 32
 
 
@@ -116,18 +116,16 @@ def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_adv
     advice = (
         f"training was complete and its final evaluation was stopped (to evaluate: {command()} -m sb3_gpu.evaluate {run_dir})"
     )
-    assert advice in result.stderr.replace("\n", "") and zip_timesteps(run_dir / "model.zip") == 32
+    assert squashed(advice) in squashed(result.stderr) and zip_timesteps(run_dir / "model.zip") == 32
 
 
 def test_a_signal_at_the_last_step_of_training_advises_evaluate_not_resume(tmp_path, call_main):
     run_dir, result = _train_signalled(tmp_path, call_main, signal_at=32, timesteps=32, eval_freq=100_000)
     assert result.returncode == 130, result.stderr
     assert zip_timesteps(run_dir / "model.zip") == 32  # all of the run: --resume would refuse
-    stderr = result.stderr.replace("\n", "")
-    assert (
-        f"training was complete (to evaluate: {command()} -m sb3_gpu.evaluate {run_dir})" in stderr
-        and "--resume" not in stderr
-    )
+    stderr = squashed(result.stderr)
+    assert squashed(f"training was complete (to evaluate: {command()} -m sb3_gpu.evaluate {run_dir})") in stderr
+    assert "--resume" not in stderr
 
 
 @pytest.mark.heavy

@@ -38,7 +38,7 @@ from sb3_gpu.runs.rundir import RunDir, zip_timesteps
 from sb3_gpu.runs.saving import load_model, load_vecnormalize, save_state
 from sb3_gpu.runs.training import train_run
 from sb3_gpu.train import main as train_main
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, squashed
 
 FAULTY = "tests.fault_envs:FaultyCartPoleV1"
 
@@ -329,8 +329,8 @@ def test_sigterm_before_a_resume_trained_keeps_the_run_dir_and_names_its_last_mo
 
     monkeypatch.setattr("sb3_gpu.runs.training.restore_model", terminated_while_loading)
     assert train_main(["--resume", str(tmp_path), "--timesteps", "128", "--no-progress"]) == 143
-    err = capsys.readouterr().err.replace("\n", "")
-    assert err == (
+    err = capsys.readouterr().err
+    assert squashed(err) == squashed(
         "error: stopped by SIGTERM before training resumed; nothing new was saved, the last complete model is "
         f"{tmp_path / 'model.zip'} (64 timesteps)"
     )
@@ -354,7 +354,7 @@ def test_a_crash_in_the_final_evaluation_keeps_the_model_and_writes_the_summary(
         f"model saved to {run_dir / 'model.zip'} at 64 timesteps; training was complete and its final evaluation "
         "failed (RuntimeError: the evaluation env broke)"
     )
-    assert "RuntimeError: the evaluation env broke" in err and summary["saved"] in err.replace("\n", "")
+    assert "RuntimeError: the evaluation env broke" in err and squashed(summary["saved"]) in squashed(err)
     assert _load(run_dir, run_dir / "model.zip").num_timesteps == 64
 
 
@@ -917,7 +917,7 @@ def test_a_run_dir_in_use_is_refused(tmp_path, capsys):
     with RunDir(tmp_path).locked():
         assert train_main(["--resume", str(tmp_path), "--timesteps", "128"]) == 2
     err = capsys.readouterr().err
-    assert f"{tmp_path} is in use by another sb3_gpu process (pid {os.getpid()})" in err.replace("\n", "")
+    assert squashed(f"{tmp_path} is in use by another sb3_gpu process (pid {os.getpid()})") in squashed(err)
     assert not (tmp_path / ".lock").exists()
 
 
@@ -1168,8 +1168,8 @@ def test_resume_passes_over_a_damaged_checkpoint_with_a_warning(tmp_path, capsys
     (tmp_path / "checkpoints" / "model_9999_steps.zip").write_bytes(bytes(damaged))  # "newer" than model.zip
     assert train_main(["--resume", str(tmp_path), "--timesteps", "96", "--no-progress"]) == 0
     out, err = capsys.readouterr()
-    assert "warning: skipped" in err and "model_9999_steps.zip is damaged" in err.replace("\n", "")
-    assert f"resuming from {tmp_path / 'model.zip'} at 64 timesteps" in out.replace("\n", "")
+    assert "warning: skipped" in err and squashed("model_9999_steps.zip is damaged") in squashed(err)
+    assert squashed(f"resuming from {tmp_path / 'model.zip'} at 64 timesteps") in squashed(out)
 
 
 def test_a_zip_whose_data_inflates_past_the_cap_is_refused_before_it_is_read(tmp_path):
