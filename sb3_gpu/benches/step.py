@@ -11,6 +11,7 @@ during training and whether a training passes under ``torch.cuda.set_sync_debug_
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -266,6 +267,9 @@ def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int, buff
     """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled); ``buffer_size`` as for plan_case."""
     # Inductor's CPU kernels then show in the profiler, one event per kernel call, as CUDA kernels do.
     th._inductor.config.cpp.enable_kernel_profile = True
+    # This torch's profiler (kineto) prints two lines to stderr at each start and stop, hundreds in a bench, unless
+    # its log level is above theirs; read when it first starts. A level the user set is kept.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     checks = th.distributions.Distribution._validate_args
     try:
         return _rows(cases, device, repeats, vec_steps, buffer_size)
