@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import re
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -316,12 +317,58 @@ def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path, monk
         sb3, eager, compiled = rows[case, "sb3"], rows[case, "eager"], rows[case, "compiled"]
         assert sb3["grad_reads"] >= 1 and eager["grad_reads"] == compiled["grad_reads"] == 0  # SB3 reads its losses
         assert eager["vec_reads"] <= 1  # the envs' actions (DQN's random ones read nothing)
-        assert compiled["graph_breaks"] == "0" and compiled["grad_ops"] <= 0.2 * sb3["grad_ops"], case  # a fifth at most
+        # PPO's compiled step launches at most a fifth of SB3's ops. QR-DQN's with PER and TD3's launch about a quarter
+        # on this count (matrix products and sampling draws are kernels of their own, not fused): held there.
+        limit = 0.2 if case.startswith("ppo") else 0.3
+        assert compiled["graph_breaks"] == "0" and compiled["grad_ops"] <= limit * sb3["grad_ops"], case
     # The actions, the values and log-probs SB3's host buffer stores, torch.distributions' two checks (on, as in a new
     # process, though the QR-DQN case compiled before), and once per rollout the last values for the returns.
     assert rows["ppo:CartPole-v1", "sb3"]["vec_reads"] == pytest.approx(5, abs=0.1)
     assert rows["ppo:CartPole-v1", "eager"]["vec_reads"] == 1
     assert "| qrdqn+per:CartPole-v1 | compiled | 0.00 |" in (tmp_path / "step.md").read_text()
+
+
+def _op(name: str, *children: types.SimpleNamespace) -> types.SimpleNamespace:
+    """A profiler event as bench step reads one: its name and the events it called."""
+    return types.SimpleNamespace(name=name, cpu_children=list(children))
+
+
+@pytest.mark.parametrize(
+    ("tree", "counted"),
+    [
+        # A linear layer on the CPU: addmm copies its bias into the output (an op), then its GEMM runs inside it.
+        (_op("aten::linear", _op("aten::t", _op("aten::transpose")), _op("aten::addmm", _op("aten::copy_"))), ["copy_"]),
+        (
+            _op(
+                "aten::conv2d",
+                _op(
+                    "aten::convolution",
+                    _op(
+                        "aten::_convolution",
+                        _op("aten::mkldnn_convolution", _op("aten::empty"), _op("aten::resize_"), _op("aten::as_strided_")),
+                    ),
+                ),
+            ),
+            ["mkldnn_convolution"],
+        ),
+        (_op("aten::mm", _op("aten::resolve_conj")), ["mm"]),
+        (_op("aten::index", _op("aten::as_strided"), _op("aten::reshape", _op("aten::view"))), ["index"]),  # a gather
+        (_op("aten::flatten", _op("aten::view")), []),
+        (_op("aten::contiguous", _op("aten::clone", _op("aten::empty_like"), _op("aten::copy_"))), ["copy_"]),
+        (_op("aten::zeros", _op("aten::empty"), _op("aten::zero_", _op("aten::fill_"))), ["fill_"]),
+        (_op("aten::add_"), ["add_"]),
+    ],
+    ids=["linear", "conv2d", "mm", "index", "flatten", "contiguous", "zeros", "in-place"],
+)
+def test_bench_step_counts_each_kernel_once_and_views_as_none(tree, counted):
+    from sb3_gpu.benches import step
+
+    def walk(event):
+        yield event
+        for child in event.cpu_children:
+            yield from walk(child)
+
+    assert [e.name[6:] for e in walk(tree) if step._kernel(e)] == counted
 
 
 @pytest.mark.heavy

@@ -59,7 +59,7 @@ def test_any_override_resolves_or_raises_config_error(algo, key, value):
 
 @FUZZ
 @given(text=st.text(max_size=60))
-@example(text="0\n0")  # a key across lines: once echoed into a two-line message
+@example(text="0\n0=[")  # a key across lines, echoed into the message for its value: once two lines
 def test_any_set_text_parses_or_raises_config_error(text):
     parsed = loads_or_config_error(parse_override, text)
     if parsed is not None:

@@ -177,11 +177,14 @@ class DeviceSumMinTree:
         if self.backend == "numba":
             return self._find_compiled(prefix, inclusive)
         # First the top, whose children are all of it: the first node whose running sum passes u (never empty), or
-        # where rounding put u at or past the total, the last non-empty node. The count of running sums at or below u
-        # is searchsorted's answer (they never decrease), and unlike searchsorted inductor fuses it into the kernels
-        # around it: in a compiled step, one kernel fewer per sample.
+        # where rounding put u at or past the total, the last non-empty node. Compiled, the count of running sums at or
+        # below u (searchsorted's answer: they never decrease) is fused by inductor into the kernels around it, where
+        # searchsorted is a kernel of its own; run eagerly it would compare each u with the whole top.
         last = (self._top_ranks * (top > 0)).amax() - 1
-        nodes = th.minimum((inclusive <= prefix.unsqueeze(1)).sum(dim=1), last)
+        if th.compiler.is_compiling():
+            nodes = th.minimum((inclusive <= prefix.unsqueeze(1)).sum(dim=1), last)
+        else:
+            nodes = th.minimum(th.searchsorted(inclusive, prefix, right=True), last)
         prefix = (prefix - (inclusive[nodes] - top[nodes])).clamp_(min=0)
         for level in range(len(self._sizes) - 2, -1, -1):
             children = self._level_sums[level].view(-1, self.fanout).index_select(0, nodes)
