@@ -13,6 +13,7 @@ from stable_baselines3 import PPO
 
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.extensions.compile import python_int_spaces
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.hostcopy import queued_observation_copies
@@ -98,6 +99,7 @@ class GradAccumPPO(PPO):
         ``mode="reduce-overhead"``; ``mode="eager"`` runs the same step uncompiled. Returns why the step stays
         torch's own, or None. With ``collect`` the rollout's forward pass (observations to actions, values and
         log-probabilities) is compiled too. Call it again after ``load``."""
+        python_int_spaces(self.policy)
         self._compiled_act = CompiledFunction(self._act, mode, "rollout forward pass") if collect else None
         optimizer = self.policy.optimizer
         guard = optimizer_step(optimizer, self.policy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import warnings
@@ -33,6 +34,21 @@ def own_code(method: Callable[..., Any]) -> Callable[..., Any]:
     own.__kwdefaults__ = raw.__kwdefaults__
     bound = getattr(method, "__self__", None)
     return own if bound is None else types.MethodType(own, bound)
+
+
+def python_int_spaces(networks: th.nn.Module) -> None:
+    """Give each module's Discrete spaces a Python int ``n``, before anything of ``networks`` is compiled. SB3 one-hot
+    encodes a Discrete observation with ``int(observation_space.n)`` and sb3-contrib's quantile networks reshape by
+    ``int(action_space.n)``; gymnasium's ``n`` is a NumPy integer, which dynamo turns into a tensor and cannot read
+    back, so the graph broke there. Each space is replaced by a copy (the env's own is left as it is); Discrete
+    spaces compare equal whatever ``n``'s type."""
+    for module in networks.modules():
+        for name in ("observation_space", "action_space"):
+            space = vars(module).get(name)
+            if isinstance(space, spaces.Discrete) and not isinstance(space.n, int):
+                fixed = copy.copy(space)
+                fixed.n = int(space.n)
+                setattr(module, name, fixed)
 
 
 def _space_checks_constant() -> None:
@@ -78,6 +94,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
             "(sb3_gpu's SyncFree classes, compile_step)"
         )
     modules = policy_networks(model).compute
+    python_int_spaces(model.policy)
     th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
     wrapped = {id(m): vars(m).get("forward") for m in modules}  # AMP's wrapper where enable_amp set one
     try:

@@ -45,7 +45,7 @@ from sb3_gpu.common.errors import cause_of, named
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.common.version import __version__
-from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
+from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code, python_int_spaces
 from sb3_gpu.extensions.continuous import polyak, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
 from sb3_gpu.extensions.hostreads import no_argument_checks
@@ -465,6 +465,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
         # can be slower than eager on a CPU (its guards cost more than the ops it fuses), and collection runs it at
         # every vec step. Where that pass does not compile, the run collects with it eager, and the step's figures
         # stand.
+        python_int_spaces(policy)
         forward = _forward(policy, w)
         # Its own code object: dynamo's recompile limit (8) counts per code object, and a process that probes many
         # policies (tune's trials) would otherwise reach it and time a pass that "did not compile".

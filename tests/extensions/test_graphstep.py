@@ -724,3 +724,32 @@ def test_an_accumulating_fp16_step_backpropagates_each_micro_batch_at_the_full_s
     monkeypatch.setattr(th.autograd, "grad", recorded)
     _train(model, seed=0)
     assert backpropagated == [pytest.approx(model._device_log.read()["train/loss"] * 2.0**8 * 2, rel=1e-3)]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_a_discrete_observation_space_compiles_its_step_whole_and_updates_as_sb3s_train(algo):
+    # SB3 one-hot encodes the observation with int(observation_space.n), a NumPy integer: a graph break unless the
+    # policy's space has a Python int (the env's own space keeps its NumPy one).
+    plain_cls, ours_cls, policy_kwargs = ALGOS[algo]
+    kwargs = dict(COMMON, policy_kwargs=policy_kwargs)
+    plain, ours = plain_cls("MlpPolicy", "FrozenLake-v1", **kwargs), ours_cls("MlpPolicy", "FrozenLake-v1", **kwargs)
+    ours.policy.load_state_dict(plain.policy.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        assert ours.compile_step() is None
+        rng = np.random.default_rng(0)
+        for _ in range(64):
+            obs, nxt = rng.integers(0, 16, (1,)), rng.integers(0, 16, (1,))
+            args = (obs, nxt, rng.integers(0, 4, (1, 1)), rng.normal(size=1), rng.integers(0, 2, 1).astype(float), [{}])
+            for m in (plain, ours):
+                m.replay_buffer.add(*args)
+        for m in (plain, ours):
+            m._current_progress_remaining = 1.0
+            m.set_logger(configure(None, [""]))
+        for i in range(3):
+            for m in (plain, ours):
+                _train(m, seed=i)
+    assert ours._compiled_step.fallback is None and not isinstance(ours.observation_space.n, int)
+    for a, b in zip(plain.policy.parameters(), ours.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch as th
 import torch.nn.functional as F
-from gymnasium import spaces
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN
 
 from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
+from sb3_gpu.extensions.compile import python_int_spaces
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import Batch, CompiledStep, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
@@ -84,6 +83,7 @@ class _PrioritizedTraining(StagedObservations):
         ``mode="eager"`` runs the same step uncompiled. Returns why the step stays torch's own, or None. Collection
         runs the Q-network as it is (``compile_policy`` compiles it), whatever ``collect`` says. Call it again after
         ``load``."""
+        python_int_spaces(self.policy)  # type: ignore[attr-defined]
         optimizer = self.policy.optimizer  # type: ignore[attr-defined]
         guard = optimizer_step(optimizer, self.policy)  # type: ignore[attr-defined]
         obs = self.policy.obs_to_tensor(self.observation_space.sample())[0]  # type: ignore[attr-defined]
@@ -284,16 +284,6 @@ class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
 
 class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
     """sb3-contrib's QR-DQN with PrioritizedDQN's extensions (each may be off)."""
-
-    def compile_step(self, mode: str = "default", collect: bool = True) -> str | None:
-        # sb3-contrib's quantile networks reshape by int(action_space.n), a NumPy integer, which dynamo can only read
-        # back from a tensor: the networks get a copy of the space whose n is a Python int.
-        for net in (self.quantile_net, self.quantile_net_target):
-            if isinstance(net.action_space, spaces.Discrete) and not isinstance(net.action_space.n, int):
-                space = copy.copy(net.action_space)
-                space.n = int(space.n)  # type: ignore[assignment]
-                net.action_space = space
-        return super().compile_step(mode, collect)
 
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
         batch = data.observations.shape[0]
