@@ -49,11 +49,16 @@ def torch_trees(monkeypatch):
     monkeypatch.setattr(DeviceSumMinTree.__init__, "__defaults__", ("cpu", 16, None, "torch"))
 
 
-def _fill(*models, n=64):
+def _cartpole_observations(rng):
+    return rng.normal(size=(1, 4)).astype(np.float32)
+
+
+def _fill(*models, n=64, observations=_cartpole_observations, actions=2):
+    """The same ``n`` random transitions into each model's buffer (``observations(rng)`` draws one)."""
     rng = np.random.default_rng(0)
     for _ in range(n):
-        obs, nxt = rng.normal(size=(1, 4)).astype(np.float32), rng.normal(size=(1, 4)).astype(np.float32)
-        args = (obs, nxt, rng.integers(0, 2, (1, 1)), rng.normal(size=1), rng.integers(0, 2, 1).astype(float), [{}])
+        obs, nxt = observations(rng), observations(rng)
+        args = (obs, nxt, rng.integers(0, actions, (1, 1)), rng.normal(size=1), rng.integers(0, 2, 1).astype(float), [{}])
         for m in models:
             m.replay_buffer.add(*args)
     for m in models:
@@ -738,15 +743,7 @@ def test_a_discrete_observation_space_compiles_its_step_whole_and_updates_as_sb3
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
         assert ours.compile_step() is None
-        rng = np.random.default_rng(0)
-        for _ in range(64):
-            obs, nxt = rng.integers(0, 16, (1,)), rng.integers(0, 16, (1,))
-            args = (obs, nxt, rng.integers(0, 4, (1, 1)), rng.normal(size=1), rng.integers(0, 2, 1).astype(float), [{}])
-            for m in (plain, ours):
-                m.replay_buffer.add(*args)
-        for m in (plain, ours):
-            m._current_progress_remaining = 1.0
-            m.set_logger(configure(None, [""]))
+        _fill(plain, ours, observations=lambda rng: rng.integers(0, 16, (1,)), actions=4)  # FrozenLake's 16 cells
         for i in range(3):
             for m in (plain, ours):
                 _train(m, seed=i)
