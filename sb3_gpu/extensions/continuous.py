@@ -36,7 +36,7 @@ from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.hostreads import no_argument_checks
@@ -116,7 +116,7 @@ class _ActorCriticTraining(StagedObservations):
                 step.accumulate(self.grad_accum_steps)
 
     def _excluded_save_params(self) -> list[str]:
-        excluded = ["_device_log", "_compiled", "_compiled_act", "_position", "_fixed_buffer"]
+        excluded = ["_device_log", "_compiled", "_compiled_act", "_position", "_fixed_buffer", "_graph_sums"]
         return [*super()._excluded_save_params(), *excluded]  # type: ignore[misc]
 
     # -- what each algorithm supplies ------------------------------------------------------------------------------
@@ -165,6 +165,7 @@ class _ActorCriticTraining(StagedObservations):
                 return reason
         descents = [Descent(optimizer, guard, None) for optimizer, guard in guards]
         self._compiled = CompiledUpdate(self._graph_update, descents, mode)
+        self._graph_sums = GraphSums(self._log_keys(True), s.device)
         self._position = th.zeros(2, dtype=th.long, device=s.device)
         th._dynamo.mark_static_address(self._position)
         self._fixed_buffer: Any = None
@@ -184,7 +185,9 @@ class _ActorCriticTraining(StagedObservations):
         def descend(i: int, loss: th.Tensor) -> None:
             descents[i](loss)
 
-        return tuple(self._update(descend, [(data, draws)], due).values())
+        # Logged inside the graph: no outputs to copy out of a CUDA graph, nor to add up after it.
+        self._graph_sums.add(self._update(descend, [(data, draws)], due))
+        return ()
 
     def _fix_buffer(self, buffer: Any) -> None:
         """Fix the addresses of what the compiled step samples from, so that a CUDA graph reads them in place."""
@@ -242,7 +245,7 @@ class _ActorCriticTraining(StagedObservations):
             if compiled is not None and in_graph:  # the batch's draws and the step's, then one graph
                 picks = buffer.draws(batch_size)
                 draws = self._draws(batch_size, None)
-                self._log(compiled(due, "uniform", picks, self._position, *draws, stepping=self._stepping(due)), due)
+                compiled(due, "uniform", picks, self._position, *draws, stepping=self._stepping(due))
                 continue
             batches: list[Micro] = []
             for _ in range(self.grad_accum_steps):  # a compiled step is refused while gradients accumulate
@@ -250,7 +253,7 @@ class _ActorCriticTraining(StagedObservations):
                 batches.append((data, self._draws(batch_size, data.actions)))
             if compiled is not None:
                 data, micro_draws = batches[0]
-                self._log(compiled(due, "batch", data, *micro_draws, stepping=self._stepping(due)), due)
+                compiled(due, "batch", data, *micro_draws, stepping=self._stepping(due))
                 continue
 
             def descend(i: int, loss: th.Tensor) -> None:  # the wrapped step holds back all but a window's last
@@ -260,15 +263,13 @@ class _ActorCriticTraining(StagedObservations):
 
             for key, value in self._update(descend, batches, due).items():
                 self._device_log.mean(key, value)
+        if compiled is not None:
+            self._device_log.take(self._graph_sums)
         s._n_updates += gradient_steps
         s.logger.record("train/n_updates", s._n_updates, exclude="tensorboard")
 
-    def _log(self, figures: Sequence[th.Tensor], due: bool) -> None:
-        """Log a compiled step's figures under the keys its update returned them by."""
-        for key, value in zip(self._log_keys(due), figures, strict=True):
-            self._device_log.mean(key, value)
-
     def _log_keys(self, due: bool) -> list[str]:
+        """The keys of the figures :meth:`_update` returns."""
         raise NotImplementedError
 
     def _stepping(self, due: bool) -> list[int]:

@@ -8,6 +8,7 @@ wait for the device. Here a figure is added as the tensor it is; the sums stay w
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch as th
@@ -23,6 +24,7 @@ class DeviceLog:
         self._sums: dict[str | tuple[str, ...], th.Tensor] = {}
         self._counts: dict[str | tuple[str, ...], int | th.Tensor] = {}
         self._latest: dict[str, th.Tensor] = {}
+        self._taken: dict[GraphSums, th.Tensor] = {}  # each one's state when last taken
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles of a model take the figures, not the lock
@@ -48,6 +50,13 @@ class DeviceLog:
         """Add each element of ``values`` (1-dim) to the mean logged as the key at its position: one add for all."""
         self.mean(keys, values, counts)  # type: ignore[arg-type]
 
+    def take(self, sums: GraphSums) -> None:
+        """Take what ``sums`` holds now (one copy, on the device): its figures' means since the last read are logged at
+        the next. Call it after the compiled steps that add to it, from the thread that runs them."""
+        state = sums.state.clone()
+        with self._lock:
+            self._taken[sums] = state
+
     def latest(self, key: str, value: th.Tensor) -> None:
         """Log ``value`` (a 0-dim tensor) as ``key``, unless a later one replaces it before the write."""
         with self._lock:
@@ -65,12 +74,26 @@ class DeviceLog:
                 tensors += list(mean.reshape(len(names)).unbind())
             keys += self._latest
             tensors += self._latest.values()
-            self._sums, self._counts, self._latest = {}, {}, {}
+            # A graph's sums: the means of what was added since the last read, and how many (a key none was added
+            # to is left out, as one never logged).
+            counted: list[str] = []
+            for sums, state in self._taken.items():
+                added, sums.read_state = state - sums.read_state, state
+                keys += sums.keys
+                tensors += list((added[0] / added[1]).unbind())
+                counted += [f"{_COUNT}{key}" for key in sums.keys]
+                tensors += list(added[1].unbind())
+            keys += counted
+            self._sums, self._counts, self._latest, self._taken = {}, {}, {}, {}
         if not keys:
             return {}
         device = tensors[0].device
-        values = th.stack([t.to(device=device, dtype=th.float64).reshape(()) for t in tensors]).tolist()
-        return dict(zip(keys, values, strict=True))
+        read = th.stack([t.to(device=device, dtype=th.float64).reshape(()) for t in tensors]).tolist()
+        values = dict(zip(keys, read, strict=True))
+        for key in counted:
+            if not values.pop(key):
+                del values[key[len(_COUNT) :]]
+        return values
 
     def write(self, logger: Any) -> dict[str, float]:
         """Record every pending figure in SB3's ``logger``; returns them."""
@@ -78,3 +101,35 @@ class DeviceLog:
         for key, value in values.items():
             logger.record(key, value)
         return values
+
+
+_COUNT = "\0count:"  # read()'s own keys for a graph's counts, which no logged key can be
+
+
+class GraphSums:
+    """Sums of logged figures that a compiled step adds to inside its graph, with :meth:`add`: fused into a kernel the
+    step runs anyway, they cost no op of their own, and no output to copy out of a CUDA graph at each step, as a
+    figure returned and then added up would. :meth:`DeviceLog.take` hands them to the log, once per ``train()``.
+
+    The sums run for the whole training (float64: a difference of two sums a million steps apart keeps a float32
+    figure's digits). The log reads differences, so that nothing has to reset them between the trainer's steps and
+    a read on another thread (overlapped training).
+    """
+
+    def __init__(self, keys: Sequence[str], device: th.device | str):
+        self.keys = tuple(keys)
+        device = th.device(device)
+        dtype = th.float32 if device.type == "mps" else th.float64  # MPS has no float64
+        self.state = th.zeros(2, len(self.keys), dtype=dtype, device=device)  # each key's sum, and its count
+        th._dynamo.mark_static_address(self.state)  # a CUDA graph adds to it in place
+        self.read_state = th.zeros_like(self.state)  # the state the log last read (its own, under its lock)
+
+    def add(self, figures: Mapping[str, th.Tensor]) -> None:
+        """Add each figure (a 0-dim tensor) to its key's sum, and one to its count; keys not given are left alone."""
+        unknown = set(figures) - set(self.keys)
+        if unknown:  # a figure left out of the log would be lost without a word
+            raise KeyError(f"no sum for {sorted(unknown)}; the sums are {list(self.keys)}")
+        zero = self.state.new_zeros(())
+        values = [figures[k].detach().to(self.state.dtype) if k in figures else zero for k in self.keys]
+        counts = [zero + 1 if k in figures else zero for k in self.keys]
+        self.state.add_(th.stack([th.stack(values), th.stack(counts)]))

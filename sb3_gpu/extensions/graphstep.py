@@ -349,8 +349,9 @@ class CompiledUpdate:
 
 
 class CompiledStep(CompiledUpdate):
-    """One gradient step of a loss, compiled whole; call it with the loss function's inputs. Returns the loss and the
-    loss function's other outputs, detached, still on the device.
+    """One gradient step of a loss, compiled whole; call it with the loss function's inputs. Returns the loss
+    function's other outputs, detached, still on the device (the loss itself is the loss function's to log, inside the
+    graph with :class:`~sb3_gpu.extensions.devicelog.GraphSums`: an output would be one more copy out of a CUDA graph).
 
     :param loss_fn: the loss and the figures to return with it (the model's, reading its networks); float inputs
         that change between calls (clip ranges) are better passed as 0-dim tensors, each new float compiles anew
@@ -379,8 +380,4 @@ class CompiledStep(CompiledUpdate):
     def _step(self, *inputs: Any) -> tuple[th.Tensor, ...]:
         loss, figures = self.loss_fn(*inputs)
         self.descent(loss)
-        return (loss, *figures)
-
-    def __call__(self, *inputs: Any) -> tuple[th.Tensor, tuple[th.Tensor, ...]]:  # type: ignore[override]
-        loss, *figures = super().__call__(*inputs)
-        return loss, tuple(figures)
+        return figures

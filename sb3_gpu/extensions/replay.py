@@ -362,10 +362,12 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         """The tensors the buffer owns (a compiled step that samples inside its graph keeps them at fixed addresses)."""
         return [t for name in _STORAGE if (t := getattr(self, name)) is not None]
 
-    def draws(self, batch_size: int) -> th.Tensor:
-        """Uniform draws in [0, 1) for :meth:`samples_at_draws`, from the buffer's generator: one op. Double
-        precision: a float's 2**24 values would favour some slots of a million by 6% and never reach some beyond."""
-        return th.rand((2, batch_size), generator=self._rng(), device=self.device, dtype=th.float64)
+    def draws(self, batch_size: int, samples: int | None = None) -> th.Tensor:
+        """Uniform draws in [0, 1) for :meth:`samples_at_draws`, from the buffer's generator: one op; ``samples``:
+        those of that many samples at once (the first dimension), still one op. Double precision: a float's 2**24
+        values would favour some slots of a million by 6% and never reach some beyond."""
+        shape = (2, batch_size) if samples is None else (samples, 2, batch_size)
+        return th.rand(shape, generator=self._rng(), device=self.device, dtype=th.float64)
 
     def samples_at_draws(self, draws: th.Tensor, position: th.Tensor) -> ReplayBufferSamples:
         """The transitions that ``draws`` pick, uniformly over the filled slots and over the envs; ``position`` (see

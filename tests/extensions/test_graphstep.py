@@ -71,6 +71,20 @@ def _train(model, seed, steps=1):
     model.train(gradient_steps=steps, batch_size=16)
 
 
+def _train_drawing_as_compiled(model, seed, steps=1):
+    """``_train`` for an eager model on the prioritized device buffer whose ``sample()`` calls take, one by one, the
+    rows of one draw of all the steps' (and micro-batches') uniforms: the draws a compiled step that samples in its
+    graph makes."""
+    np.random.seed(seed)
+    rows = iter(model.replay_buffer.uniforms(16, steps * model.grad_accum_steps))
+    model.replay_buffer._uniforms = lambda batch_size: next(rows)
+    try:
+        model.train(gradient_steps=steps, batch_size=16)
+    finally:
+        del model.replay_buffer._uniforms
+    assert next(rows, None) is None  # each row drawn once
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("mode", ["eager", "default"])
 @pytest.mark.parametrize("algo", list(ALGOS))
@@ -121,9 +135,10 @@ def test_a_compiled_step_with_device_per_reads_nothing_back_and_equals_the_eager
     compiled.policy.load_state_dict(eager.policy.state_dict())
     assert compiled.compile_step() is None
     for m in (eager, compiled):
-        _train(m, seed=0)  # compiles, and sets the optimizer's state up
+        train = _train if m is compiled else _train_drawing_as_compiled
+        train(m, seed=0)  # compiles, and sets the optimizer's state up
         with HostReads() as reads:
-            _train(m, seed=1, steps=4)
+            train(m, seed=1, steps=4)
         if m is compiled:
             assert reads.total == 0, reads.sites
     for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
@@ -511,7 +526,7 @@ def test_prioritized_sampling_and_updates_inside_the_graph_equal_the_buffers_own
     for model in (compiled, eager):
         model._current_progress_remaining = 0.5  # beta annealed half-way: a tensor in the graph, a float eagerly
         with HostReads() as reads:
-            _train(model, seed=0, steps=8)
+            (_train if model is compiled else _train_drawing_as_compiled)(model, seed=0, steps=8)
         assert reads.total == 0 or model is eager, reads.sites
     assert compiled._compiled_step.fallback is None
     for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
@@ -691,7 +706,7 @@ def test_a_compiled_step_samples_each_micro_batch_after_the_last_ones_priority_u
     compiled.replay_buffer.sample = None  # the in-graph draws, never the buffer's sample()
     for model in (compiled, eager):
         with HostReads() as reads:
-            _train(model, seed=0, steps=4)
+            (_train if model is compiled else _train_drawing_as_compiled)(model, seed=0, steps=4)
         assert reads.total == 0 or model is eager, reads.sites
     assert compiled._compiled_step.fallback is None
     _assert_same_training(compiled, eager)

@@ -15,7 +15,7 @@ from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 from sb3_gpu.extensions import hostcopy
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.continuous import SyncFreeSAC
-from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
 from sb3_gpu.extensions.hostcopy import copy_into, queued_observation_copies, to_device
 from sb3_gpu.extensions.hostreads import HostReads, _copies_to_host
 from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN
@@ -110,6 +110,27 @@ def test_the_log_copies_and_pickles_with_its_pending_figures():
         other.mean("train/loss", th.tensor(4.0))
         assert other.read() == {"train/loss": 3.0}
     assert log.read() == {"train/loss": 2.0}
+
+
+def test_graph_sums_log_the_means_of_what_was_added_since_the_last_read_and_leave_out_keys_never_added():
+    sums = GraphSums(("train/actor_loss", "train/critic_loss"), "cpu")
+    add = th.compile(sums.add, fullgraph=True)  # as a compiled step adds: inside its graph, in place
+    log = DeviceLog()
+    add({"train/critic_loss": th.tensor(1.0)})
+    add({"train/critic_loss": th.tensor(2.0), "train/actor_loss": th.tensor(-4.0)})
+    log.take(sums)
+    add({"train/critic_loss": th.tensor(6.0)})  # after the take: read at the next one
+    with HostReads() as reads:
+        assert log.read() == {"train/critic_loss": 1.5, "train/actor_loss": -4.0}
+    assert reads.total == 1
+    assert log.read() == {}  # nothing taken since
+    log.take(sums)
+    assert log.read() == {"train/critic_loss": 6.0}  # the actor's: none added since the last read, none logged
+    for _ in range(3):
+        add({"train/critic_loss": th.tensor(1e8), "train/actor_loss": th.tensor(0.1)})
+    log.take(sums)
+    # Running sums read as differences keep a small figure's digits after large ones.
+    assert log.read() == {"train/critic_loss": 1e8, "train/actor_loss": pytest.approx(0.1, rel=1e-7)}
 
 
 def _collect(model, vec_steps):

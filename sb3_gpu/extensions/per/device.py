@@ -333,8 +333,8 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
             # One-copy storage just wrote this step's next observation over slot pos's observation: never draw it.
             self.tree.update_range(self.pos * self.n_envs, self.max_priority.new_zeros(self.n_envs))
 
-    def _uniforms(self, batch_size: int) -> th.Tensor:
-        return th.rand(batch_size, generator=self._rng(), dtype=th.float64, device=self.device)
+    def _uniforms(self, shape: int | tuple[int, ...]) -> th.Tensor:
+        return th.rand(shape, generator=self._rng(), dtype=th.float64, device=self.device)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> DevicePrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
@@ -384,9 +384,10 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         self._beta.fill_(self.beta)
         self._last_draw = (self.tree.min, self.tree.total, self.size() * self.n_envs)
 
-    def uniforms(self, batch_size: int) -> th.Tensor:
-        """One uniform draw per stratum, from the buffer's generator (what :meth:`sample` draws): one op."""
-        return self._uniforms(batch_size)
+    def uniforms(self, batch_size: int, samples: int | None = None) -> th.Tensor:
+        """One uniform draw per stratum, from the buffer's generator (what :meth:`sample` draws): one op;
+        ``samples``: those of that many samples at once (the first dimension), still one op."""
+        return self._uniforms(batch_size if samples is None else (samples, batch_size))
 
     def samples_at_uniforms(self, uniforms: th.Tensor, position: th.Tensor) -> DevicePrioritizedReplayBufferSamples:
         """What :meth:`sample` returns for these draws, by tensor ops only, with ``beta`` and the write position

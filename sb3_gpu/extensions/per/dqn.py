@@ -12,7 +12,7 @@ from stable_baselines3 import DQN
 from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
 from sb3_gpu.extensions.compile import python_int_spaces
-from sb3_gpu.extensions.devicelog import DeviceLog
+from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
 from sb3_gpu.extensions.graphstep import Batch, CompiledStep, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.overlap import OverlappedTraining
@@ -65,7 +65,7 @@ class _PrioritizedTraining(StagedObservations):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
 
     def _excluded_save_params(self) -> list[str]:
-        excluded = ["_accumulator", "_device_log", "_compiled_step", "_position", "_fixed_buffer"]
+        excluded = ["_accumulator", "_device_log", "_compiled_step", "_position", "_fixed_buffer", "_graph_sums"]
         return [*super()._excluded_save_params(), *excluded]  # type: ignore[misc]
 
     @property
@@ -90,6 +90,7 @@ class _PrioritizedTraining(StagedObservations):
         reason = refusal(optimizer, guard, obs, accumulates=True) or self._host_trees_refusal(self.replay_buffer)  # type: ignore[attr-defined]
         if reason is None:
             self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode, accumulates=True)  # type: ignore[attr-defined]
+            self._graph_sums = GraphSums(("train/loss",), self.device)  # type: ignore[attr-defined]
             self._position = th.zeros(2, dtype=th.long, device=self.device)  # type: ignore[attr-defined]
             th._dynamo.mark_static_address(self._position)
             self._fixed_buffer: Any = None
@@ -136,6 +137,7 @@ class _PrioritizedTraining(StagedObservations):
             losses.append(loss)
             td_errors.append(td)
         loss = losses[0] if len(losses) == 1 else th.stack(losses).mean()
+        self._graph_sums.add({"train/loss": loss})
         # Sampled inside the graph, the TD errors were used there: no output to copy out of a CUDA graph's pool.
         return loss, tuple(td_errors) if source == "batch" else ()
 
@@ -186,9 +188,11 @@ class _PrioritizedTraining(StagedObservations):
             if per is not None:
                 buffer.prepare_graph_sampling(batch_size)
             source, draw = ("uniform", buffer.draws) if per is None else ("prioritized", buffer.uniforms)
-            for _ in range(gradient_steps):  # one op per micro-batch outside the graph: its draws, from the buffer's generator
-                loss, _ = compiled(source, tuple((draw(batch_size),) for _ in range(micro)), self._position)
-                self._device_log.mean("train/loss", loss)
+            # The one op outside the graphs: every micro-batch's draws, from the buffer's generator.
+            draws = draw(batch_size, gradient_steps * micro)
+            for step in range(gradient_steps):
+                compiled(source, tuple((draws[step * micro + i],) for i in range(micro)), self._position)
+            self._device_log.take(self._graph_sums)
             self._n_updates += gradient_steps  # type: ignore[attr-defined]
             self._log(per)
             return
@@ -197,10 +201,10 @@ class _PrioritizedTraining(StagedObservations):
                 # Drawn one after the other, as torch's step draws them (with PER only one micro-batch: see above).
                 samples = [buffer.sample(batch_size, env=self._vec_normalize_env) for _ in range(micro)]  # type: ignore[attr-defined]
                 inputs = tuple(self._batch_inputs(data, per is not None) for data in samples)
-                loss, each = compiled("batch", inputs)
-                self._device_log.mean("train/loss", loss)
+                each = compiled("batch", inputs)
                 if per is not None:  # a non-finite TD error is refused by the tree as it skipped the step
                     self._update_priorities(per, samples[0].indices, each[0])
+            self._device_log.take(self._graph_sums)
             self._n_updates += gradient_steps  # type: ignore[attr-defined]
             self._log(per)
             return
@@ -266,6 +270,14 @@ class _PrioritizedTraining(StagedObservations):
 REFUSED = "per/refused_updates"
 
 
+def _at_actions(values: th.Tensor, actions: th.Tensor) -> th.Tensor:
+    """``values[i, ..., a_i]`` for each sample's action ``a_i`` (``values``: samples first, actions last), picked with
+    a mask, not ``gather``: compiled, its backward pass fuses into its neighbours' kernels, where gather's is a scatter
+    of its own. Exact: the other actions' values are replaced by zeros, not multiplied by them."""
+    chosen = actions.reshape(-1, *(1,) * (values.dim() - 1)).long() == th.arange(values.shape[-1], device=values.device)
+    return th.where(chosen, values, 0.0).sum(dim=-1)
+
+
 class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
     """SB3's DQN trained with prioritized replay, gradient accumulation and/or overlapped training (each may be off).
 
@@ -278,7 +290,7 @@ class PrioritizedDQN(_PrioritizedTraining, OverlappedTraining, DQN):
         with th.no_grad():
             next_q, _ = self.q_net_target(data.next_observations).max(dim=1)
             target = data.rewards + (1 - data.dones) * discounts * next_q.reshape(-1, 1)
-        current = th.gather(self.q_net(data.observations), dim=1, index=data.actions.long())
+        current = _at_actions(self.q_net(data.observations), data.actions).reshape(-1, 1)
         return F.smooth_l1_loss(current, target, reduction="none").flatten(), (target - current).flatten()
 
 
@@ -292,7 +304,6 @@ class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
             greedy = next_quantiles.mean(dim=1, keepdim=True).argmax(dim=2, keepdim=True)
             next_quantiles = next_quantiles.gather(dim=2, index=greedy.expand(batch, self.n_quantiles, 1)).squeeze(dim=2)
             target = data.rewards + (1 - data.dones) * discounts * next_quantiles
-        actions = data.actions[..., None].long().expand(batch, self.n_quantiles, 1)
-        current = th.gather(self.quantile_net(data.observations), dim=2, index=actions).squeeze(dim=2)
+        current = _at_actions(self.quantile_net(data.observations), data.actions)
         # sb3-contrib's quantile Huber loss summed over the quantiles, per sample: PER weights it before the mean
         return quantile_huber(current, target).sum(dim=-1), (target.mean(dim=1) - current.mean(dim=1))
