@@ -240,12 +240,12 @@ class _ActorCriticTraining(StagedObservations):
         if in_graph:
             self._fix_buffer(buffer)
             buffer.fill_position(self._position)
+            picks = buffer.draws(batch_size, gradient_steps)  # every step's batch with one op, from the buffer's generator
         for gradient_step in range(gradient_steps):
             due = self._due(gradient_step)
-            if compiled is not None and in_graph:  # the batch's draws and the step's, then one graph
-                picks = buffer.draws(batch_size)
+            if compiled is not None and in_graph:  # the step's own draws, as SB3 makes them, then one graph
                 draws = self._draws(batch_size, None)
-                compiled(due, "uniform", picks, self._position, *draws, stepping=self._stepping(due))
+                compiled(due, "uniform", picks[gradient_step], self._position, *draws, stepping=self._stepping(due))
                 continue
             batches: list[Micro] = []
             for _ in range(self.grad_accum_steps):  # a compiled step is refused while gradients accumulate
