@@ -173,27 +173,45 @@ class DeviceSumMinTree:
         self._refresh()
         prefix = prefix.to(device=self.device, dtype=th.float64)
         top = self._level_sums[-1]
-        inclusive = th.cumsum(top, dim=0)
         if self.backend == "numba":
-            return self._find_compiled(prefix, inclusive)
-        # First the top, whose children are all of it: the first node whose running sum passes u (never empty), or
-        # where rounding put u at or past the total, the last non-empty node. Compiled, the count of running sums at or
-        # below u (searchsorted's answer: they never decrease) is fused by inductor into the kernels around it, where
-        # searchsorted is a kernel of its own; run eagerly it would compare each u with the whole top.
-        last = (self._top_ranks * (top > 0)).amax() - 1
+            return self._find_compiled(prefix, th.cumsum(top, dim=0))
         if th.compiler.is_compiling():
-            nodes = th.minimum((inclusive <= prefix.unsqueeze(1)).sum(dim=1), last)
+            # Inductor runs a cumulative sum on the CPU as a library call of its own, between its fused kernels. So a
+            # compiled search takes its running sums as masked sums, which fuse, and searches the top (up to 4096 nodes,
+            # too many for a square mask) as one more level: its groups of ``fanout``, then the children of the group.
+            groups = th.nn.functional.pad(top, (0, -len(top) % self.fanout)).view(-1, self.fanout)
+            group, prefix = self._descend(groups.sum(dim=1).unsqueeze(0), prefix)
+            child, prefix = self._descend(groups.index_select(0, group), prefix)
+            nodes = group * self.fanout + child
         else:
+            # The top, whose children are all of it: the first node whose running sum passes u (never empty), or where
+            # rounding put u at or past the total, the last non-empty node.
+            inclusive = th.cumsum(top, dim=0)
+            last = (self._top_ranks * (top > 0)).amax() - 1
             nodes = th.minimum(th.searchsorted(inclusive, prefix, right=True), last)
-        prefix = (prefix - (inclusive[nodes] - top[nodes])).clamp_(min=0)
+            prefix = (prefix - (inclusive[nodes] - top[nodes])).clamp_(min=0)
         for level in range(len(self._sizes) - 2, -1, -1):
-            children = self._level_sums[level].view(-1, self.fanout).index_select(0, nodes)
-            inclusive = children.cumsum(dim=1)
-            last = (self._ranks * (children > 0)).amax(dim=1) - 1
-            child = th.minimum((inclusive <= prefix.unsqueeze(1)).sum(dim=1), last).unsqueeze(1)
-            prefix = (prefix - (inclusive.gather(1, child) - children.gather(1, child)).squeeze(1)).clamp_(min=0)
-            nodes = nodes * self.fanout + child.squeeze(1)
+            child, prefix = self._descend(self._level_sums[level].view(-1, self.fanout).index_select(0, nodes), prefix)
+            nodes = nodes * self.fanout + child
         return nodes, self._level_sums[0].index_select(0, nodes)
+
+    def _descend(self, children: th.Tensor, prefix: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+        """For each sample's group (a row of ``children``, or one row shared by all), the child whose running sum first
+        passes its prefix, never an empty one (past the group's end, the last non-empty child), and what is left of the
+        prefix within it."""
+        width = children.shape[1]
+        if th.compiler.is_compiling():
+            ranks = th.arange(width, device=children.device)
+            inclusive = th.where(ranks.unsqueeze(1) >= ranks, children.unsqueeze(1), 0.0).sum(dim=2)
+            ranks = ranks + 1
+        else:
+            inclusive, ranks = children.cumsum(dim=1), self._ranks
+        last = (ranks * (children > 0)).amax(dim=1) - 1
+        child = th.minimum((inclusive <= prefix.unsqueeze(1)).sum(dim=1), last).unsqueeze(1)
+        if len(children) < len(prefix):  # one group for all samples
+            inclusive, children = inclusive.expand(len(prefix), -1), children.expand(len(prefix), -1)
+        prefix = (prefix - (inclusive.gather(1, child) - children.gather(1, child)).squeeze(1)).clamp_(min=0)
+        return child.squeeze(1), prefix
 
     def _find_compiled(self, prefix: th.Tensor, top_inclusive: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         assert kernels is not None
