@@ -28,6 +28,7 @@ from sb3_gpu.extensions.per import (
     PrioritizedDQN,
     PrioritizedQRDQN,
     PrioritizedReplayBuffer,
+    SumMinTree,
 )
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
@@ -502,6 +503,32 @@ def test_a_step_that_samples_inside_its_graph_equals_the_same_step_run_eagerly(g
         assert reads.total == 0, reads.sites
     assert compiled._compiled_step.fallback is None
     _assert_same_training(compiled, eager)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    ("size", "fanout", "top", "sizes"),
+    [(90, 4, 7, [96, 24, 6]), (10, 4, 16, [10]), (300, 16, 4096, [300])],  # tops of 6 and 10 pad to whole groups
+)
+def test_the_compiled_search_equals_the_host_trees(size, fanout, top, sizes):
+    """Compiled, the search takes its running sums as masked sums and the top as groups of ``fanout``: the same
+    leaves as the host tree's search, also past the total and with empty leaves and empty groups around them."""
+    rng = np.random.default_rng(size)
+    values = rng.integers(0, 1600, size) / 16
+    values[rng.random(size) < 0.3] = 0.0
+    values[-(size // 3) :] = 0.0  # empty groups at the end: a prefix at the total takes the last non-empty leaf
+    host = SumMinTree(size, fanout=fanout, top=top)
+    host.update(np.arange(size), values)
+    tree = DeviceSumMinTree(size, "cpu", fanout, top, "torch")
+    tree.update(th.arange(size), th.as_tensor(values))
+    assert tree._sizes == sizes
+    search = th.compile(tree.find, fullgraph=True, dynamic=False)
+    for _ in range(3):
+        prefix = np.array([0.0, 1.0, *rng.random(62)]) * host.total
+        found, priorities = search(th.as_tensor(prefix))
+        expected, expected_priorities = host.find(prefix)
+        np.testing.assert_array_equal(found.numpy(), expected)
+        np.testing.assert_array_equal(priorities.numpy(), expected_priorities)
 
 
 def _prioritized_dqn(cls=PrioritizedDQN, **kwargs):
