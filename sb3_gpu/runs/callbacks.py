@@ -129,11 +129,13 @@ class NanGuard(BaseCallback):
 class AtomicCheckpointCallback(BaseCallback):
     """Checkpoints every ``save_freq`` calls, named as SB3's CheckpointCallback names them, written atomically: the
     statistics, the model, then the replay buffer. A model with NaN or inf weights is never saved, and a step that the
-    NaN guard skipped on the device since the last log write stops the run here, before the checkpoint.
+    NaN guard skipped on the device since the last log write stops the run here, before the checkpoint. Only the
+    newest checkpoint keeps its replay buffer: each is a whole copy, and an older one is dropped once a newer one is
+    written whole.
 
     :param save_freq: calls (env steps / n_envs) between checkpoints
     :param run_dir: the run whose ``checkpoints/`` folder receives them
-    :param save_replay_buffer: save the replay buffer (with PER priorities) too
+    :param save_replay_buffer: save the replay buffer (with PER priorities) with the checkpoint, in place of the last
     """
 
     def __init__(self, save_freq: int, run_dir: RunDir, save_replay_buffer: bool = False, verbose: int = 0):
@@ -156,6 +158,8 @@ class AtomicCheckpointCallback(BaseCallback):
             lost = save_state(self.model, files, replay_buffer=self.save_replay_buffer)
             if lost is not None:  # the model is saved; the next checkpoint tries the buffer again
                 warnings.warn(f"checkpoint {files.model}: {lost}", RuntimeWarning, stacklevel=2)
+            elif files.replay_buffer.is_file():  # written whole: the older checkpoints' copies are not needed
+                self.run_dir.drop_older_checkpoint_buffers(self.num_timesteps)
             if self.verbose >= 2:
                 print(f"Saving model checkpoint to {files.model}")
         return True

@@ -82,6 +82,7 @@ class RunDir:
     # Where SB3's EvalCallback writes evaluations.npz before it is complete and renamed into place.
     SCRATCH = ".partial"
     _CHECKPOINT = re.compile(r"model_(\d+)_steps\.zip")
+    _CHECKPOINT_BUFFER = re.compile(r"model_replay_buffer_(\d+)_steps\.pkl")
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -155,6 +156,20 @@ class RunDir:
             folder / f"model_vecnormalize_{timesteps}_steps.pkl",
             folder / f"model_replay_buffer_{timesteps}_steps.pkl",
         )
+
+    def drop_older_checkpoint_buffers(self, timesteps: int) -> list[Path]:
+        """Remove the replay buffers of the checkpoints before ``timesteps``; the removed files.
+
+        Each is a whole copy of the buffer (gigabytes for a large one), and ``--resume`` takes the newest state, so
+        only the newest checkpoint's is kept; its older models stay, to resume from with an empty buffer.
+        """
+        removed = []
+        for path in self.checkpoints.glob("model_replay_buffer_*_steps.pkl"):
+            match = self._CHECKPOINT_BUFFER.fullmatch(path.name)
+            if match and int(match.group(1)) < timesteps:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        return removed
 
     # ------------------------------------------------------------------ making and locking
     @classmethod

@@ -377,6 +377,50 @@ def test_a_best_model_that_cannot_be_written_is_not_reported_as_the_best(tmp_pat
 
 
 @pytest.mark.heavy
+def test_only_the_newest_checkpoint_keeps_a_replay_buffer(tmp_path, monkeypatch):
+    from sb3_gpu.runs import saving
+
+    plan = make_plan(
+        "dqn", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", overrides={"learning_starts": 0, "buffer_size": 500}
+    )
+    env = build_env(plan)
+    model = build_model(plan, env)
+    run = RunDir(tmp_path)
+    run.checkpoints.mkdir()
+    # Another run's file of another name, and a buffer beside a later checkpoint (not this run's to judge): both stay.
+    (run.checkpoints / "model_replay_buffer_notes.pkl").write_bytes(b"not a checkpoint's")
+    run.checkpoint(10_000).replay_buffer.write_bytes(b"a later checkpoint's")
+    checkpoints = AtomicCheckpointCallback(save_freq=20, run_dir=run, save_replay_buffer=True)
+    model.learn(60, callback=checkpoints)
+
+    def buffers() -> set[str]:
+        return {p.name for p in run.checkpoints.glob("*replay_buffer*")}
+
+    assert sorted(p.name for p in run.checkpoints.glob("*.zip")) == [f"model_{n}_steps.zip" for n in (20, 40, 60)]
+    later = {"model_replay_buffer_10000_steps.pkl", "model_replay_buffer_notes.pkl"}
+    assert buffers() == {"model_replay_buffer_60_steps.pkl", *later}
+    newest = run.saved_states()[0]  # the 10,000-step buffer pairs with no model; 60's with its own
+    assert (newest.timesteps, newest.replay_buffer) == (60, run.checkpoint(60).replay_buffer)
+
+    real = saving.save_pickle
+
+    def out_of_memory(path, obj):
+        if "replay_buffer" in Path(path).name:
+            raise MemoryError
+        return real(path, obj)
+
+    monkeypatch.setattr(saving, "save_pickle", out_of_memory)  # a buffer not written keeps the one before it
+    with pytest.warns(RuntimeWarning, match=r"model_80_steps\.zip: the replay buffer was not saved \(MemoryError\)"):
+        model.learn(20, callback=checkpoints, reset_num_timesteps=False)
+    assert buffers() == {"model_replay_buffer_60_steps.pkl", *later} and _no_temp_files(tmp_path)
+    monkeypatch.setattr(saving, "save_pickle", real)
+    model.learn(40, callback=checkpoints, reset_num_timesteps=False)
+    newest = run.saved_states()[0]
+    assert newest.timesteps > 80 and buffers() == {newest.replay_buffer.name, *later}
+    env.close()
+
+
+@pytest.mark.heavy
 def test_a_replay_buffer_that_cannot_be_written_costs_the_buffer_not_the_model(tmp_path, monkeypatch):
     from sb3_gpu.runs import saving
 
