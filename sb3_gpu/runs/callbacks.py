@@ -159,7 +159,10 @@ class AtomicCheckpointCallback(BaseCallback):
             if lost is not None:  # the model is saved; the next checkpoint tries the buffer again
                 warnings.warn(f"checkpoint {files.model}: {lost}", RuntimeWarning, stacklevel=2)
             elif files.replay_buffer.is_file():  # written whole: the older checkpoints' copies are not needed
-                self.run_dir.drop_older_checkpoint_buffers(self.num_timesteps)
+                removed = self.run_dir.drop_older_checkpoint_buffers(self.num_timesteps)
+                if self.verbose >= 2:
+                    for path in removed:
+                        print(f"Removed the older checkpoint replay buffer {path}")
             if self.verbose >= 2:
                 print(f"Saving model checkpoint to {files.model}")
         return True

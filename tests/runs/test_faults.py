@@ -377,7 +377,7 @@ def test_a_best_model_that_cannot_be_written_is_not_reported_as_the_best(tmp_pat
 
 
 @pytest.mark.heavy
-def test_only_the_newest_checkpoint_keeps_a_replay_buffer(tmp_path, monkeypatch):
+def test_only_the_newest_checkpoint_keeps_a_replay_buffer(tmp_path, monkeypatch, capsys):
     from sb3_gpu.runs import saving
 
     plan = make_plan(
@@ -414,9 +414,15 @@ def test_only_the_newest_checkpoint_keeps_a_replay_buffer(tmp_path, monkeypatch)
         model.learn(20, callback=checkpoints, reset_num_timesteps=False)
     assert buffers() == {"model_replay_buffer_60_steps.pkl", *later} and _no_temp_files(tmp_path)
     monkeypatch.setattr(saving, "save_pickle", real)
+    capsys.readouterr()
+    checkpoints.verbose = 2  # says which copies it removed
     model.learn(40, callback=checkpoints, reset_num_timesteps=False)
     newest = run.saved_states()[0]
     assert newest.timesteps > 80 and buffers() == {newest.replay_buffer.name, *later}
+    removed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Removed")]
+    # 60's goes with the first new checkpoint (80's was never written); each later one takes the one before it.
+    kept_before = [60, *range(100, newest.timesteps, 20)]
+    assert removed == [f"Removed the older checkpoint replay buffer {run.checkpoint(n).replay_buffer}" for n in kept_before]
     env.close()
 
 

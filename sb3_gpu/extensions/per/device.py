@@ -174,7 +174,7 @@ class DeviceSumMinTree:
         prefix = prefix.to(device=self.device, dtype=th.float64)
         top = self._level_sums[-1]
         if self.backend == "numba":
-            return self._find_compiled(prefix, th.cumsum(top, dim=0))
+            return self._find_numba(prefix, th.cumsum(top, dim=0))
         if th.compiler.is_compiling():
             # Inductor runs a cumulative sum on the CPU as a library call of its own, between its fused kernels. So a
             # compiled search takes its running sums as masked sums, which fuse, and searches the top (up to 4096 nodes,
@@ -213,7 +213,7 @@ class DeviceSumMinTree:
         prefix = (prefix - (inclusive.gather(1, child) - children.gather(1, child)).squeeze(1)).clamp_(min=0)
         return child.squeeze(1), prefix
 
-    def _find_compiled(self, prefix: th.Tensor, top_inclusive: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+    def _find_numba(self, prefix: th.Tensor, top_inclusive: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
         assert kernels is not None
         host_prefix = prefix.numpy().copy()  # the kernel consumes its prefixes
         nodes, values = np.empty(len(host_prefix), dtype=np.int64), np.empty(len(host_prefix))
