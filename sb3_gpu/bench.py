@@ -349,6 +349,7 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.auto import auto_markdown, bench_auto, default_cases
     from sb3_gpu.benches.base import machine_line, write_results
     from sb3_gpu.common.checks import ALGO_NAMES
+    from sb3_gpu.config.schema import PROFILES
 
     cases = default_cases()
     if args.cases:
@@ -357,6 +358,10 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
             algo, _, env = text.partition(":")
             if algo not in ALGO_NAMES or not env:
                 print_error(f"--cases: expected ALGO:ENV with ALGO one of {', '.join(ALGO_NAMES)}, got {text!r}")
+                return 2
+            profile = env.rpartition(":")[2]
+            if profile in PROFILES:  # bench step's ALGO:ENV:PROFILE; here the plan picks the profile
+                print_error(f"--cases {text!r}: bench auto takes ALGO:ENV and chooses the profile; leave out ':{profile}'")
                 return 2
             cases.append((algo, env))
     if args.compete > MAX_BENCH_PROCESSES:  # each is a busy process: a typo must not fork thousands
@@ -383,6 +388,8 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.planning.plan import make_plan
 
     pers = [None if p == "preset" else p == "on" for p in dict.fromkeys(args.per)]
+    if pers != [None] and not {"dqn", "qrdqn"} & set(args.algos):
+        raise ConfigError(f"--per {' '.join(args.per)}: prioritized replay is for dqn and qrdqn, and --algos has neither")
     cases = [
         Case(algo, env, per, amp, seed, args.timesteps, args.preset, args.eval_freq)
         for algo in args.algos

@@ -139,6 +139,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     sources = {key: flags.get(key, f"--{key}") for key in overrides}
     for item in args.set:
         key, value = parse_override(item)
+        if args.per is False and key.startswith("per."):  # a PER value would turn PER back on
+            raise ConfigError(f"--no-per turns prioritized replay off, and --set {key} sets one of its values; give one")
         overrides[key], sources[key] = value, "--set"
     config = load_config(args.config) if args.config else None
     # A config written while --eval-freq was a run option keeps the interval there: it becomes the preset key.

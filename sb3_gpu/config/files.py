@@ -1,5 +1,5 @@
-"""Reading YAML that users write (presets, configs, search spaces): ``safe_load`` only, size and alias-bomb limits,
-and one-line errors."""
+"""Reading YAML that users write (presets, configs, search spaces): ``safe_load``'s loader only (keys given twice
+refused), size and alias-bomb limits, and one-line errors."""
 
 from __future__ import annotations
 
@@ -13,6 +13,29 @@ from sb3_gpu.common.errors import ConfigError
 
 MAX_YAML_BYTES = 1 << 20  # a preset is a page of text; refuse anything that could be a YAML bomb
 MAX_YAML_VALUES = 100_000  # after alias expansion: the bundled presets hold a few hundred
+
+
+class _DuplicateKeyError(yaml.MarkedYAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``safe_load``'s loader, refusing a key given twice in one mapping (YAML forbids it; PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key of its own overrides, on purpose
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base loader refuses it
+                continue
+            if duplicate:
+                raise _DuplicateKeyError(problem=f"key {key!r} given twice", problem_mark=key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 def presets_dir() -> Path:
@@ -66,7 +89,7 @@ def parse_yaml(text: str, where: str) -> Any:
     if len(text) > MAX_YAML_BYTES:
         raise ConfigError(f"{where}: more than {MAX_YAML_BYTES // 1024} KiB of YAML")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # safe_load with duplicate keys refused
         # Aliases share one object, so loading is cheap; walking them later (checks, messages) would not be.
         _expanded_size(data, where)
         return data

@@ -150,6 +150,7 @@ def make_plan(
     needed = algo_.action_space
     if needed is not None and not isinstance(facts.action_space, needed):
         raise ConfigError(f"{algo_.name} needs a {needed.__name__} action space; {spec.name} has {facts.action_space}")
+    _check_observation_space(spec.name, facts.observation_space, provisional.frame_stack)
     box = facts.action_space
     if isinstance(box, spaces.Box) and not (np.isfinite(box.low).all() and np.isfinite(box.high).all()):
         # SB3 squashes or clips actions into the bounds, and asserts them finite only when the model is built.
@@ -456,6 +457,21 @@ def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:
         getattr(params, "max_grad_norm", None) if preset.algo in ("dqn", "qrdqn") else None,
         getattr(params, "top_quantiles_to_drop_per_net", 2),
     )
+
+
+# The observation spaces SB3's policies take; others (Tuple, Text, Graph, Sequence) fail only when the model is built.
+_POLICY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary, spaces.Dict)
+
+
+def _check_observation_space(env: str, space: spaces.Space, frame_stack: int | None) -> None:
+    if not isinstance(space, _POLICY_SPACES):
+        accepted = ", ".join(s.__name__ for s in _POLICY_SPACES)
+        raise ConfigError(
+            f"SB3's policies cannot take {env}'s observation space {space}; accepted: {accepted} "
+            "(a Tuple of Discrete spaces can be flattened with gymnasium.wrappers.FlattenObservation)"
+        )
+    if frame_stack and not isinstance(space, (spaces.Box, spaces.Dict)):
+        raise ConfigError(f"frame_stack stacks Box or Dict observations; {env} has {space}: leave frame_stack unset")
 
 
 def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:

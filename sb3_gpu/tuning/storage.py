@@ -95,6 +95,9 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
             raise ConfigError(f"storage {url!r}: cannot open the journal file {path}: {e.strerror or e}") from None
     if "://" not in url:
         raise ConfigError(f"storage {url!r} is not a URL ({_ACCEPTED})")
+    if url.startswith("sqlite") and url.partition("://")[2].lstrip("/") in ("", ":memory:"):
+        # Optuna's heartbeat thread opens its own connection, which sees another, empty in-memory database.
+        raise ConfigError(f"storage {url!r} is an in-memory database, which workers cannot share; give sqlite:///FILE")
     for attempt in range(5):
         try:
             with warnings.catch_warnings():

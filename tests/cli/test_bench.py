@@ -46,6 +46,7 @@ def test_bench_per_times_each_tree_backend_and_the_gradient_step(capsys):
         (["--envs", "NoSuchEnv-v0"], "unknown env id 'NoSuchEnv-v0'"),
         (["--algos", "ppo", "--envs", "Pendulum-v1"], "Pendulum-v1 registers no reward_threshold; pass --target"),
         (["--algos", "dqn", "--envs", "Pendulum-v1", "--target", "-200"], "dqn needs a Discrete action space"),
+        (["--algos", "ppo", "--per", "on"], "--per on: prioritized replay is for dqn and qrdqn, and --algos has neither"),
     ],
 )
 def test_bench_solve_refuses_what_it_cannot_train_in_one_line(capsys, args, message):
@@ -466,6 +467,9 @@ def test_bench_auto_that_cannot_start_its_busy_processes_says_so_in_one_line_and
 def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
     assert bench.main(["auto", "--cases", "CartPole-v1"]) == 2
     assert capsys.readouterr().err.startswith("error: --cases: expected ALGO:ENV with ALGO one of ppo")
+    assert bench.main(["auto", "--cases", "ppo:CartPole-v1:cpu"]) == 2  # bench step's form, with a profile
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --cases 'ppo:CartPole-v1:cpu': bench auto takes ALGO:ENV and chooses the profile; leave out ':cpu'"]
 
 
 @pytest.mark.parametrize(

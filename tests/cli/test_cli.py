@@ -91,6 +91,7 @@ BAD_INPUTS = [
     (["ppo", "--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
     (["ppo", "--env", "no_such_pkg.envs:MyEnv"], "cannot import module 'no_such_pkg.envs'"),
     (["ppo", "--timesteps", "0"], "--timesteps: expected a positive integer"),
+    (["dqn", "--no-per", "--set", "per.alpha=0.5"], "--no-per turns prioritized replay off, and --set per.alpha sets"),
     (["ppo", "--timesteps", "-5"], "--timesteps: expected a positive integer"),
     (["ppo", "--n-envs", "0"], "--n-envs: expected a positive integer"),
     (["ppo", "--n-envs", "2.5"], "--n-envs: expected a positive integer"),

@@ -203,11 +203,20 @@ def test_bad_values_are_errors_that_name_the_key(tmp_path, text, message):
         ("", "must be a mapping of entries"),
         ("default: !!python/object/apply:os.system ['echo hacked']\n", "refused YAML tag"),
         ("default: !!python/name:builtins.eval\n", "refused YAML tag"),
+        ("default:\n  n_steps: 64\n  n_steps: 128\n", "not valid YAML at line 3: key 'n_steps' given twice"),
+        ("default: {}\ndefault: {n_steps: 64}\n", "not valid YAML at line 2: key 'default' given twice"),
     ],
 )
 def test_files_that_are_not_plain_yaml_mappings_are_refused(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load_preset_file(PPO_, write(tmp_path, text))
+
+
+def test_a_merged_entry_may_override_what_it_merged(tmp_path):
+    # `<<: *base` then a key of the entry's own is YAML's way to override, not a key given twice.
+    text = "base: &base {n_steps: 64, batch_size: 32}\ndefault:\n  <<: *base\n  n_steps: 128\n"
+    entries, _ = load_preset_file(PPO_, write(tmp_path, text))
+    assert entries["default"] == {"n_steps": 128, "batch_size": 32}
 
 
 def test_missing_preset_file_is_an_error(tmp_path):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -85,6 +87,18 @@ def test_overrides_and_cli_counts_win_with_their_sources(cpu_machine):
 def test_dqn_refuses_continuous_actions(cpu_machine):
     with pytest.raises(ConfigError, match="dqn needs a Discrete action space; Pendulum-v1 has Box"):
         make_plan("dqn", "Pendulum-v1", hardware=cpu_machine)
+
+
+@pytest.mark.parametrize(
+    "algo, env, overrides, message",
+    [
+        ("ppo", "Blackjack-v1", None, "SB3's policies cannot take Blackjack-v1's observation space Tuple(Discrete(32)"),
+        ("dqn", "FrozenLake-v1", {"frame_stack": 4}, "frame_stack stacks Box or Dict observations; FrozenLake-v1 has"),
+    ],
+)
+def test_observations_sb3_cannot_take_are_refused_by_the_plan(cpu_machine, algo, env, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_plan(algo, env, hardware=cpu_machine, overrides=overrides)
 
 
 def test_unknown_algorithm_suggests_one():
