@@ -159,6 +159,14 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
         console = cli_console()
         optuna = import_optuna()
+        # Before the plan, whose probe may take a minute.
+        if args.study_name is not None and (
+            not re.fullmatch(r"[A-Za-z0-9_.-]+", args.study_name) or set(args.study_name) == {"."}
+        ):
+            raise ConfigError(
+                f"--study-name {args.study_name!r}: it names a folder under tune/; accepted: letters, digits, '_', '.', '-' "
+                "(--study-dir chooses another folder)"
+            )
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
         space, narrowed = fit_to_budget(
             load_space(args.algo, args.space),
@@ -167,13 +175,6 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             get_algo(args.algo).on_policy,
             learning_starts=getattr(plan.preset.params, "learning_starts", None),
         )
-        if args.study_name is not None and (
-            not re.fullmatch(r"[A-Za-z0-9_.-]+", args.study_name) or set(args.study_name) == {"."}
-        ):
-            raise ConfigError(
-                f"--study-name {args.study_name!r}: it names a folder under tune/; accepted: letters, digits, '_', '.', '-' "
-                "(--study-dir chooses another folder)"
-            )
         name = args.study_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.algo}-{plan.env.name}")
         wanted = Path(args.study_dir or Path("tune") / name)
         new_folder = None if wanted.exists() else wanted
