@@ -197,10 +197,17 @@ def _interrupted_keeping(saved: Path, what: str) -> int:
     return interrupted()
 
 
+def _check_batch(flag: str, batch: int, capacity: int) -> None:
+    """Refuse a batch larger than the buffer: every sample would repeat frames, a case no preset trains."""
+    if batch > capacity:
+        raise ConfigError(f"{flag} {batch:,} is above the {capacity:,} frames the buffer holds; give at most {capacity:,}")
+
+
 def _main_per(args: argparse.Namespace) -> int:
     from sb3_gpu.benches.base import machine_line
     from sb3_gpu.benches.per import bench_per
 
+    _check_batch("--batch-size", args.batch_size, min(args.capacities))
     print(machine_line())
     rows = bench_per(args.batch_size, args.capacities, args.repeats)
     width = max(len(r[0]) for r in rows)
@@ -327,8 +334,10 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
     if device is None:
         return 2
     on_gpu = device.startswith("cuda")
+    capacity = args.capacity or (100_000 if on_gpu else 10_000)
+    _check_batch("--batch", args.batch, capacity)
     print(machine_line())
-    sample = bench_sample(device, args.capacity or (100_000 if on_gpu else 10_000), args.batch, max(args.repeats, 5) * 4)
+    sample = bench_sample(device, capacity, args.batch, max(args.repeats, 5) * 4)
     envs = args.envs or (["ALE/Pong-v5"] if on_gpu else ["CartPole-v1"])
     profiles = args.dqn_profiles or (["auto", "large"] if on_gpu else ["auto"])
     cases = [(algo, env, p) for env in envs for algo in args.algos for p in (profiles if algo == "dqn" else ["auto"])]

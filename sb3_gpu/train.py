@@ -130,15 +130,19 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     from sb3_gpu.config.runconfig import load_config
 
     # --per first, so that --set per.alpha=... refines it rather than being replaced by it. Each override's source
-    # is the flag that set it last, for the plan table.
+    # is the flag that set it, for the plan table; a key set by a flag and by --set is refused (argparse keeps no
+    # order between them, so "the last one wins" could not be kept).
     overrides: dict[str, Any] = {} if args.per is None else {"per": args.per}
     overrides.update({k: v for k in ("amp", "compile", "threads", "eval_freq") if (v := getattr(args, k)) is not None})
     if args.no_probe:
         overrides["probe"] = False
     flags = {"probe": "--no-probe", "per": "--per" if args.per else "--no-per", "eval_freq": "--eval-freq"}
     sources = {key: flags.get(key, f"--{key}") for key in overrides}
+    flagged = {**sources, "n_envs": args.n_envs and "--n-envs", "n_timesteps": args.timesteps and "--timesteps"}
     for item in args.set:
         key, value = parse_override(item)
+        if flagged.get(key):
+            raise ConfigError(f"{flagged[key]} and --set {key} both set {key}; give one")
         if args.per is False and key.startswith("per."):  # a PER value would turn PER back on
             raise ConfigError(f"--no-per turns prioritized replay off, and --set {key} sets one of its values; give one")
         overrides[key], sources[key] = value, "--set"

@@ -168,6 +168,12 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 "(--study-dir chooses another folder)"
             )
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
+        budget = plan.preset.n_timesteps
+        if args.eval_freq is not None and args.eval_freq > budget and args.threshold is not None:
+            raise ConfigError(
+                f"--eval-freq {args.eval_freq:,} is above the {budget:,} timesteps of each seed: no evaluation could see "
+                f"--threshold reached; give at most {budget:,} (default: a fiftieth of the run)"
+            )
         space, narrowed = fit_to_budget(
             load_space(args.algo, args.space),
             plan.preset.n_timesteps,
@@ -212,6 +218,12 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for note in narrowed:
         console.print(f"search space: {note}", highlight=False)
+    if args.eval_freq is not None and args.eval_freq > plan.preset.n_timesteps:
+        console.print(
+            f"note: --eval-freq {args.eval_freq:,} is above the {plan.preset.n_timesteps:,} timesteps of each seed: no "
+            "trial is evaluated before its end, so none is pruned",
+            highlight=False,
+        )
     if dead := fail_dead_local_trials(study):
         console.print(f"marked {dead} trial(s) of dead workers on this host as failed")
     done = finished_trials(study)

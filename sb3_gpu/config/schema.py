@@ -281,6 +281,13 @@ def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
     return values
 
 
+def check_key_names(algo: Algo, keys: list[str], where: str) -> None:
+    """Refuse keys that are no preset key of ``algo`` (a dotted key by its head), before their values are read."""
+    heads = {key.partition(".")[0]: None for key in keys}
+    _refuse_other_algorithms_keys(algo, heads, where)
+    c.check_keys(heads, set(valid_keys(algo)), where)
+
+
 def _check_net_arch_heads(algo: Algo, arch: dict[str, list[int]], where: str) -> None:
     heads = algo.net_arch_heads
     if heads is None:

@@ -10,7 +10,7 @@ from sb3_gpu.common.checks import yaml_number
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.config.files import presets_dir, read_yaml
 from sb3_gpu.config.presets import apply_override
-from sb3_gpu.config.schema import get_algo, validate_flat
+from sb3_gpu.config.schema import check_key_names, get_algo, validate_flat
 
 SPEC_KEYS = ("low", "high", "log", "choices")
 
@@ -22,6 +22,7 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     data = read_yaml(path, "search space")
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"{path}: a search space must be a mapping of preset keys to {{low, high}} or {{choices}}")
+    check_key_names(algo_, [str(key) for key in data], str(path))  # a misspelt key named as such, whatever its spec
     space: dict[str, dict[str, Any]] = {}
     for key, spec in data.items():
         where = f"{path}, key {key}"

@@ -653,9 +653,28 @@ def _check_quantiles(drop: int, n_quantiles: Any) -> None:
         )
 
 
+def _check_policy_fits(preset: Preset, obs_space: spaces.Space) -> None:
+    """SB3 refuses these when the model is built, in words about its feature extractors: said here in the plan's."""
+    policy, source = preset.policy, preset.sources.get("policy", "preset")
+    if isinstance(obs_space, spaces.Dict) != (policy == "MultiInputPolicy"):
+        wanted = "MultiInputPolicy" if isinstance(obs_space, spaces.Dict) else "MlpPolicy or CnnPolicy"
+        raise ConfigError(f"policy={policy} ({source}) does not take {_shown(obs_space)}; use {wanted}, or leave policy auto")
+    if policy == "CnnPolicy" and not (isinstance(obs_space, spaces.Box) and len(obs_space.shape) == 3):
+        raise ConfigError(
+            f"policy=CnnPolicy ({source}) takes images, a Box of shape (height, width, channels) or (channels, height, "
+            f"width); the observations are {_shown(obs_space)}: use MlpPolicy, or leave policy auto"
+        )
+
+
+def _shown(space: spaces.Space) -> str:
+    """A Box by its shape and dtype: its bounds, printed in full, run to lines of numbers."""
+    return f"a Box of shape {space.shape}, {space.dtype}" if isinstance(space, spaces.Box) else str(space)
+
+
 def _check_combinations(preset: Preset, obs_space: spaces.Space, training: bool = True) -> None:
     """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
     params: Any = preset.params
+    _check_policy_fits(preset, obs_space)
     if preset.algo == "ppo":
         if params.n_steps * preset.n_envs < 2:
             raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")

@@ -131,6 +131,11 @@ def choose_threads(
 ) -> tuple[int, str]:
     """``auto`` or a count -> (torch intra-op threads, reason)."""
     if request != "auto":
+        if int(request) > hardware.logical_cores:  # torch accepts any count; past the cores, threads take turns
+            return int(request), (
+                f"asked for; warning: more than the {hardware.logical_cores} logical cores this process may use, so the "
+                "threads take turns and every op waits for the last"
+            )
         return int(request), "asked for"
     busy = hardware.busy_physical_cores
     free = max(1, hardware.physical_cores - env_workers - busy)

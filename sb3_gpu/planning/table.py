@@ -29,7 +29,7 @@ def plan_table(plan: Plan) -> Table:
     warn = plan.eval_step_cap_reason.startswith("warning")
     _row(table, "eval episode cap", cap, plan.eval_step_cap_reason, style="yellow" if warn else None)
     for name, value, why in plan.speed.rows() if plan.speed else []:
-        _row(table, name, value, why)
+        _row(table, name, value, why, style="yellow" if "warning:" in why else None)
     if plan.probe is not None:
         _row(table, "probe", plan.probe.summary(), "; ".join(plan.probe.lines()[1:]))
     table.add_section()

@@ -36,6 +36,8 @@ def _pyplot() -> Any:
 def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     """A run's episodes in time order: ``steps`` (cumulative env steps), ``seconds``, ``returns``; and evaluations."""
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    if not run.path.exists():
+        raise ConfigError(f"{run}: no such folder; give a run dir written by sb3_gpu.train")
     files = sorted(run.monitor.glob("*.monitor.csv")) if run.monitor.is_dir() else []
     if not files:
         raise ConfigError(f"{run} has no monitor/*.monitor.csv; is it a run dir written by sb3_gpu.train?")
@@ -66,15 +68,25 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
 
 
 def _read_monitor(path: Path, rows: list[tuple[float, float, float]]) -> float:
-    """Append a Monitor file's episodes (return, length, end time) to ``rows``; its start time."""
+    """Append a Monitor file's episodes (return, length, end time) to ``rows``; its start time.
+
+    Only the last line may be unreadable (a run still writing may end in half a line); any other is damage, said
+    as such rather than read as "no episode yet".
+    """
     with path.open(encoding="utf-8") as f:
         header = f.readline()  # #{"t_start": ..., "env_id": ...}: episode times count from t_start
         start = float(json.loads(header[1:]).get("t_start", 0.0)) if header.startswith("#{") else 0.0
-        f.readline()  # r,l,t[,info keywords]
-        for line in f:
-            try:  # a run still writing may end in half a line
+        columns = f.readline()
+        if columns and not columns.startswith("r,l,t"):
+            raise ValueError(f"line 2 is {columns.strip()[:40]!r}, not the r,l,t header")
+        bad: tuple[int, str] | None = None
+        for number, line in enumerate(f, start=3):
+            if bad is not None:
+                raise ValueError(f"line {bad[0]} is {bad[1][:40]!r}, not an episode's r,l,t")
+            try:
                 r, length, t = (float(v) for v in line.split(",", 3)[:3])
             except ValueError:
+                bad = (number, line.strip())
                 continue
             rows.append((r, length, t + start))
     return start

@@ -487,10 +487,12 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
         (["envs", "--envs", "CartPole-v1", "--out", "{file}"], "cannot create --out folder {file}: {file} is in the way"),
         (["solve", "--out", "{file}/sub"], "cannot create --out folder {file}/sub: {file} is in the way"),
         (["auto", "--compete", "100000"], "--compete: expected a count from 0 to 1024, got 100000"),  # busy processes
+        (["per", "--batch-size", "512", "--capacities", "100", "1000"], "--batch-size 512 is above the 100 frames the"),
+        (["gpu", "--device", "cpu", "--capacity", "500", "--batch", "1024"], "--batch 1,024 is above the 500 frames the"),
     ],
 )
 def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, tmp_path, capsys, monkeypatch):
-    from sb3_gpu.benches import auto, envs, step
+    from sb3_gpu.benches import auto, envs, gpu, per, step
 
     def no_work(*a, **k):
         raise AssertionError("the bench ran before refusing its input")
@@ -498,6 +500,8 @@ def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, t
     monkeypatch.setattr(step, "bench_step", no_work)
     monkeypatch.setattr(envs, "bench_envs", no_work)
     monkeypatch.setattr(auto, "bench_auto", no_work)
+    monkeypatch.setattr(per, "bench_per", no_work)
+    monkeypatch.setattr(gpu, "bench_sample", no_work)
     (tmp_path / "file").write_text("")
     monkeypatch.chdir(tmp_path)
     assert bench.main([a.format(file="file") for a in args]) == 2

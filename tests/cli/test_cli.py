@@ -92,6 +92,11 @@ BAD_INPUTS = [
     (["ppo", "--env", "no_such_pkg.envs:MyEnv"], "cannot import module 'no_such_pkg.envs'"),
     (["ppo", "--timesteps", "0"], "--timesteps: expected a positive integer"),
     (["dqn", "--no-per", "--set", "per.alpha=0.5"], "--no-per turns prioritized replay off, and --set per.alpha sets"),
+    (["ppo", "--n-envs", "4", "--set", "n_envs=2"], "--n-envs and --set n_envs both set n_envs; give one"),
+    (["ppo", "--timesteps", "900", "--set", "n_timesteps=500"], "--timesteps and --set n_timesteps both set n_timesteps"),
+    (["dqn", "--amp", "off", "--set", "amp=bf16"], "--amp and --set amp both set amp; give one"),
+    (["dqn", "--per", "--set", "per=false"], "--per and --set per both set per; give one"),
+    (["ppo", "--set", "policy=CnnPolicy"], "policy=CnnPolicy (--set) takes images, a Box of shape (height, width, channels)"),
     (["ppo", "--timesteps", "-5"], "--timesteps: expected a positive integer"),
     (["ppo", "--n-envs", "0"], "--n-envs: expected a positive integer"),
     (["ppo", "--n-envs", "2.5"], "--n-envs: expected a positive integer"),
@@ -397,7 +402,7 @@ def test_the_summary_shows_values_with_brackets_as_written(tmp_path):
     assert "pip install 'sb3-gpu[plot]'" in console.export_text()  # rich markup would have eaten "[plot]"
 
 
-def test_the_plan_names_the_flag_that_set_each_value_last():
+def test_the_plan_names_the_flag_that_set_each_value():
     from sb3_gpu.train import build_parser, plan_from_args
 
     args = ["dqn", "--amp", "off", "--no-probe", "--threads", "1", "--per", "--set", "n_steps=2", "--plan"]
@@ -409,9 +414,9 @@ def test_the_plan_names_the_flag_that_set_each_value_last():
         "--per",
         "--set",
     ]
-    args += ["--set", "amp=bf16", "--set", "per.alpha=0.5"]  # a --set after the flag wins, and is named
-    sources = plan_from_args(build_parser().parse_args(args)).preset.sources
-    assert sources["amp"] == sources["per"] == "--set"
+    # A --set refines --per's mapping, and is named; one that sets a flag's own key is refused (tested with bad input).
+    sources = plan_from_args(build_parser().parse_args([*args, "--set", "per.alpha=0.5"])).preset.sources
+    assert sources["per"] == "--set"
     assert plan_from_args(build_parser().parse_args(["dqn", "--no-per", "--plan"])).preset.sources["per"] == "--no-per"
 
 

@@ -279,6 +279,10 @@ def test_a_seed_that_never_reaches_the_threshold_ranks_behind_a_slower_one_that_
         (["--storage", "sqlite:///:memory:"], "is an in-memory database, which workers cannot share; give sqlite:///FILE"),
         (["--study-name", "../../escape"], "--study-name '../../escape': it names a folder under tune/; accepted: letters"),
         (["--study-name", ".."], "--study-name '..': it names a folder under tune/"),
+        (
+            ["--timesteps", "2048", "--eval-freq", "4096", "--threshold", "100"],
+            "--eval-freq 4,096 is above the 2,048 timesteps of each seed: no evaluation could see --threshold reached",
+        ),
         (["--storage", "foo://bar"], "cannot open storage foo://bar: Can't load plugin: sqlalchemy.dialects:foo (accepted: "),
         (["--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
         (["--seed", "4294967295", "--seeds", "2"], "would train seed 4,294,967,296; seeds stop at 2**32 - 1"),
@@ -364,6 +368,9 @@ def test_a_worker_that_starts_while_another_holds_the_journal_lock_waits_for_it(
         ("buffer_size: {choices: [1000]}", "'buffer_size' is for off-policy"),
         ("learning_rate: {low: 0, high: 1, log: true}", "low > 0 with log"),
         ("learning_rate: {low: 1.0e-5, high: 1, log: 'false'}", "'log' is true or false, got 'false'"),
+        # The key is named before its spec's shape is judged.
+        ("learning_rat: 3.0e-4", "unknown key 'learning_rat'.*did you mean 'learning_rate'"),
+        ("per.alpha: {low: 0.4, high: 0.8}", "'per' is for off-policy algorithms"),
     ],
 )
 def test_search_space_keys_and_values_are_checked_like_presets(tmp_path, text, message):
@@ -528,6 +535,17 @@ def test_the_exported_preset_is_what_the_best_trial_trained(tmp_path):
     # Trials longer than the buffer did evict: their size is the finding and is kept.
     path = tuning.export_preset(study, "td3", "Pendulum-v1", tmp_path / "short.yaml", timesteps=20_000)
     assert yaml.safe_load(path.read_text())["Pendulum-v1"]["buffer_size"] == 10_000
+
+
+@pytest.mark.heavy
+def test_an_evaluation_interval_past_the_budget_is_noted_and_the_trial_scored_at_its_end(tmp_path, call_main, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = call_main(tune.main, "ppo", "--trials", "1", *TINY, "--eval-freq", "1024", "--study-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    note = "note: --eval-freq 1,024 is above the 512 timesteps of each seed: no trial is evaluated before its end, so none"
+    assert note in out.stdout
+    (trial,) = load(f"sqlite:///{tmp_path / 'study.db'}").trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value is not None
 
 
 @pytest.mark.heavy

@@ -94,6 +94,20 @@ def test_dqn_refuses_continuous_actions(cpu_machine):
     [
         ("ppo", "Blackjack-v1", None, "SB3's policies cannot take Blackjack-v1's observation space Tuple(Discrete(32)"),
         ("dqn", "FrozenLake-v1", {"frame_stack": 4}, "frame_stack stacks Box or Dict observations; FrozenLake-v1 has"),
+        # SB3 refuses these only when it builds the model, naming its feature extractor and the Box's every bound.
+        (
+            "ppo",
+            "CartPole-v1",
+            {"policy": "CnnPolicy"},
+            "policy=CnnPolicy (override) takes images, a Box of shape (height, width, channels) or (channels, height, "
+            "width); the observations are a Box of shape (4,), float32: use MlpPolicy, or leave policy auto",
+        ),
+        (
+            "dqn",
+            "CartPole-v1",
+            {"policy": "MultiInputPolicy"},
+            "policy=MultiInputPolicy (override) does not take a Box of shape (4,), float32; use MlpPolicy or CnnPolicy",
+        ),
     ],
 )
 def test_observations_sb3_cannot_take_are_refused_by_the_plan(cpu_machine, algo, env, overrides, message):

@@ -115,6 +115,25 @@ def test_plan_shows_and_saves_the_speed_decisions(cpu_machine):
     assert config["resolved"]["speed.threads"] == "2 (asked for)"
 
 
+def test_more_threads_than_cores_are_kept_as_asked_and_flagged_in_the_plan():
+    from rich.console import Console
+
+    from sb3_gpu.planning.table import plan_table
+
+    four = machine(cores=4)
+    plan = make_plan("ppo", "CartPole-v1", "cpu", hardware=four, overrides={"threads": 999, "amp": "off", "probe": False})
+    assert plan.speed.threads == 999
+    assert plan.speed.threads_reason == (
+        "asked for; warning: more than the 4 logical cores this process may use, so the threads take turns and every op "
+        "waits for the last"
+    )
+    assert make_plan("ppo", "CartPole-v1", "cpu", hardware=four, overrides={"threads": 4}).speed.threads_reason == "asked for"
+    console = Console(record=True, width=300, color_system="truecolor")
+    console.print(plan_table(plan))
+    row = next(line for line in console.export_text(styles=True).splitlines() if "999" in line)
+    assert "\x1b[33m" in row  # yellow, as the plan's other warnings
+
+
 # --------------------------------------------------------------------------- env workers and CLI
 class _ThreadsEnv(gym.Env):
     observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)

@@ -147,7 +147,7 @@ def test_plot_cli_draws_several_runs_and_refuses_non_runs(tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
     bad = run_cli("sb3_gpu.plot", "nowhere", cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "no monitor" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "nowhere: no such folder" in bad.stderr
 
 
 @pytest.mark.parametrize(
@@ -162,6 +162,13 @@ def test_plot_cli_draws_several_runs_and_refuses_non_runs(tmp_path):
             "the plot is written as a PNG file: give a path ending in .png, got 'curves.jpg'",
         ),
         (b'#{"t_start": null}\nr,l,t\n', None, "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (TypeError"),
+        # Only a last line may be half written (by a run still going): a bad one before it is damage, not "no episode".
+        (
+            b"#{}\nr,l,t\n1,2,3\ngarbage\n4,5,6\n",
+            None,
+            "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (ValueError: line 4 is 'garbage', not an episode",
+        ),
+        (b"#{}\nx,y\n1,2,3\n", None, "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (ValueError: line 2 is"),
         (b"#{}\nr,l,t\n1,2,3\n", "a.png", "cannot write the plot to a.png: it is a folder"),
         (b"#{}\nr,l,t\n1,2,3\n", "file/x.png", "cannot create the plot's folder file: file is in the way (not a folder)"),
     ],
@@ -180,6 +187,7 @@ def test_plot_refuses_a_damaged_monitor_file_or_an_unusable_output_in_one_line(t
 def test_plot_says_when_a_run_has_no_finished_episode(tmp_path):
     (tmp_path / "run" / "monitor").mkdir(parents=True)
     (tmp_path / "run" / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n')
+    (tmp_path / "run" / "monitor" / "1.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n-3.5,1')  # being written
     result = run_cli("sb3_gpu.plot", "run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "note: run has no finished episode yet; its curves are empty" in result.stdout
