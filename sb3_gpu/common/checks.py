@@ -4,6 +4,7 @@ the normalised value or raises ConfigError naming ``where``."""
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,49 @@ VEC_ENV_KINDS = ("auto", "dummy", "subproc", "batched", "envpool")
 
 # Counts (timesteps, envs, episodes, buffer sizes) above this are typos: they would overflow numpy and torch later.
 MAX_COUNT = 2**31 - 1
+
+
+# --------------------------------------------------------------------------- Python API arguments
+# Strict, unlike preset values (which YAML and --set give as text): a caller's "3" or 2.5 is a mistake to name.
+def seed_arg(value: Any, name: str = "seed") -> int | None:
+    """A seed argument: None, or an int from 0 to 2**32 - 1 (numpy's and gymnasium's range)."""
+    if value is None:
+        return None
+    number = _whole(value)
+    if number is None or not 0 <= number < 2**32:
+        raise ConfigError(f"{name} must be an int from 0 to 2**32 - 1, or None; got {value!r}")
+    return number
+
+
+def count_arg(value: Any, name: str, low: int = 1, optional: bool = False) -> int | None:
+    """A count argument: an int >= ``low`` (or None where ``optional``)."""
+    if value is None and optional:
+        return None
+    number = _whole(value)
+    if number is None or not low <= number <= MAX_COUNT:
+        what = "a positive int" if low == 1 else f"an int >= {low}"
+        raise ConfigError(f"{name} must be {what}{', or None' if optional else ''}; got {value!r}")
+    return number
+
+
+def seconds_arg(value: Any, name: str) -> float | None:
+    """A period in seconds: None, or a finite number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        raise ConfigError(f"{name} must be a number of seconds > 0, or None; got {value!r}")
+    return float(value)
+
+
+def _whole(value: Any) -> int | None:
+    """An int (numpy's too) as a Python int; None for anything else, a bool or a float included."""
+    return None if isinstance(value, bool) or not isinstance(value, numbers.Integral) else int(value)
+
+
+def bool_arg(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def integer(low: int, what: str) -> Check:

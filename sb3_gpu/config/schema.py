@@ -207,6 +207,8 @@ OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval",
 
 def get_algo(name: str) -> Algo:
     """Look an algorithm up by name (case-insensitive)."""
+    if not isinstance(name, str):
+        raise ConfigError(f"the algorithm is a name ({', '.join(ALGOS)}); got {name!r}")
     algo = ALGOS.get(name.lower())
     if algo is None:
         raise ConfigError(f"unknown algorithm {name!r}{closest(name.lower(), ALGOS)} (valid: {', '.join(ALGOS)})")

@@ -12,7 +12,7 @@ import signal
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ import cloudpickle
 import gymnasium as gym
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
+from sb3_gpu.common.checks import count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError
+from sb3_gpu.common.io import make_dir
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
@@ -72,6 +74,15 @@ def make_vec_env(
     """
     if isinstance(n_envs, bool) or not isinstance(n_envs, int) or n_envs < 1:
         raise ConfigError(f"n_envs must be a positive int, got {n_envs!r}")
+    seed = seed_arg(seed)
+    count_arg(frame_stack, "frame_stack", optional=True)
+    count_arg(max_episode_steps, "max_episode_steps", optional=True)
+    if env_kwargs is not None and not isinstance(env_kwargs, Mapping):
+        raise ConfigError(f"env_kwargs must be a mapping of keyword arguments, got {env_kwargs!r}")
+    if wrapper_class is not None and not callable(wrapper_class):
+        raise ConfigError(f"wrapper_class must be callable (a gymnasium.Wrapper class, say), got {wrapper_class!r}")
+    if vec_env_cls is not None and not (isinstance(vec_env_cls, type) and issubclass(vec_env_cls, VecEnv)):
+        raise ConfigError(f"vec_env_cls must be a VecEnv class (DummyVecEnv, SubprocVecEnv, ...), got {vec_env_cls!r}")
     vec_env_kwargs = dict(vec_env_kwargs or {})
     spec = resolve_env(env_id, env_kwargs)
     atari = (spec.is_atari and wrapper_class is None) if atari_wrapper is None else atari_wrapper
@@ -86,7 +97,7 @@ def make_vec_env(
         kind = vec_env_choice("auto", spec, n_envs, envpool_allowed=plain).kind
     check_env_resources(kind, n_envs, monitor=monitor_dir is not None)
     if monitor_dir is not None:
-        os.makedirs(monitor_dir, exist_ok=True)
+        make_dir(monitor_dir, "monitor_dir")
     stack_order: str | None = None  # VecFrameStack's own guess: channel-last for SB3's AtariWrapper frames
     if kind == "envpool":
         if wrapper_class is not None or monitor_kwargs:

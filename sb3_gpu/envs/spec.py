@@ -279,6 +279,55 @@ def probe_env(spec: EnvSpec) -> gym.Env:
         raise ConfigError(f"env {spec.name!r} failed to build: {type(e).__name__}: {e}") from None
 
 
+def check_env_api(env: gym.Env, name: str) -> None:
+    """What SB3's vec envs take for granted, checked on one env before anything trains: its two spaces, ``reset``'s
+    ``(obs, info)``, ``step``'s five values, and observations of the space's shape. A break here (an env written for
+    the old Gym API, say) otherwise surfaces deep inside SB3, once ``learn()`` has started."""
+    for attr in ("observation_space", "action_space"):
+        if not isinstance(getattr(env, attr, None), gym.spaces.Space):
+            raise ConfigError(f"env {name!r} sets no {attr}; a Gymnasium env sets observation_space and action_space")
+    try:
+        reset = env.reset(seed=0)
+        if not (isinstance(reset, tuple) and len(reset) == 2):
+            raise ConfigError(f"env {name!r}: reset() returned {_returned(reset)}; a Gymnasium env returns (obs, info)")
+        _check_observation(reset[0], env.observation_space, name, "reset()")
+        step = env.step(env.action_space.sample())
+        if not (isinstance(step, tuple) and len(step) == 5):
+            raise ConfigError(
+                f"env {name!r}: step() returned {_returned(step)}; a Gymnasium env returns (obs, reward, terminated, "
+                "truncated, info)"
+            )
+        _check_observation(step[0], env.observation_space, name, "step()")
+    except ConfigError:
+        raise
+    except Exception as e:
+        # Gymnasium's own wrappers unpack step()'s values first: the old Gym API's four fail there.
+        old = " (four values: the old Gym API; Gymnasium's step() returns five)" if "expected 5, got 4" in str(e) else ""
+        raise ConfigError(f"env {name!r} failed on its first reset or step: {type(e).__name__}: {e}{old}") from None
+
+
+def _returned(value: Any) -> str:
+    return f"a tuple of {len(value)}" if isinstance(value, tuple) else f"a value of type {type(value).__name__}"
+
+
+def _check_observation(obs: Any, space: gym.spaces.Space, name: str, where: str) -> None:
+    """The shape only: bounds and dtypes are the env's to keep, and SB3 casts the dtype."""
+    if isinstance(space, gym.spaces.Box) and np.shape(obs) != space.shape:
+        raise ConfigError(
+            f"env {name!r}: {where} returned an observation of shape {np.shape(obs)}, but its observation_space has "
+            f"shape {space.shape}"
+        )
+    if isinstance(space, gym.spaces.Dict):
+        if not isinstance(obs, dict) or set(obs) != set(space.spaces):
+            keys = sorted(obs) if isinstance(obs, dict) else type(obs).__name__
+            raise ConfigError(
+                f"env {name!r}: {where} returned an observation with keys {keys}, but its Dict observation_space has "
+                f"{sorted(space.spaces)}"
+            )
+        for key, sub in space.spaces.items():
+            _check_observation(obs[key], sub, name, f"{where}[{key!r}]")
+
+
 def measure_step_seconds(env: gym.Env, budget_s: float = 0.05, max_steps: int = 500) -> float:
     """Median wall time of one ``step`` with random actions, over at most ``budget_s`` seconds."""
     env.reset(seed=0)

@@ -85,8 +85,14 @@ def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, 
     ``amp/skipped_steps`` for fp16. fp16 runs on the CPU too (slowly: it is there so that the scaling logic can be
     tested without a GPU); the plan only picks it for CUDA.
     """
+    if not isinstance(model, BaseAlgorithm):
+        raise TypeError(f"enable_amp takes an SB3 model, got {model!r}")
     if mode not in _DTYPES:
         raise ConfigError(f"enable_amp: mode must be bf16 or fp16, got {mode!r}")
+    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not 0 < init_scale < float("inf"):
+        raise ConfigError(f"enable_amp: init_scale must be a finite number > 0, got {init_scale!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ConfigError(f"enable_amp: growth_interval must be a positive int, got {growth_interval!r}")
     policy: Any = model.policy
     if getattr(policy, "_sb3_gpu_amp", None) is not None:
         raise ConfigError("AMP is already enabled on this model's policy")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -15,7 +16,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError, gist
 from sb3_gpu.config.schema import get_algo
-from sb3_gpu.envs.build import make_vec_env
+from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
@@ -29,11 +30,12 @@ EVAL_SEED_OFFSET = 10_000
 def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None = None, evaluation: bool = False) -> VecEnv:
     """The plan's VecEnv (``evaluation=True``: dummy envs, one unless ``n_envs`` says, seeded apart, with frozen
     normalisation)."""
+    _check_plan(plan, "build_env")
     preset = plan.preset
     seed = None if plan.seed is None else plan.seed + (EVAL_SEED_OFFSET if evaluation else 0)
     venv = make_vec_env(
         plan.env,
-        n_envs or (1 if evaluation else preset.n_envs),
+        n_envs if n_envs is not None else 1 if evaluation else preset.n_envs,
         seed=seed,
         monitor_dir=monitor_dir,
         vec_env="dummy" if evaluation else plan.vec_env,
@@ -48,6 +50,19 @@ def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None 
         frozen = {k: v for k, v in kwargs.items() if k != "norm_reward"}
         return VecNormalize(venv, training=False, norm_reward=False, gamma=gamma, **frozen)
     return VecNormalize(venv, gamma=gamma, **kwargs)
+
+
+def _check_model_args(tensorboard_log: Any, verbose: Any) -> None:
+    """SB3 takes these unchecked and fails on them at ``learn()`` (or reports them as the plan's hyperparameters)."""
+    if isinstance(verbose, bool) or verbose not in (0, 1, 2):
+        raise ConfigError(f"verbose must be 0, 1 or 2, got {verbose!r}")
+    if tensorboard_log is not None and not isinstance(tensorboard_log, (str, os.PathLike)):
+        raise ConfigError(f"tensorboard_log must be a folder path or None, got {tensorboard_log!r}")
+
+
+def _check_plan(plan: Any, caller: str) -> None:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{caller} takes a Plan from make_plan(...), got {plan!r}")
 
 
 def model_class(plan: Plan) -> type[BaseAlgorithm]:
@@ -122,6 +137,10 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
 
     If torch.compile fails, the model trains uncompiled and a ``CompileFallbackWarning`` says why.
     """
+    _check_plan(plan, "build_model")
+    if not isinstance(env, VecEnv):
+        raise TypeError(f"build_model needs the VecEnv that build_env(plan) makes, got {env!r}")
+    _check_model_args(tensorboard_log, verbose)
     preset, cls = plan.preset, model_class(plan)
     try:
         model = cls(
@@ -173,8 +192,14 @@ def make_model(
     :param profile: ``auto`` (by device), ``cpu``, ``gpu`` or ``large`` (a big workstation; DQN family)
     :param overrides: preset keys that win over the preset, e.g. ``batch_size=128, net_arch=[64, 64]``
     """
+    _check_model_args(tensorboard_log, verbose)
     plan = make_plan(
         algo, env, device, n_envs=n_envs, vec_env=vec_env, seed=seed, preset=preset, profile=profile, overrides=overrides
     )
-    model = build_model(plan, build_env(plan), tensorboard_log=tensorboard_log, verbose=verbose)
+    venv = build_env(plan)
+    try:
+        model = build_model(plan, venv, tensorboard_log=tensorboard_log, verbose=verbose)
+    except BaseException:  # refused by SB3: its env workers are not left running
+        close_vec_envs(venv)
+        raise
     return PresetModel(model, plan.preset.n_timesteps)

@@ -32,6 +32,8 @@ _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(?::(\d+))?)$")
 def requested_device(requested: str, hardware: HardwareProfile) -> DeviceChoice | None:
     """The device asked for, checked against this machine (None for ``auto``): a plan checks it before it builds
     the env, so that a device this machine lacks is the first and only thing the user reads."""
+    if not isinstance(requested, str):
+        raise ConfigError(f"device must be a string: auto, cpu, cuda, cuda:N or mps; got {requested!r}")
     match = _DEVICE_RE.match(requested.strip().lower())
     if match is None:
         raise ConfigError(f"unknown device {requested!r}; accepted: auto, cpu, cuda, cuda:N, mps")

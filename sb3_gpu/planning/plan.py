@@ -16,14 +16,14 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
-from sb3_gpu.common.checks import CONTINUOUS_ALGOS
+from sb3_gpu.common.checks import CONTINUOUS_ALGOS, seed_arg
 from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
 from sb3_gpu.config.schema import PROFILES, get_algo
 from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choice
-from sb3_gpu.envs.spec import EnvSpec, episode_limit, measure_step_seconds, probe_env, resolve_env
+from sb3_gpu.envs.spec import EnvSpec, check_env_api, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
@@ -138,6 +138,9 @@ def make_plan(
         must earn its time back in
     """
     algo_ = get_algo(algo)
+    seed = seed_arg(seed)
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides must be a mapping of preset keys to values, got {type(overrides).__name__}")
     hardware_detected = hardware is None  # an injected profile is a what-if: nothing on it can be timed
     hardware = hardware or detect_hardware()
     requested_device(device, hardware)
@@ -561,6 +564,7 @@ def _entry(
 def _probe(spec: EnvSpec, measure: bool) -> _EnvFacts:
     one = probe_env(spec)
     try:
+        check_env_api(one, spec.name)
         seconds = measure_step_seconds(one) if measure else None
         return _EnvFacts(one.observation_space, one.action_space, seconds, episode_limit(one))
     finally:

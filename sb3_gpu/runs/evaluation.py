@@ -20,6 +20,7 @@ from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
+from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import check_dir_creatable, keep_previous, put_back_cut_short, save_model, write_json
 from sb3_gpu.config.runconfig import load_config
@@ -330,6 +331,15 @@ def evaluate_run(
     """
     if which not in ("best", "final"):
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
+    count_arg(episodes, "episodes")
+    bool_arg(deterministic, "deterministic")
+    bool_arg(video, "video")
+    count_arg(video_length, "video_length (0: the first episode)", low=0)
+    if video_length and not video:
+        raise ConfigError(f"video_length={video_length} is for the video: pass video=True too")
+    seed_arg(seed)
+    if should_stop is not None and not callable(should_stop):
+        raise TypeError(f"should_stop takes a callable that returns True to stop, got {should_stop!r}")
     model_path, run = RunDir.find_model(target, which)
     config = load_config(run.config)
     if not deterministic and config.algo == "td3":  # SB3's TD3 policy ignores the flag: the figures would be mislabelled

@@ -12,6 +12,7 @@ from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
+from sb3_gpu.common.checks import count_arg, seconds_arg
 from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import detect_hardware
@@ -124,10 +125,20 @@ def train_run(
     :param report_s: print a throughput line every N seconds (None: never)
     :return: the summary, also written as ``summary.json``
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"train_run takes a Plan from make_plan(...), got {plan!r}")
     options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer, confirm_episodes)
     options.check(plan.algo)
+    output = _Output(progress, console, report_s)
     run = RunDir(make_dir(run_dir, "run dir"))
-    return _train(plan, run, options, None, _Output(progress, console, report_s))
+    # An empty folder may be made first (the CLI makes it, to claim its name); one that holds files is another run's.
+    if held := sorted(p.name for p in run.path.iterdir()):
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ConfigError(
+            f"run dir {run} already holds {shown}; runs are never overwritten: give a new run_dir, or "
+            f"resume_run({str(run)!r}) to continue it"
+        )
+    return _train(plan, run, options, None, output)
 
 
 def resume_run(
@@ -148,6 +159,8 @@ def resume_run(
     :param device: where to train from now on (default: the run's own ``device``), with the run's hyperparameters:
         a run started on a GPU can go on on a CPU, and the other way round
     """
+    count_arg(timesteps, "timesteps (the new total)", optional=True)
+    output = _Output(progress, console, report_s)
     run = RunDir(run_dir)
     if run.path.exists() and not run.path.is_dir():
         raise ConfigError(f"--resume: {run} is a file; give the run dir that holds config.yaml")
@@ -162,7 +175,6 @@ def resume_run(
     if not states:
         why = f" ({skipped[0]})" if skipped else ""
         raise ConfigError(f"--resume: {run} holds no readable model.zip or checkpoint to continue from{why}")
-    output = _Output(progress, console, report_s)
     for message in skipped:
         output.warn(message)
     state = states[0]
@@ -202,6 +214,9 @@ class _Output:
     progress: bool
     console: Console | None
     report_s: float | None
+
+    def __post_init__(self) -> None:
+        seconds_arg(self.report_s, "report_s")
 
     def say(self, text: str) -> None:
         (self.console or Console()).print(text, highlight=False)

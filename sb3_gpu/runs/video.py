@@ -17,6 +17,7 @@ from gymnasium.wrappers import RecordVideo
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
+from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import make_dir
 from sb3_gpu.envs.build import make_vec_env, temporary_environ
@@ -58,8 +59,17 @@ def record_video(
     :raises ConfigError: where the env cannot render, moviepy (the ``video`` extra) is missing, or the folder cannot be
         made
     """
-    if video_length < 0:
-        raise ConfigError(f"video_length must be >= 0 (0: the first episode), got {video_length}")
+    if not isinstance(model, BaseAlgorithm):
+        raise TypeError(
+            f"record_video takes a loaded SB3 model, got {model!r}; for a run dir or its zip, evaluate_run(..., video=True)"
+        )
+    count_arg(video_length, "video_length (0: the first episode)", low=0)
+    seed_arg(seed)
+    count_arg(frame_stack, "frame_stack", optional=True)
+    count_arg(max_episode_steps, "max_episode_steps", optional=True)
+    bool_arg(deterministic, "deterministic")
+    if normalization is not None and not isinstance(normalization, VecNormalize):
+        raise TypeError(f"normalization takes a VecNormalize (its statistics) or None, got {normalization!r}")
     path = Path(path)
     if path.suffix != ".mp4":
         raise ConfigError(f"a video is written as mp4: give a path ending in .mp4, got {path}")

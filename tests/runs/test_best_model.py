@@ -224,14 +224,14 @@ def _count_from_zero(monkeypatch):
 
 
 def test_a_real_signal_inside_the_first_confirmation_stops_it_at_once_and_names_no_best(tmp_path, call_main):
-    # Training takes env steps 1-32; the periodic evaluation (one 20-step episode) 33-52; its confirmation (three
-    # episodes on one env) would take 53-112: the signal lands at step 60.
+    # The plan's check of the env takes step 1; training steps 2-33; the periodic evaluation (one 20-step episode)
+    # 34-53; its confirmation (three episodes on one env) would take 54-113: the signal lands at step 61.
     run_dir = tmp_path / "run"
-    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 60}", "--set", "eval_max_episode_steps=20"]
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 61}", "--set", "eval_max_episode_steps=20"]
     args += ["--timesteps", "2048", "--eval-freq", "32", "--eval-episodes", "1", "--run-dir", str(run_dir), "--no-progress"]
     result = call_main(train_main, *args)
     assert result.returncode == 130, result.stderr
-    assert Endless.steps == 60
+    assert Endless.steps == 61
     assert not (run_dir / "best_model.zip").exists() and not (run_dir / "eval" / "best.json").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best_eval_mean"] is None and zip_timesteps(run_dir / "model.zip") == 32
@@ -267,14 +267,16 @@ def test_the_plan_and_the_summary_say_how_the_best_is_chosen(tmp_path, call_main
 
 
 def test_a_signal_during_the_check_after_training_stops_it_and_keeps_the_chosen_figure(tmp_path, call_main):
-    # Training takes steps 1-32; the periodic evaluation (one 20-step episode) 33-52; its confirmation 53-112; the
-    # final evaluation 113-132; the check after training (three episodes on three envs) would take 133-192.
+    # The plan's check of the env takes step 1; training steps 2-33; the periodic evaluation (one 20-step episode)
+    # 34-53; its confirmation 54-113; the final evaluation 114-133; the check after training plans afresh (its check
+    # of the env: step 134), then its three episodes on three envs would take 135-194, stepped together (..., 150-152):
+    # the signal at 151 lets that batched step end.
     run_dir = tmp_path / "run"
-    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 150}", "--set", "eval_max_episode_steps=20"]
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 151}", "--set", "eval_max_episode_steps=20"]
     args += ["--timesteps", "32", "--eval-freq", "32", "--eval-episodes", "1", "--run-dir", str(run_dir), "--no-progress"]
     result = call_main(train_main, *args)
     assert result.returncode == 130, result.stderr
-    assert Endless.steps == 150
+    assert Endless.steps == 152
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and summary["stopped_by"] == "SIGINT" and summary["final_eval_mean"] == 0.0
     assert "the check of the best model after them was stopped" in summary["saved"]

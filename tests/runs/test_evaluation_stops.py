@@ -82,8 +82,9 @@ def test_training_and_evaluate_cut_the_episodes_of_an_env_without_time_limit(end
     assert "return 0.00 +/- 0.00 over 3 episodes" in result.stdout
 
 
-# An evaluation steps its 5 envs together (steps 33-37, 38-42, ...): a signal at step 40 lets that batched step end.
-AFTER_SIGNAL_AT_40 = 42
+# The plan's check of the env takes step 1 (one reset and one step), training steps 2-33; an evaluation steps its 5
+# envs together (steps 34-38, 39-43, ...): a signal at step 40 lets that batched step end.
+AFTER_SIGNAL_AT_40 = 43
 
 
 def _train_signalled(tmp_path, call_main, *, signal_at: int, timesteps: int, eval_freq: int):
@@ -95,7 +96,7 @@ def _train_signalled(tmp_path, call_main, *, signal_at: int, timesteps: int, eva
 
 
 def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_path, call_main):
-    # Training takes env steps 1-32, then evaluates from step 33 on: step 40 is inside the first evaluation.
+    # Training takes env steps 2-33, then evaluates from step 34 on: step 40 is inside the first evaluation.
     run_dir, result = _train_signalled(tmp_path, call_main, signal_at=40, timesteps=2048, eval_freq=32)
     assert result.returncode == 130, result.stderr
     assert Endless.steps == AFTER_SIGNAL_AT_40  # not one evaluation step after the signal's
@@ -120,7 +121,7 @@ def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_adv
 
 
 def test_a_signal_at_the_last_step_of_training_advises_evaluate_not_resume(tmp_path, call_main):
-    run_dir, result = _train_signalled(tmp_path, call_main, signal_at=32, timesteps=32, eval_freq=100_000)
+    run_dir, result = _train_signalled(tmp_path, call_main, signal_at=33, timesteps=32, eval_freq=100_000)
     assert result.returncode == 130, result.stderr
     assert zip_timesteps(run_dir / "model.zip") == 32  # all of the run: --resume would refuse
     stderr = squashed(result.stderr)

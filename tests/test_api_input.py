@@ -1,0 +1,129 @@
+"""The Python API refuses bad arguments in one line, before anything is built or written: the import-API twin of the
+CLIs' bad-input tests (which go through argparse and never reach most of these)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from sb3_gpu import (
+    ConfigError,
+    build_env,
+    build_model,
+    enable_amp,
+    evaluate_run,
+    make_model,
+    make_plan,
+    make_vec_env,
+    record_video,
+    resume_run,
+    train_run,
+)
+
+NO_PROBE = {"probe": False}
+
+
+class _OldGymReset(gym.Env):
+    """Written for the old Gym API: reset() returns the observation alone."""
+
+    observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return np.zeros(3, np.float32)
+
+    def step(self, action: Any) -> Any:
+        return np.zeros(3, np.float32), 0.0, False, False, {}
+
+
+class _WrongShape(_OldGymReset):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return np.zeros(5, np.float32), {}
+
+
+class _OldGymStep(_OldGymReset):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action: Any) -> Any:
+        return np.zeros(3, np.float32), 0.0, False, {}
+
+
+class _NoSpaces(gym.Env):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return np.zeros(3, np.float32), {}
+
+
+def _plan() -> Any:
+    return make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy", overrides=NO_PROBE)
+
+
+CASES = [
+    # Envs that break the Gymnasium API: found by the plan, not by SB3 once learn() has started.
+    (lambda: make_plan("ppo", _OldGymReset, "cpu", overrides=NO_PROBE), "reset() returned a value of type ndarray; a Gym"),
+    (lambda: make_plan("ppo", _WrongShape, "cpu", overrides=NO_PROBE), "an observation of shape (5,), but its observation_s"),
+    (lambda: make_plan("ppo", _OldGymStep, "cpu", overrides=NO_PROBE), "four values: the old Gym API"),
+    (lambda: make_plan("ppo", _NoSpaces, "cpu", overrides=NO_PROBE), "env '_NoSpaces' sets no observation_space"),
+    # Arguments of the wrong type or out of range.
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", seed=1.5, overrides=NO_PROBE), "seed must be an int from 0 to 2**32"),
+    (lambda: make_model("ppo", "CartPole-v1", "cpu", seed=-1, probe=False), "seed must be an int from 0 to 2**32 - 1"),
+    (lambda: make_plan("ppo", "CartPole-v1", None), "device must be a string: auto, cpu, cuda, cuda:N or mps; got None"),
+    (lambda: make_plan(None, "CartPole-v1", "cpu"), "the algorithm is a name (ppo, dqn, qrdqn, sac, td3, tqc); got None"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides=[("probe", False)]), "overrides must be a mapping"),
+    (lambda: make_model("ppo", "CartPole-v1", "cpu", verbose="loud", probe=False), "verbose must be 0, 1 or 2"),
+    (lambda: make_model("ppo", "CartPole-v1", "cpu", tensorboard_log=123, probe=False), "tensorboard_log must be a fol"),
+    (lambda: make_vec_env("CartPole-v1", 2, max_episode_steps=0), "max_episode_steps must be a positive int, or None"),
+    (lambda: make_vec_env("CartPole-v1", 2, frame_stack=0), "frame_stack must be a positive int, or None; got 0"),
+    (lambda: make_vec_env("CartPole-v1", 2, seed="x"), "seed must be an int from 0 to 2**32 - 1, or None; got 'x'"),
+    (lambda: make_vec_env("CartPole-v1", 2, env_kwargs="x"), "env_kwargs must be a mapping of keyword arguments"),
+    (lambda: make_vec_env("CartPole-v1", 2, wrapper_class=5), "wrapper_class must be callable"),
+    (lambda: make_vec_env("CartPole-v1", 2, vec_env_cls="subproc"), "vec_env_cls must be a VecEnv class"),
+    (lambda: build_env(_plan(), n_envs=0), "n_envs must be a positive int, got 0"),
+    (lambda: build_env("ppo"), "build_env takes a Plan from make_plan(...), got 'ppo'"),
+    (lambda: build_model(_plan(), None), "build_model needs the VecEnv that build_env(plan) makes, got None"),
+    (lambda: train_run("ppo", "run"), "train_run takes a Plan from make_plan(...), got 'ppo'"),
+    (lambda: train_run(_plan(), "run", report_s="30"), "report_s must be a number of seconds > 0, or None; got '30'"),
+    (lambda: train_run(_plan(), "run", report_s=0), "report_s must be a number of seconds > 0, or None; got 0"),
+    (lambda: resume_run("run", timesteps="2048"), "timesteps (the new total) must be a positive int, or None"),
+    (lambda: evaluate_run("run", episodes=0), "episodes must be a positive int; got 0"),
+    (lambda: evaluate_run("run", episodes="3"), "episodes must be a positive int; got '3'"),
+    (lambda: evaluate_run("run", deterministic="no"), "deterministic must be True or False, got 'no'"),
+    (lambda: evaluate_run("run", video_length=50), "video_length=50 is for the video: pass video=True too"),
+    (lambda: evaluate_run("run", seed=1.5), "seed must be an int from 0 to 2**32 - 1, or None; got 1.5"),
+    (lambda: evaluate_run("run", should_stop=True), "should_stop takes a callable"),
+    (lambda: record_video("run/model.zip", "CartPole-v1", "v.mp4"), "record_video takes a loaded SB3 model"),
+    (lambda: enable_amp("ppo", "bf16"), "enable_amp takes an SB3 model, got 'ppo'"),
+]
+
+
+@pytest.mark.parametrize("call, message", CASES)
+def test_bad_arguments_are_refused_in_one_line_before_anything_is_written(call, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises((ConfigError, TypeError), match=re.escape(message)) as raised:
+        call()
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "run").exists()  # nothing was made for a call refused
+
+
+def test_enable_amp_refuses_a_loss_scale_that_cannot_scale():
+    model, _ = make_model("ppo", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", probe=False, n_steps=32, batch_size=32)
+    with pytest.raises(ConfigError, match=r"init_scale must be a finite number > 0, got -1"):
+        enable_amp(model, "fp16", init_scale=-1)
+    with pytest.raises(ConfigError, match=r"growth_interval must be a positive int, got 0"):
+        enable_amp(model, "fp16", growth_interval=0)
+    assert getattr(model.policy, "_sb3_gpu_amp", None) is None  # refused before anything was switched
+
+
+def test_train_run_refuses_a_run_dir_that_holds_files(tmp_path):
+    """An empty run dir may exist (the CLI makes it first, and trains into it); one that holds files is another run."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.zip").write_bytes(b"PK")
+    (run / "config.yaml").write_text("algo: ppo\n")
+    with pytest.raises(ConfigError, match=r"run dir .*run already holds config.yaml, model.zip; runs are never overwrit"):
+        train_run(_plan(), run, progress=False, report_s=None)
+    assert (run / "model.zip").read_bytes() == b"PK" and sorted(p.name for p in run.iterdir()) == ["config.yaml", "model.zip"]
