@@ -82,6 +82,10 @@ CASES = [
     (lambda: make_vec_env("CartPole-v1", 2, env_kwargs="x"), "env_kwargs must be a mapping of keyword arguments"),
     (lambda: make_vec_env("CartPole-v1", 2, wrapper_class=5), "wrapper_class must be callable"),
     (lambda: make_vec_env("CartPole-v1", 2, vec_env_cls="subproc"), "vec_env_cls must be a VecEnv class"),
+    (
+        lambda: make_vec_env("CartPole-v1", 2, vec_env="subproc", vec_env_kwargs={"start_method": "bogus"}),
+        "start_method 'bogus' is not one this platform has: ",
+    ),
     (lambda: build_env(_plan(), n_envs=0), "n_envs must be a positive int, got 0"),
     (lambda: build_env("ppo"), "build_env takes a Plan from make_plan(...), got 'ppo'"),
     (lambda: build_model(_plan(), None), "build_model needs the VecEnv that build_env(plan) makes, got None"),
@@ -127,3 +131,15 @@ def test_train_run_refuses_a_run_dir_that_holds_files(tmp_path):
     with pytest.raises(ConfigError, match=r"run dir .*run already holds config.yaml, model.zip; runs are never overwrit"):
         train_run(_plan(), run, progress=False, report_s=None)
     assert (run / "model.zip").read_bytes() == b"PK" and sorted(p.name for p in run.iterdir()) == ["config.yaml", "model.zip"]
+
+
+def test_a_ppo_batch_over_one_rollout_is_said_in_the_plans_words_once():
+    """The plan table flags it; a caller of make_model, who sees no table, gets it as a warning (not SB3's garbled
+    "after every 0 untruncated mini-batches")."""
+    with pytest.warns(UserWarning) as caught:
+        make_model("ppo", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", probe=False)
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        "batch_size 256 (ppo.yaml:CartPole-v1) is more than one rollout (n_steps * n_envs = 32 * 1 = 32): each minibatch "
+        "is the whole rollout; give batch_size=32 or less"
+    ]

@@ -84,6 +84,9 @@ def make_vec_env(
     if vec_env_cls is not None and not (isinstance(vec_env_cls, type) and issubclass(vec_env_cls, VecEnv)):
         raise ConfigError(f"vec_env_cls must be a VecEnv class (DummyVecEnv, SubprocVecEnv, ...), got {vec_env_cls!r}")
     vec_env_kwargs = dict(vec_env_kwargs or {})
+    method = vec_env_kwargs.get("start_method")
+    if method is not None and method not in (methods := mp.get_all_start_methods()):
+        raise ConfigError(f"start_method {method!r} is not one this platform has: {', '.join(methods)}")
     spec = resolve_env(env_id, env_kwargs)
     atari = (spec.is_atari and wrapper_class is None) if atari_wrapper is None else atari_wrapper
     kind = _kind(vec_env, vec_env_cls)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -142,16 +143,28 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
         raise TypeError(f"build_model needs the VecEnv that build_env(plan) makes, got {env!r}")
     _check_model_args(tensorboard_log, verbose)
     preset, cls = plan.preset, model_class(plan)
-    try:
-        model = cls(
-            preset.policy,
-            env,
-            device=plan.device.device,
-            seed=plan.seed,
-            tensorboard_log=tensorboard_log,
-            verbose=verbose,
-            **model_kwargs(plan),
+    params: Any = preset.params
+    rollout = params.n_steps * preset.n_envs if plan.algo == "ppo" else None
+    if rollout is not None and params.batch_size > rollout:  # the plan table flags it; a caller of the API sees this
+        source = preset.sources.get("batch_size", "preset")
+        warnings.warn(
+            f"batch_size {params.batch_size} ({source}) is more than one rollout (n_steps * n_envs = {params.n_steps} * "
+            f"{preset.n_envs} = {rollout}): each minibatch is the whole rollout; give batch_size={rollout} or less",
+            UserWarning,
+            stacklevel=2,
         )
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "You have specified a mini-batch size")  # SB3's word for the same
+            model = cls(
+                preset.policy,
+                env,
+                device=plan.device.device,
+                seed=plan.seed,
+                tensorboard_log=tensorboard_log,
+                verbose=verbose,
+                **model_kwargs(plan),
+            )
     except (ValueError, AssertionError, TypeError, NotImplementedError) as e:  # SB3's own checks we do not repeat
         raise ConfigError(f"{cls.__name__} refused the plan's hyperparameters: {gist(e)}") from None
     if plan.speed is not None:

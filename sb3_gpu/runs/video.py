@@ -105,6 +105,7 @@ def record_video(
                 max_episode_steps=max_episode_steps,
             )
             try:
+                _check_fits(model, venv, spec.name, frame_stack)
                 _play(model, _normalized(venv, normalization or model.get_vec_normalize_env()), recorders[0], deterministic)
             except BaseException:
                 recorders[0].discard()  # Ctrl-C or an error: no video, and no time spent encoding one
@@ -118,6 +119,28 @@ def record_video(
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return Video(path, recorders[0].captured, recorders[0].frames_per_sec)
+
+
+def _check_fits(model: BaseAlgorithm, venv: VecEnv, env: str, frame_stack: int | None) -> None:
+    """Refuse an env whose spaces differ from the model's, before its first frame: SB3 would say so mid-recording, in
+    terms of its own reshaping."""
+
+    def same(a: gym.spaces.Space, b: gym.spaces.Space) -> bool:
+        if isinstance(a, gym.spaces.Box) and isinstance(b, gym.spaces.Box):
+            return sorted(a.shape) == sorted(b.shape)  # an image is channel-first in the model: SB3 transposes it
+        if isinstance(a, gym.spaces.Dict) and isinstance(b, gym.spaces.Dict):
+            return set(a.spaces) == set(b.spaces) and all(same(a[k], b[k]) for k in a.spaces)
+        return type(a) is type(b) and getattr(a, "n", None) == getattr(b, "n", None)
+
+    def shown(space: gym.spaces.Space) -> str:
+        return f"Box{space.shape}" if isinstance(space, gym.spaces.Box) else str(space)
+
+    if not (same(model.observation_space, venv.observation_space) and same(model.action_space, venv.action_space)):
+        raise ConfigError(
+            f"the model takes observations {shown(model.observation_space)} and actions {shown(model.action_space)}; "
+            f"env {env!r} (frame_stack={frame_stack}) gives {shown(venv.observation_space)} and "
+            f"{shown(venv.action_space)}: record it on the env (and frame_stack) it trained on"
+        )
 
 
 @contextlib.contextmanager

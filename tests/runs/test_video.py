@@ -178,3 +178,22 @@ def test_ctrl_c_while_recording_writes_nothing_and_leaves_the_process_as_it_was(
     assert list(tmp_path.iterdir()) == []  # no video, no scratch folder
     # Drawing off screen lasted only while frames were drawn: a later window in this process still opens.
     assert "SDL_VIDEODRIVER" not in os.environ and "SDL_AUDIODRIVER" not in os.environ
+
+
+@pytest.mark.parametrize(
+    "env, frame_stack, gives",
+    [
+        ("Pendulum-v1", None, "env 'Pendulum-v1' (frame_stack=None) gives Box(3,) and Box(1,)"),
+        ("MountainCar-v0", None, "env 'MountainCar-v0' (frame_stack=None) gives Box(2,) and Discrete(3)"),
+        ("CartPole-v1", 4, "env 'CartPole-v1' (frame_stack=4) gives Box(16,) and Discrete(2)"),
+    ],
+)
+def test_an_env_other_than_the_models_is_refused_before_its_first_frame(tmp_path, env, frame_stack, gives):
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu")
+    with pytest.raises(ConfigError) as refused:
+        record_video(model, env, tmp_path / "x.mp4", frame_stack=frame_stack, video_length=10)
+    assert str(refused.value) == (
+        f"the model takes observations Box(4,) and actions Discrete(2); {gives}: record it on the env (and frame_stack) "
+        "it trained on"
+    )
+    assert list(tmp_path.iterdir()) == []
