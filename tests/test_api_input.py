@@ -75,6 +75,19 @@ CASES = [
     (lambda: make_plan(None, "CartPole-v1", "cpu"), "the algorithm is a name (ppo, dqn, qrdqn, sac, td3, tqc); got None"),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides=[("probe", False)]), "overrides must be a mapping"),
     (lambda: make_model("ppo", "CartPole-v1", "cpu", verbose="loud", probe=False), "verbose must be 0, 1 or 2"),
+    # policy_kwargs that SB3 refuses in words about its own code: said about the keys given.
+    (
+        lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides={**NO_PROBE, "policy_kwargs": {"optimizer_class": dict}}),
+        "override: policy_kwargs.optimizer_class must be a subclass of Optimizer, got <class 'dict'>",
+    ),
+    (
+        lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides={**NO_PROBE, "policy_kwargs.optimizer_kwargs": {"betas": 1}}),
+        "policy_kwargs.optimizer_kwargs {'betas': 1}: Adam refused them (TypeError: 'int' object is not subscriptable)",
+    ),
+    (
+        lambda: make_plan("dqn", "CartPole-v1", "cpu", overrides={**NO_PROBE, "policy_kwargs.optimizer_kwargs": {"lr": 0.1}}),
+        "policy_kwargs.optimizer_kwargs.lr comes from dqn's learning_rate; set that",
+    ),
     (lambda: make_model("ppo", "CartPole-v1", "cpu", tensorboard_log=123, probe=False), "tensorboard_log must be a fol"),
     (lambda: make_vec_env("CartPole-v1", 2, max_episode_steps=0), "max_episode_steps must be a positive int, or None"),
     (lambda: make_vec_env("CartPole-v1", 2, frame_stack=0), "frame_stack must be a positive int, or None; got 0"),

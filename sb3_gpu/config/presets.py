@@ -216,6 +216,20 @@ def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], wher
     for key, value in kwargs.items():
         if key in hints and (wanted := _mismatch(value, hints[key])):
             raise ConfigError(f"{where}: policy_kwargs.{key} must be {wanted}, got {value!r}")
+    chosen = inspect.signature(policy_class.__init__).parameters.get("optimizer_class")
+    if kwargs.get("optimizer_kwargs") and chosen is not None:  # tried on one parameter: the optimizer's own refusal
+        import torch as th
+
+        if "lr" in kwargs["optimizer_kwargs"]:
+            raise ConfigError(f"{where}: policy_kwargs.optimizer_kwargs.lr comes from {algo.name}'s learning_rate; set that")
+        optimizer = kwargs.get("optimizer_class", chosen.default)
+        try:
+            optimizer([th.zeros(1, requires_grad=True)], **{"lr": 1e-3, **kwargs["optimizer_kwargs"]})
+        except (TypeError, ValueError, KeyError, IndexError) as e:
+            raise ConfigError(
+                f"{where}: policy_kwargs.optimizer_kwargs {kwargs['optimizer_kwargs']!r}: {optimizer.__name__} refused "
+                f"them ({type(e).__name__}: {e})"
+            ) from None
 
 
 def _mismatch(value: Any, hint: Any) -> str:
@@ -232,7 +246,10 @@ def _mismatch(value: Any, hint: Any) -> str:
     plain |= {float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))}
     plain |= {dict: ("a mapping", lambda v: isinstance(v, Mapping)), list: ("a list", lambda v: isinstance(v, list))}
     if origin is type:
-        return "" if inspect.isclass(value) else "a class, passed in Python (a preset file cannot name code to run)"
+        if not inspect.isclass(value):
+            return "a class, passed in Python (a preset file cannot name code to run)"
+        base = (typing.get_args(hint) or (object,))[0]
+        return "" if not inspect.isclass(base) or issubclass(value, base) else f"a subclass of {base.__name__}"
     what, fits = plain.get(origin or hint, ("", lambda v: True))
     return "" if fits(value) else what
 
