@@ -41,6 +41,7 @@ _EXPORTS = {
     "evaluate_run": "sb3_gpu.runs.evaluation",
     "record_video": "sb3_gpu.runs.video",
     "resume_run": "sb3_gpu.runs.training",
+    "ThroughputCallback": "sb3_gpu.runs.telemetry",
     "train_run": "sb3_gpu.runs.training",
 }
 
@@ -52,6 +53,7 @@ __all__ = [
     "Plan",
     "PresetModel",
     "StopNow",
+    "ThroughputCallback",
     "TrainingDiverged",
     "VecEnvFallbackWarning",
     "build_env",
