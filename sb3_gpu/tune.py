@@ -223,6 +223,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             f"note: --eval-freq {args.eval_freq:,} is above the {plan.preset.n_timesteps:,} timesteps of each seed: no "
             "trial is evaluated before its end, so none is pruned",
             highlight=False,
+            soft_wrap=True,  # one line, whatever the terminal's width
         )
     if dead := fail_dead_local_trials(study):
         console.print(f"marked {dead} trial(s) of dead workers on this host as failed")
