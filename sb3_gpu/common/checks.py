@@ -100,7 +100,7 @@ def seed_arg(value: Any, name: str = "seed") -> int | None:
         return None
     number = _whole(value)
     if number is None or not 0 <= number < 2**32:
-        raise ConfigError(f"{name} must be an int from 0 to 2**32 - 1, or None; got {value!r}")
+        raise ConfigError(f"{name} must be an int from 0 to 2**32 - 1 or None, got {value!r}")
     return number
 
 
@@ -111,7 +111,7 @@ def count_arg(value: Any, name: str, low: int = 1, optional: bool = False) -> in
     number = _whole(value)
     if number is None or not low <= number <= MAX_COUNT:
         what = "a positive int" if low == 1 else f"an int >= {low}"
-        raise ConfigError(f"{name} must be {what}{', or None' if optional else ''}; got {value!r}")
+        raise ConfigError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
     return number
 
 
@@ -120,7 +120,7 @@ def seconds_arg(value: Any, name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
-        raise ConfigError(f"{name} must be a number of seconds > 0, or None; got {value!r}")
+        raise ConfigError(f"{name} must be a number of seconds > 0 or None, got {value!r}")
     return float(value)
 
 

@@ -72,8 +72,7 @@ def make_vec_env(
     :param frame_stack: stack this many frames with VecFrameStack
     :param max_episode_steps: cut episodes at this many steps (a line on stderr says when one is cut)
     """
-    if isinstance(n_envs, bool) or not isinstance(n_envs, int) or n_envs < 1:
-        raise ConfigError(f"n_envs must be a positive int, got {n_envs!r}")
+    count_arg(n_envs, "n_envs")
     seed = seed_arg(seed)
     count_arg(frame_stack, "frame_stack", optional=True)
     count_arg(max_episode_steps, "max_episode_steps", optional=True)

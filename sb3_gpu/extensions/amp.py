@@ -20,6 +20,7 @@ from typing import Any
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
+from sb3_gpu.common.checks import count_arg
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.networks import policy_networks, steps_one_optimizer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step
@@ -91,8 +92,7 @@ def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, 
         raise ConfigError(f"enable_amp: mode must be bf16 or fp16, got {mode!r}")
     if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not 0 < init_scale < float("inf"):
         raise ConfigError(f"enable_amp: init_scale must be a finite number > 0, got {init_scale!r}")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ConfigError(f"enable_amp: growth_interval must be a positive int, got {growth_interval!r}")
+    count_arg(growth_interval, "enable_amp: growth_interval")
     policy: Any = model.policy
     if getattr(policy, "_sb3_gpu_amp", None) is not None:
         raise ConfigError("AMP is already enabled on this model's policy")
