@@ -20,7 +20,7 @@ import cloudpickle
 import gymnasium as gym
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
-from sb3_gpu.common.checks import count_arg, seed_arg
+from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError
 from sb3_gpu.common.io import make_dir
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv, worker_start_method
@@ -87,6 +87,11 @@ def make_vec_env(
     if method is not None and method not in (methods := mp.get_all_start_methods()):
         raise ConfigError(f"start_method {method!r} is not one this platform has: {', '.join(methods)}")
     spec = resolve_env(env_id, env_kwargs)
+    if atari_wrapper is not None:
+        bool_arg(atari_wrapper, "atari_wrapper (or None: Atari games only)")
+    if atari_wrapper and not spec.is_atari and isinstance(env_id, str) and env_id in gym.registry:
+        # SB3's AtariWrapper reads the ALE's action meanings and lives count: on another env it fails in each worker.
+        raise ConfigError(f"atari_wrapper=True wraps ALE Atari games; {env_id!r} is not one (leave it None or False)")
     atari = (spec.is_atari and wrapper_class is None) if atari_wrapper is None else atari_wrapper
     kind = _kind(vec_env, vec_env_cls)
     if vec_env_kwargs and kind in ("auto", "dummy"):

@@ -63,6 +63,12 @@ def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware:
     algorithms (PPO, A2C) train faster on the CPU, because each rollout step is a tiny batch whose transfer costs
     more than its compute (SB3 issue 1245). Off-policy MLP policies train on a GPU in batches, so they keep it.
     """
+    if policy not in ("mlp", "cnn", "multi"):
+        raise ConfigError(f"policy must be 'mlp', 'cnn' or 'multi' (the policy's kind), got {policy!r}")
+    if not isinstance(on_policy, bool):
+        raise ConfigError(f"on_policy must be True or False, got {on_policy!r}")
+    if not isinstance(hardware, HardwareProfile):
+        raise ConfigError(f"hardware must be a HardwareProfile (from detect_hardware()), got {hardware!r}")
     asked = requested_device(requested, hardware)
     if asked is not None:
         return asked
