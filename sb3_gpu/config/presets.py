@@ -165,9 +165,12 @@ class Preset:
 
     @property
     def model_class(self) -> type[BaseAlgorithm]:
-        """The plain SB3 class, or sb3_gpu's subclass where prioritized replay or gradient accumulation is on."""
+        """The plain SB3 class, or sb3_gpu's subclass where prioritized replay, gradient accumulation or layer-normed
+        critics are on."""
         algo = get_algo(self.algo)
-        extended = getattr(self.params, "per", False) or getattr(self.params, "grad_accum_steps", 1) > 1
+        params = self.params
+        extended = getattr(params, "per", False) or getattr(params, "grad_accum_steps", 1) > 1
+        extended = extended or getattr(params, "critic_layer_norm", False)
         return algo.extended_class if extended and algo.extended_class is not None else algo.model_class
 
     def sb3_kwargs(self) -> dict[str, Any]:
@@ -176,11 +179,14 @@ class Preset:
         kwargs["policy_kwargs"] = self.policy_kwargs_for_sb3()
         per: Any = self._params().get("per", False)
         grad_accum_steps = kwargs.pop("grad_accum_steps", 1)
+        critic_layer_norm = kwargs.pop("critic_layer_norm", None)
         kwargs.pop("per", None)
         kwargs.pop("overlap_training", None)  # auto, true or false: the plan decides (planning.buffers)
         kwargs.pop("action_noise_std", None)  # the plan builds the noise object, which needs the action space
         if self.model_class is not get_algo(self.algo).model_class:
             kwargs["grad_accum_steps"] = grad_accum_steps
+            if critic_layer_norm is not None:
+                kwargs["critic_layer_norm"] = critic_layer_norm
         if per:
             kwargs["replay_buffer_class"] = PrioritizedReplayBuffer
             kwargs["replay_buffer_kwargs"] = {

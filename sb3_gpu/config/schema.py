@@ -116,6 +116,9 @@ class _ContinuousParams(_ReplayParams):
     action_noise_std: float | None = c.param(None, c.optional(c.NON_NEGATIVE))
     # sb3_gpu extension (extensions.continuous): k micro-batches per gradient step, each optimizer in its stage.
     grad_accum_steps: int = c.param(1, c.POS_INT)
+    # sb3_gpu extension (extensions.continuous): layer normalisation after each hidden layer of the critics (and
+    # their targets), as DroQ's critics have; SB3's critics have none.
+    critic_layer_norm: bool = c.param(False, c.boolean)
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ ALGOS: dict[str, Algo] = {
         eager_step_faster=True,
     ),
 }
-EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training")  # sb3_gpu's own, not SB3 arguments
+EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training", "critic_layer_norm")  # sb3_gpu's own, not SB3 arguments
 # Not an SB3 argument: the plan builds SB3's NormalActionNoise from it (SB3 takes the noise object, `action_noise`).
 CONVERTED_KEYS = ("action_noise_std",)
 OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval", "overlap_training")

@@ -64,6 +64,29 @@ def check_actor_critic_accumulation(grad_accum_steps: Any, use_sde: bool) -> int
     return grad_accum_steps
 
 
+def normalize_critics(policy: Any) -> None:
+    """Put a LayerNorm after each hidden layer of an SB3 off-policy policy's critic and critic target (SAC's and TD3's
+    ``ContinuousCritic``, TQC's ``Critic``: each holds its networks as ``qf0``, ``qf1``, ...), and give the critic a new
+    optimizer over them, made as SB3's policy makes it. The linear layers keep their weights."""
+    for critic in (policy.critic, policy.critic_target):
+        for i, net in enumerate(critic.q_networks):
+            layers: list[th.nn.Module] = []
+            for layer in net[:-1]:
+                layers.append(layer)
+                if isinstance(layer, th.nn.Linear):
+                    layers.append(th.nn.LayerNorm(layer.out_features, device=layer.weight.device))
+            normed = th.nn.Sequential(*layers, net[-1])
+            setattr(critic, f"qf{i}", normed)
+            critic.q_networks[i] = normed
+    policy.critic_target.load_state_dict(policy.critic.state_dict())
+    # SB3 leaves a features extractor that the actor shares out of the critic's optimizer (the actor's steps it).
+    shared = policy.share_features_extractor
+    params = [p for name, p in policy.critic.named_parameters() if not (shared and "features_extractor" in name)]
+    lr = policy.critic.optimizer.param_groups[0]["lr"]
+    policy.critic.optimizer = policy.optimizer_class(params, lr=lr, **policy.optimizer_kwargs)
+    policy.critic_target.set_training_mode(False)
+
+
 def squashed_sample(actor: Any, observations: th.Tensor, eps: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
     """SB3's ``actor.action_log_prob(observations)`` (no gSDE) with its standard normal draw ``eps`` given: the
     tanh-squashed action and its log-probability, by the same formulas as SB3's and torch's Normal."""
@@ -94,14 +117,17 @@ class _ActorCriticTraining(StagedObservations):
     # not through compile_policy's compiling of the networks apart.
     compiles_step_only = True
 
-    def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
+    def __init__(self, *args: Any, grad_accum_steps: int = 1, critic_layer_norm: bool = False, **kwargs: Any):
         self.grad_accum_steps = grad_accum_steps  # read by _setup_model, which SB3's __init__ calls
+        self.critic_layer_norm = critic_layer_norm
         super().__init__(*args, **kwargs)
 
     def _setup_model(self) -> None:
         super()._setup_model()  # type: ignore[misc]
         s: Any = self
         self.grad_accum_steps = check_actor_critic_accumulation(self.grad_accum_steps, s.use_sde)
+        if self.critic_layer_norm:  # a loaded model has it from its saved attributes, before this runs
+            normalize_critics(s.policy)
         entropy = getattr(s, "ent_coef_optimizer", None)
         fused = bool(s.actor.optimizer.defaults.get("fused"))
         if fused and type(entropy) is th.optim.Adam and not entropy.defaults.get("fused"):

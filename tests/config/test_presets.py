@@ -43,7 +43,7 @@ def test_dataclass_defaults_equal_sb3_defaults(algo):
     signature = inspect.signature(spec.model_class.__init__).parameters
     for f in dataclasses.fields(spec.params_class):
         if f.name in EXTENSION_KEYS:  # sb3_gpu's own extensions: off by default, or auto (decided by the plan)
-            off = {"per": False, "grad_accum_steps": 1, "overlap_training": "auto"}[f.name]
+            off = {"per": False, "grad_accum_steps": 1, "overlap_training": "auto", "critic_layer_norm": False}[f.name]
             assert type(f.default) is type(off) and f.default == off, f.name  # True == 1: the type tells them apart
             continue
         if f.name in CONVERTED_KEYS:  # turned into SB3's argument by the plan: none by default, as SB3's
