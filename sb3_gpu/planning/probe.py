@@ -46,7 +46,7 @@ from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code, python_int_spaces
-from sb3_gpu.extensions.continuous import polyak, squashed_sample
+from sb3_gpu.extensions.continuous import normalize_critics, polyak, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
@@ -96,6 +96,7 @@ class Workload:
     overlapped: bool = False  # off-policy training on a thread of its own, beside collection
     max_grad_norm: float | None = 10.0  # the DQN family's clipping (QR-DQN's default: none)
     top_quantiles_to_drop_per_net: int = 2  # TQC's: its target keeps the rest of the sorted quantiles
+    critic_layer_norm: bool = False  # SAC's, TD3's and TQC's critics with a LayerNorm after each hidden layer
 
     @property
     def key(self) -> str:
@@ -112,7 +113,16 @@ class Workload:
             parts.append(f"max_grad_norm {self.max_grad_norm}")
         if self.algo == "tqc":
             parts.append(f"drop {self.top_quantiles_to_drop_per_net}")
+        if self.critic_layer_norm:  # named only where on, so that the keys of figures cached before it stay theirs
+            parts.append("critic layer norm")
         return " | ".join(parts)
+
+    def policy(self, device: th.device) -> Any:
+        """The policy at these sizes on ``device``, as the run builds it."""
+        policy = self.policy_class(self.observation_space, self.action_space, lambda _: 1e-4, **self.policy_kwargs)
+        if self.critic_layer_norm:
+            normalize_critics(policy)
+        return policy.to(device)
 
 
 def _named(value: Any) -> Any:
@@ -274,7 +284,7 @@ def measure_option(option: Option, seconds: float) -> Timing:
     w, c = option.workload, option.candidate
     device = th.device(c.device)
     with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32):
-        policy: Any = w.policy_class(w.observation_space, w.action_space, lambda _: 1e-4, **w.policy_kwargs).to(device)
+        policy = w.policy(device)
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
         rollout_obs = _batch(w.observation_space, w.n_envs)
         step = _train_step(policy, w, obs, device, c.amp)
@@ -425,7 +435,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
     # Argument checks off, as the run's compiled step has them: dynamo turns them off only at a process's first
     # compile, and a distribution checked inside the graph would not compile.
     with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32), no_argument_checks():
-        policy: Any = w.policy_class(w.observation_space, w.action_space, lambda _: 1e-4, **w.policy_kwargs).to(device)
+        policy = w.policy(device)
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
         eager = _train_step(policy, w, obs, device, c.amp)
 

@@ -17,7 +17,7 @@ from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticP
 from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_gpu.common.errors import ConfigError, cause_of, gist
-from sb3_gpu.extensions.continuous import SyncFreeTD3
+from sb3_gpu.extensions.continuous import SyncFreeTD3, normalize_critics
 from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
 from sb3_gpu.planning import plan as plan_module
 from sb3_gpu.planning import probe as probe_module
@@ -816,3 +816,21 @@ def test_the_eager_and_compiled_steps_are_timed_in_turns_so_that_both_see_the_sa
     calls.clear()
     probe_module._paired_medians(a, b, seconds=60.0, max_repeats=3)
     assert calls == ["eager", "compiled"] * 3
+
+
+def test_the_probe_times_layer_normed_critics_under_a_key_of_their_own(gpu_machine, monkeypatch):
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.3), "cpu fp32": (1.0, 0.2)})
+    normed = make_plan(
+        "sac", "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"critic_layer_norm": True}
+    )
+    plain = make_plan("sac", "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(times))
+    assert normed.probe is not None and plain.probe is not None
+    assert {o.workload.critic_layer_norm for o in normed.probe.options} == {True}
+    keys = {o.workload.key for o in plain.probe.options}
+    assert all(k.endswith(" | critic layer norm") for k in (o.workload.key for o in normed.probe.options))
+    assert not any("layer norm" in k for k in keys)  # figures cached before the key existed stay the plain run's
+    built = []
+    monkeypatch.setattr(probe_module, "normalize_critics", lambda policy: built.append(policy) or normalize_critics(policy))
+    workload = dataclasses.replace(normed.probe.options[0].workload, batch_size=8, n_envs=2)
+    assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).train_s > 0
+    assert len(built) == 1 and any(isinstance(m, th.nn.LayerNorm) for m in built[0].critic.modules())
