@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch as th
 
+from sb3_gpu.common.checks import bool_arg
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import HardwareProfile
 
@@ -65,8 +66,7 @@ def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware:
     """
     if policy not in ("mlp", "cnn", "multi"):
         raise ConfigError(f"policy must be 'mlp', 'cnn' or 'multi' (the policy's kind), got {policy!r}")
-    if not isinstance(on_policy, bool):
-        raise ConfigError(f"on_policy must be True or False, got {on_policy!r}")
+    bool_arg(on_policy, "on_policy")
     if not isinstance(hardware, HardwareProfile):
         raise ConfigError(f"hardware must be a HardwareProfile (from detect_hardware()), got {hardware!r}")
     asked = requested_device(requested, hardware)
