@@ -1,6 +1,7 @@
 """The one training loop that ``train``, ``tune`` and ``bench`` share: ``model.learn`` with a stop on SIGINT/SIGTERM
-after the current step, the NaN guard, throughput telemetry and periodic evaluation; with a run dir also
-checkpoints, the best model, and a save at the end (after a stop or an error too, where the weights are finite)."""
+after the current step, the NaN guard, throughput telemetry, periodic evaluation and free heap pages given back to the
+system; with a run dir also checkpoints, the best model, and a save at the end (after a stop or an error too, where the
+weights are finite)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from sb3_gpu.common.cli import command
 from sb3_gpu.common.errors import StopNow
 from sb3_gpu.envs.build import explain_env_error
 from sb3_gpu.extensions.stepping import first_non_finite
-from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, StopOnSignal
+from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, ReturnFreeMemory, StopOnSignal
 from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, evaluate
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import non_finite_statistics, save_state
@@ -172,7 +173,7 @@ class Session:
         if self._progress_console is not None:
             self._progress = ProgressCallback(total_timesteps, console=self._progress_console)
             callbacks.append(self._progress)
-        return [*callbacks, self.telemetry, *self._extra]
+        return [*callbacks, ReturnFreeMemory(), self.telemetry, *self._extra]
 
     def _release(self) -> None:
         # SB3 skips on_training_end when learn() raises: release the terminal and the hooks here.
