@@ -39,6 +39,7 @@ _EXPORTS = {
     "build_model": "sb3_gpu.planning.build",
     "make_model": "sb3_gpu.planning.build",
     "evaluate_run": "sb3_gpu.runs.evaluation",
+    "ReturnFreeMemory": "sb3_gpu.runs.callbacks",
     "record_video": "sb3_gpu.runs.video",
     "resume_run": "sb3_gpu.runs.training",
     "ThroughputCallback": "sb3_gpu.runs.telemetry",
@@ -52,6 +53,7 @@ __all__ = [
     "HardwareProfile",
     "Plan",
     "PresetModel",
+    "ReturnFreeMemory",
     "StopNow",
     "ThroughputCallback",
     "TrainingDiverged",
@@ -93,6 +95,8 @@ if TYPE_CHECKING:
     from sb3_gpu.planning.build import PresetModel, build_env, build_model, make_model
     from sb3_gpu.planning.device import choose_device
     from sb3_gpu.planning.plan import Plan, make_plan
+    from sb3_gpu.runs.callbacks import ReturnFreeMemory
     from sb3_gpu.runs.evaluation import evaluate_run
+    from sb3_gpu.runs.telemetry import ThroughputCallback
     from sb3_gpu.runs.training import resume_run, train_run
     from sb3_gpu.runs.video import record_video

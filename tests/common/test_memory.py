@@ -80,3 +80,13 @@ def test_every_session_gives_free_memory_back():
     with Session(model) as session:
         kinds = [type(c) for c in session._callbacks(64)]
     assert ReturnFreeMemory in kinds
+
+
+@glibc
+def test_a_plain_learn_takes_it_as_a_callback():
+    from sb3_gpu import ReturnFreeMemory as public
+
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=16, batch_size=16, n_epochs=1, device="cpu")
+    callback = public(every_s=0.0)  # due at every step
+    model.learn(32, callback=callback)
+    assert callback.n_calls == 32 and callback.returned >= 1
