@@ -54,12 +54,13 @@ _SQUASH_EPSILON = 1e-6  # SB3's SquashedDiagGaussianDistribution's, in the tanh'
 
 
 def check_actor_critic_accumulation(grad_accum_steps: Any, use_sde: bool) -> int:
-    """``grad_accum_steps`` as an int; more than one is refused beside gSDE, whose step stays SB3's (one batch)."""
+    """``grad_accum_steps`` as an int; more than one is refused beside gSDE (its exploration matrix is drawn once per
+    gradient step; micro-batches that share it are not built)."""
     grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
     if use_sde and grad_accum_steps > 1:
         raise ConfigError(
-            f"grad_accum_steps={grad_accum_steps} is not supported with use_sde=True (gSDE trains with SB3's own step, "
-            "one batch at a time); set grad_accum_steps: 1 or use_sde: false"
+            f"grad_accum_steps={grad_accum_steps} is not supported with use_sde=True (gSDE draws one exploration "
+            "matrix per gradient step, for one batch); set grad_accum_steps: 1 or use_sde: false"
         )
     return grad_accum_steps
 
@@ -96,6 +97,28 @@ def squashed_sample(actor: Any, observations: th.Tensor, eps: th.Tensor) -> tupl
     actions = th.tanh(gaussian)
     log_prob = (-((gaussian - mean) ** 2) / (2 * std**2) - std.log() - _LOG_2PI_HALF).sum(dim=1)
     return actions, log_prob - th.log(1 - actions**2 + _SQUASH_EPSILON).sum(dim=1)
+
+
+def sde_sample(actor: Any, observations: th.Tensor, exploration_mat: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
+    """SB3's ``actor.action_log_prob(observations)`` under gSDE with the exploration matrix given: the action (noise
+    from the latent features times the matrix) and its log-probability, by SB3's formulas (the log-probability of the
+    squashed action, unsquashed again with SB3's clamp)."""
+    dist = actor.action_dist
+    mean, log_std, kwargs = actor.get_action_dist_params(observations)
+    latent = kwargs["latent_sde"] if dist.learn_features else kwargs["latent_sde"].detach()
+    scale = th.sqrt(th.mm(latent**2, dist.get_std(log_std) ** 2) + dist.epsilon)
+    gaussian = mean + th.mm(latent, exploration_mat)
+    if dist.bijector is None:
+        actions, unsquashed = gaussian, gaussian
+    else:
+        actions = th.tanh(gaussian)
+        eps = th.finfo(actions.dtype).eps
+        clamped = actions.clamp(min=-1.0 + eps, max=1.0 - eps)
+        unsquashed = 0.5 * (clamped.log1p() - (-clamped).log1p())  # SB3's TanhBijector.inverse
+    log_prob = (-((unsquashed - mean) ** 2) / (2 * scale**2) - scale.log() - _LOG_2PI_HALF).sum(dim=1)
+    if dist.bijector is not None:
+        log_prob = log_prob - th.log(1.0 - th.tanh(unsquashed) ** 2 + dist.bijector.epsilon).sum(dim=1)
+    return actions, log_prob
 
 
 def polyak(params: Sequence[th.Tensor], targets: Sequence[th.Tensor], tau: float) -> None:
@@ -136,13 +159,19 @@ class _ActorCriticTraining(StagedObservations):
         self._device_log = DeviceLog()
         self._compiled = None
         self._compiled_act = None
+        # gSDE: the exploration matrices each gradient step draws (SB3's reset_noise()), written in place so that a
+        # compiled step leaves them where the actor's distribution reads them, as SB3's step does.
+        self._exploration: tuple[th.Tensor, th.Tensor] | None = None
+        if s.use_sde:
+            mat = s.actor.action_dist.exploration_mat.detach()
+            self._exploration = (th.zeros_like(mat), th.zeros((1, *mat.shape), dtype=mat.dtype, device=mat.device))
         for step in optimizer_steps(s):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
             if self.grad_accum_steps > 1:
                 step.accumulate(self.grad_accum_steps)
 
     def _excluded_save_params(self) -> list[str]:
-        excluded = ["_device_log", "_compiled", "_compiled_act", "_position", "_fixed_buffer", "_graph_sums"]
+        excluded = ["_device_log", "_compiled", "_compiled_act", "_position", "_fixed_buffer", "_graph_sums", "_exploration"]
         return [*super()._excluded_save_params(), *excluded]  # type: ignore[misc]
 
     # -- what each algorithm supplies ------------------------------------------------------------------------------
@@ -178,11 +207,13 @@ class _ActorCriticTraining(StagedObservations):
         """Run each gradient step as one compiled graph, a CUDA graph on CUDA with ``mode="reduce-overhead"``;
         ``mode="eager"`` runs the same step uncompiled. Returns why the step stays SB3's, or None. With ``collect``
         collection's action forward pass is compiled too (also where an optimizer refuses the step, as PPO's; not
-        under gSDE), its draws made outside as SB3 makes them. Call it again after ``load``."""
+        under gSDE, whose exploration matrix SB3 resamples between env steps), its draws made outside as SB3 makes them.
+        Call it again after ``load``."""
         s: Any = self
-        if s.use_sde:
-            return "gSDE's exploration matrix is resampled outside the step"
-        self._compiled_act = CompiledFunction(self._act, mode, "action forward pass") if collect else None
+        # Under gSDE collection's actions come from the matrix SB3 resamples between env steps: its forward stays SB3's.
+        self._compiled_act = CompiledFunction(self._act, mode, "action forward pass") if collect and not s.use_sde else None
+        for t in self._exploration or ():
+            th._dynamo.mark_static_address(t)
         observation = s.policy.obs_to_tensor(s.observation_space.sample())[0]
         guards = [(optimizer, optimizer_step(optimizer, s.policy)) for optimizer in self._optimizers()]
         for optimizer, guard in guards:  # all checked before any is changed
@@ -254,9 +285,6 @@ class _ActorCriticTraining(StagedObservations):
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
         s: Any = self
-        if s.use_sde:  # gSDE resamples its exploration matrix at each step, outside what this step takes
-            super().train(gradient_steps, batch_size)  # type: ignore[misc]
-            return
         s.policy.set_training_mode(True)
         optimizers = self._optimizers()
         s._update_learning_rate(optimizers)
@@ -291,6 +319,8 @@ class _ActorCriticTraining(StagedObservations):
                 self._device_log.mean(key, value)
         if compiled is not None:
             self._device_log.take(self._graph_sums)
+        if self._exploration is not None and gradient_steps > 0:  # the last step's, as SB3's reset_noise() leaves them
+            s.actor.action_dist.exploration_mat, s.actor.action_dist.exploration_matrices = self._exploration
         s._n_updates += gradient_steps
         s.logger.record("train/n_updates", s._n_updates, exclude="tensorboard")
 
@@ -318,8 +348,24 @@ class _EntropyRegularised(_ActorCriticTraining):
         return [*entropy, s.critic.optimizer, s.actor.optimizer]
 
     def _draws(self, batch_size: int, actions: th.Tensor | None) -> tuple[th.Tensor, ...]:
-        # As Normal.rsample draws them: for the batch's observations, then for the next ones.
+        # As Normal.rsample draws them: for the batch's observations, then for the next ones. Under gSDE, as SB3's
+        # reset_noise() draws them before the step: the exploration matrix, then the batch of one it keeps beside.
+        if self._exploration is not None:
+            mat, matrices = self._exploration
+            return (th.empty(mat.shape, device=mat.device).normal_(), th.empty(matrices.shape, device=mat.device).normal_())
         return (*self._act_draws(batch_size), *self._act_draws(batch_size))
+
+    def _samplers(self, draws: Sequence[th.Tensor]) -> tuple[Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], ...]:
+        """The actor's sample on the batch's observations and on the next ones, with this step's draws."""
+        s: Any = self
+        if self._exploration is None:
+            return (lambda obs: squashed_sample(s.actor, obs, draws[0]), lambda obs: squashed_sample(s.actor, obs, draws[1]))
+        std = s.actor.action_dist.get_std(s.actor.log_std)
+        exploration = draws[0] * std  # Normal(0, std).rsample(): the actor's loss reaches log_std through it
+        with th.no_grad():
+            self._exploration[0].copy_(exploration)
+            self._exploration[1].copy_(draws[1] * std)
+        return (lambda obs: sde_sample(s.actor, obs, exploration),) * 2
 
     def _due(self, gradient_step: int) -> bool:
         return gradient_step % self.target_update_interval == 0  # type: ignore[attr-defined]
@@ -328,7 +374,7 @@ class _EntropyRegularised(_ActorCriticTraining):
         return (squashed_sample(self.actor, observations, draws[0])[0],)  # type: ignore[attr-defined]
 
     def _act_draws(self, n: int) -> tuple[th.Tensor, ...]:
-        # As Normal.rsample draws them in the actor's forward pass (no gSDE: compile_step refuses it); flat, as the
+        # As Normal.rsample draws them in the actor's forward pass (not under gSDE, whose collection stays SB3's); flat, as the
         # actor's and the buffer's actions.
         s: Any = self
         return (th.empty((n, get_action_dim(s.action_space)), device=s.device).normal_(),)
@@ -354,11 +400,11 @@ class _EntropyRegularised(_ActorCriticTraining):
         # One batch: the actor's sample serves the entropy stage and its own, as in SB3's step. Several: each stage
         # samples again on the same draws (the actor does not move between them), so that one micro-batch's graph at
         # most is alive at a time: the memory accumulation is for, at the cost of one forward pass per micro-batch.
-        kept = [squashed_sample(s.actor, batches[0][0].observations, batches[0][1][0])] if len(batches) == 1 else []
+        samplers = [self._samplers(draws) for _, draws in batches]
+        kept = [samplers[0][0](batches[0][0].observations)] if len(batches) == 1 else []
 
         def actor_sample(i: int) -> tuple[th.Tensor, th.Tensor]:
-            data, draws = batches[i]
-            return kept[i] if kept else squashed_sample(s.actor, data.observations, draws[0])
+            return kept[i] if kept else samplers[i][0](batches[i][0].observations)
 
         position = 0
         if s.ent_coef_optimizer is not None:
@@ -376,9 +422,9 @@ class _EntropyRegularised(_ActorCriticTraining):
             ent_coef = s.ent_coef_tensor
         figures["train/ent_coef"] = ent_coef.reshape(())
         losses = []
-        for data, draws in batches:
+        for (data, _), (_, next_sample) in zip(batches, samplers, strict=True):
             with th.no_grad():
-                next_actions, next_log_prob = squashed_sample(s.actor, data.next_observations, draws[1])
+                next_actions, next_log_prob = next_sample(data.next_observations)
                 target = self._target_q(data, next_actions, ent_coef * next_log_prob.reshape(-1, 1))
             losses.append(self._critic_loss(data, target))
             descend(position, losses[-1])  # at once: each micro-batch's graph is freed before the next is built

@@ -350,8 +350,12 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
     # Collection's forward pass compiles with the step where it is clearly faster so and earns its own compile time
     # back: a compiled pass over a few observations can be slower than eager on a CPU (its guards cost more than the
     # ops it fuses), and where training outlasts collection (overlapped) a faster pass saves nothing.
+    # Under gSDE collection's actions come from the exploration matrix SB3 resamples between env steps: its forward
+    # pass stays SB3's (the model's compile_step leaves it so).
+    sde = bool(getattr(v.resolved.params, "use_sde", False))
     collect = (
-        not timing.act_failed
+        not sde
+        and not timing.act_failed
         and timing.act_compiled_s <= MARGIN * timing.act_eager_s
         and both < step_only
         and timing.act_compile_s / (step_only - both) < steps
@@ -360,7 +364,9 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
     compile_s = timing.compile_s + (timing.act_compile_s if collect else 0.0)
     pays_after = compile_s / (eager_env_step - compiled_env_step) if eager_env_step > compiled_env_step else None
     figures = f"{COMPILE_TIMED} {timing.compiled_s * 1e3:.3g} ms compiled vs {timing.eager_s * 1e3:.3g} ms eager"
-    if timing.act_failed:
+    if sde:
+        figures += ", forward pass SB3's (gSDE)"
+    elif timing.act_failed:
         figures += f", forward pass {timing.act_eager_s * 1e3:.3g} ms eager (it did not compile)"
     elif timing.act_eager_s:
         figures += f", forward pass {timing.act_compiled_s * 1e3:.3g} vs {timing.act_eager_s * 1e3:.3g} ms"
@@ -404,8 +410,6 @@ def _compile_refusal(preset: Preset, obs_space: spaces.Space, device: str) -> st
                 "gradient accumulation with prioritized replay whose trees are searched on the host: each micro-batch's "
                 "priorities are updated before the next one is sampled, between graphs"
             )
-    if preset.algo != "ppo" and getattr(params, "use_sde", False):  # PPO's compiled step takes gSDE
-        return "gSDE's exploration matrix is resampled outside the step"
     return None
 
 

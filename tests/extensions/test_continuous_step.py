@@ -39,7 +39,11 @@ EXTRA = {
     "sac-fixed": {"ent_coef": 0.05},
     "td3": {},
     "tqc": {"top_quantiles_to_drop_per_net": 1, "policy_kwargs": {"net_arch": [16, 16], "n_quantiles": 5}},
+    # gSDE: the exploration matrix drawn before each step and reached by the actor's loss; expln's std on SAC's.
+    "sac-sde": {"use_sde": True, "policy_kwargs": {"net_arch": [16, 16], "log_std_init": -1, "use_expln": True}},
+    "tqc-sde": {"use_sde": True, "policy_kwargs": {"net_arch": [16, 16], "n_quantiles": 5, "log_std_init": -2}},
 }
+ACCUMULATING = [case for case in EXTRA if not case.endswith("-sde")]  # refused beside gSDE (a test below)
 
 
 def _pair(case: str) -> tuple[type, type]:
@@ -143,7 +147,7 @@ class _GridActions(gym.Env):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
+@pytest.mark.parametrize("case", ["sac", "td3", "tqc", "tqc-sde"])
 def test_actions_of_several_dimensions_step_as_sb3s(case):
     plain_cls, ours_cls = _pair(case)
     plain, ours = _learned(plain_cls, case, env=_GridActions()), _learned(ours_cls, case, env=_GridActions())
@@ -177,7 +181,7 @@ def test_an_optimizer_state_saved_unfused_is_guarded_on_the_host():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("case", ["sac", "td3", "tqc"])
+@pytest.mark.parametrize("case", ["sac", "td3", "tqc", "sac-sde"])
 def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back(case):
     _, cls = _pair(case)
     kwargs = {"replay_buffer_class": DeviceReplayBuffer}
@@ -224,8 +228,9 @@ def test_a_nan_reward_skips_the_critics_step_on_the_device_and_is_named_when_the
     assert all(p.isfinite().all() for p in model.policy.parameters())
 
 
-def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions():
-    model = _learned(SyncFreeSAC, "sac", replay_buffer_class=DeviceReplayBuffer)  # past learning_starts: the actor acts
+@pytest.mark.parametrize("case", ["sac", "sac-sde"])
+def test_collection_reads_the_device_once_per_vec_step_for_the_envs_actions(case):
+    model = _learned(SyncFreeSAC, case, replay_buffer_class=DeviceReplayBuffer)  # past learning_starts: the actor acts
     _, callback = model._setup_learn(1, None, reset_num_timesteps=False)
     copies = model.replay_buffer.host_observation_copies  # the warm-up's random actions used no device copy
     with HostReads() as reads:
@@ -366,7 +371,7 @@ def _accumulating(case: str, grad_accum_steps: int):
     return model.learn(40)  # learning_starts: the buffer filled, nothing trained yet
 
 
-@pytest.mark.parametrize("case", list(EXTRA))
+@pytest.mark.parametrize("case", ACCUMULATING)
 def test_two_micro_batches_step_as_one_batch_twice_their_size(case):
     whole, halves = _accumulating(case, 1), _accumulating(case, 2)
     assert halves.grad_accum_steps == 2 and halves.compile_step() == (
@@ -406,7 +411,7 @@ def test_two_micro_batches_step_as_one_batch_twice_their_size(case):
     assert halves._n_updates == whole._n_updates == 4
 
 
-@pytest.mark.parametrize("case", list(EXTRA))
+@pytest.mark.parametrize("case", ACCUMULATING)
 def test_accumulation_keeps_one_micro_batch_of_activations_alive_at_a_time(case):
     """What accumulation is for: its peak of activations saved for backward is one micro-batch's, whatever k."""
 
