@@ -11,7 +11,6 @@ half-minute or so, between steps (``sb3_gpu.runs.callbacks.ReturnFreeMemory``).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 from collections.abc import Callable
@@ -22,8 +21,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim  # glibc only: musl and the BSDs have none
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols, libc's among them; glibc's only: musl has none
     except (OSError, AttributeError):
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int

@@ -320,7 +320,9 @@ class _ActorCriticTraining(StagedObservations):
         if compiled is not None:
             self._device_log.take(self._graph_sums)
         if self._exploration is not None and gradient_steps > 0:  # the last step's, as SB3's reset_noise() leaves them
-            s.actor.action_dist.exploration_mat, s.actor.action_dist.exploration_matrices = self._exploration
+            # Copies: the next step writes into the buffers, and a matrix the actor was given must not change under it.
+            dist = s.actor.action_dist
+            dist.exploration_mat, dist.exploration_matrices = (t.clone() for t in self._exploration)
         s._n_updates += gradient_steps
         s.logger.record("train/n_updates", s._n_updates, exclude="tensorboard")
 
@@ -352,7 +354,7 @@ class _EntropyRegularised(_ActorCriticTraining):
         # reset_noise() draws them before the step: the exploration matrix, then the batch of one it keeps beside.
         if self._exploration is not None:
             mat, matrices = self._exploration
-            return (th.empty(mat.shape, device=mat.device).normal_(), th.empty(matrices.shape, device=mat.device).normal_())
+            return tuple(th.empty(m.shape, dtype=m.dtype, device=m.device).normal_() for m in (mat, matrices))
         return (*self._act_draws(batch_size), *self._act_draws(batch_size))
 
     def _samplers(self, draws: Sequence[th.Tensor]) -> tuple[Callable[[th.Tensor], tuple[th.Tensor, th.Tensor]], ...]:

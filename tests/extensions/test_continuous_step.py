@@ -73,6 +73,10 @@ def test_the_uncompiled_step_updates_as_sb3s_train_and_logs_the_same_figures(cas
     assert ours._n_updates == plain._n_updates == 3 * 60
     for a, b in zip(_state(ours), _state(plain), strict=True):
         th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if case.endswith("-sde"):  # learn() ends on a train(): the matrices its last step drew, where the actor reads them
+        for name in ("exploration_mat", "exploration_matrices"):
+            mine, theirs = (getattr(m.actor.action_dist, name) for m in (ours, plain))
+            th.testing.assert_close(mine, theirs.detach(), rtol=1e-5, atol=1e-6)
     # One more train() each, on the same draws: SB3 records that call's means, and they are what ours logs too.
     ours._device_log.read()
     for model in (plain, ours):
@@ -447,6 +451,22 @@ def test_accumulation_keeps_one_micro_batch_of_activations_alive_at_a_time(case)
         return max(counts)
 
     assert peak(3) == peak(1) > 0
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", ["sac-sde", "tqc-sde"])
+def test_a_gsde_model_saved_and_loaded_compiles_and_trains_on(case, tmp_path):
+    _, cls = _pair(case)
+    model = _learned(cls, case, steps=60)
+    model.save(tmp_path / "model.zip")
+    loaded = cls.load(tmp_path / "model.zip", env=model.get_env(), device="cpu")
+    assert loaded._exploration is not None and loaded._exploration[0].shape == model._exploration[0].shape
+    assert loaded.compile_step("default") is None
+    before = [t.clone() for t in _state(loaded)]
+    loaded.learn(20, reset_num_timesteps=False)
+    assert loaded._compiled is not None and loaded._compiled.fallback is None
+    assert any(not th.equal(a, b) for a, b in zip(before, _state(loaded), strict=True))
+    assert all(p.isfinite().all() for p in loaded.policy.parameters())
 
 
 def test_accumulation_is_refused_beside_gsde_and_kept_by_save_and_load(tmp_path):
