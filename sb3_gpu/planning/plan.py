@@ -464,6 +464,7 @@ def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:
         getattr(params, "max_grad_norm", None) if preset.algo in ("dqn", "qrdqn") else None,
         getattr(params, "top_quantiles_to_drop_per_net", 2),
         getattr(params, "critic_layer_norm", False),
+        bool(getattr(params, "use_sde", False)),
     )
 
 

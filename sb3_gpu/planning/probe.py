@@ -46,7 +46,7 @@ from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code, python_int_spaces
-from sb3_gpu.extensions.continuous import normalize_critics, polyak, squashed_sample
+from sb3_gpu.extensions.continuous import normalize_critics, polyak, sde_sample, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
@@ -97,6 +97,7 @@ class Workload:
     max_grad_norm: float | None = 10.0  # the DQN family's clipping (QR-DQN's default: none)
     top_quantiles_to_drop_per_net: int = 2  # TQC's: its target keeps the rest of the sorted quantiles
     critic_layer_norm: bool = False  # SAC's, TD3's and TQC's critics with a LayerNorm after each hidden layer
+    use_sde: bool = False  # gSDE: the actor's noise from its latent features times an exploration matrix
 
     @property
     def key(self) -> str:
@@ -115,11 +116,14 @@ class Workload:
             parts.append(f"drop {self.top_quantiles_to_drop_per_net}")
         if self.critic_layer_norm:  # named only where on, so that the keys of figures cached before it stay theirs
             parts.append("critic layer norm")
+        if self.use_sde:
+            parts.append("gSDE")
         return " | ".join(parts)
 
     def policy(self, device: th.device) -> Any:
         """The policy at these sizes on ``device``, as the run builds it."""
-        policy = self.policy_class(self.observation_space, self.action_space, lambda _: 1e-4, **self.policy_kwargs)
+        sde = {"use_sde": True} if self.use_sde else {}  # as SB3's algorithms pass it to their policies
+        policy = self.policy_class(self.observation_space, self.action_space, lambda _: 1e-4, **self.policy_kwargs, **sde)
         if self.critic_layer_norm:
             normalize_critics(policy)
         return policy.to(device)
@@ -360,8 +364,12 @@ def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -
     eps = th.randn(actions.shape, device=device)  # SAC's and TQC's draw, made outside the step as theirs is
     actor, critic, critic_target = policy.actor, policy.critic, policy.critic_target
     actor_target = getattr(policy, "actor_target", None)
+    if w.use_sde:  # the standard normal draw behind the exploration matrix, scaled by the actor's std in the step
+        mat_eps = th.randn_like(actor.action_dist.get_std(actor.log_std).detach())
 
     def act(net: Any, o: Any) -> tuple[th.Tensor, th.Tensor]:
+        if w.use_sde:  # as the run's step samples under gSDE: the matrix reaches log_std through the actor's loss
+            return sde_sample(net, o, mat_eps * net.action_dist.get_std(net.log_std))
         if hasattr(net, "latent_pi"):  # a squashed Gaussian, sampled with its log-probability
             return squashed_sample(net, o, eps)
         return net(o), th.zeros((), device=device)
@@ -482,7 +490,8 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
         act = th.compile(own_code(forward), fullgraph=True, mode=None if mode == "default" else mode)
         rollout_obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.n_envs))
         # SAC's and TQC's standard normal draw, made outside the graph as their runs make it.
-        draws = [th.randn(w.n_envs, get_action_dim(w.action_space), device=device)] if w.algo in ("sac", "tqc") else []
+        sampled = w.algo in ("sac", "tqc") and not w.use_sde
+        draws = [th.randn(w.n_envs, get_action_dim(w.action_space), device=device)] if sampled else []
 
         def timed(fn: Callable[..., Any]) -> Callable[[], None]:
             def run() -> None:
@@ -495,11 +504,13 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
         act_eager_s = act_compiled_s = _median_time(timed(forward), seconds / 4)
         act_compile_s, act_failed = 0.0, False
         start = time.perf_counter()
+        # Under gSDE collection's actions come from the exploration matrix SB3 keeps: its pass stays SB3's, eager.
         try:
-            for _ in range(3):
-                timed(act)()
-            act_compile_s = time.perf_counter() - start
-            act_eager_s, act_compiled_s = _paired_medians(timed(forward), timed(act), seconds / 4)
+            if not w.use_sde:
+                for _ in range(3):
+                    timed(act)()
+                act_compile_s = time.perf_counter() - start
+                act_eager_s, act_compiled_s = _paired_medians(timed(forward), timed(act), seconds / 4)
         except Exception:  # torch.compile fails in many ways (graph breaks, backend errors)
             th._dynamo.reset()
             act_failed = True
@@ -509,6 +520,8 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
 def _forward(policy: Any, w: Workload) -> Callable[..., Any]:
     """The policy's forward pass at collection: PPO's actions, values and log-probabilities, the Q-values, or an
     actor-critic's exploring actions (SAC's and TQC's on their draw)."""
+    if w.algo in ("sac", "tqc") and w.use_sde:
+        return lambda obs: policy.actor(obs)  # SB3's: the noise of the exploration matrix it keeps
     if w.algo in ("sac", "tqc"):
         return lambda obs, eps: squashed_sample(policy.actor, obs, eps)[0]
     if w.algo == "td3":

@@ -17,7 +17,7 @@ from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticP
 from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_gpu.common.errors import ConfigError, cause_of, gist
-from sb3_gpu.extensions.continuous import SyncFreeTD3, normalize_critics
+from sb3_gpu.extensions.continuous import SyncFreeTD3, normalize_critics, sde_sample
 from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
 from sb3_gpu.planning import plan as plan_module
 from sb3_gpu.planning import probe as probe_module
@@ -834,3 +834,37 @@ def test_the_probe_times_layer_normed_critics_under_a_key_of_their_own(gpu_machi
     workload = dataclasses.replace(normed.probe.options[0].workload, batch_size=8, n_envs=2)
     assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).train_s > 0
     assert len(built) == 1 and any(isinstance(m, th.nn.LayerNorm) for m in built[0].critic.modules())
+
+
+@pytest.mark.parametrize("algo", ["sac", "tqc", "ppo"])
+def test_the_probe_times_gsde_as_the_run_samples_it_under_a_key_of_its_own(algo, gpu_machine, monkeypatch):
+    times = FakeTimes({"cuda:0 fp32": (2.0, 0.3), "cpu fp32": (1.0, 0.2)})
+    sde = make_plan(algo, "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"use_sde": True})
+    plain = make_plan(algo, "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(times))
+    assert sde.probe is not None and plain.probe is not None
+    assert all(o.workload.use_sde and o.workload.key.endswith(" | gSDE") for o in sde.probe.options)
+    assert not any(o.workload.use_sde or "gSDE" in o.workload.key for o in plain.probe.options)
+    sampled = []
+    monkeypatch.setattr(probe_module, "sde_sample", lambda *a: sampled.append(a[2]) or sde_sample(*a))
+    workload = dataclasses.replace(sde.probe.options[0].workload, batch_size=8, n_envs=2)
+    policy = workload.policy(th.device("cpu"))
+    assert (
+        policy.use_sde if algo == "ppo" else policy.actor.use_sde
+    )  # the run's policy: an exploration matrix, a log_std per latent
+    assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).train_s > 0
+    if algo == "ppo":  # SB3's own gSDE distribution in evaluate_actions: no sample to draw
+        assert not sampled
+    else:  # the target's next actions and the actor's, each on the matrix scaled by the actor's std
+        assert sampled and all(m.shape == (policy.actor.action_dist.latent_sde_dim, 1) for m in sampled)
+
+
+@pytest.mark.heavy
+def test_measuring_compile_under_gsde_compiles_the_step_and_leaves_collection_sb3s():
+    from sb3_contrib import TQC
+
+    box, actions = spaces.Box(-1, 1, (4,), np.float32), spaces.Box(-1, 1, (1,), np.float32)
+    kwargs = {"net_arch": [16], "n_quantiles": 5, "log_std_init": -3, "use_expln": True}
+    workload = Workload("tqc", TQC.policy_aliases["MlpPolicy"], box, actions, kwargs, 8, 2, 1, use_sde=True)
+    timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
+    assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
+    assert timing.act_eager_s == timing.act_compiled_s > 0 and timing.act_compile_s == 0 and not timing.act_failed
