@@ -3,12 +3,13 @@ them, in a subprocess)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,33 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+# The devices of the tests that hold the GPU path to SB3's updates and to its promise of no host reads: the CPU always
+# (CI's, the same tensor code as CUDA's), CUDA where the machine has one (then `pytest -m ""` checks it there too).
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not th.cuda.is_available(), reason="no CUDA device here")),
+]
+
+
+def compiled_mode(device: str) -> str:
+    """torch.compile's mode as a run takes it on ``device``: inductor's default on the CPU, a CUDA graph on CUDA."""
+    return "reduce-overhead" if device.startswith("cuda") else "default"
+
+
+@contextlib.contextmanager
+def no_syncs(device: str) -> Iterator[None]:
+    """On CUDA, any wait of the host for the device inside the block raises (torch's sync debug mode), which catches
+    what a count of host reads could miss; elsewhere, nothing."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    th.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        th.cuda.set_sync_debug_mode("default")
 
 
 def squashed(text: str) -> str:

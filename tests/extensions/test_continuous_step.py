@@ -29,6 +29,7 @@ from sb3_gpu.extensions.networks import steps_one_optimizer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, settle_guards
 from sb3_gpu.planning.build import fused
+from tests.conftest import DEVICES, compiled_mode, no_syncs
 
 PAIRS = {"sac": (SAC, SyncFreeSAC), "td3": (TD3, SyncFreeTD3), "tqc": (TQC, SyncFreeTQC)}
 SMALL = {"learning_starts": 40, "batch_size": 16, "gradient_steps": 3, "policy_kwargs": {"net_arch": [16, 16]}}
@@ -57,9 +58,11 @@ def _state(model) -> list[th.Tensor]:
     return tensors
 
 
-def _learned(cls: type, case: str, steps: int = 100, mode: str | None = None, env: Any = "Pendulum-v1", **kwargs):
+def _learned(
+    cls: type, case: str, steps: int = 100, mode: str | None = None, env: Any = "Pendulum-v1", device: str = "cpu", **kwargs
+):
     # Deep-copied: SB3 writes into the policy_kwargs it is given (SAC adds use_sde, which TD3's policy refuses).
-    model = cls("MlpPolicy", env, seed=3, device="cpu", **copy.deepcopy({**SMALL, **EXTRA[case], **kwargs}))
+    model = cls("MlpPolicy", env, seed=3, device=device, **copy.deepcopy({**SMALL, **EXTRA[case], **kwargs}))
     if mode is not None:
         assert model.compile_step(mode) is None
     return model.learn(steps)
@@ -92,14 +95,15 @@ def test_the_uncompiled_step_updates_as_sb3s_train_and_logs_the_same_figures(cas
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(EXTRA))
-def test_the_compiled_step_updates_as_sb3s_train_without_a_graph_break(case):
+def test_the_compiled_step_updates_as_sb3s_train_without_a_graph_break(case, device):
     # 60 gradient steps: float rounding, which the written-out Adam orders otherwise than torch's, grows with
     # training (SAC and TD3 differ from SB3 by 3e-7 at 60 steps, by 1e-4 at 180).
     plain_cls, cls = _pair(case)
-    plain = _learned(plain_cls, case, steps=60)
-    eager = _learned(cls, case, steps=60, mode="eager")  # the graph's function run uncompiled: its own Adam
-    compiled = _learned(cls, case, steps=60, mode="default")
+    plain = _learned(plain_cls, case, steps=60, device=device)
+    eager = _learned(cls, case, steps=60, mode="eager", device=device)  # the graph's function run uncompiled
+    compiled = _learned(cls, case, steps=60, mode=compiled_mode(device), device=device)  # on CUDA a CUDA graph
     assert compiled._compiled is not None and compiled._compiled.fallback is None  # fullgraph=True: no break
     for a, b, c in zip(_state(eager), _state(compiled), _state(plain), strict=True):
         th.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
@@ -185,11 +189,12 @@ def test_an_optimizer_state_saved_unfused_is_guarded_on_the_host():
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["sac", "td3", "tqc", "sac-sde"])
-def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back(case):
+def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back(case, device):
     _, cls = _pair(case)
-    kwargs = {"replay_buffer_class": DeviceReplayBuffer}
-    model = _learned(cls, case, mode="eager", **kwargs)
+    kwargs = {"replay_buffer_class": DeviceReplayBuffer, "device": device}
+    model = _learned(cls, case, mode=compiled_mode(device) if device != "cpu" else "eager", **kwargs)
     kwargs["policy_kwargs"] = fused(SMALL["policy_kwargs"], on_policy=False)
     uncompiled = _learned(cls, case, **kwargs)  # fused: the NaN guard skips a step on the device
     entropy = getattr(uncompiled, "ent_coef_optimizer", None)
@@ -198,7 +203,7 @@ def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back
         _guarded(m)  # as a run's: the NaN guard checks every step, here on the device
         m._device_log.read()
         before = [t.clone() for t in _state(m)]
-        with HostReads() as reads:
+        with HostReads() as reads, no_syncs(device):
             m.train(gradient_steps=4, batch_size=16)
         assert reads.total == 0, reads.sites
         assert any(not th.equal(a, b) for a, b in zip(before, _state(m), strict=True))
@@ -454,14 +459,15 @@ def test_accumulation_keeps_one_micro_batch_of_activations_alive_at_a_time(case)
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["sac-sde", "tqc-sde"])
-def test_a_gsde_model_saved_and_loaded_compiles_and_trains_on(case, tmp_path):
+def test_a_gsde_model_saved_and_loaded_compiles_and_trains_on(case, device, tmp_path):
     _, cls = _pair(case)
-    model = _learned(cls, case, steps=60)
+    model = _learned(cls, case, steps=60, device=device)
     model.save(tmp_path / "model.zip")
-    loaded = cls.load(tmp_path / "model.zip", env=model.get_env(), device="cpu")
+    loaded = cls.load(tmp_path / "model.zip", env=model.get_env(), device=device)
     assert loaded._exploration is not None and loaded._exploration[0].shape == model._exploration[0].shape
-    assert loaded.compile_step("default") is None
+    assert loaded.compile_step(compiled_mode(device)) is None  # on CUDA, a CUDA graph over the loaded optimizers
     before = [t.clone() for t in _state(loaded)]
     loaded.learn(20, reset_num_timesteps=False)
     assert loaded._compiled is not None and loaded._compiled.fallback is None
