@@ -58,11 +58,12 @@ def no_syncs(device: str) -> Iterator[None]:
     if not device.startswith("cuda"):
         yield
         return
+    before = th.cuda.get_sync_debug_mode()
     th.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
-        th.cuda.set_sync_debug_mode("default")
+        th.cuda.set_sync_debug_mode(before)
 
 
 def squashed(text: str) -> str:

@@ -351,7 +351,7 @@ def _compile_probed(v: _Variant, prober: Prober, facts: _EnvFacts, eager_step_s:
     # back: a compiled pass over a few observations can be slower than eager on a CPU (its guards cost more than the
     # ops it fuses), and where training outlasts collection (overlapped) a faster pass saves nothing.
     # Under gSDE collection's actions come from the exploration matrix SB3 resamples between env steps: its forward
-    # pass stays SB3's (the model's compile_step leaves it so).
+    # pass stays SB3's (SAC's and TQC's compile_step leaves it so; PPO's is told here).
     sde = bool(getattr(v.resolved.params, "use_sde", False))
     collect = (
         not sde

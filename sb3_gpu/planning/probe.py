@@ -126,7 +126,10 @@ class Workload:
         policy = self.policy_class(self.observation_space, self.action_space, lambda _: 1e-4, **self.policy_kwargs, **sde)
         if self.critic_layer_norm:
             normalize_critics(policy)
-        return policy.to(device)
+        policy = policy.to(device)
+        if self.use_sde:  # its exploration matrices, made on the CPU and kept outside the modules, for n_envs as SB3's
+            policy.reset_noise(self.n_envs)  # runs draw them before collecting
+        return policy
 
 
 def _named(value: Any) -> Any:

@@ -114,7 +114,7 @@ def test_the_compiled_step_updates_as_sb3s_train_without_a_graph_break(case, dev
         for mine, theirs in zip(_optimizers(ours), _optimizers(plain), strict=True):
             assert list(mine["state"]) == list(theirs["state"])
             for p, state in theirs["state"].items():
-                assert th.equal(mine["state"][p]["step"], state["step"])
+                assert th.equal(mine["state"][p]["step"].cpu(), state["step"].cpu())  # on CUDA: device and host
                 th.testing.assert_close(mine["state"][p]["exp_avg"], state["exp_avg"], rtol=1e-4, atol=1e-5)
                 # Squared gradients are small: held relative to themselves, not to the weights' absolute tolerance.
                 th.testing.assert_close(mine["state"][p]["exp_avg_sq"], state["exp_avg_sq"], rtol=1e-3, atol=1e-10)
@@ -201,6 +201,9 @@ def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back
     assert entropy is None or entropy.defaults["fused"]
     for m in (model, uncompiled):
         _guarded(m)  # as a run's: the NaN guard checks every step, here on the device
+        for _ in range(2):  # under the counting mode, which dynamo guards on: compiled, on CUDA recorded, again
+            with HostReads():
+                m.train(gradient_steps=4, batch_size=16)
         m._device_log.read()
         before = [t.clone() for t in _state(m)]
         with HostReads() as reads, no_syncs(device):
@@ -209,6 +212,7 @@ def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back
         assert any(not th.equal(a, b) for a, b in zip(before, _state(m), strict=True))
         figures = m._device_log.read()
         assert "train/critic_loss" in figures and all(np.isfinite(v) for v in figures.values())
+    assert model._compiled is not None and model._compiled.fallback is None  # a sync refused in it would fall back
 
 
 def _guarded(model) -> None:

@@ -119,7 +119,9 @@ def test_the_compiled_step_updates_as_sb3s_train(algo, compiled, device):
     theirs, mine = plain.policy.optimizer.state_dict(), ours.policy.optimizer.state_dict()
     for p in theirs["state"]:
         for key in ("step", "exp_avg", "exp_avg_sq"):
-            th.testing.assert_close(theirs["state"][p][key], mine["state"][p][key], rtol=tolerance["rtol"], atol=1e-7)
+            # check_device off: on CUDA torch's Adam counts its steps on the host, the capturable one on the device.
+            theirs_value, mine_value = theirs["state"][p][key], mine["state"][p][key]
+            th.testing.assert_close(theirs_value, mine_value, rtol=tolerance["rtol"], atol=1e-7, check_device=False)
     plain.policy.optimizer.load_state_dict(mine)
     _train(plain, seed=9)
     assert int(plain.policy.optimizer.state_dict()["state"][0]["step"]) == 7
@@ -147,16 +149,21 @@ def test_a_compiled_step_with_device_per_reads_nothing_back_and_equals_the_eager
     for m in (eager, compiled):
         train = _train if m is compiled else _train_drawing_as_compiled
         train(m, seed=0)  # compiles, and sets the optimizer's state up
-        train(m, seed=1)  # on CUDA, records the graph
+        for seed in (1, 2):  # under the counting mode, which dynamo guards on: compiled, on CUDA recorded, again
+            with HostReads():
+                train(m, seed=seed)
         with HostReads() as reads, no_syncs(device if m is compiled else "cpu"):
-            train(m, seed=2, steps=4)
+            train(m, seed=3, steps=4)
         if m is compiled:
             assert reads.total == 0, reads.sites
+    assert compiled._compiled_step.fallback is None  # a failure inside the graph (a sync refused) would fall back
     tolerance = TOLERANCE[device]
     for a, b in zip(eager.policy.parameters(), compiled.policy.parameters(), strict=True):
         th.testing.assert_close(a, b, **tolerance)
     leaves = th.arange(64, device=device)
-    tree_tolerance = {"rtol": tolerance["rtol"], "atol": 0}
+    # A priority is |TD error| ** alpha: a TD error near zero (a difference of two close Q-values) turns float
+    # rounding into a large relative difference, so the leaves are held to an absolute tolerance too.
+    tree_tolerance = {"rtol": tolerance["rtol"], "atol": 1e-4}
     th.testing.assert_close(eager.replay_buffer.tree[leaves], compiled.replay_buffer.tree[leaves], **tree_tolerance)
 
 
@@ -354,10 +361,14 @@ def test_ppos_compiled_step_on_the_device_rollout_buffer_reads_nothing_back(devi
     kwargs = dict(SMALL_PPO, rollout_buffer_class=DeviceRolloutBuffer)
     model = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device=device, **kwargs)
     assert model.compile_step(compiled_mode(device)) is None
-    model.learn(128)  # two train() calls: on CUDA the graph is recorded by then
+    model.learn(64)
+    for _ in range(2):  # under the counting mode, which dynamo guards on: compiled, on CUDA recorded, again
+        with HostReads():
+            model.train()
     with HostReads() as reads, no_syncs(device):
         model.train()
     assert reads.total == 0, reads.sites
+    assert model._compiled_step.fallback is None  # a failure inside the graph (a sync refused) would fall back
 
 
 def _adam_steps(model):

@@ -848,9 +848,9 @@ def test_the_probe_times_gsde_as_the_run_samples_it_under_a_key_of_its_own(algo,
     monkeypatch.setattr(probe_module, "sde_sample", lambda *a: sampled.append(a[2]) or sde_sample(*a))
     workload = dataclasses.replace(sde.probe.options[0].workload, batch_size=8, n_envs=2)
     policy = workload.policy(th.device("cpu"))
-    assert (
-        policy.use_sde if algo == "ppo" else policy.actor.use_sde
-    )  # the run's policy: an exploration matrix, a log_std per latent
+    dist = policy.action_dist if algo == "ppo" else policy.actor.action_dist
+    assert (policy.use_sde if algo == "ppo" else policy.actor.use_sde) and dist.exploration_matrices is not None
+    assert dist.exploration_matrices.shape[0] == 2  # drawn for the n_envs observations collection passes, as SB3's
     assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).train_s > 0
     if algo == "ppo":  # SB3's own gSDE distribution in evaluate_actions: no sample to draw
         assert not sampled
