@@ -194,6 +194,8 @@ def test_an_optimizer_state_saved_unfused_is_guarded_on_the_host():
 def test_a_step_sampled_inside_the_graph_from_a_device_buffer_reads_nothing_back(case, device):
     _, cls = _pair(case)
     kwargs = {"replay_buffer_class": DeviceReplayBuffer, "device": device}
+    # On the CPU the graph's function run eagerly reads what the compiled one would (and spares a compile); on CUDA
+    # the CUDA graph itself, under the sync debug mode.
     model = _learned(cls, case, mode=compiled_mode(device) if device != "cpu" else "eager", **kwargs)
     kwargs["policy_kwargs"] = fused(SMALL["policy_kwargs"], on_policy=False)
     uncompiled = _learned(cls, case, **kwargs)  # fused: the NaN guard skips a step on the device
