@@ -306,14 +306,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     try:
         with sigterm_as_interrupt():  # before training (planning, a compile, loading a buffer) as Ctrl-C
-            from sb3_gpu.planning.table import plan_table
-            from sb3_gpu.runs.rundir import RunDir
-            from sb3_gpu.runs.training import resume_run
+            from sb3_gpu.runs.rundir import RunDir  # light: a resume knows its run before torch is imported
 
-            console = cli_console()
             if args.resume is not None:
                 run = RunDir(args.resume)
                 _check_resume_flags(parser, args, run)
+            from sb3_gpu.planning.table import plan_table
+            from sb3_gpu.runs.training import resume_run
+
+            console = cli_console()
+            if run is not None:  # --resume
                 summary = resume_run(
                     run.path,
                     timesteps=args.timesteps,
@@ -334,14 +336,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print_error(str(e))
         return 2
-    except StopNow:
-        return _stopped_at_once(run, new=args.resume is None)
+    except StopNow as e:
+        return _stopped_at_once(run, new=args.resume is None, code=128 + e.signum)
     except KeyboardInterrupt as e:  # outside the session's signal handlers: planning or building envs, say
         _remove_if_empty(run, new=args.resume is None)
         if run is not None and _written_since(run.summary, started):  # after training: closing the envs, say
             what = f"; {_saved_note(run, started)}"
-        elif run is not None and args.resume is not None:
-            what = f" before training resumed; nothing new was saved, {run.last_good()}"
+        elif args.resume is not None:  # run is None while the imports above still run
+            last = run.last_good() if run is not None else f"{args.resume} is as it was"  # stopped before RunDir
+            what = f" before training resumed; nothing new was saved, {last}"
         else:
             what = " before training began; nothing was saved"
         if isinstance(e, Terminated):
@@ -401,7 +404,7 @@ def _train_new(plan: Plan, run: RunDir, options: RunOptions, progress: bool, con
         raise
 
 
-def _stopped_at_once(run: RunDir | None, *, new: bool) -> int:
+def _stopped_at_once(run: RunDir | None, *, new: bool, code: int) -> int:
     states = run.saved_states() if run is not None else []
     if not states:
         _remove_if_empty(run, new=new)
@@ -410,14 +413,14 @@ def _stopped_at_once(run: RunDir | None, *, new: bool) -> int:
             print_error(f"to evaluate it: {command()} -m sb3_gpu.evaluate {run}")
         else:
             print_error("stopped at once by a second signal before any model was saved; nothing was kept")
-        return interrupted()
+        return interrupted(code)
     assert run is not None
     print_error(f"stopped at once by a second signal; nothing more was saved, the last good model is {states[0].model}")
     if _trained_to_the_end(run, states[0].timesteps):
         print_error(f"training was complete; to evaluate: {command()} -m sb3_gpu.evaluate {run}")
     else:
         print_error(f"continue with: {command()} -m sb3_gpu.train --resume {run} ({states[0].timesteps:,} timesteps done)")
-    return interrupted()
+    return interrupted(code)
 
 
 def _trained_to_the_end(run: RunDir, timesteps: int) -> bool:

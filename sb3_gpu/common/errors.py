@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import signal
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -71,7 +72,14 @@ class TrainingDiverged(RuntimeError):
 
 
 class StopNow(KeyboardInterrupt):
-    """A second SIGINT or SIGTERM while a run was already stopping: quit at once, writing nothing more."""
+    """A second SIGINT or SIGTERM while a run was already stopping: quit at once, writing nothing more.
+
+    :ivar signum: the second signal's number, for the exit status (128 + it, as the shell reports a signal)
+    """
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class ResultsNotWritten(OSError):

@@ -62,7 +62,7 @@ class StopOnSignal(BaseCallback):
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
-            raise StopNow
+            raise StopNow(signum)
         self.received = signum
         # os.write, not print: a handler may run in the middle of a print, and print is not reentrant.
         name = signal.Signals(signum).name

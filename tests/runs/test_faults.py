@@ -299,6 +299,21 @@ def test_a_second_signal_with_only_a_best_model_names_it(tmp_path, monkeypatch, 
     assert (run_dir / "best_model.zip").exists()
 
 
+def test_a_second_signal_exits_with_its_own_status(tmp_path, monkeypatch, capsys):
+    stop = StopOnSignal()
+    stop._handle(signal.SIGINT, None)  # the first: stop after this step
+    with pytest.raises(StopNow) as raised:
+        stop._handle(signal.SIGTERM, None)
+    assert raised.value.signum == signal.SIGTERM  # a preemption's second SIGTERM is not reported as Ctrl-C
+
+    def stopped_by_a_second_sigterm(plan, run_dir, **kwargs):
+        raise StopNow(signal.SIGTERM)
+
+    monkeypatch.setattr("sb3_gpu.runs.training.train_run", stopped_by_a_second_sigterm)
+    assert train_main(["ppo", "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 143
+    assert "stopped at once by a second signal" in capsys.readouterr().err
+
+
 def test_sigterm_before_training_began_removes_the_new_run_dir_and_exits_143(tmp_path, monkeypatch, capsys):
     def terminated_while_building(plan, run_dir, **kwargs):  # planning, a compile, building the envs
         (run_dir / "config.yaml").write_text("written before the stop")
@@ -335,6 +350,19 @@ def test_sigterm_before_a_resume_trained_keeps_the_run_dir_and_names_its_last_mo
         f"{tmp_path / 'model.zip'} (64 timesteps)"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == files
+
+
+def test_sigterm_as_a_resume_starts_says_the_run_dir_is_as_it_was(tmp_path, monkeypatch, capsys):
+    def terminated_at_once(path):  # before the run dir is known: the first moments of the process
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the resume")
+
+    monkeypatch.setattr("sb3_gpu.runs.rundir.RunDir", terminated_at_once)
+    assert train_main(["--resume", str(tmp_path), "--no-progress"]) == 143
+    assert capsys.readouterr().err == (
+        f"error: stopped by SIGTERM before training resumed; nothing new was saved, {tmp_path} is as it was\n"
+    )
 
 
 def test_a_crash_in_the_final_evaluation_keeps_the_model_and_writes_the_summary(tmp_path, monkeypatch, capsys):
