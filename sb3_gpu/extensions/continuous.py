@@ -30,9 +30,12 @@ from typing import Any
 import torch as th
 import torch.nn.functional as F
 from sb3_contrib import TQC
+from sb3_contrib.tqc import policies as tqc_policies
 from stable_baselines3 import SAC, TD3
 from stable_baselines3.common.preprocessing import get_action_dim
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
+from stable_baselines3.sac import policies as sac_policies
+from stable_baselines3.td3 import policies as td3_policies
 
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
@@ -65,11 +68,15 @@ def check_actor_critic_accumulation(grad_accum_steps: Any, use_sde: bool) -> int
     return grad_accum_steps
 
 
-def normalize_critics(policy: Any) -> None:
-    """Put a LayerNorm after each hidden layer of an SB3 off-policy policy's critic and critic target (SAC's and TD3's
-    ``ContinuousCritic``, TQC's ``Critic``: each holds its networks as ``qf0``, ``qf1``, ...), and give the critic a new
-    optimizer over them, made as SB3's policy makes it. The linear layers keep their weights."""
-    for critic in (policy.critic, policy.critic_target):
+class NormedCritics:
+    """A mixin for SB3's SAC, TD3 and TQC policies: a LayerNorm after each hidden layer of the critics and their targets
+    (as DroQ's critics have; SB3's have none). SB3's ``_build`` makes the critics through ``make_critic`` and then
+    their optimizer, over the new parameters too. A saved model names its policy class, one of those below, so SB3's
+    own ``SAC.load`` (``TD3.load``, sb3-contrib's ``TQC.load``) rebuilds these critics wherever sb3_gpu is installed."""
+
+    def make_critic(self, features_extractor: Any = None) -> Any:
+        critic = super().make_critic(features_extractor)  # type: ignore[misc]
+        # SAC's and TD3's ContinuousCritic and TQC's Critic each hold their networks as q_networks and as qf0, qf1, ...
         for i, net in enumerate(critic.q_networks):
             layers: list[th.nn.Module] = []
             for layer in net[:-1]:
@@ -79,13 +86,68 @@ def normalize_critics(policy: Any) -> None:
             normed = th.nn.Sequential(*layers, net[-1])
             setattr(critic, f"qf{i}", normed)
             critic.q_networks[i] = normed
-    policy.critic_target.load_state_dict(policy.critic.state_dict())
-    # SB3 leaves a features extractor that the actor shares out of the critic's optimizer (the actor's steps it).
-    shared = policy.share_features_extractor
-    params = [p for name, p in policy.critic.named_parameters() if not (shared and "features_extractor" in name)]
-    lr = policy.critic.optimizer.param_groups[0]["lr"]
-    policy.critic.optimizer = policy.optimizer_class(params, lr=lr, **policy.optimizer_kwargs)
-    policy.critic_target.set_training_mode(False)
+        return critic
+
+
+# Defined by name (not made in a loop) so that a saved model's policy class is found where a reader looks for it.
+class SACMlpPolicyNormedCritics(NormedCritics, sac_policies.MlpPolicy):
+    """SAC's MlpPolicy with layer-normed critics."""
+
+
+class SACCnnPolicyNormedCritics(NormedCritics, sac_policies.CnnPolicy):
+    """SAC's CnnPolicy with layer-normed critics."""
+
+
+class SACMultiInputPolicyNormedCritics(NormedCritics, sac_policies.MultiInputPolicy):
+    """SAC's MultiInputPolicy with layer-normed critics."""
+
+
+class TD3MlpPolicyNormedCritics(NormedCritics, td3_policies.MlpPolicy):
+    """TD3's MlpPolicy with layer-normed critics."""
+
+
+class TD3CnnPolicyNormedCritics(NormedCritics, td3_policies.CnnPolicy):
+    """TD3's CnnPolicy with layer-normed critics."""
+
+
+class TD3MultiInputPolicyNormedCritics(NormedCritics, td3_policies.MultiInputPolicy):
+    """TD3's MultiInputPolicy with layer-normed critics."""
+
+
+class TQCMlpPolicyNormedCritics(NormedCritics, tqc_policies.MlpPolicy):
+    """TQC's MlpPolicy with layer-normed critics."""
+
+
+class TQCCnnPolicyNormedCritics(NormedCritics, tqc_policies.CnnPolicy):
+    """TQC's CnnPolicy with layer-normed critics."""
+
+
+class TQCMultiInputPolicyNormedCritics(NormedCritics, tqc_policies.MultiInputPolicy):
+    """TQC's MultiInputPolicy with layer-normed critics."""
+
+
+_NORMED: dict[type, type] = {
+    cls.__bases__[1]: cls
+    for cls in (
+        *(SACMlpPolicyNormedCritics, SACCnnPolicyNormedCritics, SACMultiInputPolicyNormedCritics),
+        *(TD3MlpPolicyNormedCritics, TD3CnnPolicyNormedCritics, TD3MultiInputPolicyNormedCritics),
+        *(TQCMlpPolicyNormedCritics, TQCCnnPolicyNormedCritics, TQCMultiInputPolicyNormedCritics),
+    )
+}
+
+
+def normed_critics_policy(policy_class: type) -> type:
+    """The twin of SB3's SAC, TD3 or TQC policy class with layer-normed critics (``policy_class`` itself if it has
+    them); refused for any other class, whose critics this cannot know."""
+    if issubclass(policy_class, NormedCritics):
+        return policy_class
+    twin = _NORMED.get(policy_class)
+    if twin is None:
+        raise ConfigError(
+            f"critic_layer_norm works with SB3's own SAC, TD3 and TQC policies (MlpPolicy, CnnPolicy, MultiInputPolicy), "
+            f"not {policy_class.__module__}.{policy_class.__qualname__}; set critic_layer_norm: false"
+        )
+    return twin
 
 
 def squashed_sample(actor: Any, observations: th.Tensor, eps: th.Tensor) -> tuple[th.Tensor, th.Tensor]:
@@ -146,11 +208,14 @@ class _ActorCriticTraining(StagedObservations):
         super().__init__(*args, **kwargs)
 
     def _setup_model(self) -> None:
-        super()._setup_model()  # type: ignore[misc]
         s: Any = self
+        # A loaded model has critic_layer_norm from its saved attributes before this runs; one saved before the policy
+        # classes named it has SB3's own policy class, whose twin builds the critics its weights fit.
+        if self.critic_layer_norm:
+            s.policy_class = normed_critics_policy(s.policy_class)
+        self.critic_layer_norm = issubclass(s.policy_class, NormedCritics)
+        super()._setup_model()  # type: ignore[misc]
         self.grad_accum_steps = check_actor_critic_accumulation(self.grad_accum_steps, s.use_sde)
-        if self.critic_layer_norm:  # a loaded model has it from its saved attributes, before this runs
-            normalize_critics(s.policy)
         entropy = getattr(s, "ent_coef_optimizer", None)
         fused = bool(s.actor.optimizer.defaults.get("fused"))
         if fused and type(entropy) is th.optim.Adam and not entropy.defaults.get("fused"):

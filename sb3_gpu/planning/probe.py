@@ -46,7 +46,7 @@ from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code, python_int_spaces
-from sb3_gpu.extensions.continuous import normalize_critics, polyak, sde_sample, squashed_sample
+from sb3_gpu.extensions.continuous import normed_critics_policy, polyak, sde_sample, squashed_sample
 from sb3_gpu.extensions.graphstep import CompiledUpdate, Descent
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
@@ -123,9 +123,8 @@ class Workload:
     def policy(self, device: th.device) -> Any:
         """The policy at these sizes on ``device``, as the run builds it."""
         sde = {"use_sde": True} if self.use_sde else {}  # as SB3's algorithms pass it to their policies
-        policy = self.policy_class(self.observation_space, self.action_space, lambda _: 1e-4, **self.policy_kwargs, **sde)
-        if self.critic_layer_norm:
-            normalize_critics(policy)
+        policy_class = normed_critics_policy(self.policy_class) if self.critic_layer_norm else self.policy_class
+        policy = policy_class(self.observation_space, self.action_space, lambda _: 1e-4, **self.policy_kwargs, **sde)
         policy = policy.to(device)
         if self.use_sde:  # its exploration matrices, made on the CPU and kept outside the modules, for n_envs as SB3's
             policy.reset_noise(self.n_envs)  # runs draw them before collecting

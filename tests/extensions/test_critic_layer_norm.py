@@ -4,22 +4,24 @@ step as SB3's train() trains the same networks, compiled whole, saved and loaded
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
+import gymnasium as gym
 import pytest
 import torch as th
 from sb3_contrib import TQC
 from stable_baselines3 import SAC, TD3
 
 from sb3_gpu import ConfigError, build_env, build_model, make_plan
-from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC, normalize_critics
+from sb3_gpu.extensions.continuous import NormedCritics, SyncFreeSAC, SyncFreeTD3, SyncFreeTQC, normed_critics_policy
 
 PAIRS = {"sac": (SAC, SyncFreeSAC), "td3": (TD3, SyncFreeTD3), "tqc": (TQC, SyncFreeTQC)}
 SMALL = {"learning_starts": 40, "batch_size": 16, "gradient_steps": 3, "policy_kwargs": {"net_arch": [16, 8]}}
 
 
-def _model(cls: type, **kwargs: Any) -> Any:
-    return cls("MlpPolicy", "Pendulum-v1", seed=3, device="cpu", **copy.deepcopy({**SMALL, **kwargs}))
+def _model(cls: type, policy: Any = "MlpPolicy", **kwargs: Any) -> Any:
+    return cls(policy, "Pendulum-v1", seed=3, device="cpu", **copy.deepcopy({**SMALL, **kwargs}))
 
 
 def _layers(net: th.nn.Module) -> list[str]:
@@ -53,8 +55,8 @@ def test_each_hidden_layer_of_the_critics_and_their_targets_is_normalised_and_op
 @pytest.mark.parametrize("case", list(PAIRS))
 def test_the_normalised_critics_train_as_sb3s_train_trains_them_eager_and_compiled(case):
     plain_cls, ours_cls = PAIRS[case]
-    plain = _model(plain_cls)
-    normalize_critics(plain.policy)  # the same networks, trained by SB3's own train()
+    # The same networks, trained by SB3's own train(): its class with the policy that makes them.
+    plain = _model(plain_cls, normed_critics_policy(plain_cls.policy_aliases["MlpPolicy"]))
     plain.learn(100)
     eager = _model(ours_cls, critic_layer_norm=True).learn(100)
     compiled = _model(ours_cls, critic_layer_norm=True)
@@ -67,6 +69,47 @@ def test_the_normalised_critics_train_as_sb3s_train_trains_them_eager_and_compil
     for a, b, c in zip(_weights(eager), _weights(compiled), _weights(plain), strict=True):
         th.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
         th.testing.assert_close(b, c, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(PAIRS))
+def test_a_saved_model_loads_with_sb3s_own_load(case, tmp_path):
+    plain_cls, ours_cls = PAIRS[case]
+    model = _model(ours_cls, critic_layer_norm=True)
+    model.learn(60)
+    assert isinstance(model.policy, NormedCritics)
+    model.save(tmp_path / "model")
+    loaded = plain_cls.load(tmp_path / "model", env=gym.make("Pendulum-v1"), device="cpu")  # SB3's class and train()
+    assert type(loaded) is plain_cls and type(loaded.policy) is type(model.policy)
+    assert "LayerNorm" in _layers(loaded.critic.qf0) and "LayerNorm" in _layers(loaded.critic_target.qf1)
+    for a, b in zip(_weights(model), _weights(loaded), strict=True):
+        assert th.equal(a, b)
+    loaded.learn(20)  # and SB3's own train() goes on with them
+
+
+@pytest.mark.parametrize("alias", ["MlpPolicy", "CnnPolicy", "MultiInputPolicy"])
+@pytest.mark.parametrize("case", list(PAIRS))
+def test_each_of_sb3s_policies_has_a_twin_and_other_policies_are_refused(case, alias):
+    base = PAIRS[case][0].policy_aliases[alias]
+    twin = normed_critics_policy(base)
+    assert twin.__bases__ == (NormedCritics, base) and normed_critics_policy(twin) is twin
+    assert getattr(sys.modules[twin.__module__], twin.__qualname__) is twin  # pickled by reference, as SB3 saves it
+
+    class Custom(base):  # type: ignore[misc, valid-type]
+        pass
+
+    with pytest.raises(ConfigError, match="critic_layer_norm works with SB3's own SAC, TD3 and TQC policies"):
+        normed_critics_policy(Custom)
+
+
+def test_a_model_saved_before_the_policy_classes_loads_with_its_normalised_critics(tmp_path):
+    model = _model(SyncFreeSAC, critic_layer_norm=True)
+    model.learn(60)
+    model.policy_class = PAIRS["sac"][0].policy_aliases["MlpPolicy"]  # as such zips named it: SB3's own class
+    model.save(tmp_path / "sac")
+    loaded = SyncFreeSAC.load(tmp_path / "sac", device="cpu")
+    assert isinstance(loaded.policy, NormedCritics)
+    for a, b in zip(_weights(model), _weights(loaded), strict=True):
+        assert th.equal(a, b)
 
 
 def test_a_saved_model_loads_with_its_normalised_critics(tmp_path):

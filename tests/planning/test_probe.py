@@ -17,7 +17,7 @@ from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticP
 from stable_baselines3.dqn.policies import DQNPolicy
 
 from sb3_gpu.common.errors import ConfigError, cause_of, gist
-from sb3_gpu.extensions.continuous import SyncFreeTD3, normalize_critics, sde_sample
+from sb3_gpu.extensions.continuous import NormedCritics, SyncFreeTD3, normed_critics_policy, sde_sample
 from sb3_gpu.extensions.quantile import quantile_huber, quantile_huber_mean
 from sb3_gpu.planning import plan as plan_module
 from sb3_gpu.planning import probe as probe_module
@@ -830,10 +830,15 @@ def test_the_probe_times_layer_normed_critics_under_a_key_of_their_own(gpu_machi
     assert all(k.endswith(" | critic layer norm") for k in (o.workload.key for o in normed.probe.options))
     assert not any("layer norm" in k for k in keys)  # figures cached before the key existed stay the plain run's
     built = []
-    monkeypatch.setattr(probe_module, "normalize_critics", lambda policy: built.append(policy) or normalize_critics(policy))
+
+    def recorded(cls):
+        built.append(normed_critics_policy(cls))
+        return built[-1]
+
+    monkeypatch.setattr(probe_module, "normed_critics_policy", recorded)
     workload = dataclasses.replace(normed.probe.options[0].workload, batch_size=8, n_envs=2)
     assert measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01).train_s > 0
-    assert len(built) == 1 and any(isinstance(m, th.nn.LayerNorm) for m in built[0].critic.modules())
+    assert len(built) == 1 and issubclass(built[0], NormedCritics)
 
 
 @pytest.mark.parametrize("algo", ["sac", "tqc", "ppo"])
