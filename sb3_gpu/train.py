@@ -342,8 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _remove_if_empty(run, new=args.resume is None)
         if run is not None and _written_since(run.summary, started):  # after training: closing the envs, say
             what = f"; {_saved_note(run, started)}"
-        elif args.resume is not None:  # run is None while the imports above still run
-            last = run.last_good() if run is not None else f"{args.resume} is as it was"  # stopped before RunDir
+        elif args.resume is not None:  # run is None where the signal came before the run dir was read
+            last = run.last_good() if run is not None else f"{args.resume} is as it was"
             what = f" before training resumed; nothing new was saved, {last}"
         else:
             what = " before training began; nothing was saved"
