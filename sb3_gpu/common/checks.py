@@ -201,13 +201,13 @@ def check_keys(mapping: Mapping[str, Any], valid: set[str], where: str) -> None:
 
 def net_arch(value: Any, where: str) -> list[int] | dict[str, list[int]]:
     layer = integer(1, "a positive layer width")
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):  # a tuple from Python, as SB3 takes it
         return [layer(v, where) for v in value]
     if isinstance(value, Mapping):
         check_keys(value, {"pi", "vf", "qf"}, where)
         out = {}
         for k, v in value.items():
-            if not isinstance(v, list):
+            if not isinstance(v, (list, tuple)):
                 raise ConfigError(f"{where}.{k}: expected a list of layer widths, got {v!r}")
             out[k] = [layer(x, f"{where}.{k}") for x in v]
         return out
@@ -249,7 +249,7 @@ def normalize(value: Any, where: str) -> bool | dict[str, Any]:
 
 
 def train_freq(value: Any, where: str) -> int | tuple[int, str]:
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):  # SB3's (n, "episode") from Python, [n, episode] from YAML
         if len(value) != 2 or value[1] not in ("step", "episode"):
             unit = closest(str(value[1]), ("step", "episode")) if len(value) == 2 else ""
             raise ConfigError(f"{where}: expected a positive int or [n, step|episode], got {value!r}{unit}")

@@ -294,6 +294,14 @@ def test_a_bad_train_freq_says_what_is_accepted_and_the_closest_unit(value, mess
     assert validate_flat(DQN_, {"train_freq": [2, "episode"]}, "t")["train_freq"] == (2, "episode")
 
 
+def test_sb3s_tuple_forms_from_python_are_taken_as_the_yaml_lists():
+    flat = validate_flat(DQN_, {"train_freq": (1, "episode"), "net_arch": (32, 32)}, "t")
+    assert flat["train_freq"] == (1, "episode") and flat["net_arch"] == [32, 32]
+    assert validate_flat(PPO_, {"net_arch": {"pi": (8,), "vf": [4]}}, "t")["net_arch"] == {"pi": [8], "vf": [4]}
+    with pytest.raises(ConfigError, match="did you mean 'episode'"):
+        validate_flat(DQN_, {"train_freq": (1, "epsiode")}, "t")
+
+
 def test_a_dict_net_arch_with_the_algorithms_networks_is_what_sb3_builds():
     import gymnasium as gym
 
