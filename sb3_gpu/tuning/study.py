@@ -21,7 +21,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import atomic_write_bytes, atomic_write_text
 from sb3_gpu.config.files import presets_dir, read_yaml
 from sb3_gpu.config.presets import apply_override, load_preset_file, select_entry
-from sb3_gpu.config.schema import PROFILES, Algo, get_algo
+from sb3_gpu.config.schema import PROFILES, Algo, get_algo, valid_keys
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.envs.spec import resolve_env
 from sb3_gpu.planning.build import build_env, build_model
@@ -241,6 +241,12 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
         notes.append(f"# buffer_size: the trials' {size:,} held all of each trial, so the entry's own {int(own):,} stays.\n")
     for key, value in tuned.items():
         apply_override(entry, key, value)
+    # YAML's 2.0e+4 reads as a float; a count is written as the integer the preset means.
+    checks = valid_keys(algo_)
+    for key, value in entry.items():
+        if isinstance(value, float) and value.is_integer() and key in checks:
+            checked = checks[key](value, key)
+            entry[key] = checked if isinstance(checked, int) and not isinstance(checked, bool) else value
     header = (
         f"# Tuned by python -m sb3_gpu.tune {algo} --env {env}: trial {best.number} of study {study.study_name!r},\n"
         f"# mean score {best.value:.2f} over {len(best.user_attrs.get('seed_scores', [])) or 1} seed(s) at {timesteps} "

@@ -531,6 +531,8 @@ def test_the_exported_preset_is_what_the_best_trial_trained(tmp_path):
         "buffer_size": 200_000,
     }
     assert "cpu" not in entry and "gpu" not in entry
+    # The entry's counts (2.0e+4 in its YAML) are written as integers, its rates as floats.
+    assert "n_timesteps: 20000\n" in text and isinstance(entry["gamma"], float)
     assert "'cpu' profile's values" in text and "the trials' 10,000 held all of each trial" in text
     # Trials longer than the buffer did evict: their size is the finding and is kept.
     path = tuning.export_preset(study, "td3", "Pendulum-v1", tmp_path / "short.yaml", timesteps=20_000)
