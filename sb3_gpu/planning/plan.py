@@ -652,10 +652,15 @@ def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame
     return 2 * obs + action + 3 * 4
 
 
+def _check_count_kwarg(key: str, value: Any, default: str) -> None:
+    """A count in policy_kwargs that SB3 takes as given and fails on, far into the run, when it is below 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"policy_kwargs.{key} must be an int >= 1 ({default}), got {value!r}")
+
+
 def _check_quantiles(drop: int, n_quantiles: Any) -> None:
     """TQC's critics each give ``n_quantiles``; the target drops the top ``drop`` of each: some must be left."""
-    if isinstance(n_quantiles, bool) or not isinstance(n_quantiles, int) or n_quantiles < 1:
-        raise ConfigError(f"policy_kwargs.n_quantiles must be an int >= 1 (TQC's default: 25), got {n_quantiles!r}")
+    _check_count_kwarg("n_quantiles", n_quantiles, "TQC's default: 25")
     if drop >= n_quantiles:
         raise ConfigError(
             f"top_quantiles_to_drop_per_net={drop} drops every one of each critic's n_quantiles={n_quantiles}, leaving "
@@ -691,6 +696,8 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, training: bool 
         check_accumulation(params.grad_accum_steps, params.n_steps, preset.n_envs, params.batch_size)
     elif preset.algo in CONTINUOUS_ALGOS:
         check_actor_critic_accumulation(params.grad_accum_steps, getattr(params, "use_sde", False))
+        if "n_critics" in preset.policy_kwargs:
+            _check_count_kwarg("n_critics", preset.policy_kwargs["n_critics"], f"{preset.algo.upper()}'s default: 2")
         if preset.algo == "tqc":
             _check_quantiles(params.top_quantiles_to_drop_per_net, preset.policy_kwargs.get("n_quantiles", 25))
     # Keys that SB3 takes and then ignores: refused, so that no run is believed to have used them (a run saved before
