@@ -172,6 +172,11 @@ def boolean(value: Any, where: str) -> bool:
 
 def schedulable(inner: Check) -> Check:
     def check(value: Any, where: str) -> float | Schedule:
+        if callable(value) and not isinstance(value, Schedule):  # SB3's own form, given from Python
+            raise ConfigError(
+                f"{where}: a function cannot be written to the run's config.yaml, so it cannot be resumed or replayed; "
+                "give a number or a schedule, e.g. {'schedule': 'linear', 'start': 3e-4, 'end': 0.0}"
+            )
         if not isinstance(value, Mapping):
             return inner(value, where)
         kind = value.get("schedule")

@@ -218,13 +218,26 @@ def get_algo(name: str) -> Algo:
     return algo
 
 
+def _activation(value: Any, where: str) -> str:
+    """An activation by its name; from Python, SB3's form (the torch.nn class) is taken as its name."""
+    if isinstance(value, type):
+        name = next((n for n, cls in ACTIVATIONS.items() if cls is value), None)
+        if name is None:
+            raise ConfigError(
+                f"{where}: {value.__name__} is none of the activations accepted (torch.nn's "
+                f"{', '.join(cls.__name__ for cls in ACTIVATIONS.values())}, or their names)"
+            )
+        return name
+    return c.choice(tuple(ACTIVATIONS))(value, where)
+
+
 # Keys that every entry may hold beside the algorithm's hyperparameters.
 COMMON_KEYS: dict[str, Check] = {
     "n_timesteps": c.POS_INT,
     "n_envs": c.POS_INT,
     "policy": c.choice(POLICIES),
     "net_arch": c.optional(c.net_arch),
-    "activation_fn": c.optional(c.choice(tuple(ACTIVATIONS))),
+    "activation_fn": c.optional(_activation),
     "policy_kwargs": c.mapping,
     "normalize": c.normalize,
     "frame_stack": c.optional(c.POS_INT),

@@ -302,6 +302,15 @@ def test_sb3s_tuple_forms_from_python_are_taken_as_the_yaml_lists():
         validate_flat(DQN_, {"train_freq": (1, "epsiode")}, "t")
 
 
+def test_sb3s_class_and_function_forms_from_python_say_what_a_config_can_hold():
+    assert validate_flat(PPO_, {"activation_fn": nn.Tanh}, "t")["activation_fn"] == "tanh"
+    with pytest.raises(ConfigError, match=r"t: activation_fn: Softsign is none of the activations accepted \(torch.nn's Tanh"):
+        validate_flat(PPO_, {"activation_fn": nn.Softsign}, "t")
+    for key in ("learning_rate", "clip_range"):
+        with pytest.raises(ConfigError, match=rf"t: {key}: a function cannot be written .* {{'schedule': 'linear', 'st"):
+            validate_flat(PPO_, {key: lambda progress: 0.1 * progress}, "t")
+
+
 def test_a_dict_net_arch_with_the_algorithms_networks_is_what_sb3_builds():
     import gymnasium as gym
 
