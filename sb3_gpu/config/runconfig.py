@@ -30,6 +30,9 @@ class RunConfig:
     path: str
     # How the run evaluates and saves (see ``runs.training.RunOptions``); checked where it is used.
     run: dict[str, Any] = field(default_factory=dict)
+    # Where each hyperparameter first came from (the preset, --set, a default), as the run's plan recorded it: a
+    # resumed or replayed run keeps naming those, not this file.
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -63,6 +66,9 @@ def load_config(path: str | Path) -> RunConfig:
     run = data.get("run") or {}
     if not isinstance(run, Mapping):
         raise ConfigError(f"{path}: run must be a mapping, got {run!r}")
+    resolved = data.get("resolved")
+    recorded = resolved.get("sources") if isinstance(resolved, Mapping) else None
+    sources = {k: v for k, v in recorded.items() if k in hyper and isinstance(v, str)} if isinstance(recorded, Mapping) else {}
     return RunConfig(
         algo=algo.name,
         env=str(data["env"]),
@@ -72,4 +78,5 @@ def load_config(path: str | Path) -> RunConfig:
         hyperparameters=hyper,
         path=str(path),
         run=dict(run),
+        sources=sources,
     )

@@ -165,6 +165,9 @@ def make_plan(
     def variant(choice: DeviceChoice) -> _Variant:
         chosen_profile, profile_reason = _profile(profile, choice, entry, entry_label)
         resolved = resolve_preset(algo_, entry, entry_label, chosen_profile, layered)
+        if config is not None and config.sources:  # what the run's first plan named, where this one names its config
+            sources = {k: config.sources.get(k, s) if s == entry_label else s for k, s in resolved.sources.items()}
+            resolved = dataclasses.replace(resolved, sources=sources)
         if resolved.policy == "auto":
             sources = {**resolved.sources, "policy": "auto (observation space)"}
             resolved = dataclasses.replace(resolved, policy=policy, sources=sources)

@@ -227,6 +227,25 @@ def test_config_round_trip_reproduces_the_hyperparameters(tmp_path, cpu_machine)
     assert again.preset.normalize is True
 
 
+def test_a_replayed_config_names_where_each_value_first_came_from(tmp_path, cpu_machine):
+    plan = make_plan("ppo", "Acrobot-v1", hardware=cpu_machine, overrides={"n_epochs": 2}, override_source="--set")
+    write_yaml(tmp_path / "config.yaml", plan.to_config())
+    config = load_config(tmp_path)
+    again = make_plan(
+        "ppo", "Acrobot-v1", config=config, hardware=cpu_machine, overrides={"batch_size": 32}, override_source="--set"
+    )
+    first, now = plan.preset.sources, again.preset.sources
+    assert (first["n_epochs"], first["n_steps"], first["frame_stack"]) == ("--set", "ppo.yaml:Acrobot-v1", "sb3_gpu default")
+    assert {k: v for k, v in now.items() if k != "batch_size"} == {k: v for k, v in first.items() if k != "batch_size"}
+    assert now["batch_size"] == "--set" and first["batch_size"] != "--set"
+    # A config written without sources (by hand) names itself.
+    written = plan.to_config()
+    del written["resolved"]
+    write_yaml(tmp_path / "config.yaml", written)
+    bare = make_plan("ppo", "Acrobot-v1", config=load_config(tmp_path), hardware=cpu_machine)
+    assert bare.preset.sources["n_steps"] == str(tmp_path / "config.yaml")
+
+
 def test_a_config_written_before_per_normalize_existed_keeps_the_buffer_normalisation(tmp_path, cpu_machine):
     plan = make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides={"per": {"normalize": "batch"}})
     written = plan.to_config()
