@@ -133,7 +133,8 @@ class ThroughputCallback(BaseCallback):
     """Throughput and time-split figures under ``throughput/``, recorded at the end of each rollout.
 
     :param window_s: the sliding window for rates and shares
-    :param warmup_s: the first seconds of ``learn`` (start-up, first compilations) are left out of the window
+    :param warmup_s: the first seconds of ``learn`` (start-up, first compilations) are left out of the window; a
+        ``learn`` shorter than twice this is measured whole
     :param report_s: print a compact line every ``report_s`` seconds (None: never), via ``print_fn``
     :param dashboard: write the TensorBoard custom-scalars layout when training starts
     :param record_s: record figures at most this often (DQN's rollouts can be a single step long)
@@ -168,6 +169,7 @@ class ThroughputCallback(BaseCallback):
         self._start = self._rollout_start = self._rollout_end = 0.0
         self._next_report = 0.0
         self._process: Any = None
+        self._last: tuple[float, np.ndarray] = (0.0, self.counters.copy())  # the latest sample, warm-up or not
 
     # ------------------------------------------------------------------ hooks
     def _on_training_start(self) -> None:
@@ -192,6 +194,7 @@ class ThroughputCallback(BaseCallback):
         self._eval0 = self.eval_callback.seconds if self.eval_callback is not None else 0.0
         self._start = time.perf_counter()
         self._rollout_end = self._start
+        self._last = (self._start, self.counters.copy())
         self._next_report = self._start + (self.report_s or 0.0)
         self._next_record = 0.0
 
@@ -212,6 +215,7 @@ class ThroughputCallback(BaseCallback):
         self.counters[self._ENV] = self._timer.seconds if self._timer is not None else 0.0
         if self.eval_callback is not None:
             self.counters[self._EVAL] = self.eval_callback.seconds - self._eval0
+        self._last = (now, self.counters.copy())
         if now - self._start >= self.warmup_s:
             self.window.add(now, self.counters.copy())
 
@@ -250,6 +254,11 @@ class ThroughputCallback(BaseCallback):
     def _record(self, now: float) -> None:
         figures: dict[str, float] = {}
         window = self.window.delta()
+        last_t, last = self._last
+        if last_t - self._start < 2 * self.warmup_s:
+            # Less measured after the warm-up than the warm-up itself (a short run or resume, or its first seconds):
+            # the whole of it is the measure, or a window of a second or two (a final evaluation, say) would be.
+            window = (last_t - self._start, last) if last_t > self._start else None
         if window is not None:
             seconds, d = window
             figures["env_steps_per_s"] = d[self._STEPS] / seconds

@@ -79,6 +79,19 @@ def test_one_callback_measures_each_learn_afresh():
     assert 0.0 < callback.latest["share_env"] < 1.0  # both parts measured (their ratio depends on the load beside it)
 
 
+def test_a_learn_shorter_than_twice_the_warm_up_is_measured_whole():
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=2)
+    callback = ThroughputCallback(window_s=1.0, warmup_s=1e9, record_s=0.0)
+    start = time.perf_counter()
+    model.learn(256, callback=callback)
+    wall = time.perf_counter() - start
+    figures = callback.latest
+    # Every rollout and its training counted (with the warm-up alone, nothing would be), and not a second's slice.
+    assert figures["grad_steps_per_1k_env_steps"] == pytest.approx(2 * 1000 / 64)
+    assert 256 / wall <= figures["env_steps_per_s"] <= 256 / (wall * 0.25)
+    assert sum(figures[f"share_{part}"] for part in ("env", "policy", "train", "eval")) == pytest.approx(1.0)
+
+
 def test_ppo_counts_optimizer_steps_of_every_minibatch(tmp_path):
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=128, batch_size=32, n_epochs=2, tensorboard_log=str(tmp_path))
     callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
