@@ -36,6 +36,7 @@ from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, StopOnSig
 from sb3_gpu.runs.evaluation import TimedEvalCallback
 from sb3_gpu.runs.rundir import RunDir, zip_timesteps
 from sb3_gpu.runs.saving import load_model, load_vecnormalize, save_state
+from sb3_gpu.runs.session import Session
 from sb3_gpu.runs.training import train_run
 from sb3_gpu.train import main as train_main
 from tests.conftest import REPO, run_cli, squashed
@@ -451,6 +452,11 @@ def test_only_the_newest_checkpoint_keeps_a_replay_buffer(tmp_path, monkeypatch,
     # 60's goes with the first new checkpoint (80's was never written); each later one takes the one before it.
     kept_before = [60, *range(100, newest.timesteps, 20)]
     assert removed == [f"Removed the older checkpoint replay buffer {run.checkpoint(n).replay_buffer}" for n in kept_before]
+    # A run's final save with its buffer drops the checkpoints' older copies, as a newer checkpoint does.
+    with Session(model, run_dir=run, checkpoint_freq=1_000, save_replay_buffer=True) as session:
+        outcome = session.learn(30, reset_num_timesteps=False)
+    assert outcome.model_path == run.final.model and run.final.replay_buffer.is_file()
+    assert buffers() == later and run.saved_states()[0].replay_buffer == run.final.replay_buffer
     env.close()
 
 
