@@ -61,8 +61,30 @@ def yaml_number(value: Any) -> Any:
     return value
 
 
+def plain_number(value: Any) -> Any:
+    """``value`` with a numpy scalar (from a grid or ``np.arange``, as SB3 takes them) as the Python int or float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value) in (int, float):
+        return value  # numpy's float64 is a float, but YAML's safe dumper writes only Python's own
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+_EXPONENT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def plain_numbers(value: Any) -> Any:
+    """``value`` (a mapping's or list's items too) with numpy scalars as Python numbers, and exponent strings such as
+    ``"1e-5"``, which PyYAML reads as strings, as floats: for mappings passed on as given (``policy_kwargs``)."""
+    if isinstance(value, Mapping):
+        return {k: plain_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_numbers(v) for v in value]
+    if isinstance(value, str) and _EXPONENT_RE.match(value.strip()):
+        return float(value)
+    return plain_number(value)
+
+
 def _as_number(value: Any, where: str, what: str) -> float:
-    value = yaml_number(value)
+    value = plain_number(yaml_number(value))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         text = repr(value)
         raise ConfigError(f"{where}: expected {what}, got {text if len(text) <= 60 else text[:57] + '...'}")
@@ -237,6 +259,11 @@ def mapping(value: Any, where: str) -> dict[str, Any]:
     return {str(k): v for k, v in value.items()}
 
 
+def kwargs_mapping(value: Any, where: str) -> dict[str, Any]:
+    """A mapping of keyword arguments passed on as given (``policy_kwargs``), its numbers as Python's."""
+    return plain_numbers(mapping(value, where))
+
+
 NORMALIZE_KEYS = {
     "norm_obs": boolean,
     "norm_reward": boolean,
@@ -354,6 +381,7 @@ def threads(value: Any, where: str) -> int | str:
     """``auto`` or a positive int."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
+    value = plain_number(value)
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

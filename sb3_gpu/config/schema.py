@@ -238,7 +238,7 @@ COMMON_KEYS: dict[str, Check] = {
     "policy": c.choice(POLICIES),
     "net_arch": c.optional(c.net_arch),
     "activation_fn": c.optional(_activation),
-    "policy_kwargs": c.mapping,
+    "policy_kwargs": c.kwargs_mapping,
     "normalize": c.normalize,
     "frame_stack": c.optional(c.POS_INT),
     "env_kwargs": c.mapping,

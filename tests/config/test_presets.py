@@ -311,6 +311,39 @@ def test_sb3s_class_and_function_forms_from_python_say_what_a_config_can_hold():
             validate_flat(PPO_, {key: lambda progress: 0.1 * progress}, "t")
 
 
+def test_numpy_numbers_and_exponent_strings_are_taken_as_numbers_inside_policy_kwargs_too():
+    import numpy as np
+
+    flat = validate_flat(
+        PPO_,
+        {
+            "batch_size": np.int64(64),
+            "n_envs": np.int32(4),
+            "learning_rate": np.float32(0.5),
+            "net_arch": [np.int64(32)],
+            "threads": np.int64(2),
+            "policy_kwargs": {"log_std_init": "-1e0", "optimizer_kwargs": {"eps": "1e-5", "betas": [np.float64(0.9), 0.99]}},
+        },
+        "t",
+    )
+    assert (flat["batch_size"], flat["n_envs"], flat["learning_rate"], flat["net_arch"], flat["threads"]) == (
+        64,
+        4,
+        0.5,
+        [32],
+        2,
+    )
+    assert type(flat["batch_size"]) is int and type(flat["learning_rate"]) is float and type(flat["net_arch"][0]) is int
+    assert flat["policy_kwargs"] == {"log_std_init": -1.0, "optimizer_kwargs": {"eps": 1e-5, "betas": [0.9, 0.99]}}
+    assert type(flat["policy_kwargs"]["optimizer_kwargs"]["betas"][0]) is float
+    yaml.safe_dump(flat["policy_kwargs"])  # what config.yaml will hold
+    # A string that is no exponent number stays a string (an argument may take one); a bool stays a bool.
+    kept = validate_flat(PPO_, {"policy_kwargs": {"name": "64", "squash_output": np.bool_(True)}}, "t")["policy_kwargs"]
+    assert kept["name"] == "64"
+    with pytest.raises(ConfigError, match=r"t: batch_size: expected an int >= 2, got np.float64\(64.5\)"):
+        validate_flat(PPO_, {"batch_size": np.float64(64.5)}, "t")
+
+
 def test_a_dict_net_arch_with_the_algorithms_networks_is_what_sb3_builds():
     import gymnasium as gym
 
