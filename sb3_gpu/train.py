@@ -165,14 +165,19 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"{e} (replaying {config.path})") from None
 
 
+# A run trained on a factory from Python is replayed where the factory is: Python.
+_FACTORY_REPLAY = "give --env to replay it on a registered env, or from Python: make_plan(algo, the_factory, config=...)"
+
+
 def _make_plan(
     args: argparse.Namespace, algo: str, config: RunConfig | None, overrides: dict[str, Any], sources: dict[str, str]
 ) -> Plan:
+    from sb3_gpu.config.runconfig import config_env
     from sb3_gpu.planning.plan import make_plan
 
     return make_plan(
         algo,
-        args.env or (config.env if config else default_env(algo)),
+        args.env or (config_env(config, None, _FACTORY_REPLAY) if config else default_env(algo)),
         args.device or (config.device if config else "auto"),
         n_envs=args.n_envs,
         n_timesteps=args.timesteps,

@@ -163,3 +163,27 @@ def test_a_ppo_batch_over_one_rollout_is_said_in_the_plans_words_once():
         "batch_size 256 (ppo.yaml:CartPole-v1) is more than one rollout (n_steps * n_envs = 32 * 1 = 32): each minibatch "
         "is the whole rollout; give batch_size=32 or less"
     ]
+
+
+def _cartpole_factory() -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+@pytest.mark.heavy
+def test_a_run_trained_on_a_factory_is_evaluated_and_resumed_with_it_and_says_so_without(tmp_path, call_main):
+    from sb3_gpu.train import main as train_main
+
+    overrides = {"probe": False, "threads": 1, "n_steps": 64, "batch_size": 64, "n_epochs": 1}
+    plan = make_plan("ppo", _cartpole_factory, "cpu", seed=0, n_envs=1, vec_env="dummy", n_timesteps=128, overrides=overrides)
+    run = tmp_path / "run"
+    train_run(plan, run, eval_freq=64, eval_episodes=1, progress=False, report_s=None)
+    said = r"run/config.yaml: the run trained on an env factory given in Python \(_cartpole_factory\), which a config file"
+    with pytest.raises(ConfigError, match=said + r" cannot rebuild; pass it again: evaluate_run\(run, env=the_factory\)"):
+        evaluate_run(run, episodes=1)
+    with pytest.raises(ConfigError, match=said + r" cannot rebuild; pass it again: resume_run\(run, env=the_factory\)"):
+        resume_run(run, timesteps=256, progress=False, report_s=None)
+    assert evaluate_run(run, episodes=1, env=_cartpole_factory)["episodes"] == 1
+    assert resume_run(run, timesteps=256, progress=False, report_s=None, env=_cartpole_factory)["timesteps"] >= 256
+    out = call_main(train_main, "--config", str(run / "config.yaml"), "--plan")
+    assert out.returncode == 2 and "give --env to replay it on a registered env" in out.stderr
+    assert call_main(train_main, "--config", str(run / "config.yaml"), "--env", "CartPole-v1", "--plan").returncode == 0

@@ -33,6 +33,20 @@ class RunConfig:
     # Where each hyperparameter first came from (the preset, --set, a default), as the run's plan recorded it: a
     # resumed or replayed run keeps naming those, not this file.
     sources: dict[str, str] = field(default_factory=dict)
+    # The run trained on a factory given in Python: ``env`` is only its name.
+    env_factory: bool = False
+
+
+def config_env(config: RunConfig, env: Any, how: str) -> Any:
+    """``env`` where given, else what the config names; a factory's name is refused, saying ``how`` to go on."""
+    if env is not None:
+        return env
+    if config.env_factory:
+        raise ConfigError(
+            f"{config.path}: the run trained on an env factory given in Python ({config.env}), which a config file "
+            f"cannot rebuild; {how}"
+        )
+    return config.env
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -79,4 +93,5 @@ def load_config(path: str | Path) -> RunConfig:
         path=str(path),
         run=dict(run),
         sources=sources,
+        env_factory=isinstance(resolved, Mapping) and resolved.get("env_factory") is True,
     )

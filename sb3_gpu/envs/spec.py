@@ -34,6 +34,7 @@ class EnvSpec:
     make: Callable[[], gym.Env]
     is_atari: bool = False
     env_id: str | None = None  # a registered id given without env kwargs: what EnvPool could stand in for
+    factory: bool = False  # a callable given in Python: its name cannot rebuild it
 
 
 def register_ale() -> bool:
@@ -147,7 +148,7 @@ def resolve_env(env: str | Callable[[], gym.Env] | EnvSpec, env_kwargs: dict[str
         if env_kwargs:
             env = functools.partial(env, **env_kwargs)
         name = getattr(env, "__name__", None) or type(env).__name__
-        return EnvSpec(name, env)
+        return EnvSpec(name, env, factory=True)
     if not isinstance(env, str) or not env.strip():
         raise ConfigError(f"env must be a Gymnasium id, 'package.module:Attr' or a factory, got {env!r}")
     if ":" in env:

@@ -82,6 +82,7 @@ class Plan:
                 "buffers": f"{self.buffers} ({self.buffers_reason})",
                 "training": f"{self.training} ({self.training_reason})",
                 "hardware": self.hardware.describe(),
+                **({"env_factory": True} if self.env.factory else {}),
                 **{f"speed.{name}": f"{value} ({why})" for name, value, why in speed_rows},
                 **(
                     {"probe": [self.probe.summary(), *map(self.probe.line, range(len(self.probe.options)))]}

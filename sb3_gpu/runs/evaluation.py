@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
@@ -23,7 +24,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import check_dir_creatable, keep_previous, put_back_cut_short, save_model, write_json
-from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
 from sb3_gpu.planning.plan import make_plan
@@ -316,7 +317,7 @@ def evaluate_run(
     video: bool = False,
     video_length: int = 0,
     should_stop: Callable[[], bool] | None = None,
-    env_spec: EnvSpec | None = None,
+    env: str | Callable[[], gym.Env] | EnvSpec | None = None,
 ) -> dict[str, Any]:
     """Load a model from a run and return ``{"mean", "std", "episodes", "deterministic", "model"}``, and ``"video"``
     (its path, frames and fps) where asked for.
@@ -326,8 +327,8 @@ def evaluate_run(
     :param video: also record an mp4 of the model (its first episode, or ``video_length`` frames) into the run dir's
         ``videos/``, named after the model
     :param should_stop: asked after every env step; True abandons the evaluation with :class:`EvaluationStopped`
-    :param env_spec: the env the run trained on, where the name its config holds cannot rebuild it (a factory or a class
-        defined in a script)
+    :param env: the env to evaluate on (default: the one the run's config names); needed where the run trained on a
+        factory given in Python, whose name the config cannot rebuild
     """
     if which not in ("best", "final"):
         raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
@@ -350,7 +351,7 @@ def evaluate_run(
     speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
     plan = make_plan(
         config.algo,
-        config.env if env_spec is None else env_spec,
+        config_env(config, env, "pass it again: evaluate_run(run, env=the_factory)"),
         device,
         vec_env="dummy",
         seed=seed,
@@ -361,18 +362,18 @@ def evaluate_run(
     if video:  # a video that cannot be made or written is refused now, not after the evaluation
         recordable(plan.env)
         check_dir_creatable(run.path / "videos", "video folder")
-    env = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
-    if isinstance(env, VecNormalize):
+    venv = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
+    if isinstance(venv, VecNormalize):
         stats = run.vecnormalize_for(model_path)
         if stats is None:
             hint = "; --model final evaluates model.zip with its own" if model_path.name == run.BEST_MODEL else ""
             raise ConfigError(f"{run} normalised its observations, but {run.missing_vecnormalize(model_path)}{hint}")
-        env = load_vecnormalize(stats, env.venv)
-        env.training, env.norm_reward = False, False
+        venv = load_vecnormalize(stats, venv.venv)
+        venv.training, venv.norm_reward = False, False
     result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}
     try:
-        model = load_plan_model(plan, model_path, env)
-        result["mean"], result["std"] = evaluate(model, env, episodes, deterministic, should_stop)
+        model = load_plan_model(plan, model_path, venv)
+        result["mean"], result["std"] = evaluate(model, venv, episodes, deterministic, should_stop)
         if video:
             recorded = record_video(
                 model,
@@ -383,9 +384,9 @@ def evaluate_run(
                 seed=None if plan.seed is None else plan.seed + EVAL_SEED_OFFSET,
                 frame_stack=plan.preset.frame_stack,
                 max_episode_steps=plan.eval_step_cap,
-                normalization=env if isinstance(env, VecNormalize) else None,
+                normalization=venv if isinstance(venv, VecNormalize) else None,
             )
             result["video"] = {"path": str(recorded.path), "frames": recorded.frames, "fps": recorded.fps}
     finally:
-        env.close()
+        venv.close()
     return result

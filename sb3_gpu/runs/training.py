@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
@@ -18,9 +20,10 @@ from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import make_dir, write_json, write_yaml
 from sb3_gpu.config.presets import Preset
-from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs
+from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.device import requested_device
 from sb3_gpu.planning.plan import Plan, make_plan
@@ -150,6 +153,7 @@ def resume_run(
     progress: bool = True,
     console: Console | None = None,
     report_s: float | None = 30.0,
+    env: str | Callable[[], gym.Env] | EnvSpec | None = None,
 ) -> dict[str, Any]:
     """Continue a run from its newest model or checkpoint, with its config, replay buffer, VecNormalize statistics
     and evaluation history, into the same TensorBoard run (schedules and exploration go on from the saved step).
@@ -158,6 +162,8 @@ def resume_run(
     :param save_replay_buffer: from now on save the replay buffer too (default: as the run did)
     :param device: where to train from now on (default: the run's own ``device``), with the run's hyperparameters:
         a run started on a GPU can go on on a CPU, and the other way round
+    :param env: the env to train on (default: the one the run's config names); needed where the run trained on a
+        factory given in Python, whose name the config cannot rebuild
     """
     count_arg(timesteps, "timesteps (the new total)", optional=True)
     output = _Output(progress, console, report_s)
@@ -196,7 +202,7 @@ def resume_run(
             raise ConfigError(f"--resume: {run}'s config.yaml: {e}; --resume takes --device for where it trains now") from None
     plan = make_plan(
         config.algo,
-        config.env,
+        config_env(config, env, "pass it again: resume_run(run, env=the_factory)"),
         config.device if device is None else device,
         vec_env=config.vec_env,
         seed=seed,
@@ -346,7 +352,7 @@ def _check_best(plan: Plan, run: RunDir, evaluator: TimedEvalCallback, episodes:
     seed = None if plan.seed is None else plan.seed + CHECK_SEED_OFFSET
     try:
         checked = evaluate_run(
-            run.best_model, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping, env_spec=plan.env
+            run.best_model, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping, env=plan.env
         )
     except EvaluationStopped:
         return False

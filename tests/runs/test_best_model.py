@@ -357,7 +357,7 @@ def test_a_replayed_config_evaluates_and_saves_as_its_run_did_and_flags_still_wi
         return np.load(run_dir / "eval" / "evaluations.npz")["timesteps"].tolist(), run, squashed(result.stdout)
 
     at, run, out = replay("same")
-    assert at == [32, 64, 96, 128] and squashed("(eval_freq, ") in out, out
+    assert at == [32, 64, 96, 128] and squashed("(--eval-freq; 4 times)") in out, out  # the first run's source
     assert run == {"eval_freq": None, "eval_episodes": 1, "confirm_episodes": 0, "checkpoint_freq": 64,
                    "save_replay_buffer": False}  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "same" / "checkpoints").glob("*.zip")) == sorted(
