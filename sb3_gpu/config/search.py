@@ -114,7 +114,8 @@ def fit_to_budget(
     """The space without values that cannot fit a trial of ``timesteps``, and a note for each key it narrowed.
 
     A rollout (``n_steps`` or ``train_freq`` times ``n_envs``, the largest ``n_envs`` of the space where it is
-    searched) must fit the budget, ``learning_starts`` must leave at least half of it for learning, and buffer sizes
+    searched) must fit the budget, ``learning_starts`` must leave at least half of it for learning, a target network
+    (``target_update_interval``) must be synced at least twice in it, and buffer sizes
     beyond it behave alike (nothing is ever evicted), so only the smallest of those is kept. The preset's own
     ``learning_starts``, where the space leaves it fixed, is refused if no trial could take a gradient step with it,
     and noted if it leaves less than half.
@@ -125,6 +126,8 @@ def fit_to_budget(
         "n_steps" if on_policy else "train_freq": (timesteps // envs, f"a rollout of {envs} envs would outrun"),
         "learning_starts": (timesteps // 2, "it would leave less than half of"),
     }
+    if not on_policy:  # a target network synced at most once in a trial learns from its first weights throughout
+        limits["target_update_interval"] = (timesteps // 2, "the target network would be synced less than twice in")
     fitted, notes = dict(space), []
     for key, (limit, why) in limits.items():
         if key in space:

@@ -455,7 +455,9 @@ def test_the_space_keeps_only_values_that_fit_the_budget():
     assert dqn["learning_starts"] == {"choices": [0, 1000]}  # 5,000 would leave no steps to learn from
     assert dqn["buffer_size"] == {"choices": [10000]}  # 50,000 and 100,000 would hold what 10,000 holds: all of it
     assert dqn["train_freq"] == load_space("dqn")["train_freq"]
-    assert len(notes) == 2
+    assert dqn["target_update_interval"] == {"choices": [10, 100, 1000]}  # 5,000 would never sync in 3,000 steps
+    assert "target_update_interval: 5000 left out (the target network would be synced less than twice in the" in notes[1]
+    assert len(notes) == 3
     ranged, _ = fit_to_budget({"n_steps": {"low": 8, "high": 4096}}, timesteps=1000, n_envs=4, on_policy=True)
     assert ranged == {"n_steps": {"low": 8, "high": 250}}
     with pytest.raises(ConfigError, match=r"every choice .* is too large for trials of 100 timesteps"):
