@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import shutil
@@ -452,9 +453,12 @@ def test_only_the_newest_checkpoint_keeps_a_replay_buffer(tmp_path, monkeypatch,
     # 60's goes with the first new checkpoint (80's was never written); each later one takes the one before it.
     kept_before = [60, *range(100, newest.timesteps, 20)]
     assert removed == [f"Removed the older checkpoint replay buffer {run.checkpoint(n).replay_buffer}" for n in kept_before]
-    # A run's final save with its buffer drops the checkpoints' older copies, as a newer checkpoint does.
-    with Session(model, run_dir=run, checkpoint_freq=1_000, save_replay_buffer=True) as session:
-        outcome = session.learn(30, reset_num_timesteps=False)
+    # A run's final save with its buffer drops the checkpoints' copies, as a newer checkpoint does, that of a checkpoint
+    # at its own step too.
+    every = math.lcm(20, model.train_freq.frequency)  # DQN trains (and stops) at whole rollouts: end on a checkpoint
+    with Session(model, run_dir=run, checkpoint_freq=20, save_replay_buffer=True) as session:
+        outcome = session.learn(every - model.num_timesteps % every, reset_num_timesteps=False)
+    assert run.checkpoint(model.num_timesteps).model.is_file()
     assert outcome.model_path == run.final.model and run.final.replay_buffer.is_file()
     assert buffers() == later and run.saved_states()[0].replay_buffer == run.final.replay_buffer
     env.close()
