@@ -43,6 +43,7 @@ from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
 from sb3_gpu.extensions.hostreads import no_argument_checks
+from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.quantile import quantile_huber_mean
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
@@ -279,6 +280,7 @@ class _ActorCriticTraining(StagedObservations):
         self._compiled_act = CompiledFunction(self._act, mode, "action forward pass") if collect and not s.use_sde else None
         for t in self._exploration or ():
             th._dynamo.mark_static_address(t)
+        narrow_linears(s.policy)
         observation = s.policy.obs_to_tensor(s.observation_space.sample())[0]
         guards = [(optimizer, optimizer_step(optimizer, s.policy)) for optimizer in self._optimizers()]
         for optimizer, guard in guards:  # all checked before any is changed

@@ -84,3 +84,31 @@ def policy_networks(model: BaseAlgorithm) -> PolicyNetworks:
 
 def _last_linears(nets: Sequence[th.nn.Module]) -> list[th.nn.Module]:
     return [linears[-1] for net in nets if (linears := [m for m in net.modules() if isinstance(m, th.nn.Linear)])]
+
+
+# At most this many outputs, a compiled linear layer is worth computing as a reduction (see NarrowLinear).
+NARROW_OUTPUTS = 8
+
+
+class NarrowLinear(th.nn.Linear):
+    """A linear layer with few outputs (a Q-value, an action) that, inside a compiled graph, computes each output as a
+    sum of products rather than a matrix product: inductor then fuses it with the activation before it and its backward
+    pass with the one after, where a matrix product would be a library call, and kernels on each side of it. Outside
+    a graph it is ``nn.Linear`` itself, op for op. Same parameters and state-dict keys: a saved model loads into SB3."""
+
+    def forward(self, x: th.Tensor) -> th.Tensor:
+        if not th.compiler.is_compiling():
+            return super().forward(x)
+        out = (x.unsqueeze(-2) * self.weight).sum(-1)
+        return out if self.bias is None else out + self.bias
+
+
+def narrow_linears(module: th.nn.Module) -> int:
+    """Make each ``nn.Linear`` in ``module`` with at most ``NARROW_OUTPUTS`` outputs a :class:`NarrowLinear`, in place
+    (its parameters, hooks and optimizer state unchanged); returns how many it changed."""
+    changed = 0
+    for layer in module.modules():
+        if type(layer) is th.nn.Linear and layer.out_features <= NARROW_OUTPUTS:
+            layer.__class__ = NarrowLinear
+            changed += 1
+    return changed

@@ -12,6 +12,7 @@ from stable_baselines3 import DQN
 from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
 from sb3_gpu.extensions.compile import python_int_spaces
+from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
 from sb3_gpu.extensions.graphstep import Batch, CompiledStep, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
@@ -84,6 +85,7 @@ class _PrioritizedTraining(StagedObservations):
         runs the Q-network as it is (``compile_policy`` compiles it), whatever ``collect`` says. Call it again after
         ``load``."""
         python_int_spaces(self.policy)  # type: ignore[attr-defined]
+        narrow_linears(self.policy)  # type: ignore[attr-defined]
         optimizer = self.policy.optimizer  # type: ignore[attr-defined]
         guard = optimizer_step(optimizer, self.policy)  # type: ignore[attr-defined]
         obs = self.policy.obs_to_tensor(self.observation_space.sample())[0]  # type: ignore[attr-defined]
