@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay buffer of the off-policy cases (default: the preset's); uniform replay's counts do not depend on it, "
         "PER's tree has fewer levels in a smaller buffer",
     )
+    step.add_argument(
+        "--matmul-heads",
+        action="store_true",
+        help="also the compiled step with every linear layer a matrix product (variant compiled-mm), as it was before "
+        "layers of at most 8 outputs became fused sums of products",
+    )
     step.add_argument("--out", default="bench-results", help="folder for step.json and step.md")
     auto = sub.add_parser("auto", help="auto's device, amp and threads against every alternative, idle and beside busy work")
     auto.add_argument("--cases", nargs="+", metavar="ALGO:ENV", help="default: PPO and DQN CartPole, PPO LunarLander, Pong")
@@ -318,7 +324,7 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
         return 2
     machine = machine_line() + f", device {device}"
     print(machine)
-    rows = bench_step(cases, device, args.repeats, args.vec_steps, args.buffer_size)
+    rows = bench_step(cases, device, args.repeats, args.vec_steps, args.buffer_size, matmul_heads=args.matmul_heads)
     markdown = step_markdown(rows, command, machine)
     print(markdown)
     paths = write_results(Path(args.out), "step", {"command": command, "machine": machine, "rows": rows_json(rows)}, markdown)

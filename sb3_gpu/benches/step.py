@@ -12,6 +12,7 @@ during training and whether a training passes under ``torch.cuda.set_sync_debug_
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 from sb3_gpu.common.errors import gist
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.extensions.hostreads import HostReads
+from sb3_gpu.extensions.networks import NarrowLinear
 from sb3_gpu.extensions.per import DeviceSumMinTree
 from sb3_gpu.planning.build import build_env, model_kwargs
 from sb3_gpu.planning.plan import Plan, make_plan
@@ -40,6 +42,8 @@ CPU_CASES = [
 ]
 GPU_CASES = [*CPU_CASES, "dqn:ALE/Pong-v5:large", "ppo:ALE/Pong-v5"]
 VARIANTS = ("sb3", "eager", "compiled")
+# The compiled step with every linear layer a matrix product, narrow ones too (--matmul-heads): what NarrowLinear saves.
+MATMUL_HEADS = "compiled-mm"
 # aten ops that launch no kernel of their own: views, changes of metadata, allocations, no-op casts, and composites of
 # those (a copy inside ``contiguous`` or ``to`` is an ``aten::copy_`` of its own, counted there).
 _NO_KERNEL = frozenset(
@@ -120,20 +124,24 @@ def _model(text: str, device: str, variant: str, buffer_size: int | None = None)
         buffer = model.replay_buffer
         buffer.tree = DeviceSumMinTree(buffer.tree.capacity, buffer.device, backend="torch")
     breaks = "-"
-    if variant == "compiled":
+    if variant in ("compiled", MATMUL_HEADS):
         compile_step = getattr(model, "compile_step", None)
         if compile_step is None:
             return model, "not built for this algorithm"
         refused = compile_step("reduce-overhead" if plan.device.device.startswith("cuda") else "default")
         if refused:
             return model, f"not compiled: {refused}"
+        if variant == MATMUL_HEADS:  # before the first call compiles the step
+            for layer in model.policy.modules():
+                if type(layer) is NarrowLinear:
+                    layer.__class__ = th.nn.Linear
     # Off-policy: the warm-up's transitions and two rounds of training past them (a CNN's step at a large profile's
     # batches takes seconds on a CPU). _collector explores at the final rate whatever the steps done.
     if off_policy:
         model.learn(model.learning_starts + 2 * model.n_envs * max(model.train_freq.frequency, 1))
     else:
         model.learn(model.n_steps * model.n_envs)
-    if variant == "compiled":
+    if variant in ("compiled", MATMUL_HEADS):
         _train(model)  # compiles now, if learn did not train yet
         compiled = getattr(model, "_compiled_step", None) or model._compiled  # the DQN family and PPO's, SAC's family's
         breaks = compiled.fallback or "0"  # fullgraph=True: compiled means no graph break
@@ -233,16 +241,22 @@ def _in_guard(event: Any) -> bool:
 
 
 def interleaved_medians(fns: Sequence[Callable[[], None]], device: th.device, repeats: int) -> list[float]:
-    """Median wall seconds of each of ``fns``, timed in turn (a, b, c, a, b, c, ...): each meets the machine as the
-    others do. Timed one after the other, a variant's figure moved with what had run before it in the process."""
+    """Median wall seconds of each of ``fns``, timed in turn, each once per round: each meets the machine as the
+    others do. Timed one after the other, a variant's figure moved with what had run before it in the process. The
+    first round takes them in order, later ones in a shuffled (seeded) order: in a fixed order each would always run
+    after the same one, in the caches and memory that one left."""
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times, strict=True):
+    order = list(range(len(fns)))
+    shuffle = random.Random(0).shuffle
+    for round_ in range(repeats):
+        if round_:
+            shuffle(order)
+        for i in order:
             _sync(device)
             start = time.perf_counter()
-            fn()
+            fns[i]()
             _sync(device)
-            out.append(time.perf_counter() - start)
+            times[i].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
 
 
@@ -259,8 +273,11 @@ def _sync_free(fn: Callable[[], None], device: th.device) -> str | None:
         th.cuda.set_sync_debug_mode("default")
 
 
-def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None = None) -> list[StepRow]:
-    """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled); ``buffer_size`` as for plan_case."""
+def bench_step(
+    cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None = None, matmul_heads: bool = False
+) -> list[StepRow]:
+    """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled, and with ``matmul_heads`` the compiled
+    step with every linear layer a matrix product); ``buffer_size`` as for plan_case."""
     # Inductor's CPU kernels then show in the profiler, one event per kernel call, as CUDA kernels do.
     th._inductor.config.cpp.enable_kernel_profile = True
     # This torch's profiler (kineto) prints two lines to stderr at each start and stop, hundreds in a bench, unless
@@ -268,7 +285,8 @@ def bench_step(cases: list[str], device: str, repeats: int, vec_steps: int, buff
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     checks = th.distributions.Distribution._validate_args
     try:
-        return _rows(cases, device, repeats, vec_steps, buffer_size)
+        variants = (*VARIANTS, MATMUL_HEADS) if matmul_heads else VARIANTS
+        return _rows(cases, device, repeats, vec_steps, buffer_size, variants)
     finally:
         th.distributions.Distribution.set_default_validate_args(checks)
 
@@ -291,19 +309,23 @@ class _Variant:
     vec_steps: int  # vec steps per collect() call
 
 
-def _rows(cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None) -> list[StepRow]:
+def _rows(
+    cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None, variants: Sequence[str]
+) -> list[StepRow]:
     rows = []
     for text in cases:
-        rows += _case_rows(text, device, repeats, vec_steps, buffer_size)
+        rows += _case_rows(text, device, repeats, vec_steps, buffer_size, variants)
         print(f"  {text}: done", flush=True)
     return rows
 
 
-def _case_rows(text: str, device: str, repeats: int, vec_steps: int, buffer_size: int | None) -> list[StepRow]:
-    """The case's variants, built side by side (at most three models, envs and buffers alive at once; all freed on
+def _case_rows(
+    text: str, device: str, repeats: int, vec_steps: int, buffer_size: int | None, variants: Sequence[str]
+) -> list[StepRow]:
+    """The case's variants, built side by side (at most four models, envs and buffers alive at once; all freed on
     return), counted one by one and timed in turn."""
     built: list[_Variant] = []
-    for name in VARIANTS:
+    for name in variants:
         model, breaks = _model(text, device, name, buffer_size)
         if breaks.startswith("not "):
             print(f"  {text}, {name}: {breaks}", flush=True)

@@ -329,6 +329,22 @@ def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path, monk
     assert "| qrdqn+per:CartPole-v1 | compiled | 0.00 |" in (tmp_path / "step.md").read_text()
 
 
+@pytest.mark.heavy
+def test_bench_step_matmul_heads_times_the_compiled_step_with_its_narrow_layers_as_matrix_products(tmp_path):
+    import json
+
+    argv = ["step", "--cases", "dqn:CartPole-v1", "--repeats", "1", "--vec-steps", "8", "--matmul-heads", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "step.json").read_text())["rows"]}
+    assert list(rows) == ["sb3", "eager", "compiled", "compiled-mm"]
+    narrow, matmul = rows["compiled"], rows["compiled-mm"]
+    assert narrow["graph_breaks"] == matmul["graph_breaks"] == "0" and narrow["grad_reads"] == matmul["grad_reads"] == 0
+    # The Q-network's 2-wide head: a fused sum of products forward and backward, where a matrix product is a library
+    # call with kernels around it.
+    assert narrow["grad_ops"] < matmul["grad_ops"]
+    assert "| dqn:CartPole-v1 | compiled-mm | 0.00 |" in (tmp_path / "step.md").read_text()
+
+
 def _op(name: str, *children: types.SimpleNamespace) -> types.SimpleNamespace:
     """A profiler event as bench step reads one: its name and the events it called."""
     return types.SimpleNamespace(name=name, cpu_children=list(children))
@@ -406,8 +422,14 @@ def test_bench_step_times_a_cases_variants_in_turn(monkeypatch):
     monkeypatch.setattr(step.time, "perf_counter", lambda: clock[0])
     medians = step.interleaved_medians([variant(n) for n in costs], th.device("cpu"), repeats=3)
     # Each repeat meets every variant once, so none is timed only after the others warmed the process (or tired it).
-    assert calls == ["sb3", "eager", "compiled"] * 3
+    rounds = [calls[i : i + 3] for i in range(0, 9, 3)]
+    assert rounds[0] == ["sb3", "eager", "compiled"] and all(sorted(r) == sorted(costs) for r in rounds)
     assert medians == [2.0, 5.0, 1.0]
+    # In shuffled order after the first round: no variant always runs after the same one.
+    calls.clear()
+    step.interleaved_medians([variant(n) for n in ("sb3", "eager", "compiled")], th.device("cpu"), repeats=3)
+    orders = {tuple(calls[i : i + 3]) for i in range(0, 9, 3)}
+    assert len(orders) > 1
 
 
 def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys):
@@ -525,7 +547,7 @@ def test_bench_step_counts_a_buffer_too_big_for_this_machine_with_a_smaller_one(
     assert err.startswith("error: --cases: buffer_size=50,000 needs") and err.count("\n") == 1, err
     assert err.endswith("lower buffer_size; or count with a smaller --buffer-size\n")
     asked = []
-    monkeypatch.setattr(step, "bench_step", lambda cases, device, repeats, vec_steps, size: asked.append(size) or [])
+    monkeypatch.setattr(step, "bench_step", lambda cases, device, repeats, vec_steps, size, matmul_heads: asked.append(size) or [])
     assert bench.main([*args, "--buffer-size", "64"]) == 0
     assert asked == [64]
     assert step.plan_case("dqn:CartPole-v1", "cpu", "eager", 64).preset.params.buffer_size == 64
