@@ -134,7 +134,7 @@ def _model(text: str, device: str, variant: str, buffer_size: int | None = None)
         if variant == MATMUL_HEADS:  # before the first call compiles the step
             for layer in model.policy.modules():
                 if type(layer) is NarrowLinear:
-                    layer.__class__ = th.nn.Linear
+                    layer.__class__ = th.nn.Linear  # type: ignore[assignment]  # back to nn.Linear's forward
     # Off-policy: the warm-up's transitions and two rounds of training past them (a CNN's step at a large profile's
     # batches takes seconds on a CPU). _collector explores at the final rate whatever the steps done.
     if off_policy:

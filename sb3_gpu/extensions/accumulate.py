@@ -14,11 +14,11 @@ from stable_baselines3 import PPO
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.compile import python_int_spaces
-from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.hostcopy import queued_observation_copies
 from sb3_gpu.extensions.hostreads import no_argument_checks
+from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step, optimizer_steps, read_with_guards
 
@@ -101,7 +101,7 @@ class GradAccumPPO(PPO):
         torch's own, or None. With ``collect`` the rollout's forward pass (observations to actions, values and
         log-probabilities) is compiled too. Call it again after ``load``."""
         python_int_spaces(self.policy)
-        narrow_linears(self.policy)  # type: ignore[attr-defined]
+        narrow_linears(self.policy)
         self._compiled_act = CompiledFunction(self._act, mode, "rollout forward pass") if collect else None
         optimizer = self.policy.optimizer
         guard = optimizer_step(optimizer, self.policy)

@@ -333,7 +333,18 @@ def test_bench_step_counts_reads_ops_and_graph_breaks_per_variant(tmp_path, monk
 def test_bench_step_matmul_heads_times_the_compiled_step_with_its_narrow_layers_as_matrix_products(tmp_path):
     import json
 
-    argv = ["step", "--cases", "dqn:CartPole-v1", "--repeats", "1", "--vec-steps", "8", "--matmul-heads", "--out", str(tmp_path)]
+    argv = [
+        "step",
+        "--cases",
+        "dqn:CartPole-v1",
+        "--repeats",
+        "1",
+        "--vec-steps",
+        "8",
+        "--matmul-heads",
+        "--out",
+        str(tmp_path),
+    ]
     assert bench.main(argv) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "step.json").read_text())["rows"]}
     assert list(rows) == ["sb3", "eager", "compiled", "compiled-mm"]
@@ -547,7 +558,9 @@ def test_bench_step_counts_a_buffer_too_big_for_this_machine_with_a_smaller_one(
     assert err.startswith("error: --cases: buffer_size=50,000 needs") and err.count("\n") == 1, err
     assert err.endswith("lower buffer_size; or count with a smaller --buffer-size\n")
     asked = []
-    monkeypatch.setattr(step, "bench_step", lambda cases, device, repeats, vec_steps, size, matmul_heads: asked.append(size) or [])
+    monkeypatch.setattr(
+        step, "bench_step", lambda cases, device, repeats, vec_steps, size, matmul_heads: asked.append(size) or []
+    )
     assert bench.main([*args, "--buffer-size", "64"]) == 0
     assert asked == [64]
     assert step.plan_case("dqn:CartPole-v1", "cpu", "eager", 64).preset.params.buffer_size == 64

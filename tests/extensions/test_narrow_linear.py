@@ -56,7 +56,9 @@ def test_only_plain_linear_layers_with_few_outputs_change_keeping_their_paramete
 
 @pytest.mark.heavy
 def test_a_compiled_td3_saves_a_model_that_sb3_loads_with_plain_linear_layers(tmp_path):
-    model = SyncFreeTD3("MlpPolicy", "Pendulum-v1", learning_starts=20, batch_size=16, policy_kwargs={"net_arch": [32, 32]}, seed=0)
+    model = SyncFreeTD3(
+        "MlpPolicy", "Pendulum-v1", learning_starts=20, batch_size=16, policy_kwargs={"net_arch": [32, 32]}, seed=0
+    )
     assert model.compile_step() is None
     assert type(model.critic.qf0[-1]) is NarrowLinear and type(model.actor.mu[-2]) is NarrowLinear
     model.learn(40)

@@ -12,10 +12,10 @@ from stable_baselines3 import DQN
 from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
 from sb3_gpu.extensions.accumulate import accumulating_step
 from sb3_gpu.extensions.compile import python_int_spaces
-from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
 from sb3_gpu.extensions.graphstep import Batch, CompiledStep, refusal
 from sb3_gpu.extensions.handoff import StagedObservations
+from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.overlap import OverlappedTraining
 from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
