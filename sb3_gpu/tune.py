@@ -8,6 +8,7 @@ default storage is an SQLite file in the study dir: nothing to start.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 import shlex
@@ -134,6 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return interrupted(_stop_code(e))
 
 
+def _fail_left_running(url: str, heartbeat_s: int, name: str, started: list[int]) -> None:
+    """Make sure the trials this worker started and a signal stopped are marked failed (optuna's own record of it may
+    have failed); a storage that cannot be reached now leaves them to the next worker's heartbeat or dead-worker check."""
+    from sb3_gpu.tuning.storage import fail_left_running
+
+    with contextlib.suppress(Exception, KeyboardInterrupt):
+        fail_left_running(url, heartbeat_s, name, started)
+
+
 def _stopped(e: KeyboardInterrupt) -> str:
     return "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
 
@@ -154,7 +164,13 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         from sb3_gpu.config.schema import get_algo
         from sb3_gpu.config.search import fit_to_budget, load_space
         from sb3_gpu.planning.plan import make_plan
-        from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, journal_lock, make_storage, mask_url
+        from sb3_gpu.tuning.storage import (
+            fail_dead_local_trials,
+            import_optuna,
+            journal_lock,
+            make_storage,
+            mask_url,
+        )
         from sb3_gpu.tuning.study import finished_trials, make_objective, open_study, run_trials
 
         console = cli_console()
@@ -233,12 +249,31 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         optuna.logging.set_verbosity(optuna.logging.INFO)
     for handler in logging.getLogger("optuna").handlers:
         handler.addFilter(_LogFilter(url))
+    objective = make_objective(settings_from_args(args), space)
+    started: list[int] = []  # this worker's trials, by number
+    stops: list[KeyboardInterrupt] = []
+
+    def worker_objective(trial: Any) -> Any:
+        started.append(trial.number)
+        try:
+            return objective(trial)
+        except KeyboardInterrupt as e:
+            stops.append(e)
+            raise
+
     try:
-        run_trials(study, make_objective(settings_from_args(args), space), args.trials)
+        run_trials(study, worker_objective, args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
+        _fail_left_running(url, args.heartbeat, name, started)
         print_error(f"{str(e) or _stopped(e)}; a running trial was marked failed. Run the same command to go on")
         return interrupted(_stop_code(e))
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
+        if stops:
+            # A signal stopped the trial, and optuna then failed to record it: the signal landed inside a storage
+            # write (sampling a parameter, say) and left this worker's connection unusable.
+            _fail_left_running(url, args.heartbeat, name, started)
+            print_error(f"{stops[0] or _stopped(stops[0])}; a running trial was marked failed. Run the same command to go on")
+            return interrupted(_stop_code(stops[0]))
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -7,7 +7,7 @@ import socket
 import time
 import urllib.parse
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,19 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"cannot open storage {mask_url(url)}: {mask_url(url, first)} ({_ACCEPTED})") from None
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def fail_left_running(url: str, heartbeat_s: int, name: str, numbers: Sequence[int]) -> int:
+    """Mark failed those of trials ``numbers`` of study ``name`` still RUNNING, through a new connection to ``url``;
+    return how many. A signal that stops a worker can land inside one of its storage writes and leave its own
+    connection unusable, so that optuna cannot record the trial's end itself."""
+    optuna = import_optuna()
+    study = optuna.load_study(study_name=name, storage=make_storage(url, heartbeat_s))
+    running = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+    left = [n for n in numbers if n in running]
+    for number in left:
+        study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    return len(left)
 
 
 def fail_dead_local_trials(study: Any) -> int:

@@ -204,6 +204,30 @@ def test_sigterm_while_a_trial_builds_marks_it_failed_and_ends_the_worker_with_1
     assert err == "error: stopped by SIGTERM; run the same command to go on\n"
 
 
+def test_a_stop_that_optuna_fails_to_record_still_marks_the_trial_failed_and_exits_as_stopped(tmp_path, monkeypatch, capsys):
+    # A signal that lands inside a storage write (the trial's first parameters, say) can leave the worker's connection
+    # unusable: optuna's own FAIL record then raises, and its bookkeeping ends in an AssertionError of its own.
+    def objective(trial):
+        raise tuning.TrialInterrupted("SIGINT", trial.number)
+
+    monkeypatch.setattr(tuning, "make_objective", lambda settings, space: objective)
+    record = optuna.storages.RDBStorage.set_trial_state_values
+    broken = []
+
+    def cut_short(self, trial_id, state, values=None):
+        if state == optuna.trial.TrialState.FAIL and not broken:
+            broken.append(self)
+            raise RuntimeError("This Session's transaction has been rolled back due to a previous exception")
+        return record(self, trial_id, state, values)
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", cut_short)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    assert tune.main(["ppo", "--trials", "1", *TINY, "--storage", storage, "--study-dir", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "error: stopped by SIGINT in trial 0; a running trial was marked failed." in err and "Traceback" not in err
+    assert broken and [t.state for t in load(storage).trials] == [optuna.trial.TrialState.FAIL]
+
+
 def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
     class AlwaysPrune(optuna.pruners.BasePruner):
         def prune(self, study, trial):
