@@ -135,13 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return interrupted(_stop_code(e))
 
 
-def _fail_left_running(url: str, heartbeat_s: int, name: str, started: list[int]) -> None:
-    """Make sure the trials this worker started and a signal stopped are marked failed (optuna's own record of it may
-    have failed); a storage that cannot be reached now leaves them to the next worker's heartbeat or dead-worker check."""
+def _stopped_in_trials(e: KeyboardInterrupt, url: str, heartbeat_s: int, name: str, started: list[int]) -> int:
+    """Say that ``e`` stopped the worker and return its exit status, once the trials it started and stopped are marked
+    failed (optuna's own record of it may have failed); a storage that cannot be reached now leaves them to the next
+    worker's heartbeat or dead-worker check."""
     from sb3_gpu.tuning.storage import fail_left_running
 
     with contextlib.suppress(Exception, KeyboardInterrupt):
         fail_left_running(url, heartbeat_s, name, started)
+    print_error(f"{str(e) or _stopped(e)}; a running trial was marked failed. Run the same command to go on")
+    return interrupted(_stop_code(e))
 
 
 def _stopped(e: KeyboardInterrupt) -> str:
@@ -164,13 +167,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         from sb3_gpu.config.schema import get_algo
         from sb3_gpu.config.search import fit_to_budget, load_space
         from sb3_gpu.planning.plan import make_plan
-        from sb3_gpu.tuning.storage import (
-            fail_dead_local_trials,
-            import_optuna,
-            journal_lock,
-            make_storage,
-            mask_url,
-        )
+        from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, journal_lock, make_storage, mask_url
         from sb3_gpu.tuning.study import finished_trials, make_objective, open_study, run_trials
 
         console = cli_console()
@@ -264,16 +261,12 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     try:
         run_trials(study, worker_objective, args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
-        _fail_left_running(url, args.heartbeat, name, started)
-        print_error(f"{str(e) or _stopped(e)}; a running trial was marked failed. Run the same command to go on")
-        return interrupted(_stop_code(e))
+        return _stopped_in_trials(e, url, args.heartbeat, name, started)
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
         if stops:
             # A signal stopped the trial, and optuna then failed to record it: the signal landed inside a storage
             # write (sampling a parameter, say) and left this worker's connection unusable.
-            _fail_left_running(url, args.heartbeat, name, started)
-            print_error(f"{stops[0] or _stopped(stops[0])}; a running trial was marked failed. Run the same command to go on")
-            return interrupted(_stop_code(stops[0]))
+            return _stopped_in_trials(stops[0], url, args.heartbeat, name, started)
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1
     argv = sys.argv[1:] if argv is None else list(argv)
