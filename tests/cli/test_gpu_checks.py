@@ -1,0 +1,68 @@
+"""tools/gpu_checks.sh, the one pass over the GPU figures: what it names still exists, and it refuses what it cannot run."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch as th
+
+from sb3_gpu.benches.step import parse_case, plan_case
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "gpu_checks.sh"
+
+
+def _run(*groups: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "OUT": str(out), "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT), *groups], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_an_unknown_group_is_refused_before_anything_runs(tmp_path):
+    result = _run("bench", "benhc", out=tmp_path / "out")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "gpu_checks.sh: unknown group 'benhc' (groups: bench, tests, heads)"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(th.cuda.is_available(), reason="this machine has a CUDA device")
+def test_without_a_cuda_device_it_says_so_in_one_line(tmp_path):
+    result = _run("heads", out=tmp_path / "out")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"gpu_checks.sh: torch {th.__version__} sees no CUDA device here; these checks need one"
+    ]
+    assert not list((tmp_path / "out").glob("*.log"))  # no step started
+
+
+def test_the_test_files_and_bench_cases_it_names_exist():
+    words = [w for w in shlex.split(SCRIPT.read_text(), comments=True) if w.strip()]  # a line's closing backslash: "\n"
+    test_files = [w for w in words if w.startswith("tests/")]
+    assert len(test_files) == 2 and all((ROOT / f).is_file() for f in test_files), test_files
+    for f in test_files:  # each has cases that its selection (-m "" -k cuda) collects
+        collected = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider", "-k", "cuda", f],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+        assert re.search(r"^([1-9]\d*)/\d+ tests collected", collected, re.M), collected[-500:]
+    i = words.index("--cases")  # the heads group's
+    named = []
+    for w in words[i + 1 :]:
+        if w.startswith("--"):
+            break
+        named.append(w)
+    assert len(named) == 5
+    for case in named:
+        parse_case(case)
+        plan_case(case, "cpu", variant="compiled")  # the env and profile suit the algorithm
