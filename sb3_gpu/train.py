@@ -28,7 +28,7 @@ from sb3_gpu.common.cli import (
     sigterm_as_interrupt,
 )
 from sb3_gpu.common.cli import console as cli_console
-from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
+from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged, named
 
 # Torch, SB3 and rich are imported inside main (below), so that --help is quick and a Ctrl-C while they load is
 # answered in one line, not a traceback.
@@ -358,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(f"interrupted{what}")
         return interrupted()
     except (EnvWorkerError, TrainingDiverged) as e:
+        if isinstance(e, EnvWorkerError) and e.__cause__ is not None:  # an env in this process: the trace of its code
+            traceback.print_exception(e.__cause__)
         _remove_if_never_trained(run, new=args.resume is None, started=started)
         print_error(str(e).splitlines()[0])
         print_error(_saved_note(run, started))
@@ -367,9 +369,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
         print_error(_saved_note(run, started))
         return 1
-    except Exception:
-        traceback.print_exc()  # an unexpected error (an env raising in this process, say): its traceback matters
+    except Exception as e:
+        # An unexpected error: its traceback matters, less the note of where the model went, said once below.
+        trace = traceback.TracebackException.from_exception(e)
+        trace.__notes__ = None
+        print("".join(trace.format()), end="", file=sys.stderr)
         _remove_if_never_trained(run, new=args.resume is None, started=started)
+        print_error(named(e))
         print_error(_saved_note(run, started))
         return 1
     assert run is not None

@@ -11,6 +11,7 @@ import pickle
 import signal
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -21,7 +22,7 @@ import gymnasium as gym
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
-from sb3_gpu.common.errors import ConfigError, EnvWorkerError
+from sb3_gpu.common.errors import ConfigError, EnvWorkerError, named
 from sb3_gpu.common.io import make_dir
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
@@ -279,8 +280,15 @@ def _seed(venv: VecEnv, seed: int | None) -> None:
 
 
 def explain_env_error(error: BaseException, venv: VecEnv) -> BaseException:
-    """Name the env behind a closed pipe: SB3's SubprocVecEnv only reports EOFError when a worker dies."""
+    """Name the env behind an error: the one of a DummyVecEnv whose own step or reset raised (an
+    :class:`EnvWorkerError` caused by the env's exception), or the worker behind a closed pipe (SB3's SubprocVecEnv
+    only reports EOFError when a worker dies)."""
     base = venv.unwrapped
+    if isinstance(base, DummyVecEnv) and (index := _raising_env(error, base)) is not None:
+        trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        failed = EnvWorkerError(f"env {index} raised {named(error)}", env_index=index, worker_traceback=trace)
+        failed.__cause__ = error
+        return failed
     if not isinstance(error, (EOFError, ConnectionError)) or not isinstance(base, SubprocVecEnv):
         return error
     # The pipe closes a moment before the worker exits, which on a loaded machine can take seconds: wait for the
@@ -297,6 +305,18 @@ def explain_env_error(error: BaseException, venv: VecEnv) -> BaseException:
         if time.monotonic() > deadline:
             return error
         time.sleep(0.05)
+
+
+def _raising_env(error: BaseException, base: DummyVecEnv) -> int | None:
+    """The index of ``base``'s env whose step or reset raised ``error`` (found in the traceback, at DummyVecEnv's loop
+    over its envs), or None where the error came from elsewhere, SB3's own bookkeeping included."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        local = tb.tb_frame.f_locals
+        if tb.tb_frame.f_code.co_name in ("step_wait", "reset") and local.get("self") is base and "env_idx" in local:
+            return int(local["env_idx"]) if tb.tb_next.tb_frame.f_locals.get("self") is not base else None
+        tb = tb.tb_next
+    return None
 
 
 def close_vec_envs(*venvs: VecEnv | None) -> None:

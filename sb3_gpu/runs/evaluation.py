@@ -158,7 +158,11 @@ class TimedEvalCallback(EvalCallback):
         self.stopped = False  # an evaluation was abandoned: last_mean_reward is not its result
 
     def _init_callback(self) -> None:
-        super()._init_callback()
+        with warnings.catch_warnings():
+            # SB3 warns where the two classes differ; here they do by design (an in-process eval env beside worker
+            # processes, or EnvPool's), and its wrappers (VecNormalize's statistics, frame stacking) are matched.
+            warnings.filterwarnings("ignore", "Training and eval env are not of the same type", UserWarning)
+            super()._init_callback()
         calls_from_the_models_steps(self)
         if self.on_new_best is not None:
             self.on_new_best.init_callback(self.model)

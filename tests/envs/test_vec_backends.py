@@ -14,11 +14,12 @@ import numpy as np
 import psutil
 import pytest
 from stable_baselines3.common.monitor import Monitor
-from stable_baselines3.common.vec_env import DummyVecEnv
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from sb3_gpu import make_model, make_vec_env
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv
+from sb3_gpu.envs.build import explain_env_error
 from sb3_gpu.envs.choice import VecEnvFallbackWarning
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv, envpool_available
 from tests.conftest import REPO
@@ -65,6 +66,29 @@ class FailingFactory:
     def __call__(self) -> gym.Env:
         env = gym.make("CartPole-v1")
         return FailsAtStep(env, 5) if self.fail else env
+
+
+class WrongShape(gym.ObservationWrapper):
+    def observation(self, observation):
+        return np.zeros(7, dtype=np.float32)  # the space says 4: SB3's DummyVecEnv fails storing it, not the env
+
+
+def test_an_in_process_env_that_raises_is_named_with_its_own_exception_as_the_cause():
+    venv = VecNormalize(DummyVecEnv([FailingFactory(i == 2) for i in range(3)]))
+    venv.reset()
+    with pytest.raises(ValueError) as info:
+        for _ in range(10):
+            venv.step(np.zeros(3, dtype=int))
+    named = explain_env_error(info.value, venv)
+    assert isinstance(named, EnvWorkerError) and named.env_index == 2
+    assert str(named) == "env 2 raised ValueError: simulator diverged at step 5"
+    assert named.__cause__ is info.value and "in step" in named.worker_traceback
+    # An error SB3's loop raises itself is left as it is: the env did not raise it.
+    bad = DummyVecEnv([lambda: WrongShape(gym.make("CartPole-v1"))])
+    with pytest.raises(ValueError) as info:
+        bad.reset()
+    assert explain_env_error(info.value, bad) is info.value
+    assert explain_env_error(RuntimeError("elsewhere"), venv).args == ("elsewhere",)
 
 
 def assert_same_step(ours, theirs):

@@ -4,11 +4,14 @@ episodes confirm it, and only a confirmed mean above the best's own replaces bes
 from __future__ import annotations
 
 import json
+import warnings
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from stable_baselines3 import PPO
-from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
+from stable_baselines3.common.vec_env import DummyVecEnv
 
 from sb3_gpu.common.io import atomic_write_bytes
 from sb3_gpu.envs.build import make_vec_env
@@ -414,3 +417,18 @@ def test_waiting_for_training_at_an_evaluation_is_training_time_not_evaluation_t
     monkeypatch.setattr(evaluation, "evaluate", timed_confirm)
     evaluator, _, _ = _learn(tmp_path, 3, confirm_episodes=6)
     assert clock[0] == 3 * 100.0 + 1.0 and evaluator.seconds == 1.0
+
+
+def test_an_in_process_eval_env_beside_another_vec_env_class_raises_no_warning_of_sb3s():
+    class InProcess(DummyVecEnv):  # SB3 warns where the training env is no instance of the eval env's class
+        pass
+
+    model = PPO("MlpPolicy", DummyVecEnv([lambda: gym.make("CartPole-v1")] * 2), n_steps=16, batch_size=32, device="cpu")
+    callback = TimedEvalCallback(InProcess([lambda: gym.make("CartPole-v1")]), eval_freq=10_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.init_callback(model)
+    with warnings.catch_warnings(record=True) as caught:  # SB3's own callback warns for the same pair
+        warnings.simplefilter("always")
+        EvalCallback(InProcess([lambda: gym.make("CartPole-v1")])).init_callback(model)
+    assert any("not of the same type" in str(w.message) for w in caught)
