@@ -330,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     console=console,
                 )
             else:
+                if args.run_dir is not None:  # before the plan, whose probe may take a minute
+                    RunDir.check_new(args.run_dir)
                 options = run_options(args)  # first: the plan's probe may compile for a minute
                 plan = plan_from_args(args)
                 console.print(plan_table(plan))

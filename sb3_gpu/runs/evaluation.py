@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import time
 import warnings
 from collections.abc import Callable
@@ -377,6 +378,10 @@ def evaluate_run(
     result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}
     try:
         model = load_plan_model(plan, model_path, venv)
+        # SB3's load seeds the model's generators and its env with the seed the run trained with, so the episodes
+        # would be the training env's first ones, whatever seed was asked for: seed them again, as the evaluation asks
+        # (or from the OS where it asks for none).
+        model.set_random_seed(plan.seed + EVAL_SEED_OFFSET if plan.seed is not None else secrets.randbits(31))
         result["mean"], result["std"] = evaluate(model, venv, episodes, deterministic, should_stop)
         if video:
             recorded = record_video(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import companion_of, make_dir, open_no_follow, refuse_links
+from sb3_gpu.common.io import check_dir_creatable, companion_of, make_dir, open_no_follow, refuse_links
 
 
 @dataclass(frozen=True)
@@ -176,10 +176,7 @@ class RunDir:
     def create(cls, requested: str | Path | None, algo: str, env_name: str) -> RunDir:
         """A new run dir: ``requested``, which must not exist, or ``runs/ALGO-ENV-TIMESTAMP``. Never one in use."""
         if requested is not None:
-            path = Path(requested)
-            if path.exists() or path.is_symlink():
-                raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
-            return cls(make_dir(path, "run dir", exist_ok=False))
+            return cls(make_dir(cls.check_new(requested), "run dir", exist_ok=False))
         env = re.sub(r"[^A-Za-z0-9_.-]+", "_", env_name)
         base = Path("runs") / f"{algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
         for i in range(1, 1000):
@@ -189,6 +186,15 @@ class RunDir:
             except FileExistsError:
                 continue
         raise ConfigError(f"could not find a free run dir name beside {base}")  # pragma: no cover
+
+    @staticmethod
+    def check_new(requested: str | Path) -> Path:
+        """Refuse, before any planning, a requested run dir that :meth:`create` would refuse: one that exists, or one
+        that cannot be made."""
+        path = Path(requested)
+        if path.exists() or path.is_symlink():
+            raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
+        return check_dir_creatable(path, "run dir")
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

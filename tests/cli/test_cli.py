@@ -115,6 +115,8 @@ BAD_INPUTS = [
     (["ppo", "--set", "net_arch=&a [64, *a]"], "a YAML alias refers to itself"),
     (["--config", "{missing}/config.yaml"], "config file not found"),
     (["ppo", "--run-dir", "{existing}"], "already exists"),
+    (["ppo", "--run-dir", "{existing}", "--plan"], "already exists"),
+    (["ppo", "--run-dir", "{a_file}/run"], "is in the way (not a folder)"),
     ([], "give an algorithm"),
     (["ppo", "--per"], "'per' is for off-policy algorithms (dqn, qrdqn); ppo is on-policy"),
     (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
@@ -262,6 +264,16 @@ def bad_files(tmp_path, finished_run):
     (paths["dqn_config"] / "config.yaml").write_text("algo: dqn\nenv: CartPole-v1\nhyperparameters: {}\n")
     paths["other_env"] = _variant(finished_run, tmp_path / "other_env", env=("Acrobot-v1", {}))  # 6 inputs, not 4
     return paths
+
+
+def test_a_run_dir_that_cannot_be_the_new_runs_is_refused_before_the_plan(tmp_path, monkeypatch, call_main):
+    def no_plan(*args, **kwargs):
+        raise AssertionError("planned")
+
+    monkeypatch.setattr("sb3_gpu.train.plan_from_args", no_plan)
+    result = call_main(train_main, "ppo", "--run-dir", str(tmp_path))
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr == f"error: run dir {tmp_path} already exists; choose a new --run-dir (runs are never overwritten)\n"
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) or "no-args" for a, _ in BAD_INPUTS])

@@ -432,3 +432,30 @@ def test_an_in_process_eval_env_beside_another_vec_env_class_raises_no_warning_o
         warnings.simplefilter("always")
         EvalCallback(InProcess([lambda: gym.make("CartPole-v1")])).init_callback(model)
     assert any("not of the same type" in str(w.message) for w in caught)
+
+
+def test_evaluate_run_plays_the_episodes_of_the_seed_it_is_given_not_those_of_the_training_run(tmp_path, monkeypatch):
+    from sb3_gpu.planning.build import build_env
+    from sb3_gpu.planning.plan import make_plan
+
+    tiny = {"n_envs": 1, "n_steps": 32, "batch_size": 32, "n_epochs": 1, "n_timesteps": 32, "probe": False}
+    training.train_run(make_plan("ppo", "CartPole-v1", "cpu", seed=3, overrides=tiny), tmp_path / "run", progress=False)
+    firsts: list[np.ndarray] = []
+
+    def first_observations(model, venv, *args):
+        firsts.append(venv.reset())
+        return 0.0, 0.0
+
+    monkeypatch.setattr(evaluation, "evaluate", first_observations)
+    for seed in (5, 6, 5, None, None):
+        evaluation.evaluate_run(tmp_path / "run", episodes=4, seed=seed, which="final")
+
+    def built(seed):  # the evaluation env as built for that seed, before any model is loaded
+        env = build_env(make_plan("ppo", "CartPole-v1", "cpu", seed=seed, overrides=tiny), evaluation=True, n_envs=4)
+        return env.reset()
+
+    assert np.array_equal(firsts[0], built(5)) and np.array_equal(firsts[1], built(6))
+    assert np.array_equal(firsts[0], firsts[2]) and not np.array_equal(firsts[0], firsts[1])
+    assert not np.array_equal(firsts[3], firsts[4])  # no seed: fresh episodes each time, not the training seed's
+    trained = build_env(make_plan("ppo", "CartPole-v1", "cpu", seed=3, overrides=tiny)).reset()  # its first episode
+    assert not any(np.array_equal(first[0], trained[0]) for first in firsts)
