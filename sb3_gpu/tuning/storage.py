@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 import urllib.parse
@@ -28,32 +29,36 @@ def import_optuna() -> Any:
 _SECRET_KEYS = ("password", "passwd", "pwd", "passfile", "sslpassword", "token", "secret")
 
 
-def _secrets(url: str) -> list[str]:
-    """The password and the secret query values of a database URL, as they appear in it."""
+def _secrets(url: str) -> list[tuple[str | None, str]]:
+    """The password (key None) and the secret query values (key: their name) of a database URL, as they appear in it."""
     try:
         from sqlalchemy.engine import make_url
 
         parsed = make_url(url)
     except Exception:  # not a database URL (a journal file's path, a typo): nothing in it is a secret
         return []
-    found = [parsed.password] if parsed.password else []
+    found: list[tuple[str | None, str]] = [(None, str(parsed.password))] if parsed.password else []
     for key, value in parsed.query.items():
         if any(secret in key.lower() for secret in _SECRET_KEYS):
-            found += [value] if isinstance(value, str) else list(value)
-    return [str(secret) for secret in found if secret]
+            found += [(key, str(v)) for v in ([value] if isinstance(value, str) else value) if v]
+    return found
 
 
 def mask_url(url: str, text: str | None = None) -> str:
     """``text`` (by default the URL itself) with the URL's password and secret query values replaced by ``***``.
 
     The URL is parsed by SQLAlchemy, as optuna's storage parses it, so a password holding ``/`` or ``@``, an empty
-    user name or ``?password=`` are all found; every occurrence of each secret in ``text`` is masked.
+    user name or ``?password=`` are all found. A secret is masked where it stands as one (``user:SECRET@``,
+    ``password=SECRET``, as written or percent-encoded), never inside other words: masking every occurrence of a short
+    password would garble a driver's message and show where the password's letters fall.
     """
     text = url if text is None else text
-    for secret in sorted(_secrets(url), key=len, reverse=True):
-        text = text.replace(secret, "***")
-        quoted = urllib.parse.quote(secret, safe="")
-        text = text.replace(quoted, "***") if quoted != secret else text
+    for key, secret in sorted(_secrets(url), key=lambda found: len(found[1]), reverse=True):
+        for form in dict.fromkeys((secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret))):
+            if key is None:
+                text = re.sub(rf"(://[^:/@\s]*:){re.escape(form)}@", r"\1***@", text)
+            names = "|".join(re.escape(name) for name in dict.fromkeys((key or "password", "password")))
+            text = re.sub(rf"""(\b(?:{names})\s*=\s*['"]?){re.escape(form)}(?=['"&\s;,)]|$)""", r"\1***", text)
     return text
 
 

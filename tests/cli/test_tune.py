@@ -775,3 +775,19 @@ def test_trials_of_dead_workers_on_this_host_are_failed():
     assert tuning_storage.fail_dead_local_trials(study) == 1
     states = {t.number: t.state for t in study.trials}
     assert states == {dead.number: optuna.trial.TrialState.FAIL, alive.number: optuna.trial.TrialState.RUNNING}
+
+
+def test_a_storage_secret_is_masked_where_it_stands_never_inside_other_words():
+    from sb3_gpu.tuning.storage import mask_url
+
+    url = "postgresql://postgres:p@127.0.0.1:1/optuna"
+    driver = f'cannot open storage {url} (psycopg2.OperationalError) connection to server at "127.0.0.1", port 1 failed'
+    assert mask_url(url) == "postgresql://postgres:***@127.0.0.1:1/optuna"
+    assert mask_url(url, driver) == driver.replace(":p@", ":***@")  # "psycopg2", "port" and "postgres" kept whole
+    same = "postgresql://postgres:postgres@db/optuna"
+    assert mask_url(same, f"{same}: password=postgres for user postgres") == (
+        "postgresql://postgres:***@db/optuna: password=*** for user postgres"
+    )
+    encoded = "postgresql://tuner:a%40b%2Fc@db/optuna?sslpassword=k3y&sslmode=require"
+    assert mask_url(encoded) == "postgresql://tuner:***@db/optuna?sslpassword=***&sslmode=require"
+    assert mask_url(encoded, "dsn: password='a@b/c' sslpassword=k3y") == "dsn: password='***' sslpassword=***"
