@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -373,9 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except Exception as e:
         # An unexpected error: its traceback matters, less the note of where the model went, said once below.
-        trace = traceback.TracebackException.from_exception(e)
-        trace.__notes__ = None
-        print("".join(trace.format()), end="", file=sys.stderr)
+        saved = _saved_note(run, started)
+        with contextlib.suppress(AttributeError):
+            e.__notes__ = [note for note in e.__notes__ if note != saved]  # type: ignore[attr-defined]
+        traceback.print_exception(e)
         _remove_if_never_trained(run, new=args.resume is None, started=started)
         print_error(named(e))
         print_error(_saved_note(run, started))

@@ -12,6 +12,8 @@ import pytest
 
 from sb3_gpu import (
     ConfigError,
+    ReturnFreeMemory,
+    ThroughputCallback,
     build_env,
     build_model,
     choose_device,
@@ -110,6 +112,8 @@ CASES = [
     (lambda: build_env("ppo"), "build_env takes a Plan from make_plan(...), got 'ppo'"),
     (lambda: build_model(_plan(), None), "build_model needs the VecEnv that build_env(plan) makes, got None"),
     (lambda: train_run("ppo", "run"), "train_run takes a Plan from make_plan(...), got 'ppo'"),
+    (lambda: train_run(_plan(), 5), "run dir: expected a folder path, got 5"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", preset=123), "preset: expected a preset file's path or zoo:ALGO, got 123"),
     (lambda: train_run(_plan(), "run", report_s="30"), "report_s must be a number of seconds > 0 or None, got '30'"),
     (lambda: train_run(_plan(), "run", report_s=0), "report_s must be a number of seconds > 0 or None, got 0"),
     (lambda: resume_run("run", timesteps="2048"), "timesteps (the new total) must be a positive int or None"),
@@ -121,6 +125,12 @@ CASES = [
     (lambda: evaluate_run("run", should_stop=True), "should_stop takes a callable"),
     (lambda: record_video("run/model.zip", "CartPole-v1", "v.mp4"), "record_video takes a loaded SB3 model"),
     (lambda: enable_amp("ppo", "bf16"), "enable_amp takes an SB3 model, got 'ppo'"),
+    (lambda: ThroughputCallback(window_s=-1), "window_s must be a finite number of seconds > 0, got -1"),
+    (lambda: ThroughputCallback(window_s=float("nan")), "window_s must be a finite number of seconds > 0, got nan"),
+    (lambda: ThroughputCallback(warmup_s=-3), "warmup_s must be a finite number of seconds >= 0, got -3"),
+    (lambda: ThroughputCallback(record_s="1"), "record_s must be a finite number of seconds >= 0, got '1'"),
+    (lambda: ThroughputCallback(report_s=-5), "report_s must be a finite number of seconds >= 0, got -5"),
+    (lambda: ReturnFreeMemory(every_s=0), "every_s must be a finite number of seconds > 0, got 0"),
 ]
 
 

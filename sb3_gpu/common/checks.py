@@ -146,6 +146,19 @@ def seconds_arg(value: Any, name: str) -> float | None:
     return float(value)
 
 
+def duration_arg(value: Any, name: str, zero: bool = False) -> float:
+    """A duration in seconds: a finite number > 0 (``zero``: >= 0)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+        or float(value) < 0
+        or (float(value) == 0 and not zero)
+    ):
+        raise ConfigError(f"{name} must be a finite number of seconds {'>=' if zero else '>'} 0, got {value!r}")
+    return float(value)
+
+
 def _whole(value: Any) -> int | None:
     """An int (numpy's too) as a Python int; None for anything else, a bool or a float included."""
     return None if isinstance(value, bool) or not isinstance(value, numbers.Integral) else int(value)

@@ -136,6 +136,8 @@ def check_dir_creatable(path: str | Path, what: str) -> Path:
 
 def make_dir(path: str | Path, what: str, *, exist_ok: bool = True) -> Path:
     """``mkdir -p``, with a one-line error naming the folder and the cause (a file in the way, a read-only disk)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{what}: expected a folder path, got {path!r}")
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=exist_ok)

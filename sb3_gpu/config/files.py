@@ -3,6 +3,7 @@ refused), size and alias-bomb limits, and one-line errors."""
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ def presets_dir() -> Path:
 
 def read_yaml(path: Path | str, what: str = "preset file") -> Any:
     """Read a YAML file with ``safe_load`` (no python tags), refusing files over 1 MiB."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{what}: expected a file path, got {path!r}")
     path = Path(path)
     try:
         if path.stat().st_size > MAX_YAML_BYTES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -47,6 +48,8 @@ def load_preset_file(algo: Algo, path: Path | str | None = None) -> tuple[Mappin
     ``zoo:PATH.yml`` reads an rl-zoo3 hyperparameter file (:mod:`sb3_gpu.config.zoo`)."""
     if isinstance(path, str) and path.startswith("zoo:"):
         return load_zoo_file(algo, path.removeprefix("zoo:"))
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"preset: expected a preset file's path or zoo:ALGO, got {path!r}")
     path = Path(path) if path is not None else presets_dir() / f"{algo.name}.yaml"
     data = read_yaml(path)
     if not isinstance(data, Mapping) or not data:

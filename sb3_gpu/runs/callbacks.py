@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.utils import safe_mean
 
+from sb3_gpu.common.checks import duration_arg
 from sb3_gpu.common.errors import StopNow, TrainingDiverged
 from sb3_gpu.common.io import save_pickle
 from sb3_gpu.common.memory import return_free_memory
@@ -181,7 +182,7 @@ class ReturnFreeMemory(BaseCallback):
 
     def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic, verbose: int = 0):
         super().__init__(verbose)
-        self.every_s, self.clock = every_s, clock
+        self.every_s, self.clock = duration_arg(every_s, "every_s"), clock
         self.returned = 0  # calls that gave pages back
         self._due = 0.0
 

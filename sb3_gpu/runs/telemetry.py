@@ -22,6 +22,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import TensorBoardOutputFormat
 from stable_baselines3.common.vec_env import VecEnv
 
+from sb3_gpu.common.checks import duration_arg
 from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_steps
 from sb3_gpu.runs.evaluation import TimedEvalCallback
 
@@ -156,6 +157,9 @@ class ThroughputCallback(BaseCallback):
         verbose: int = 0,
     ):
         super().__init__(verbose)
+        window_s, warmup_s = duration_arg(window_s, "window_s"), duration_arg(warmup_s, "warmup_s", zero=True)
+        record_s = duration_arg(record_s, "record_s", zero=True)
+        report_s = None if report_s is None else duration_arg(report_s, "report_s", zero=True)
         self.dashboard, self.eval_callback, self.record_s = dashboard, eval_callback, record_s
         self._next_record = 0.0
         self.window = Window(window_s)

@@ -1268,3 +1268,29 @@ def test_a_zip_whose_data_inflates_past_the_cap_is_refused_before_it_is_read(tmp
         archive.writestr("data", b" " * (20 << 20))  # 20 MiB of spaces: a few kilobytes compressed
     with pytest.raises(ConfigError, match="its 'data' member inflates past 16 MiB"):
         read_zip_data(tmp_path / "bomb.zip")
+
+
+def test_an_unexpected_error_mid_run_prints_its_traceback_its_name_and_the_save_once(tmp_path, monkeypatch, call_main):
+    from stable_baselines3 import PPO
+
+    calls = []
+    real_train = PPO.train
+
+    def fails_the_second_time(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("kaput")
+        real_train(self)
+
+    monkeypatch.setattr(PPO, "train", fails_the_second_time)
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--vec-env", "dummy", "--n-envs", "1", "--set", "n_steps=32", "--set", "batch_size=32"]
+    args += ["--set", "probe=false"]
+    args += ["--timesteps", "256", "--eval-freq", "1000", "--no-progress", "--run-dir", str(run_dir)]
+    result = call_main(train_main, *args)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "in fails_the_second_time" in result.stderr
+    tail = result.stderr.strip().splitlines()[-2:]
+    assert tail[0] == "error: RuntimeError: kaput", result.stderr
+    assert tail[1].startswith(f"error: model saved to {run_dir / 'model.zip'} at 64 timesteps"), result.stderr
+    assert result.stderr.count("model saved to") == 1, result.stderr
