@@ -267,8 +267,11 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.common.hardware import detect_hardware
     from sb3_gpu.envs.spec import probe_env, resolve_env
 
-    if not (math.isfinite(args.seconds) and args.seconds > 0) or args.startup_workers < 0:
-        print_error(f"--seconds must be a finite number > 0 (got {args.seconds}) and --startup-workers >= 0")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        print_error(f"--seconds must be a finite number > 0, got {args.seconds}")
+        return 2
+    if args.startup_workers < 0:
+        print_error(f"--startup-workers must be >= 0 (0: no startup timing), got {args.startup_workers}")
         return 2
     most = max(args.startup_workers, *args.n_envs)
     if most > MAX_BENCH_PROCESSES:  # each subprocess env is a process: a typo must not fork thousands

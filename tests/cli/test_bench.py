@@ -515,8 +515,9 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
             ["step", "--cases", "dqn:CartPole-v1", "--buffer-size", "10"],
             "--cases: batch_size (64) is more than buffer_size (10)",
         ),
-        (["envs", "--envs", "CartPole-v1", "--seconds", "nan"], "--seconds must be a finite number > 0 (got nan)"),
-        (["envs", "--envs", "CartPole-v1", "--seconds", "inf"], "--seconds must be a finite number > 0 (got inf)"),
+        (["envs", "--envs", "CartPole-v1", "--seconds", "nan"], "--seconds must be a finite number > 0, got nan"),
+        (["envs", "--envs", "CartPole-v1", "--seconds", "inf"], "--seconds must be a finite number > 0, got inf"),
+        (["envs", "--envs", "CartPole-v1", "--startup-workers", "-1"], "--startup-workers must be >= 0 (0: no startup"),
         (["envs", "--envs", "CartPole-v1", "--out", "{file}"], "cannot create --out folder {file}: {file} is in the way"),
         (["solve", "--out", "{file}/sub"], "cannot create --out folder {file}/sub: {file} is in the way"),
         (["auto", "--compete", "100000"], "--compete: expected a count from 0 to 1024, got 100000"),  # busy processes
