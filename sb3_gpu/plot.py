@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,10 +22,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         default = RunDir(args.run_dirs[0]).curves if len(args.run_dirs) == 1 else Path("curves.png")
         out = default if args.out is None else Path(args.out)
-        path = plot_runs(args.run_dirs, out)
-        for run_dir in args.run_dirs:
-            if not len(load_curves(run_dir)["returns"]):
-                print(f"note: {run_dir} has no finished episode yet; its curves are empty")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path = plot_runs(args.run_dirs, out)
+            empty = [run_dir for run_dir in args.run_dirs if not len(load_curves(run_dir)["returns"])]
+        for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, UserWarning)):
+            print(f"warning: {message}", file=sys.stderr)
+        for run_dir in empty:
+            print(f"note: {run_dir} has no finished episode yet; its curves are empty")
     except ConfigError as e:
         print_error(str(e))
         return 2

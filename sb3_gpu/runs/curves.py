@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import atomic_write_bytes, check_dir_creatable
 from sb3_gpu.runs.rundir import RunDir
 
@@ -62,8 +63,9 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
         try:
             with np.load(evaluations) as ev:
                 curves["eval_steps"], curves["eval_returns"] = ev["timesteps"], ev["results"].mean(axis=1)
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # written by SB3 while we read it
-            pass
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            # Runs write it whole (renamed into place), so a file that cannot be read is damaged: the curves go on.
+            warnings.warn(f"cannot read {evaluations} ({named(e)}); the evaluations are left out", stacklevel=2)
     return curves
 
 
@@ -75,6 +77,8 @@ def _read_monitor(path: Path, rows: list[tuple[float, float, float]]) -> float:
     """
     with path.open(encoding="utf-8") as f:
         header = f.readline()  # #{"t_start": ..., "env_id": ...}: episode times count from t_start
+        if header and not header.startswith("#"):
+            raise ValueError(f"line 1 is {header.strip()[:40]!r}, not a Monitor header")
         start = float(json.loads(header[1:]).get("t_start", 0.0)) if header.startswith("#{") else 0.0
         columns = f.readline()
         if columns and not columns.startswith("r,l,t"):

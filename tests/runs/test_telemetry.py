@@ -182,6 +182,11 @@ def test_plot_cli_draws_several_runs_and_refuses_non_runs(tmp_path):
             "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (ValueError: line 4 is 'garbage', not an episode",
         ),
         (b"#{}\nx,y\n1,2,3\n", None, "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (ValueError: line 2 is"),
+        (
+            b"garbage",
+            None,
+            "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (ValueError: line 1 is 'garbage', not a",
+        ),
         (b"#{}\nr,l,t\n1,2,3\n", "a.png", "cannot write the plot to a.png: it is a folder"),
         (b"#{}\nr,l,t\n1,2,3\n", "file/x.png", "cannot create the plot's folder file: file is in the way (not a folder)"),
     ],
@@ -204,6 +209,18 @@ def test_plot_says_when_a_run_has_no_finished_episode(tmp_path):
     result = run_cli("sb3_gpu.plot", "run", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "note: run has no finished episode yet; its curves are empty" in result.stdout
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_warns_of_a_damaged_evaluations_file_and_draws_the_rest(tmp_path):
+    (tmp_path / "run" / "monitor").mkdir(parents=True)
+    (tmp_path / "run" / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n1,2,3\n4,5,6\n')
+    (tmp_path / "run" / "eval").mkdir()
+    (tmp_path / "run" / "eval" / "evaluations.npz").write_bytes(b"PK\x03\x04 cut short")
+    result = run_cli("sb3_gpu.plot", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("warning: cannot read run/eval/evaluations.npz (BadZipFile: "), result.stderr
+    assert result.stderr.strip().endswith("the evaluations are left out") and result.stderr.count("\n") == 1
     assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
