@@ -163,10 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "out", None) is not None:
             check_dir_creatable(args.out, "--out folder")  # before the work: an hour's results must have a place
-        seeds = getattr(args, "seeds", None) or []
-        if len(set(seeds)) < len(seeds):  # a seed twice would count one run twice in the medians
-            repeated = sorted({s for s in seeds if seeds.count(s) > 1})
-            raise ConfigError(f"--seeds names {', '.join(map(str, repeated))} more than once; give each seed once")
+        for flag in ("seeds", "algos", "envs", "per", "amp"):  # one twice would run a case twice, counted twice
+            given = getattr(args, flag, None) or []
+            if len(set(given)) < len(given):
+                repeated = sorted({str(v) for v in given if given.count(v) > 1})
+                raise ConfigError(f"--{flag} names {', '.join(repeated)} more than once; give each once")
         if args.command == "envs":
             return _main_envs(args, command)
         if args.command == "train":

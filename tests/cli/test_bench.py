@@ -178,6 +178,12 @@ def test_bench_train_refuses_a_seed_twice_and_evaluations_the_two_sides_would_ta
     assert "--seeds names 0 more than once" in err
     assert bench.main(["solve", "--seeds", "3", "3"]) == 2
     assert "--seeds names 3 more than once" in capsys.readouterr().err
+    for args, named in (
+        (["--algos", "ppo", "ppo"], "--algos names ppo"),
+        (["--envs", "Acrobot-v1", "Acrobot-v1"], "--envs names"),
+    ):
+        assert bench.main(["solve", *args]) == 2  # each case trained twice, and counted twice in the table
+        assert f"{named}" in capsys.readouterr().err
     # DQN's CartPole preset steps 8 envs, rl-zoo3's 1: every 500 env steps is 496 for one side and 500 for the other.
     args = ["train", "--algo", "dqn", "--seeds", "0", "--threshold", "30", "--max-timesteps", "2048", "--eval-freq", "500"]
     assert bench.main(args) == 2
