@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -27,11 +28,26 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if args is None:  # the command line of a program run, not a call from Python: its warnings read as its messages
+            plain_warnings()
+        return super().parse_args(args, namespace)
+
     def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
         # An empty value (`--env ""`, a shell variable left unset) would read as "not given" and fall back to a default.
         if arg_string == "" and not isinstance(action, argparse._SubParsersAction):  # a subcommand's parser checks its own
             raise argparse.ArgumentError(action, "expected a value, got an empty string")
         return super()._get_value(action, arg_string)
+
+
+def plain_warnings() -> None:
+    """Print each warning as one ``warning: ...`` line, as the commands print their other messages (Python's own form
+    is the file and line of the code that warned, then that line of code)."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None):
+        print(f"warning: {message}", file=file if file is not None else sys.stderr, flush=True)
+
+    warnings.showwarning = show
 
 
 def _finite(text: str, what: str) -> float:

@@ -78,3 +78,19 @@ def test_an_empty_value_is_refused_not_read_as_not_given(module, args, option, c
     out = call_main(main, *args)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert f"error: argument {option}: expected a value, got an empty string" in out.stderr
+
+
+def test_a_program_run_prints_warnings_as_one_line_each_and_a_call_from_python_leaves_them_alone(capsys, monkeypatch):
+    import warnings
+
+    from sb3_gpu.common.cli import Parser
+
+    with warnings.catch_warnings():
+        before = warnings.showwarning
+        Parser(prog="x").parse_args([])  # main(argv) called from Python: its caller's warnings stay as they were
+        assert warnings.showwarning is before
+        monkeypatch.setattr(sys, "argv", ["x"])
+        Parser(prog="x").parse_args()  # the program's own command line
+        warnings.simplefilter("always")
+        warnings.warn("batch_size 512 is more than one rollout", UserWarning, stacklevel=1)
+    assert capsys.readouterr().err == "warning: batch_size 512 is more than one rollout\n"
