@@ -338,7 +338,7 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
 
 def _main_gpu(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.base import machine_line, write_results
-    from sb3_gpu.benches.gpu import bench_sample, bench_training, gpu_markdown
+    from sb3_gpu.benches.gpu import bench_sample, bench_training, check_cases, gpu_markdown
 
     device = _device(args.device)
     if device is None:
@@ -346,11 +346,14 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
     on_gpu = device.startswith("cuda")
     capacity = args.capacity or (100_000 if on_gpu else 10_000)
     _check_batch("--batch", args.batch, capacity)
-    print(machine_line())
-    sample = bench_sample(device, capacity, args.batch, max(args.repeats, 5) * 4)
+    if args.dqn_profiles and "dqn" not in args.algos:
+        raise ConfigError(f"--dqn-profiles {' '.join(args.dqn_profiles)}: they are DQN's, and --algos has no dqn")
     envs = args.envs or (["ALE/Pong-v5"] if on_gpu else ["CartPole-v1"])
     profiles = args.dqn_profiles or (["auto", "large"] if on_gpu else ["auto"])
     cases = [(algo, env, p) for env in envs for algo in args.algos for p in (profiles if algo == "dqn" else ["auto"])]
+    check_cases(cases, device)
+    print(machine_line())
+    sample = bench_sample(device, capacity, args.batch, max(args.repeats, 5) * 4)
     try:
         steps = args.steps or (50_000 if on_gpu else 10_000)
         training = bench_training(cases, device, steps, args.repeats, zoo=not args.no_zoo)
@@ -369,6 +372,7 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.base import machine_line, write_results
     from sb3_gpu.common.checks import ALGO_NAMES
     from sb3_gpu.config.schema import PROFILES
+    from sb3_gpu.planning.plan import make_plan
 
     cases = default_cases()
     if args.cases:
@@ -386,6 +390,8 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
     if args.compete > MAX_BENCH_PROCESSES:  # each is a busy process: a typo must not fork thousands
         print_error(f"--compete: expected a count from 0 to {MAX_BENCH_PROCESSES}, got {args.compete}")
         return 2
+    for algo, env in cases:  # a bad env fails here, in one line, before anything is printed or timed
+        make_plan(algo, env, "auto", training=False)
     machine = machine_line()  # before the runs set torch's thread count
     print(machine)
     try:

@@ -181,6 +181,13 @@ def _train_once(case: tuple[str, str, str], device: str, steps: int, overrides: 
         close_vec_envs(venv)
 
 
+def check_cases(cases: list[tuple[str, str, str]], device: str) -> None:
+    """Plan each (algo, env, profile) without training or timing anything: a bad env or profile fails here, in one
+    line, before the bench prints or measures anything."""
+    for algo, env, profile in cases:
+        make_plan(algo, env, device, profile=profile, training=False)
+
+
 def bench_training(
     cases: Sequence[tuple[str, str, str]], device: str, steps: int, repeats: int, zoo: bool = True
 ) -> list[dict[str, Any]]:

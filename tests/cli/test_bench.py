@@ -529,6 +529,10 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
         (["auto", "--compete", "100000"], "--compete: expected a count from 0 to 1024, got 100000"),  # busy processes
         (["per", "--batch-size", "512", "--capacities", "100", "1000"], "--batch-size 512 is above the 100 frames the"),
         (["gpu", "--device", "cpu", "--capacity", "500", "--batch", "1024"], "--batch 1,024 is above the 500 frames the"),
+        (["gpu", "--device", "cpu", "--envs", "NoSuch-v0"], "unknown env id 'NoSuch-v0'"),
+        (["gpu", "--device", "cpu", "--dqn-profiles", "huge"], "unknown profile 'huge'"),
+        (["gpu", "--device", "cpu", "--dqn-profiles", "gpu", "--algos", "ppo"], "--dqn-profiles gpu: they are DQN's, and"),
+        (["auto", "--cases", "ppo:NoSuch-v0"], "unknown env id 'NoSuch-v0'"),
     ],
 )
 def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, tmp_path, capsys, monkeypatch):
@@ -545,8 +549,9 @@ def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, t
     (tmp_path / "file").write_text("")
     monkeypatch.chdir(tmp_path)
     assert bench.main([a.format(file="file") for a in args]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.startswith("error: " + message.format(file="file")) and err.count("\n") == 1, err
+    assert out == "", out  # nothing printed before the refusal (the machine line, say)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no results folder made
 
 
