@@ -173,6 +173,11 @@ def test_a_ppo_batch_over_one_rollout_is_said_in_the_plans_words_once():
         "batch_size 256 (ppo.yaml:CartPole-v1) is more than one rollout (n_steps * n_envs = 32 * 1 = 32): each minibatch "
         "is the whole rollout; give batch_size=32 or less"
     ]
+    with pytest.warns(UserWarning) as caught:  # SB3's own words for it ("untruncated mini-batches") are not repeated
+        make_model("ppo", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", probe=False, batch_size=7)
+    assert [str(w.message) for w in caught] == [
+        "batch_size 7 (override) is not a factor of the rollout (n_steps * n_envs = 32): each epoch ends on a minibatch of 4"
+    ]
 
 
 def _cartpole_factory() -> gym.Env:

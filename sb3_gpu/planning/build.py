@@ -153,6 +153,13 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
             UserWarning,
             stacklevel=2,
         )
+    elif rollout is not None and rollout % params.batch_size:
+        warnings.warn(
+            f"batch_size {params.batch_size} ({preset.sources.get('batch_size', 'preset')}) is not a factor of the rollout "
+            f"(n_steps * n_envs = {rollout}): each epoch ends on a minibatch of {rollout % params.batch_size}",
+            UserWarning,
+            stacklevel=2,
+        )
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "You have specified a mini-batch size")  # SB3's word for the same

@@ -43,6 +43,8 @@ def plan_table(plan: Plan) -> Table:
             why, style = f"{why}; warning: not below n_timesteps ({plan.preset.n_timesteps:,}): no gradient step", "yellow"
         if key == "batch_size" and plan.algo == "ppo" and value > (rollout := values["n_steps"] * values["n_envs"]):
             why, style = f"{why}; warning: more than one rollout ({rollout:,}): each minibatch is the whole rollout", "yellow"
+        elif key == "batch_size" and plan.algo == "ppo" and (rest := values["n_steps"] * values["n_envs"] % value):
+            why, style = f"{why}; warning: not a factor of the rollout: each epoch ends on a minibatch of {rest:,}", "yellow"
         if key == "n_timesteps" and (trained := plan.preset.timesteps_trained) != value:
             why = f"{why}; trains {trained:,}: SB3 completes each rollout of n_steps * n_envs"
         elif key == "n_timesteps" and (freq := values.get("train_freq")) and isinstance(freq, list) and freq[1] == "episode":

@@ -166,6 +166,11 @@ def test_a_batch_larger_than_what_it_is_drawn_from_is_refused_or_flagged(cpu_mac
     i = [str(cell) for cell in table.columns[0].cells].index("batch_size")
     assert "warning: more than one rollout (64): each minibatch is the whole rollout" in str(list(table.columns[2].cells)[i])
     assert table.rows[i].style == "yellow"
+    # A batch that does not divide the rollout leaves a short minibatch at the end of each epoch: flagged too.
+    plan = make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"n_steps": 16, "n_envs": 4, "batch_size": 7})
+    table = plan_table(plan)
+    assert "warning: not a factor of the rollout: each epoch ends on a minibatch of 1" in str(list(table.columns[2].cells)[i])
+    assert table.rows[i].style == "yellow"
 
 
 def test_host_memory_bounds_a_replay_buffer_only_where_it_lives_on_the_host(cpu_machine, gpu_machine, monkeypatch):
