@@ -316,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.resume is not None:
                 run = RunDir(args.resume)
+                run.check_resumable()  # first: a flag that --resume refuses is beside the point for a missing run
                 _check_resume_flags(parser, args, run)
             from sb3_gpu.planning.table import plan_table
             from sb3_gpu.runs.training import resume_run

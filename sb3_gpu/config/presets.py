@@ -98,6 +98,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key or not key.isprintable() or any(c.isspace() for c in key):
         raise ConfigError(f"--set expects key=value (e.g. batch_size=128), got {text!r}")
+    if not raw.strip():  # YAML would read it as null: say so rather than report "got None"
+        raise ConfigError(f"--set {key}=: no value after '=' (give one, or {key}=null for none)")
     return key, parse_yaml(raw, f"--set {key}")
 
 

@@ -196,6 +196,15 @@ class RunDir:
             raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
         return check_dir_creatable(path, "run dir")
 
+    def check_resumable(self) -> None:
+        """Refuse, in one line, a ``--resume`` target that is no run dir: missing, a file, or without its config."""
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"--resume: {self} is a file; give the run dir that holds config.yaml")
+        if not self.path.is_dir():
+            raise ConfigError(f"--resume: no such run dir: {self}")
+        if not self.config.is_file():
+            raise ConfigError(f"--resume: {self} holds no config.yaml; is it a run dir written by sb3_gpu.train?")
+
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """One process per run dir: a second ``--resume`` of a running run would interleave their files. The lock

@@ -168,12 +168,7 @@ def resume_run(
     count_arg(timesteps, "timesteps (the new total)", optional=True)
     output = _Output(progress, console, report_s)
     run = RunDir(run_dir)
-    if run.path.exists() and not run.path.is_dir():
-        raise ConfigError(f"--resume: {run} is a file; give the run dir that holds config.yaml")
-    if not run.path.is_dir():
-        raise ConfigError(f"--resume: no such run dir: {run}")
-    if not run.config.is_file():
-        raise ConfigError(f"--resume: {run} holds no config.yaml; is it a run dir written by sb3_gpu.train?")
+    run.check_resumable()
     config = load_config(run.config)
     options = RunOptions.from_config(config.run, config.path)
     skipped: list[str] = []

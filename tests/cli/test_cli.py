@@ -105,6 +105,7 @@ BAD_INPUTS = [
     (["ppo", "--set", "bach_size=64"], "unknown key 'bach_size'; did you mean 'batch_size'"),
     (["ppo", "--set", "batch_size=lots"], "batch_size: expected an int >= 2, got 'lots'"),
     (["ppo", "--set", "batch_size"], "--set expects key=value"),
+    (["ppo", "--set", "batch_size="], "--set batch_size=: no value after '=' (give one, or batch_size=null for none)"),
     (["ppo", "--vec-env", "threads"], "argument --vec-env: invalid choice: 'threads'"),
     (["ppo", "--preset", "{bad_yaml}"], "not valid YAML"),
     (["ppo", "--preset", "{list_yaml}"], "must be a mapping of entries"),
@@ -135,6 +136,7 @@ BAD_INPUTS = [
     (["--resume", "{missing}"], "--resume: no such run dir"),
     (["--resume", "{done}/config.yaml"], "config.yaml is a file; give the run dir that holds config.yaml"),
     (["--resume", "{existing}"], "holds no config.yaml; is it a run dir written by sb3_gpu.train?"),
+    (["--resume", "{missing}", "--plan"], "--resume: no such run dir: "),  # what is wrong first, not the flag
     (["--resume", "{broken}"], "holds no readable model.zip or checkpoint to continue from"),
     (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps with a larger total"),
     (["--resume", "{done}", "--timesteps", "10"], "already trained 64 of 10 timesteps"),
