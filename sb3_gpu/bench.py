@@ -163,11 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "out", None) is not None:
             check_dir_creatable(args.out, "--out folder")  # before the work: an hour's results must have a place
-        for flag in ("seeds", "algos", "envs", "per", "amp"):  # one twice would run a case twice, counted twice
+        # One named twice would run a case twice, and count it twice.
+        for flag in ("seeds", "algos", "envs", "per", "amp", "dqn_profiles", "cases", "n_envs", "capacities"):
             given = getattr(args, flag, None) or []
             if len(set(given)) < len(given):
                 repeated = sorted({str(v) for v in given if given.count(v) > 1})
-                raise ConfigError(f"--{flag} names {', '.join(repeated)} more than once; give each once")
+                raise ConfigError(f"--{flag.replace('_', '-')} names {', '.join(repeated)} more than once; give each once")
         if args.command == "envs":
             return _main_envs(args, command)
         if args.command == "train":

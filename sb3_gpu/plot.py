@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.simplefilter("always")
             path = plot_runs(args.run_dirs, out)
             empty = [run_dir for run_dir in args.run_dirs if not len(load_curves(run_dir)["returns"])]
-        for message in dict.fromkeys(str(w.message) for w in caught if issubclass(w.category, UserWarning)):
+        for message in dict.fromkeys(str(w.message) for w in caught):
             print(f"warning: {message}", file=sys.stderr)
         for run_dir in empty:
             print(f"note: {run_dir} has no finished episode yet; its curves are empty")

@@ -130,7 +130,7 @@ CASES = [
     (lambda: ThroughputCallback(warmup_s=-3), "warmup_s must be a finite number of seconds >= 0, got -3"),
     (lambda: ThroughputCallback(record_s="1"), "record_s must be a finite number of seconds >= 0, got '1'"),
     (lambda: ThroughputCallback(report_s=-5), "report_s must be a finite number of seconds >= 0, got -5"),
-    (lambda: ReturnFreeMemory(every_s=0), "every_s must be a finite number of seconds > 0, got 0"),
+    (lambda: ReturnFreeMemory(every_s=-1), "every_s must be a finite number of seconds >= 0, got -1"),
 ]
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from sb3_gpu.benches.base import machine_key, preset_sha256, save_json
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import logical_cores
+from sb3_gpu.planning.build import offset_seed
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import BestModel, evaluate_run
 from sb3_gpu.runs.training import train_run
@@ -68,7 +69,7 @@ def solve_case(case: Case, episodes: int, threads: int | None = None) -> dict[st
         summary = train_run(plan, Path(tmp) / "run", eval_freq=case.eval_freq, progress=False, report_s=None)
         if summary.get("stopped_by") is not None:  # a signal stops the bench, not only this case's training
             raise KeyboardInterrupt(f"stopped by {summary['stopped_by']}")
-        fresh = evaluate_run(Path(tmp) / "run", episodes=episodes, seed=case.seed + FRESH_SEED_OFFSET)
+        fresh = evaluate_run(Path(tmp) / "run", episodes=episodes, seed=offset_seed(case.seed, FRESH_SEED_OFFSET))
     chosen = BestModel(**{k: v for k, v in summary["best"].items() if k != "chosen"}) if summary.get("best") else None
     mean, std, count = chosen.figure if chosen is not None else (None, None, None)
     return {

@@ -34,7 +34,7 @@ from sb3_gpu.benches.base import SB3_TORCH, machine_key, preset_sha256, save_jso
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.version import __version__
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
-from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model
+from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model, offset_seed
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import confirm_count, eval_envs
 from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, train_to_threshold
@@ -199,7 +199,7 @@ def train_once(
     model: BaseAlgorithm, env_id: str, max_timesteps: int, threshold: float, eval_freq: int, episodes: int, seed: int
 ) -> dict[str, Any]:
     """Train until the best, confirmed, deterministic eval mean reaches ``threshold``; evaluation time is kept apart."""
-    eval_env = make_vec_env(env_id, eval_envs(episodes), seed=seed + EVAL_SEED_OFFSET, vec_env="dummy")
+    eval_env = make_vec_env(env_id, eval_envs(episodes), seed=offset_seed(seed, EVAL_SEED_OFFSET), vec_env="dummy")
     try:
         run, _ = train_to_threshold(
             model,

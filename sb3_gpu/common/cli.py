@@ -45,7 +45,11 @@ def plain_warnings() -> None:
     is the file and line of the code that warned, then that line of code)."""
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None):
-        print(f"warning: {message}", file=file if file is not None else sys.stderr, flush=True)
+        target = file if file is not None else sys.stderr
+        if target is None:  # no stderr (pythonw, a detached daemon): as Python's own handler, drop it
+            return
+        with contextlib.suppress(OSError):  # a closed pipe must not turn a warning into an error mid-training
+            print(f"warning: {message}", file=target, flush=True)
 
     warnings.showwarning = show
 

@@ -314,7 +314,8 @@ def _raising_env(error: BaseException, base: DummyVecEnv) -> int | None:
     while tb is not None and tb.tb_next is not None:
         local = tb.tb_frame.f_locals
         if tb.tb_frame.f_code.co_name in ("step_wait", "reset") and local.get("self") is base and "env_idx" in local:
-            return int(local["env_idx"]) if tb.tb_next.tb_frame.f_locals.get("self") is not base else None
+            index = int(local["env_idx"])  # the env the loop was at; it raised only if the next call is its own
+            return index if tb.tb_next.tb_frame.f_locals.get("self") is base.envs[index] else None
         tb = tb.tb_next
     return None
 

@@ -28,12 +28,17 @@ from sb3_gpu.planning.speed import apply_speed
 EVAL_SEED_OFFSET = 10_000
 
 
+def offset_seed(seed: int | None, offset: int) -> int | None:
+    """``seed + offset``, wrapped into the seeds numpy takes (below 2**32): a seed near the top stays usable."""
+    return None if seed is None else (seed + offset) % 2**32
+
+
 def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None = None, evaluation: bool = False) -> VecEnv:
     """The plan's VecEnv (``evaluation=True``: dummy envs, one unless ``n_envs`` says, seeded apart, with frozen
     normalisation)."""
     _check_plan(plan, "build_env")
     preset = plan.preset
-    seed = None if plan.seed is None else plan.seed + (EVAL_SEED_OFFSET if evaluation else 0)
+    seed = offset_seed(plan.seed, EVAL_SEED_OFFSET if evaluation else 0)
     venv = make_vec_env(
         plan.env,
         n_envs if n_envs is not None else 1 if evaluation else preset.n_envs,

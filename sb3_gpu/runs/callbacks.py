@@ -182,7 +182,7 @@ class ReturnFreeMemory(BaseCallback):
 
     def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic, verbose: int = 0):
         super().__init__(verbose)
-        self.every_s, self.clock = duration_arg(every_s, "every_s"), clock
+        self.every_s, self.clock = duration_arg(every_s, "every_s", zero=True), clock
         self.returned = 0  # calls that gave pages back
         self._due = 0.0
 

@@ -27,7 +27,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import check_dir_creatable, keep_previous, put_back_cut_short, save_model, write_json
 from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.envs.spec import EnvSpec
-from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env
+from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, offset_seed
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import calls_from_the_models_steps, load_plan_model, load_vecnormalize, settle_training
@@ -380,8 +380,11 @@ def evaluate_run(
         model = load_plan_model(plan, model_path, venv)
         # SB3's load seeds the model's generators and its env with the seed the run trained with, so the episodes
         # would be the training env's first ones, whatever seed was asked for: seed them again, as the evaluation asks
-        # (or from the OS where it asks for none).
-        model.set_random_seed(plan.seed + EVAL_SEED_OFFSET if plan.seed is not None else secrets.randbits(31))
+        # (the process's generators too, as SB3's load did); asked for none, the env alone, from the OS.
+        if plan.seed is not None:
+            model.set_random_seed(offset_seed(plan.seed, EVAL_SEED_OFFSET))
+        else:
+            venv.seed(secrets.randbits(31))
         result["mean"], result["std"] = evaluate(model, venv, episodes, deterministic, should_stop)
         if video:
             recorded = record_video(
@@ -390,7 +393,7 @@ def evaluate_run(
                 run.path / "videos" / f"{model_path.stem}.mp4",
                 video_length=video_length,
                 deterministic=deterministic,
-                seed=None if plan.seed is None else plan.seed + EVAL_SEED_OFFSET,
+                seed=offset_seed(plan.seed, EVAL_SEED_OFFSET),
                 frame_stack=plan.preset.frame_stack,
                 max_episode_steps=plan.eval_step_cap,
                 normalization=venv if isinstance(venv, VecNormalize) else None,

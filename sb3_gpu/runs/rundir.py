@@ -191,6 +191,8 @@ class RunDir:
     def check_new(requested: str | Path) -> Path:
         """Refuse, before any planning, a requested run dir that :meth:`create` would refuse: one that exists, or one
         that cannot be made."""
+        if not isinstance(requested, (str, os.PathLike)):
+            raise ConfigError(f"run dir: expected a folder path, got {requested!r}")
         path = Path(requested)
         if path.exists() or path.is_symlink():
             raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")

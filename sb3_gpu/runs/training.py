@@ -24,7 +24,7 @@ from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.envs.spec import EnvSpec
-from sb3_gpu.planning.build import build_env, build_model
+from sb3_gpu.planning.build import build_env, build_model, offset_seed
 from sb3_gpu.planning.device import requested_device
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
@@ -344,7 +344,7 @@ def _check_best(plan: Plan, run: RunDir, evaluator: TimedEvalCallback, episodes:
         return True
     if session.stopping():
         return False
-    seed = None if plan.seed is None else plan.seed + CHECK_SEED_OFFSET
+    seed = offset_seed(plan.seed, CHECK_SEED_OFFSET)
     try:
         checked = evaluate_run(
             run.best_model, episodes, device=plan.device.device, seed=seed, should_stop=session.stopping, env=plan.env

@@ -48,17 +48,28 @@ def mask_url(url: str, text: str | None = None) -> str:
     """``text`` (by default the URL itself) with the URL's password and secret query values replaced by ``***``.
 
     The URL is parsed by SQLAlchemy, as optuna's storage parses it, so a password holding ``/`` or ``@``, an empty
-    user name or ``?password=`` are all found. A secret is masked where it stands as one (``user:SECRET@``,
-    ``password=SECRET``, as written or percent-encoded), never inside other words: masking every occurrence of a short
-    password would garble a driver's message and show where the password's letters fall.
+    user name or ``?password=`` are all found. The URL itself, wherever ``text`` quotes it, is masked where its
+    secrets stand (its scheme and user name kept whole); elsewhere a secret of 6 or more characters is masked wherever
+    it occurs, and a shorter one where it stands as one (``:SECRET@``, ``password=SECRET``, ``'pwd': 'SECRET'``):
+    masking every occurrence of one or two letters would garble the message and show where the secret's letters fall.
     """
-    text = url if text is None else text
-    for key, secret in sorted(_secrets(url), key=lambda found: len(found[1]), reverse=True):
+    found = sorted(_secrets(url), key=lambda secret: len(secret[1]), reverse=True)
+    masked = _mask(url, found, everywhere=False)
+    if text is None:
+        return masked
+    return masked.join(_mask(piece, found, everywhere=True) for piece in text.split(url))
+
+
+def _mask(text: str, found: list[tuple[str | None, str]], everywhere: bool) -> str:
+    names = "|".join(re.escape(name) for name in dict.fromkeys([*(key for key, _ in found if key), *_SECRET_KEYS]))
+    for _key, secret in found:
         for form in dict.fromkeys((secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret))):
-            if key is None:
-                text = re.sub(rf"(://[^:/@\s]*:){re.escape(form)}@", r"\1***@", text)
-            names = "|".join(re.escape(name) for name in dict.fromkeys((key or "password", "password")))
-            text = re.sub(rf"""(\b(?:{names})\s*=\s*['"]?){re.escape(form)}(?=['"&\s;,)]|$)""", r"\1***", text)
+            if everywhere and len(secret) >= 6:
+                text = text.replace(form, "***")
+                continue
+            escaped = re.escape(form)
+            text = re.sub(rf":{escaped}@", ":***@", text)
+            text = re.sub(rf"""((?:{names})['"]?\s*[=:]\s*['"]?){escaped}(?!\w)""", r"\g<1>***", text, flags=re.IGNORECASE)
     return text
 
 

@@ -784,10 +784,15 @@ def test_a_storage_secret_is_masked_where_it_stands_never_inside_other_words():
     driver = f'cannot open storage {url} (psycopg2.OperationalError) connection to server at "127.0.0.1", port 1 failed'
     assert mask_url(url) == "postgresql://postgres:***@127.0.0.1:1/optuna"
     assert mask_url(url, driver) == driver.replace(":p@", ":***@")  # "psycopg2", "port" and "postgres" kept whole
-    same = "postgresql://postgres:postgres@db/optuna"
+    same = "postgresql://postgres:postgres@db/optuna"  # the URL keeps its scheme and user; elsewhere a long secret goes
     assert mask_url(same, f"{same}: password=postgres for user postgres") == (
-        "postgresql://postgres:***@db/optuna: password=*** for user postgres"
+        "postgresql://postgres:***@db/optuna: password=*** for user ***"
     )
+    long = "postgresql://tuner:s3cr3t@db/optuna"
+    for free in ("error near 's3cr3t'", "PASSWORD: s3cr3t", "{'password': 's3cr3t'}", "at tuner:s3cr3t@db."):
+        assert "s3cr3t" not in mask_url(long, free), free
+    short = {"PASSWORD=p", "pwd: p", "{'password': 'p'}", "at u:p@db"}
+    assert {mask_url(url, text) for text in short} == {"PASSWORD=***", "pwd: ***", "{'password': '***'}", "at u:***@db"}
     encoded = "postgresql://tuner:a%40b%2Fc@db/optuna?sslpassword=k3y&sslmode=require"
     assert mask_url(encoded) == "postgresql://tuner:***@db/optuna?sslpassword=***&sslmode=require"
     assert mask_url(encoded, "dsn: password='a@b/c' sslpassword=k3y") == "dsn: password='***' sslpassword=***"

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -68,6 +69,12 @@ class FailingFactory:
         return FailsAtStep(env, 5) if self.fail else env
 
 
+class LockInInfo(gym.Wrapper):
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, {**info, "lock": threading.Lock()}  # SB3 deep-copies the infos
+
+
 class WrongShape(gym.ObservationWrapper):
     def observation(self, observation):
         return np.zeros(7, dtype=np.float32)  # the space says 4: SB3's DummyVecEnv fails storing it, not the env
@@ -89,6 +96,12 @@ def test_an_in_process_env_that_raises_is_named_with_its_own_exception_as_the_ca
         bad.reset()
     assert explain_env_error(info.value, bad) is info.value
     assert explain_env_error(RuntimeError("elsewhere"), venv).args == ("elsewhere",)
+    # Nor is one SB3 raises after the loop (copying the infos): no env raised it, whatever env the loop ended at.
+    locked = DummyVecEnv([lambda: LockInInfo(gym.make("CartPole-v1")), lambda: gym.make("CartPole-v1")])
+    locked.reset()
+    with pytest.raises(TypeError) as info:
+        locked.step(np.zeros(2, dtype=int))
+    assert explain_env_error(info.value, locked) is info.value
 
 
 def assert_same_step(ours, theirs):
