@@ -22,8 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         default = RunDir(args.run_dirs[0]).curves if len(args.run_dirs) == 1 else Path("curves.png")
         out = default if args.out is None else Path(args.out)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:  # the filters as they were: Python's defaults, say
             path = plot_runs(args.run_dirs, out)
             empty = [run_dir for run_dir in args.run_dirs if not len(load_curves(run_dir)["returns"])]
         for message in dict.fromkeys(str(w.message) for w in caught):

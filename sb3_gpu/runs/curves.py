@@ -61,7 +61,7 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     evaluations = run.evaluations
     if evaluations.is_file():
         try:
-            with np.load(evaluations) as ev:
+            with evaluations.open("rb") as f, np.load(f) as ev:  # our handle: numpy's own leaks on a damaged file
                 curves["eval_steps"], curves["eval_returns"] = ev["timesteps"], ev["results"].mean(axis=1)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
             # Runs write it whole (renamed into place), so a file that cannot be read is damaged: the curves go on.
