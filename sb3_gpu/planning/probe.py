@@ -55,10 +55,11 @@ from sb3_gpu.extensions.stepping import OptimizerStep
 PROBE_BUDGET_S = 3.0
 MIN_CACHED_S = 0.05  # a candidate timed for less than this (a spent budget) is used once, not cached
 MARGIN = 0.9  # another candidate must be predicted faster than MARGIN x the rules' choice to replace it
-CACHE_VERSION = 6  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
+CACHE_VERSION = 7  # 2: inference timed as the run infers (no predict wrapper), actor-critics' steps; 3: their
 # entropy coefficient's step and target updates; 4: their compile time includes the action forward pass; 5: TQC's and
 # QR-DQN's quantile Huber losses; 6: PPO's inference as its rollout runs it (actions, values, log-probabilities), the
-# compiled step timed with argument checks off, classes keyed by module, SB3's and sb3_gpu's versions in every key
+# compiled step timed with argument checks off, classes keyed by module, SB3's and sb3_gpu's versions in every key;
+# 7: steps with Discrete spaces (QR-DQN's, a one-hot observation's) compiled as the run compiles them (they had failed)
 
 
 class ProbeCacheWarning(UserWarning):
@@ -446,6 +447,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
     # compile, and a distribution checked inside the graph would not compile.
     with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32), no_argument_checks():
         policy = w.policy(device)
+        python_int_spaces(policy)  # as the run's networks have them: QR-DQN's reshape by a NumPy int broke the graph
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
         eager = _train_step(policy, w, obs, device, c.amp)
 
@@ -485,7 +487,6 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
         # can be slower than eager on a CPU (its guards cost more than the ops it fuses), and collection runs it at
         # every vec step. Where that pass does not compile, the run collects with it eager, and the step's figures
         # stand.
-        python_int_spaces(policy)
         forward = _forward(policy, w)
         # Its own code object: dynamo's recompile limit (8) counts per code object, and a process that probes many
         # policies (tune's trials) would otherwise reach it and time a pass that "did not compile".

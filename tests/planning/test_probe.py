@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch as th
 from gymnasium import spaces
+from sb3_contrib.qrdqn.policies import QRDQNPolicy
 from stable_baselines3 import TD3
 from stable_baselines3.common.policies import ActorCriticCnnPolicy, ActorCriticPolicy
 from stable_baselines3.dqn.policies import DQNPolicy
@@ -606,12 +607,19 @@ def test_compile_figures_are_cached_beside_the_others(tmp_path, gpu_machine):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize(
-    ("algo", "policy_class", "policy_kwargs"),
-    [("dqn", DQNPolicy, {"net_arch": [16]}), ("ppo", ActorCriticPolicy, {"net_arch": [16]})],
-    ids=["dqn", "ppo"],
+    ("algo", "policy_class", "observation_space"),
+    [
+        ("dqn", DQNPolicy, spaces.Box(-1, 1, (4,), np.float32)),
+        ("ppo", ActorCriticPolicy, spaces.Box(-1, 1, (4,), np.float32)),
+        # Gymnasium's Discrete n is a NumPy int, which QR-DQN's reshape and a one-hot observation read: the probe's
+        # step must compile as the run's does, not time a failure and leave the run eager.
+        ("qrdqn", QRDQNPolicy, spaces.Box(-1, 1, (4,), np.float32)),
+        ("dqn", DQNPolicy, spaces.Discrete(5)),
+    ],
+    ids=["dqn", "ppo", "qrdqn", "dqn-one-hot"],
 )
-def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy_class, policy_kwargs):
-    workload = Workload(algo, policy_class, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), policy_kwargs, 8, 2, 1)
+def test_measuring_compile_runs_the_step_compiled_whole_on_this_cpu(algo, policy_class, observation_space):
+    workload = Workload(algo, policy_class, observation_space, spaces.Discrete(3), {"net_arch": [16]}, 8, 2, 1)
     timing = measure_compile(Option(probe_module.Candidate("cpu", "off", 1), workload), "default", seconds=0.05)
     assert timing.eager_s > 0 and timing.compiled_s > 0 and timing.compile_s > timing.compiled_s
     assert timing.act_eager_s > 0 and timing.act_compiled_s > 0  # collection's forward pass, timed both ways
