@@ -121,6 +121,13 @@ def sigterm_as_interrupt() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+def ignore_stop_signals() -> None:
+    """In an env worker process: ignore SIGINT and SIGTERM. Both reach a whole process group (Ctrl-C, a job's
+    SIGTERM); the parent stops after its current step, which needs the workers, and then closes them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def interrupted(code: int = 130) -> int:
     """``code``, the exit status for a stop by a signal, made to hold once ``main`` returns it.
 

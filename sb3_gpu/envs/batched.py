@@ -16,6 +16,7 @@ import multiprocessing as mp
 import operator
 import signal
 import sys
+import threading
 import traceback
 import warnings
 import weakref
@@ -32,6 +33,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 from stable_baselines3.common.vec_env.patch_gym import _patch_env
 from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 
+from sb3_gpu.common.cli import ignore_stop_signals
 from sb3_gpu.common.errors import EnvWorkerError
 from sb3_gpu.common.hardware import logical_cores
 
@@ -55,7 +57,29 @@ def worker_start_method(start_method: str | None) -> str:
         # Add to (not replace) what the process preloads already.
         current = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", ["__main__"])
         mp.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys([*current, *_PRELOAD])))
+        _start_forkserver(forkserver)
     return start_method
+
+
+def _start_forkserver(forkserver: Any) -> None:
+    """Start the forkserver, if it is not up, ignoring SIGINT and SIGTERM as the workers do. Both reach a whole process
+    group (Ctrl-C, a job's SIGTERM): a server that died of one would take its workers with it (they die with it) and
+    leave the run unable to read how they ended, turning a clean stop into an env crash. The disposition is inherited
+    by the server through its exec; the server still exits when the training process does (its pipe closes)."""
+    if threading.current_thread() is not threading.main_thread():  # only there can handlers be set
+        forkserver.ensure_running()
+        return
+    stops = {signal.SIGINT, signal.SIGTERM}
+    # Blocked meanwhile, a signal for this process waits (Linux queues a blocked signal even while it is ignored)
+    # and reaches its own handler once they are back.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def batched_workers(n_envs: int, limit: int | None = None) -> int:
@@ -113,8 +137,9 @@ def _die_with_parent() -> None:
 
 def _worker(conn: Connection, payload: bytes, first: int) -> None:
     """A worker process: build its envs, map its slice of the shared block, then answer commands until closed."""
-    # Ctrl-C reaches the whole process group; the parent decides when to stop, and closes the workers itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, or a SIGTERM sent to the job, reaches the whole process group; the parent decides when to stop, and
+    # closes the workers itself.
+    ignore_stop_signals()
     _die_with_parent()
     worker = _Worker(first)
     try:
@@ -250,14 +275,11 @@ def _exit_cause(process: mp.process.BaseProcess) -> str:
 
 def _shutdown(processes: list[Any], conns: list[Connection], shm: list[shared_memory.SharedMemory]) -> None:
     """Stop every worker and free the shared block; safe to call twice, and at interpreter exit."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(timeout=5)
+    for process in processes:  # SIGKILL: workers ignore SIGTERM (see ignore_stop_signals)
         if process.is_alive():
             process.kill()
-            process.join(timeout=5)
+    for process in processes:
+        process.join(timeout=5)
     for conn in conns:
         conn.close()
     for block in shm:

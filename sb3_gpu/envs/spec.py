@@ -9,7 +9,6 @@ import functools
 import importlib
 import inspect
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch as th
 from stable_baselines3.common.atari_wrappers import AtariWrapper
 from stable_baselines3.common.monitor import Monitor
 
+from sb3_gpu.common.cli import ignore_stop_signals
 from sb3_gpu.common.errors import ConfigError, closest
 
 
@@ -192,9 +192,11 @@ class EnvFactory:
             # One thread per worker: n workers each running a core-wide thread pool would oversubscribe the CPU.
             os.environ["OMP_NUM_THREADS"] = "1"
             th.set_num_threads(1)
-            # Ctrl-C reaches the whole process group: the parent stops training after the current step and
-            # needs its workers alive to finish it (SB3's workers would otherwise exit on KeyboardInterrupt).
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            # Ctrl-C reaches the whole process group, and so does a SIGTERM sent to the job (a cluster's preemption,
+            # `kill -- -PGID`): the parent stops training after the current step and needs its workers alive to
+            # finish it (SB3's workers would otherwise exit on KeyboardInterrupt, or on the parent's SIGTERM handler,
+            # which they inherit). The parent closes them; they die with it too (their pipes close).
+            ignore_stop_signals()
         try:
             env: gym.Env = self.make()
             if self.max_episode_steps is not None:
