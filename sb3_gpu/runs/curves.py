@@ -42,21 +42,21 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     files = sorted(run.monitor.glob("*.monitor.csv")) if run.monitor.is_dir() else []
     if not files:
         raise ConfigError(f"{run} has no monitor/*.monitor.csv; is it a run dir written by sb3_gpu.train?")
-    rows: list[tuple[float, float, float]] = []
-    starts = []
+    # Each stretch of training (the first, and each --resume) has its own files (N.segK.monitor.csv, then the
+    # current N.monitor.csv) whose episodes carry wall-clock end times.
+    segments: dict[str, tuple[list[float], list[tuple[float, float, float]]]] = {}
     for path in files:
+        starts, rows = segments.setdefault(path.name.split(".")[1] if ".seg" in path.name else "", ([], []))
         try:
-            start = _read_monitor(path, rows)
+            starts.append(_read_monitor(path, rows))
         except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
             raise ConfigError(f"cannot read {path}: not a Monitor file ({type(e).__name__}: {e})") from None
-        starts.append(start)
-    episodes = np.array(rows, dtype=np.float64).reshape(-1, 3)
+    episodes = _training_time(segments)
     episodes = episodes[np.argsort(episodes[:, 2], kind="stable")]
-    first = min(starts)
     curves = {
         "returns": episodes[:, 0],
         "steps": np.cumsum(episodes[:, 1]),
-        "seconds": episodes[:, 2] - first,
+        "seconds": episodes[:, 2],
     }
     evaluations = run.evaluations
     if evaluations.is_file():
@@ -67,6 +67,24 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
             # Runs write it whole (renamed into place), so a file that cannot be read is damaged: the curves go on.
             warnings.warn(f"cannot read {evaluations} ({named(e)}); the evaluations are left out", stacklevel=2)
     return curves
+
+
+def _training_time(segments: dict[str, tuple[list[float], list[tuple[float, float, float]]]]) -> np.ndarray:
+    """The episodes of every segment, their end times counted in training time from the run's start: the time
+    between a stop and its resume is left out (each resumed segment starts where the one before it ended its last
+    episode), or a resume the next day would stretch the time axis and draw a day at 0 env steps/s."""
+    out, idle, end = [], 0.0, None
+    for starts, rows in sorted(segments.values(), key=lambda segment: min(segment[0])):
+        start = min(starts)
+        if end is None:
+            first = start
+        else:
+            idle += max(0.0, start - end)
+        times = np.array(rows, dtype=np.float64).reshape(-1, 3)
+        end = max(start, float(times[:, 2].max()) if len(times) else start)
+        times[:, 2] -= first + idle
+        out.append(times)
+    return np.concatenate(out)
 
 
 def _read_monitor(path: Path, rows: list[tuple[float, float, float]]) -> float:

@@ -21,6 +21,7 @@ import numpy as np
 import psutil
 import pytest
 import torch as th
+from gymnasium import spaces
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.save_util import json_to_data
 
@@ -45,7 +46,7 @@ from tests.conftest import REPO, run_cli, squashed
 FAULTY = "tests.fault_envs:FaultyCartPoleV1"
 
 
-def _start(*args: str) -> subprocess.Popen[str]:
+def _start(*args: str, new_session: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, "-m", "sb3_gpu.train", *args, "--no-progress"],
@@ -54,6 +55,7 @@ def _start(*args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=new_session,  # its own process group, for a signal sent to the whole job
     )
 
 
@@ -220,6 +222,42 @@ def test_sigterm_exits_143_stops_workers_and_resume_restores_normalization(tmp_p
     assert [p.name for p in (run_dir / "tb").iterdir()] == ["run_1"]
     evaluation = run_cli("sb3_gpu.evaluate", str(run_dir), "--model", "final", "--episodes", "1", "--json")
     assert evaluation.returncode == 0, evaluation.stderr
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("vec_env", ["subproc", "batched"])
+def test_sigterm_to_the_whole_process_group_stops_as_sigterm_to_the_run_does(tmp_path, vec_env):
+    # A cluster's preemption or `kill -- -PGID` signals the workers too: they must leave the stop to the run (which
+    # needs them for its current step), not die and turn a clean stop into an env crash (exit 1).
+    run_dir = tmp_path / "run"
+    proc = _start(
+        "ppo",
+        "--env",
+        "CartPole-v1",
+        "--n-envs",
+        "2",
+        "--vec-env",
+        vec_env,
+        "--timesteps",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+        "--checkpoint-freq",
+        "1024",
+        "--eval-episodes",
+        "1",
+        "--no-probe",
+        new_session=True,
+    )
+    _wait_for(run_dir / "checkpoints" / "model_1024_steps.zip", proc)
+    children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM: model saved to" in err and "EnvWorkerError" not in err and "exited with code" not in err
+    assert _gone(children), "env workers outlived the run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["error"] is None
 
 
 def _vecnormalize_count(path: Path) -> float:
@@ -710,6 +748,40 @@ def test_nan_rewards_stop_continuous_control_before_any_weight_turns_nan(tmp_pat
         assert bool(th.isfinite(getattr(model, "log_ent_coef", th.zeros(1))).all())
     # The first NaN reward reaches a sampled batch within a few gradient steps of step 300.
     assert 300 <= (zip_timesteps(tmp_path / "model.zip") or 0) <= 400
+
+
+@pytest.mark.heavy
+def test_a_replay_buffer_holding_a_nan_reward_is_not_saved_for_a_resume_to_stop_on_again(tmp_path):
+    overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "env_kwargs": {"nan_at": 300}}
+    plan = make_plan("sac", "tests.fault_envs:NanPendulum", "cpu", n_timesteps=5_000, vec_env="dummy", overrides=overrides)
+    with pytest.raises(TrainingDiverged):
+        train_run(
+            plan, tmp_path, eval_freq=100_000, checkpoint_freq=200, save_replay_buffer=True, progress=False, report_s=None
+        )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert re.search(
+        r"the replay buffer was not saved: it holds a NaN or inf reward \(buffer row 29\d\), which an env", summary["saved"]
+    )
+    assert "--resume would start with an empty one" in summary["saved"]
+    assert not (tmp_path / "replay_buffer.pkl").exists()
+    # The checkpoint before the NaN kept its buffer, whose rewards are all finite.
+    assert (tmp_path / "checkpoints" / "model_replay_buffer_200_steps.pkl").exists()
+
+
+@pytest.mark.parametrize("storage", ["numpy", "torch"])
+def test_the_scan_of_a_replay_buffer_names_the_first_non_finite_field_and_row(storage):
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    from sb3_gpu.runs.saving import non_finite_transition
+
+    buffer = ReplayBuffer(100_000, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-1, 1, (2,), np.float32), "cpu")
+    convert = (lambda a: a) if storage == "numpy" else th.from_numpy
+    buffer.observations, buffer.actions = convert(buffer.observations), convert(buffer.actions)
+    assert non_finite_transition(buffer) is None
+    buffer.observations[70_000, 0, 2] = np.inf  # past the first chunk of rows scanned
+    assert non_finite_transition(buffer) == "a NaN or inf observation (buffer row 70,000)"
+    buffer.rewards[5, 0] = np.nan  # rewards are read first
+    assert non_finite_transition(buffer) == "a NaN or inf reward (buffer row 5)"
 
 
 def _model(algo: str = "ppo", **overrides):

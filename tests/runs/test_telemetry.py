@@ -334,3 +334,20 @@ def test_a_live_line_is_printed_every_report_s():
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
     model.learn(64 * 6, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=0.0, print_fn=lines.append))
     assert len(lines) >= 4 and all("steps/s" in line and "env " in line and "train " in line for line in lines)
+
+
+def test_curves_leave_out_the_time_between_a_stop_and_its_resume(tmp_path):
+    from sb3_gpu.runs.curves import load_curves
+
+    monitor = tmp_path / "run" / "monitor"
+    monitor.mkdir(parents=True)
+    # The first stretch (set aside by the resume as .seg1), two envs; the resume, a day later, writes the current files.
+    (monitor / "0.seg1.monitor.csv").write_text('#{"t_start": 100.0}\nr,l,t\n1,10,10.0\n2,10,20.0\n')
+    (monitor / "1.seg1.monitor.csv").write_text('#{"t_start": 101.0}\nr,l,t\n3,10,14.0\n')
+    (monitor / "0.monitor.csv").write_text('#{"t_start": 86500.0}\nr,l,t\n4,10,5.0\n')
+    (monitor / "1.monitor.csv").write_text('#{"t_start": 86500.5}\nr,l,t\n5,10,15.0\n')
+    curves = load_curves(tmp_path / "run")
+    assert curves["returns"].tolist() == [1, 3, 2, 4, 5]
+    # The resume begins where the first stretch's last episode ended (20 s in): 20 + 5, 20 + 0.5 + 15.
+    assert curves["seconds"].tolist() == pytest.approx([10, 15, 20, 25, 35.5])
+    assert curves["steps"].tolist() == [10, 20, 30, 40, 50]
