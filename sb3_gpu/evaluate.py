@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from sb3_gpu.common.cli import Parser, Terminated, interrupted, positive_int, print_error, seed_int, sigterm_as_interrupt
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.runs.rundir import RunDir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +49,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     try:
         if args.model is not None and str(args.target).endswith(".zip"):
             raise ConfigError(f"--model {args.model} picks a model in a run dir; {args.target} names one already")
+        if args.model == "best" and (run := RunDir(args.target)).path.is_dir() and not run.best_model.is_file():
+            # Asked for by name, the best model is not stood in for by the final one (the default does that).
+            raise ConfigError(f"{args.target} has no {RunDir.BEST_MODEL} (no evaluation saved one); --model final: model.zip")
         from sb3_gpu.runs.evaluation import evaluate_run  # torch and SB3: here, so that --help needs neither
 
         result = evaluate_run(

@@ -363,6 +363,16 @@ def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call
     assert message in result.stderr
 
 
+def test_evaluate_model_best_asked_for_by_name_is_not_stood_in_for_by_the_final_one(finished_run, tmp_path, call_main):
+    run = _variant(finished_run, tmp_path / "run")
+    (run / "best_model.zip").unlink()
+    result = call_main(evaluate_main, str(run), "--episodes", "1", "--model", "best")
+    assert result.returncode == 2
+    assert result.stderr == f"error: {run} has no best_model.zip (no evaluation saved one); --model final: model.zip\n"
+    default = call_main(evaluate_main, str(run), "--episodes", "1")  # the default takes the final model in its place
+    assert default.returncode == 0 and f"{run / 'model.zip'}: return" in default.stdout
+
+
 # The table above runs in this process; these run the real commands, as a user would.
 @pytest.mark.heavy
 @pytest.mark.parametrize(
