@@ -200,6 +200,7 @@ class Session:
                 if lost is not None:
                     outcome.saved += f" ({lost}; --resume would start with an empty one)"
                 elif run.final.replay_buffer.is_file() and self.save_replay_buffer:
+                    outcome.saved += f", its replay buffer beside it ({run.final.replay_buffer.name})"
                     # The final copy supersedes theirs, a checkpoint's of this very step too (the last one often is).
                     run.drop_older_checkpoint_buffers(model.num_timesteps + 1)
             except OSError as e:  # a full disk, say: the atomic writes kept every earlier file whole

@@ -183,7 +183,7 @@ def resume_run(
     if state.timesteps >= total:
         raise ConfigError(
             f"--resume: {run} already trained {state.timesteps:,} of {total:,} timesteps; "
-            f"pass --timesteps with a larger total to train on"
+            f"pass --timesteps (resume_run's timesteps=) with a larger total to train on"
         )
     # Seeded runs continue on fresh seeds: replaying the first episodes' seeds would repeat them.
     seed = None if config.seed is None else (config.seed + state.timesteps) % 2**32
@@ -194,7 +194,9 @@ def resume_run(
         try:
             requested_device(config.device, detect_hardware())
         except ConfigError as e:  # a run moved to another machine: say how to go on here
-            raise ConfigError(f"--resume: {run}'s config.yaml: {e}; --resume takes --device for where it trains now") from None
+            raise ConfigError(
+                f"--resume: {run}'s config.yaml: {e}; --resume takes --device (resume_run's device=) for where it trains now"
+            ) from None
     plan = make_plan(
         config.algo,
         config_env(config, env, "pass it again: resume_run(run, env=the_factory)"),

@@ -138,14 +138,14 @@ BAD_INPUTS = [
     (["--resume", "{existing}"], "holds no config.yaml; is it a run dir written by sb3_gpu.train?"),
     (["--resume", "{missing}", "--plan"], "--resume: no such run dir: "),  # what is wrong first, not the flag
     (["--resume", "{broken}"], "holds no readable model.zip or checkpoint to continue from"),
-    (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps with a larger total"),
+    (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps (resume_run's timesteps=) with a larger"),
     (["--resume", "{done}", "--timesteps", "10"], "already trained 64 of 10 timesteps"),
     (["--resume", "{done}", "--env", "CartPole-v1"], "so --env cannot be given; accepted with --resume: --timesteps"),
     (["--resume", "{done}", "--set", "n_steps=8"], "so --set cannot be given"),
     (["ppo", "--resume", "{done}"], "so the algorithm 'ppo' cannot be given"),
     # A run started on a GPU, resumed on a machine without one: --device says where it goes on.
     (["--resume", "{on_gpu}", "--timesteps", "128"], "on_gpu's config.yaml: device 'cuda' asked for a CUDA GPU, but"),
-    (["--resume", "{on_gpu}", "--timesteps", "128"], "; --resume takes --device for where it trains now"),
+    (["--resume", "{on_gpu}", "--timesteps", "128"], "; --resume takes --device (resume_run's device=) for where it"),
     (["--resume", "{done}", "--timesteps", "128", "--device", "cuda:1"], "device 'cuda:1' asked for a CUDA GPU, but"),
     (["--resume", "{done}", "--timesteps", "128", "--device", "tpu"], "unknown device 'tpu'; accepted: auto, cpu, cuda"),
     (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),

@@ -132,6 +132,7 @@ def test_sigint_saves_everything_and_resume_continues_schedules_buffer_and_tenso
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "SIGINT received: stopping after this step" in err
+    assert f"timesteps, its replay buffer beside it (replay_buffer.pkl); continue with: {command()} -m sb3_gpu.train" in err
     assert f"continue with: {command()} -m sb3_gpu.train --resume {run_dir}" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     stopped_at = summary["timesteps"]
