@@ -104,3 +104,16 @@ class Endless(gym.Env):
         if Endless.steps == self.signal_at:
             os.kill(os.getpid(), self.signum)
         return np.full(2, float(action) - 0.5, np.float32), 0.0, False, False, {}
+
+
+class Launcher(CartPoleEnv):
+    """CartPole that starts a program and stops it with SIGTERM, as an env driving a simulator process does."""
+
+    def stop_a_program(self) -> int:
+        import subprocess
+        import sys
+
+        program = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(0.5)  # under way
+        program.terminate()
+        return program.wait(timeout=20)

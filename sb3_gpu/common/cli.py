@@ -121,11 +121,19 @@ def sigterm_as_interrupt() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _let_pass(signum: int, frame: object) -> None:
+    pass
+
+
 def ignore_stop_signals() -> None:
-    """In an env worker process: ignore SIGINT and SIGTERM. Both reach a whole process group (Ctrl-C, a job's
-    SIGTERM); the parent stops after its current step, which needs the workers, and then closes them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """In an env worker process: let SIGINT and SIGTERM pass. Both reach a whole process group (Ctrl-C, a job's
+    SIGTERM); the parent stops after its current step, which needs the workers, and then closes them. A handler that
+    does nothing rather than SIG_IGN, which a program an env starts would inherit through its exec (a simulator that
+    ``terminate()`` could no longer stop); system calls under way go on (no EINTR)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _let_pass)
+        if hasattr(signal, "siginterrupt"):  # POSIX only
+            signal.siginterrupt(signum, False)
 
 
 def interrupted(code: int = 130) -> int:

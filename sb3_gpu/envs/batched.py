@@ -14,9 +14,9 @@ import ctypes
 import itertools
 import multiprocessing as mp
 import operator
+import os
 import signal
 import sys
-import threading
 import traceback
 import warnings
 import weakref
@@ -62,24 +62,27 @@ def worker_start_method(start_method: str | None) -> str:
 
 
 def _start_forkserver(forkserver: Any) -> None:
-    """Start the forkserver, if it is not up, ignoring SIGINT and SIGTERM as the workers do. Both reach a whole process
-    group (Ctrl-C, a job's SIGTERM): a server that died of one would take its workers with it (they die with it) and
-    leave the run unable to read how they ended, turning a clean stop into an env crash. The disposition is inherited
-    by the server through its exec; the server still exits when the training process does (its pipe closes)."""
-    if threading.current_thread() is not threading.main_thread():  # only there can handlers be set
-        forkserver.ensure_running()
-        return
-    stops = {signal.SIGINT, signal.SIGTERM}
-    # Blocked meanwhile, a signal for this process waits (Linux queues a blocked signal even while it is ignored)
-    # and reaches its own handler once they are back.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in stops}
+    """Start the forkserver, if it is not up, marked so that it shields itself from SIGTERM (:func:`_shield_server`)."""
+    os.environ[_SHIELD] = "1"  # read and removed by the server as it imports this module; gone here at once
     try:
         forkserver.ensure_running()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.environ.pop(_SHIELD, None)
+
+
+def _shield_server() -> None:
+    """In the forkserver, which imports this module as it starts: ignore SIGTERM, as the workers do. It reaches a whole
+    process group or job; a server that died of it would take its workers with it (they die with their parent) and
+    leave the run unable to read how they ended, a clean stop turned into an env crash. The processes it forks get
+    the default back (anyone's: only sb3_gpu's workers ignore it, themselves). It ignores SIGINT on its own, and
+    exits with the training process still (its pipe closes)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+_SHIELD = "SB3_GPU_SHIELD_FORKSERVER"
+if os.environ.pop(_SHIELD, None) == "1":
+    _shield_server()
 
 
 def batched_workers(n_envs: int, limit: int | None = None) -> int:

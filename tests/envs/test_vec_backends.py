@@ -277,6 +277,33 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
             proc.communicate()
 
 
+def _sleep() -> None:
+    time.sleep(60)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("vec_env", ["subproc", "batched"])
+def test_sigterm_still_stops_the_programs_an_env_starts_and_others_processes_from_the_forkserver(vec_env):
+    # Workers and the forkserver let SIGTERM pass (it reaches a whole job, and the run stops them itself); the
+    # programs an env starts, and processes others start from the same forkserver, must still stop on it.
+    import multiprocessing as mp
+
+    from tests.fault_envs import Launcher
+
+    venv = make_vec_env(Launcher, 2, vec_env=vec_env)
+    try:
+        assert type(venv).__name__ == {"subproc": "SubprocVecEnv", "batched": "BatchedSubprocVecEnv"}[vec_env]
+        assert venv.env_method("stop_a_program", indices=[1]) == [-signal.SIGTERM]
+        process = mp.get_context("forkserver").Process(target=_sleep, daemon=True)
+        process.start()
+        time.sleep(0.5)
+        process.terminate()
+        process.join(20)
+        assert process.exitcode == -signal.SIGTERM
+    finally:
+        venv.close()
+
+
 @pytest.mark.parametrize(
     ("kind", "kwargs", "message"),
     [
