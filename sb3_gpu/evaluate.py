@@ -17,7 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="a run dir (its best model, else its final model) or a model .zip inside a run dir")
     p.add_argument("--episodes", type=positive_int, default=10, help="episodes to run (default 10)")
     p.add_argument("--stochastic", action="store_true", help="sample actions, not the most likely one (not for td3)")
-    p.add_argument("--model", choices=("best", "final"), help="for a run dir: which model (default best)")
+    p.add_argument(
+        "--model", choices=("best", "final"), help="for a run dir: which model (default: the best, else the final one)"
+    )
     p.add_argument("--device", default="cpu", help="device to run the policy on (default cpu)")
     p.add_argument("--seed", type=seed_int, default=None, help="seed of the evaluation env")
     p.add_argument(
@@ -49,7 +51,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     try:
         if args.model is not None and str(args.target).endswith(".zip"):
             raise ConfigError(f"--model {args.model} picks a model in a run dir; {args.target} names one already")
-        if args.model == "best" and (run := RunDir(args.target)).path.is_dir() and not run.best_model.is_file():
+        run = RunDir(args.target)
+        if args.model == "best" and run.final.model.is_file() and not run.best_model.is_file():
             # Asked for by name, the best model is not stood in for by the final one (the default does that).
             raise ConfigError(f"{args.target} has no {RunDir.BEST_MODEL} (no evaluation saved one); --model final: model.zip")
         from sb3_gpu.runs.evaluation import evaluate_run  # torch and SB3: here, so that --help needs neither

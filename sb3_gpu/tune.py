@@ -153,10 +153,11 @@ def _stopped(e: KeyboardInterrupt) -> str:
 
 def _stop_code(e: KeyboardInterrupt) -> int:
     """The exit status of a worker stopped by ``e``: 128 + the signal's number."""
-    from sb3_gpu.tuning.study import TrialInterrupted
-
-    if isinstance(e, TrialInterrupted):
-        return 128 + int(signal.Signals[e.signal_name])
+    # A TrialInterrupted (sb3_gpu.tuning.study) says its signal; read by name, since the Ctrl-C at hand may have cut
+    # that module's import short, and importing it again here could meet a second one.
+    signal_name = getattr(e, "signal_name", None)
+    if isinstance(signal_name, str):
+        return 128 + int(signal.Signals[signal_name])
     return 128 + int(signal.SIGTERM) if isinstance(e, Terminated) else 130
 
 

@@ -311,6 +311,14 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
         self._terminal_row_host[last] = rows
         copy_into(self._terminal_row[last], rows)
 
+    def episode_end_observations(self) -> th.Tensor | None:
+        """The next observations kept aside for episode ends, the rows in use (the memory-optimised layout; None in the
+        other, whose next observations are all in ``next_observations``)."""
+        if self.next_observations is not None:
+            return None
+        rows = self._terminal_row_host[self._terminal_row_host >= 0]
+        return self._terminal_obs[th.as_tensor(rows, device=self._terminal_obs.device)]
+
     def reset(self) -> None:
         super().reset()
         if self.optimize_memory_usage:

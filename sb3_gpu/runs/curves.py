@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import re
 import warnings
 import zipfile
 from collections.abc import Sequence
@@ -44,9 +46,10 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
         raise ConfigError(f"{run} has no monitor/*.monitor.csv; is it a run dir written by sb3_gpu.train?")
     # Each stretch of training (the first, and each --resume) has its own files (N.segK.monitor.csv, then the
     # current N.monitor.csv) whose episodes carry wall-clock end times.
-    segments: dict[str, tuple[list[float], list[tuple[float, float, float]]]] = {}
+    segments: dict[float, tuple[list[float], list[tuple[float, float, float]]]] = {}
     for path in files:
-        starts, rows = segments.setdefault(path.name.split(".")[1] if ".seg" in path.name else "", ([], []))
+        seg = re.search(r"\.seg(\d+)\.monitor\.csv$", path.name)  # none: the current files, after every seg
+        starts, rows = segments.setdefault(int(seg[1]) if seg else math.inf, ([], []))
         try:
             starts.append(_read_monitor(path, rows))
         except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
@@ -69,21 +72,18 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     return curves
 
 
-def _training_time(segments: dict[str, tuple[list[float], list[tuple[float, float, float]]]]) -> np.ndarray:
-    """The episodes of every segment, their end times counted in training time from the run's start: the time
-    between a stop and its resume is left out (each resumed segment starts where the one before it ended its last
-    episode), or a resume the next day would stretch the time axis and draw a day at 0 env steps/s."""
-    out, idle, end = [], 0.0, None
-    for starts, rows in sorted(segments.values(), key=lambda segment: min(segment[0])):
-        start = min(starts)
-        if end is None:
-            first = start
-        else:
-            idle += max(0.0, start - end)
+def _training_time(segments: dict[float, tuple[list[float], list[tuple[float, float, float]]]]) -> np.ndarray:
+    """The episodes of every segment in order (seg1, seg2, ..., then the current files), their end times counted in
+    training time from the run's start: each resumed segment begins where the one before it ended its last episode.
+    The time between a stop and its resume is left out (a resume the next day would otherwise stretch the axis and
+    draw a day at 0 env steps/s), and so is any clock difference between machines."""
+    out, offset = [], 0.0  # where, in training time, the segment under way began
+    for key in sorted(segments):
+        starts, rows = segments[key]
         times = np.array(rows, dtype=np.float64).reshape(-1, 3)
-        end = max(start, float(times[:, 2].max()) if len(times) else start)
-        times[:, 2] -= first + idle
+        times[:, 2] += offset - min(starts)
         out.append(times)
+        offset = max(offset, float(times[:, 2].max())) if len(times) else offset
     return np.concatenate(out)
 
 

@@ -123,39 +123,47 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
     files.replay_buffer.unlink(missing_ok=True)  # the previous model's: after a failed model write it stays with it
     if not replay_buffer or getattr(model, "replay_buffer", None) is None:
         return None
-    bad = non_finite_transition(model.replay_buffer)  # type: ignore[attr-defined]
-    if bad is not None:  # a run resumed with it would sample it and stop again, as often as it is resumed
-        return f"the replay buffer was not saved: it holds {bad}, which an env returned"
     try:
+        bad = non_finite_transition(model.replay_buffer)  # type: ignore[attr-defined]
+        if bad is not None:  # a run resumed with it would sample it and stop again, as often as it is resumed
+            return f"the replay buffer was not saved: it holds {bad}, which a resumed run would sample again"
         save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
     except Exception as e:  # MemoryError and pickling errors too: the model is saved, only the buffer is lost
         return f"the replay buffer was not saved ({named(e)})"
     return None
 
 
-_SCANNED_ROWS = 1 << 16  # rows read at a time: the scan's memory stays small beside a buffer of gigabytes
+_SCANNED_BYTES = 1 << 26  # read 64 MiB of a buffer at a time: the scan's memory stays small beside gigabytes
 
 
 def non_finite_transition(buffer: Any) -> str | None:
     """The first NaN or inf in a replay buffer's rewards, observations or actions, said as "a NaN or inf reward
     (buffer row 399)", or None. Integer storage (uint8 frames) holds none. Read once per save, never in training."""
+    fields: list[tuple[str, Any]] = []
     for name in ("rewards", "observations", "next_observations", "actions"):
         value = getattr(buffer, name, None)
-        for array in value.values() if isinstance(value, dict) else [value]:
-            row = _first_non_finite_row(array)
-            if row is not None:
-                return f"a NaN or inf {name.removesuffix('s').replace('_', ' ')} (buffer row {row:,})"
+        fields += [(name, array) for array in (value.values() if isinstance(value, dict) else [value])]
+    if isinstance(buffer, DeviceReplayBuffer):  # its memory-optimised layout keeps episode ends' next observations aside
+        fields.append(("episode_end_observations", buffer.episode_end_observations()))
+    for name, array in fields:
+        row = _first_non_finite_row(array)
+        if row is not None:
+            return f"a NaN or inf {name.removesuffix('s').replace('_', ' ')} (buffer row {row:,})"
     return None
 
 
 def _first_non_finite_row(array: Any) -> int | None:
     host = isinstance(array, np.ndarray) and np.issubdtype(array.dtype, np.floating)
-    if not (host or (isinstance(array, th.Tensor) and array.is_floating_point())):
+    if not (host or (isinstance(array, th.Tensor) and array.is_floating_point())) or len(array) == 0:
         return None
-    for start in range(0, len(array), _SCANNED_ROWS):
-        chunk = array[start : start + _SCANNED_ROWS]
-        finite = np.isfinite(chunk) if host else th.isfinite(chunk).cpu().numpy()
-        rows = finite.reshape(len(chunk), -1).all(axis=1)
+    row_bytes = array[0].nbytes if host else array[0].numel() * array.element_size()
+    step = max(1, _SCANNED_BYTES // max(1, row_bytes))
+    for start in range(0, len(array), step):
+        chunk = array[start : start + step]
+        if host:
+            rows = np.isfinite(chunk).reshape(len(chunk), -1).all(axis=1)
+        else:  # reduced where the buffer is, so that only a flag per row crosses to the host
+            rows = th.isfinite(chunk).reshape(len(chunk), -1).all(dim=1).cpu().numpy()
         if not rows.all():
             return start + int(np.argmin(rows))
     return None

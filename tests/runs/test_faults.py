@@ -761,7 +761,8 @@ def test_a_replay_buffer_holding_a_nan_reward_is_not_saved_for_a_resume_to_stop_
         )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert re.search(
-        r"the replay buffer was not saved: it holds a NaN or inf reward \(buffer row 29\d\), which an env", summary["saved"]
+        r"the replay buffer was not saved: it holds a NaN or inf reward \(buffer row 29\d\), which a resumed run",
+        summary["saved"],
     )
     assert "--resume would start with an empty one" in summary["saved"]
     assert not (tmp_path / "replay_buffer.pkl").exists()
@@ -770,19 +771,34 @@ def test_a_replay_buffer_holding_a_nan_reward_is_not_saved_for_a_resume_to_stop_
 
 
 @pytest.mark.parametrize("storage", ["numpy", "torch"])
-def test_the_scan_of_a_replay_buffer_names_the_first_non_finite_field_and_row(storage):
+def test_the_scan_of_a_replay_buffer_names_the_first_non_finite_field_and_row(storage, monkeypatch):
     from stable_baselines3.common.buffers import ReplayBuffer
 
-    from sb3_gpu.runs.saving import non_finite_transition
+    from sb3_gpu.runs import saving
 
+    monkeypatch.setattr(saving, "_SCANNED_BYTES", 12 * 1000)  # 1,000 rows of 3 floats at a time
     buffer = ReplayBuffer(100_000, spaces.Box(-1, 1, (3,), np.float32), spaces.Box(-1, 1, (2,), np.float32), "cpu")
     convert = (lambda a: a) if storage == "numpy" else th.from_numpy
     buffer.observations, buffer.actions = convert(buffer.observations), convert(buffer.actions)
-    assert non_finite_transition(buffer) is None
-    buffer.observations[70_000, 0, 2] = np.inf  # past the first chunk of rows scanned
-    assert non_finite_transition(buffer) == "a NaN or inf observation (buffer row 70,000)"
+    assert saving.non_finite_transition(buffer) is None
+    buffer.observations[70_000, 0, 2] = np.inf  # past the first chunks of rows scanned
+    assert saving.non_finite_transition(buffer) == "a NaN or inf observation (buffer row 70,000)"
     buffer.rewards[5, 0] = np.nan  # rewards are read first
-    assert non_finite_transition(buffer) == "a NaN or inf reward (buffer row 5)"
+    assert saving.non_finite_transition(buffer) == "a NaN or inf reward (buffer row 5)"
+
+
+def test_the_scan_reads_the_episode_ends_a_memory_optimised_device_buffer_keeps_aside():
+    from sb3_gpu.extensions.replay import DeviceReplayBuffer
+    from sb3_gpu.runs.saving import non_finite_transition
+
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    buffer = DeviceReplayBuffer(10, box, spaces.Box(-1, 1, (2,), np.float32), "cpu", optimize_memory_usage=True)
+    obs, action, reward = np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32), np.zeros(1, np.float32)
+    last = np.full((1, 3), np.nan, np.float32)  # the final observation of an episode, NaN
+    buffer.add(obs, last, action, reward, np.ones(1), [{"terminal_observation": last[0]}])
+    buffer.add(obs, obs, action, reward, np.zeros(1), [{}])  # the next episode's first step: the slot holds obs
+    assert bool(th.isfinite(buffer.observations).all()) and bool(th.isfinite(buffer.rewards).all())
+    assert non_finite_transition(buffer) == "a NaN or inf episode end observation (buffer row 0)"
 
 
 def _model(algo: str = "ppo", **overrides):

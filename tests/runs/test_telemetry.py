@@ -351,3 +351,18 @@ def test_curves_leave_out_the_time_between_a_stop_and_its_resume(tmp_path):
     # The resume begins where the first stretch's last episode ended (20 s in): 20 + 5, 20 + 0.5 + 15.
     assert curves["seconds"].tolist() == pytest.approx([10, 15, 20, 25, 35.5])
     assert curves["steps"].tolist() == [10, 20, 30, 40, 50]
+
+
+def test_curves_keep_the_segments_in_their_order_whatever_the_clocks_say(tmp_path):
+    from sb3_gpu.runs.curves import load_curves
+
+    monitor = tmp_path / "run" / "monitor"
+    monitor.mkdir(parents=True)
+    # Resumed on a machine whose clock is behind (the current files start "before" the first stretch ended), and
+    # eleven stretches in all: seg10 comes after seg2, the current files after every seg.
+    for k in range(1, 11):
+        (monitor / f"0.seg{k}.monitor.csv").write_text(f'#{{"t_start": {1000.0 * k}}}\nr,l,t\n{k},10,10.0\n')
+    (monitor / "0.monitor.csv").write_text('#{"t_start": 5.0}\nr,l,t\n11,10,10.0\n')
+    curves = load_curves(tmp_path / "run")
+    assert curves["returns"].tolist() == list(range(1, 12))
+    assert curves["seconds"].tolist() == pytest.approx([10.0 * k for k in range(1, 12)])
