@@ -59,6 +59,12 @@ def _start(*args: str, new_session: bool = False) -> subprocess.Popen[str]:
     )
 
 
+def _start_workers(run_dir: Path, vec_env: str, *args: str, new_session: bool = False) -> subprocess.Popen[str]:
+    """PPO on CartPole-v1 with two envs in worker processes, long enough to be stopped on purpose."""
+    common = ["ppo", "--env", "CartPole-v1", "--n-envs", "2", "--vec-env", vec_env, "--timesteps", "100000"]
+    return _start(*common, "--run-dir", str(run_dir), *args, new_session=new_session)
+
+
 def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 240.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -231,24 +237,8 @@ def test_sigterm_to_the_whole_process_group_stops_as_sigterm_to_the_run_does(tmp
     # A cluster's preemption or `kill -- -PGID` signals the workers too: they must leave the stop to the run (which
     # needs them for its current step), not die and turn a clean stop into an env crash (exit 1).
     run_dir = tmp_path / "run"
-    proc = _start(
-        "ppo",
-        "--env",
-        "CartPole-v1",
-        "--n-envs",
-        "2",
-        "--vec-env",
-        vec_env,
-        "--timesteps",
-        "100000",
-        "--run-dir",
-        str(run_dir),
-        "--checkpoint-freq",
-        "1024",
-        "--eval-episodes",
-        "1",
-        "--no-probe",
-        new_session=True,
+    proc = _start_workers(
+        run_dir, vec_env, "--checkpoint-freq", "1024", "--eval-episodes", "1", "--no-probe", new_session=True
     )
     _wait_for(run_dir / "checkpoints" / "model_1024_steps.zip", proc)
     children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -571,23 +561,7 @@ class _StderrReader:
 @pytest.mark.parametrize("vec_env", ["batched", "subproc"])
 def test_a_killed_worker_stops_the_run_with_its_env_named_after_a_save(tmp_path, vec_env):
     run_dir = tmp_path / "run"
-    proc = _start(
-        "ppo",
-        "--env",
-        "CartPole-v1",
-        "--n-envs",
-        "2",
-        "--vec-env",
-        vec_env,
-        "--timesteps",
-        "100000",
-        "--checkpoint-freq",
-        "512",
-        "--eval-freq",
-        "100000",
-        "--run-dir",
-        str(run_dir),
-    )
+    proc = _start_workers(run_dir, vec_env, "--checkpoint-freq", "512", "--eval-freq", "100000")
     _wait_for(run_dir / "checkpoints" / "model_512_steps.zip", proc)
     children = psutil.Process(proc.pid).children(recursive=True)
     # The env workers are the forkserver's children (the main process's direct children are the forkserver
