@@ -265,6 +265,10 @@ def _mismatch(value: Any, hint: Any) -> str:
     return "" if fits(value) else what
 
 
+# Mappings of options, which a profile's own mapping adds to key by key (a schedule mapping it replaces whole).
+_OPTION_MAPPINGS = ("policy_kwargs", "env_kwargs", "normalize", "per")
+
+
 def resolve_preset(
     algo: Algo,
     entry: Mapping[str, Any],
@@ -280,8 +284,12 @@ def resolve_preset(
     sources.update({k: "sb3_gpu default" for k in EXTENSION_KEYS if k in defaults})
     for layer, label in ((entry, entry_label), (entry.get(profile) or {}, f"{entry_label}/{profile}")):
         for key, value in layer.items():
-            if key not in PROFILES:
-                values[key], sources[key] = value, label
+            if key in PROFILES:
+                continue
+            shared = values.get(key) if sources.get(key) == entry_label else None
+            if key in _OPTION_MAPPINGS and isinstance(shared, Mapping) and isinstance(value, Mapping):
+                value, label = {**shared, **value}, f"{entry_label} and {label}"  # as --set adds to them
+            values[key], sources[key] = value, label
     raw: dict[str, Any] = {}
     for key, (value, source) in overrides.items():
         apply_override(raw, key, value)

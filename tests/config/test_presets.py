@@ -401,3 +401,21 @@ def test_override_without_key_or_equals_is_an_error(text):
 
 def test_presets_dir_is_the_top_level_folder_in_a_checkout():
     assert (presets_dir() / "ppo.yaml").is_file()
+
+
+def test_a_profiles_option_mapping_adds_to_the_entrys_and_a_schedule_is_replaced_whole(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "CartPole-v1:\n"
+        "  policy_kwargs: {ortho_init: false}\n"
+        "  learning_rate: {schedule: linear, start: 1.0e-3, end: 0.0}\n"
+        "  cpu: {policy_kwargs: {log_std_init: -1.0}, learning_rate: {schedule: constant, value: 3.0e-4}}\n"
+        "  gpu: {n_epochs: 3}\n"
+    )
+    entries, _ = load_preset_file(PPO_, path)
+    cpu = resolve_preset(PPO_, entries["CartPole-v1"], "p.yaml:CartPole-v1", "cpu")
+    assert cpu.policy_kwargs == {"ortho_init": False, "log_std_init": -1.0}
+    assert cpu.sources["policy_kwargs"] == "p.yaml:CartPole-v1 and p.yaml:CartPole-v1/cpu"
+    assert cpu.params.learning_rate.to_yaml() == {"schedule": "constant", "value": 3e-4}  # replaced whole
+    gpu = resolve_preset(PPO_, entries["CartPole-v1"], "p.yaml:CartPole-v1", "gpu")
+    assert gpu.policy_kwargs == {"ortho_init": False} and gpu.sources["policy_kwargs"] == "p.yaml:CartPole-v1"
