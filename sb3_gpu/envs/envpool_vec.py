@@ -24,6 +24,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.envs.batched import env_indices
+from sb3_gpu.envs.spec import ATARI_FRAME_SKIP
 
 # Gymnasium ids whose EnvPool twin has the same spaces, dynamics and time limit. Atari games map separately.
 SUPPORTED_IDS = frozenset(
@@ -104,7 +105,7 @@ def envpool_task(env_id: str, is_atari: bool) -> tuple[str, dict[str, Any]] | No
             reward_clip=True,
             stack_num=1,
             noop_max=30,
-            frame_skip=4,
+            frame_skip=ATARI_FRAME_SKIP,
             img_height=84,
             img_width=84,
             repeat_action_probability=float(registered.get("repeat_action_probability", 0.25)),

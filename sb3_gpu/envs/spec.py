@@ -37,6 +37,9 @@ class EnvSpec:
     factory: bool = False  # a callable given in Python: its name cannot rebuild it
 
 
+ATARI_FRAME_SKIP = 4  # emulator frames per agent step under SB3's AtariWrapper (its default), EnvPool's twin too
+
+
 def register_ale() -> bool:
     """Register ale-py's Atari ids with Gymnasium; False where ale-py is not installed."""
     try:
@@ -202,7 +205,7 @@ class EnvFactory:
             if self.max_episode_steps is not None:
                 env = EpisodeStepCap(env, self.max_episode_steps)
             env = Monitor(env, filename=self.monitor_path, **self.monitor_kwargs)
-            env = AtariWrapper(env) if self.atari else env
+            env = AtariWrapper(env, frame_skip=ATARI_FRAME_SKIP) if self.atari else env
             env = self.wrapper_class(env, **self.wrapper_kwargs) if self.wrapper_class is not None else env
         except BaseException as e:
             write_report(self.report, e)

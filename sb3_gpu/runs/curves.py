@@ -20,6 +20,8 @@ import numpy as np
 
 from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import atomic_write_bytes, check_dir_creatable
+from sb3_gpu.config.files import read_yaml
+from sb3_gpu.envs.spec import ATARI_FRAME_SKIP, looks_atari, register_ale
 from sb3_gpu.runs.rundir import RunDir
 
 MISSING = "plotting needs matplotlib: pip install 'sb3-gpu[plot]'"
@@ -58,7 +60,8 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     episodes = episodes[np.argsort(episodes[:, 2], kind="stable")]
     curves = {
         "returns": episodes[:, 0],
-        "steps": np.cumsum(episodes[:, 1]),
+        # On Atari the Monitor sits below the frame skip (it counts whole games): its lengths are emulator frames.
+        "steps": np.cumsum(episodes[:, 1]) / _frames_per_step(run),
         "seconds": episodes[:, 2],
     }
     evaluations = run.evaluations
@@ -70,6 +73,19 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
             # Runs write it whole (renamed into place), so a file that cannot be read is damaged: the curves go on.
             warnings.warn(f"cannot read {evaluations} ({named(e)}); the evaluations are left out", stacklevel=2)
     return curves
+
+
+def _frames_per_step(run: RunDir) -> int:
+    """Emulator frames per agent step of the run's env: the Atari frame skip for an Atari game, else 1. A run dir whose
+    config cannot be read counts 1 (its curves are still drawn)."""
+    try:
+        env = read_yaml(run.config, "config").get("env")
+    except (ConfigError, AttributeError):
+        return 1
+    if not isinstance(env, str):
+        return 1
+    register_ale()  # an id ale-py registers (Pong-v4) is known as Atari only then
+    return ATARI_FRAME_SKIP if looks_atari(env) else 1
 
 
 def _training_time(segments: dict[float, tuple[list[float], list[tuple[float, float, float]]]]) -> np.ndarray:

@@ -366,3 +366,15 @@ def test_curves_keep_the_segments_in_their_order_whatever_the_clocks_say(tmp_pat
     curves = load_curves(tmp_path / "run")
     assert curves["returns"].tolist() == list(range(1, 12))
     assert curves["seconds"].tolist() == pytest.approx([10.0 * k for k in range(1, 12)])
+
+
+@pytest.mark.parametrize(("env", "per_step"), [("ALE/Pong-v5", 4), ("PongNoFrameskip-v4", 4), ("CartPole-v1", 1)])
+def test_curves_count_agent_steps_where_the_monitor_counts_emulator_frames(tmp_path, env, per_step):
+    from sb3_gpu.runs.curves import load_curves
+
+    monitor = tmp_path / "run" / "monitor"
+    monitor.mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text(f"version: 1\nalgo: dqn\nenv: {env}\n")
+    # On Atari the Monitor sits below SB3's frame skip: its episode lengths are emulator frames, 4 to an agent step.
+    (monitor / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n-21,800,1.0\n-20,1200,2.0\n')
+    assert load_curves(tmp_path / "run")["steps"].tolist() == [800 / per_step, 2000 / per_step]
