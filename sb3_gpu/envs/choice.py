@@ -10,7 +10,7 @@ from sb3_gpu.common.checks import VEC_ENV_KINDS
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.envs.batched import batched_workers
-from sb3_gpu.envs.envpool_vec import envpool_available, envpool_failure, envpool_task
+from sb3_gpu.envs.envpool_vec import envpool_available, envpool_failure, envpool_task, no_twin
 from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
 
 # BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
@@ -126,6 +126,8 @@ def vec_env_choice(
             step_seconds = measure_step_seconds(probe)
         finally:
             probe.close()
+    if requested == "envpool" and spec.env_id is not None and envpool_task(spec.env_id, spec.is_atari) is None:
+        raise ConfigError(no_twin(spec.env_id))  # said by the plan, as the run would say it
     pool = requested == "auto" and envpool_allowed and envpool_fits(spec)
     kind, reason = choose_vec_env(requested, n_envs, step_seconds or 0.0, cores, envpool=pool)
     if kind == "envpool" and requested == "auto":

@@ -90,6 +90,14 @@ def envpool_failure(env_id: str, is_atari: bool) -> str | None:
     return None
 
 
+def no_twin(env_id: str) -> str:
+    """Why ``vec_env='envpool'`` cannot run ``env_id`` (one that :func:`envpool_task` has no twin of)."""
+    return (
+        f"vec_env 'envpool' has no faithful twin of {env_id!r} (supported: {', '.join(sorted(SUPPORTED_IDS))} and Atari "
+        "games as ALE/<Game>-v5 or <Game>NoFrameskip-v4 ids)"
+    )
+
+
 def envpool_task(env_id: str, is_atari: bool) -> tuple[str, dict[str, Any]] | None:
     """EnvPool's task id and config for a Gymnasium id, or None where EnvPool has no faithful twin."""
     if is_atari:
@@ -144,10 +152,7 @@ class EnvPoolVecEnv(VecEnv):
     ):
         task = envpool_task(env_id, is_atari)
         if task is None:
-            raise ConfigError(
-                f"vec_env 'envpool' has no faithful twin of {env_id!r} "
-                f"(supported: {', '.join(sorted(SUPPORTED_IDS))} and Atari games)"
-            )
+            raise ConfigError(no_twin(env_id))
         if not envpool_available():
             raise ConfigError("vec_env 'envpool' needs EnvPool: pip install 'sb3-gpu[envpool]'")
         self.env_id, (self.task, self.config) = env_id, task

@@ -112,8 +112,9 @@ def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
     entry_point = str(gym.registry[env_id].entry_point)
     is_atari = "ale_py" in entry_point
     plain_id = None if kwargs else env_id
-    if is_atari and env_id.startswith("ALE/"):
-        # v5 ids skip 4 frames themselves; SB3's AtariWrapper skips too, so let it do the skipping alone.
+    if is_atari and gym.registry[env_id].kwargs.get("frameskip", 1) != 1:
+        # v5 ids skip 4 frames themselves, Pong-v4 and v0 2 to 4 at random; SB3's AtariWrapper skips too, so let it
+        # do the skipping alone (as on the NoFrameskip ids), or each action would last 8 to 20 frames.
         kwargs = {"frameskip": 1, **kwargs}
     return EnvSpec(env_id, functools.partial(_make_registered, env_id, kwargs), is_atari, plain_id)
 

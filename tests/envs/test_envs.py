@@ -87,6 +87,21 @@ def test_atari_ids_are_marked_and_wrapped_with_frame_stack():
     venv.close()
 
 
+@pytest.mark.parametrize("env_id", ["ALE/Pong-v5", "Pong-v4", "Pong-v0", "PongNoFrameskip-v4"])
+def test_atari_ids_leave_the_frame_skip_to_sb3s_wrapper_alone(env_id):
+    # Pong-v4 skips 2 to 4 frames itself, ALE/Pong-v5 4: under the AtariWrapper's own 4 an action would last 8-20.
+    env = resolve_env(env_id).make()
+    assert env.unwrapped._frameskip == 1
+    env.close()
+
+
+def test_a_plan_refuses_envpool_where_the_run_would():
+    from sb3_gpu.envs.choice import vec_env_choice
+
+    with pytest.raises(ConfigError, match=r"no faithful twin of 'Pong-v4' \(supported: .* and Atari games as ALE/<Game>-v5"):
+        vec_env_choice("envpool", resolve_env("Pong-v4"), 2, cores=2)
+
+
 def test_factory_and_kwargs_are_accepted():
     venv = make_vec_env("CartPole-v1", 3, vec_env="dummy", env_kwargs={"max_episode_steps": 7}, seed=1)
     assert isinstance(venv, DummyVecEnv) and venv.num_envs == 3
