@@ -723,7 +723,8 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, training: bool 
         )
     if getattr(params, "optimize_memory_usage", False):
         raise ConfigError(
-            "optimize_memory_usage=true is not supported: SB3 refuses it beside timeout handling, which stays on"
+            "optimize_memory_usage=true is not supported by the plan yet: SB3's replay buffer refuses it beside timeout "
+            "handling, which stays on (sb3_gpu.extensions.replay.DeviceReplayBuffer takes both, given to SB3 by hand)"
         )
     if getattr(params, "per", False) and isinstance(obs_space, spaces.Dict):
         raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")
