@@ -187,7 +187,7 @@ def make_plan(
         check_policy_kwargs(
             algo_, v.resolved.policy, v.resolved.policy_kwargs, v.resolved.sources.get("policy_kwargs", entry_label)
         )
-        _check_combinations(v.resolved, facts.observation_space, training)
+        _check_combinations(v.resolved, facts.observation_space, facts.action_space, training)
         return v
 
     device_choice = choose_device(device, kind, algo_.on_policy, hardware)
@@ -690,10 +690,13 @@ def _shown(space: spaces.Space) -> str:
     return f"a Box of shape {space.shape}, {space.dtype}" if isinstance(space, spaces.Box) else str(space)
 
 
-def _check_combinations(preset: Preset, obs_space: spaces.Space, training: bool = True) -> None:
+def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: spaces.Space, training: bool = True) -> None:
     """Refuse settings that each pass alone but that SB3 or sb3_gpu cannot run together."""
     params: Any = preset.params
     _check_policy_fits(preset, obs_space)
+    if getattr(params, "use_sde", False) and not isinstance(action_space, spaces.Box):
+        # SB3 refuses it only as the model is built, after a plan that said nothing.
+        raise ConfigError(f"use_sde=true explores continuous actions; the env's actions are {action_space}: set use_sde=false")
     if preset.algo == "ppo":
         if params.n_steps * preset.n_envs < 2:
             raise ConfigError(f"n_steps * n_envs must be > 1 for PPO, got {params.n_steps} * {preset.n_envs}")

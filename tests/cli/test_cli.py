@@ -124,6 +124,7 @@ BAD_INPUTS = [
     (["dqn", "--set", "per.alpha=-1"], "per.alpha: expected a number >= 0"),
     (["dqn", "--set", "grad_accum_steps=0"], "grad_accum_steps: expected a positive int"),
     (["dqn", "--set", "optimize_memory_usage=true"], "optimize_memory_usage=true is not supported"),
+    (["ppo", "--set", "use_sde=true"], "use_sde=true explores continuous actions; the env's actions are Discrete(2)"),
     (["ppo", "--n-envs", "1", "--set", "n_steps=1"], "n_steps * n_envs must be > 1 for PPO"),
     (["ppo", "--seed", "-1"], "--seed: expected a seed, an integer >= 0"),
     (["ppo", "--timesteps", "inf"], "--timesteps: expected a positive integer, got 'inf'"),
