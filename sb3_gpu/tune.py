@@ -166,7 +166,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     try:
         from sb3_gpu.common.io import check_dir_creatable, make_dir, refuse_links
         from sb3_gpu.config.schema import get_algo
-        from sb3_gpu.config.search import fit_to_budget, load_space
+        from sb3_gpu.config.search import check_policy_kwargs_space, fit_to_budget, load_space
         from sb3_gpu.planning.plan import make_plan
         from sb3_gpu.tuning.storage import fail_dead_local_trials, import_optuna, journal_lock, make_storage, mask_url
         from sb3_gpu.tuning.study import finished_trials, make_objective, open_study, run_trials
@@ -188,8 +188,10 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 f"--eval-freq {args.eval_freq:,} is above the {budget:,} timesteps of each seed: no evaluation could see "
                 f"--threshold reached; give at most {budget:,} (default: a fiftieth of the run)"
             )
+        loaded = load_space(args.algo, args.space)
+        check_policy_kwargs_space(args.algo, plan.preset.policy, loaded, str(args.space or "the bundled space"))
         space, narrowed = fit_to_budget(
-            load_space(args.algo, args.space),
+            loaded,
             plan.preset.n_timesteps,
             plan.preset.n_envs,
             get_algo(args.algo).on_policy,

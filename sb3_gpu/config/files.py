@@ -4,7 +4,6 @@ refused), size and alias-bomb limits, and one-line errors."""
 from __future__ import annotations
 
 import os
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -38,13 +37,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if duplicate:
                 raise _DuplicateKeyError(problem=f"key {key!r} given twice", problem_mark=key_node.start_mark)
         return super().construct_mapping(node, deep=deep)
-
-
-# YAML 1.2 reads 1e-3 as a float; PyYAML (YAML 1.1) wants a dot (1.0e-3) and reads it as the string "1e-3", which
-# the hyperparameters' checks would convert but an env's keywords would receive as it is.
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
 
 
 def presets_dir() -> Path:

@@ -241,7 +241,7 @@ COMMON_KEYS: dict[str, Check] = {
     "policy_kwargs": c.kwargs_mapping,
     "normalize": c.normalize,
     "frame_stack": c.optional(c.POS_INT),
-    "env_kwargs": c.mapping,
+    "env_kwargs": c.kwargs_mapping,  # passed on as given, its numbers as Python's (1e-3 a float, not YAML's string)
     # Evaluation episodes are cut after this many steps (default: the env's own time limit, else 10,000), so that a
     # deterministic policy that never ends an episode cannot hang an evaluation.
     "eval_max_episode_steps": c.optional(c.POS_INT),

@@ -9,7 +9,7 @@ from typing import Any
 from sb3_gpu.common.checks import yaml_number
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.config.files import presets_dir, read_yaml
-from sb3_gpu.config.presets import apply_override
+from sb3_gpu.config.presets import apply_override, check_policy_kwargs
 from sb3_gpu.config.schema import check_key_names, get_algo, validate_flat
 
 SPEC_KEYS = ("low", "high", "log", "choices")
@@ -32,6 +32,17 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
             _check(algo_, str(key), value, path)
         space[str(key)] = spec if "choices" in spec else _typed_range(algo_, str(key), spec, path)
     return space
+
+
+def check_policy_kwargs_space(algo: str, policy: str, space: dict[str, dict[str, Any]], where: str) -> None:
+    """Check a space's ``policy_kwargs.*`` keys and their edge values against the policy the plan chose, before any
+    trial: a misspelt one would otherwise fail every trial of the study. (Loading cannot: the policy is the plan's.)"""
+    for key, spec in space.items():
+        if key.startswith("policy_kwargs."):
+            for value in _candidates(spec, f"{where}, key {key}"):
+                flat: dict[str, Any] = {}
+                apply_override(flat, key, value)
+                check_policy_kwargs(get_algo(algo), policy, flat["policy_kwargs"], f"{where}, key {key}")
 
 
 def _numbers_read(spec: dict[str, Any]) -> dict[str, Any]:

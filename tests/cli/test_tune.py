@@ -327,6 +327,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, 
     assert not (tmp_path / "study").exists()  # a study that cannot open leaves no empty study dir behind
 
 
+def test_a_misspelt_policy_kwargs_key_in_a_space_is_refused_before_the_study_opens(tmp_path, monkeypatch, call_main):
+    # Loading cannot check it (the policy is the plan's): each trial would fail it, after the study was made.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "space.yaml").write_text("policy_kwargs.orth_init: {choices: [true, false]}\n")
+    out = call_main(tune.main, "ppo", "--study-dir", str(tmp_path / "study"), *TINY[:-1], "space.yaml")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith(
+        "error: space.yaml, key policy_kwargs.orth_init: policy_kwargs of MlpPolicy: unknown key 'orth_init'; did you "
+        "mean 'ortho_init'"
+    )
+    assert not (tmp_path / "study").exists()
+
+
 def test_a_study_dir_that_is_a_file_or_holds_a_link_is_refused_in_one_line(tmp_path, monkeypatch, call_main):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "notes.txt").write_text("keep")

@@ -12,7 +12,7 @@ from torch import nn
 
 from sb3_gpu.common.checks import Schedule
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.config.files import parse_yaml, presets_dir
+from sb3_gpu.config.files import presets_dir
 from sb3_gpu.config.presets import load_preset_file, parse_override, resolve_preset, select_entry
 from sb3_gpu.config.schema import ALGOS, CONVERTED_KEYS, EXTENSION_KEYS, get_algo, validate_entry, validate_flat
 
@@ -377,20 +377,19 @@ def test_values_round_trip_through_validation():
         ("net_arch=[64, 64]", ("net_arch", [64, 64])),
         ("use_sde=true", ("use_sde", True)),
         ("gamma = 0.9", ("gamma", 0.9)),
-        ("env_kwargs.scale=1e-3", ("env_kwargs.scale", 0.001)),  # YAML 1.2's float, not PyYAML's string
     ],
 )
 def test_override_values_are_yaml_scalars(text, expected):
     assert parse_override(text) == expected
 
 
-def test_numbers_in_exponent_form_are_floats_wherever_they_stand():
-    # PyYAML (YAML 1.1) reads 1e-3 as a string: hyperparameters' checks convert it, an env's keywords would not.
-    text = "env_kwargs: {scale: 1e-3, big: 2E5, neg: -1.5e+2, under: 1_0e1, quoted: '1e-3', word: e5, half: 1e}"
-    assert parse_yaml(text, "t") == {
-        "env_kwargs": {"scale": 0.001, "big": 2e5, "neg": -150.0, "under": 100.0, "quoted": "1e-3", "word": "e5", "half": "1e"}
-    }
-    assert yaml.safe_load("a: 1e-3") == {"a": "1e-3"}  # PyYAML's own loader left as it is
+def test_env_kwargs_numbers_in_exponent_form_reach_the_env_as_floats(tmp_path):
+    # PyYAML reads 1e-3 as a string; policy_kwargs and the hyperparameters took it as a number, env_kwargs as written.
+    path = tmp_path / "p.yaml"
+    path.write_text("CartPole-v1:\n  env_kwargs: {scale: 1e-3, big: -2E5, quoted: '1e-3x', plain: 7}\n")
+    entries, _ = load_preset_file(PPO_, path)
+    preset = resolve_preset(PPO_, entries["CartPole-v1"], "p.yaml:CartPole-v1", "cpu")
+    assert preset.env_kwargs == {"scale": 0.001, "big": -200000.0, "quoted": "1e-3x", "plain": 7}
 
 
 @pytest.mark.parametrize("text", ["batch_size", "=3", ""])
