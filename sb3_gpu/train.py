@@ -144,6 +144,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         key, value = parse_override(item)
         if flagged.get(key):
             raise ConfigError(f"{flagged[key]} and --set {key} both set {key}; give one")
+        if sources.get(key) == "--set":  # which of two should win is a guess: refused, as a flag beside --set is
+            raise ConfigError(f"--set {key} is given twice ({overrides[key]!r}, then {value!r}); give one")
         if args.per is False and key.startswith("per."):  # a PER value would turn PER back on
             raise ConfigError(f"--no-per turns prioritized replay off, and --set {key} sets one of its values; give one")
         overrides[key], sources[key] = value, "--set"

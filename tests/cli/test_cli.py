@@ -125,6 +125,7 @@ BAD_INPUTS = [
     (["dqn", "--set", "grad_accum_steps=0"], "grad_accum_steps: expected a positive int"),
     (["dqn", "--set", "optimize_memory_usage=true"], "optimize_memory_usage=true is not supported"),
     (["ppo", "--set", "use_sde=true"], "use_sde=true explores continuous actions; the env's actions are Discrete(2)"),
+    (["ppo", "--set", "n_steps=64", "--set", "n_steps=128"], "--set n_steps is given twice (64, then 128); give one"),
     (["ppo", "--n-envs", "1", "--set", "n_steps=1"], "n_steps * n_envs must be > 1 for PPO"),
     (["ppo", "--seed", "-1"], "--seed: expected a seed, an integer >= 0"),
     (["ppo", "--timesteps", "inf"], "--timesteps: expected a positive integer, got 'inf'"),
