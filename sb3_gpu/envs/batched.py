@@ -278,7 +278,7 @@ def _exit_cause(process: mp.process.BaseProcess) -> str:
 
 def _shutdown(processes: list[Any], conns: list[Connection], shm: list[shared_memory.SharedMemory]) -> None:
     """Stop every worker and free the shared block; safe to call twice, and at interpreter exit."""
-    for process in processes:  # SIGKILL: workers ignore SIGTERM (see ignore_stop_signals)
+    for process in processes:  # SIGKILL: workers let SIGTERM pass (see ignore_stop_signals)
         if process.is_alive():
             process.kill()
     for process in processes:

@@ -235,7 +235,7 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
                 raise
             # Workers may be dead or waiting on a pipe; a polite close() would raise on the dead ones.
             for proc in set(mp.active_children()) - before:
-                proc.kill()  # workers ignore SIGTERM
+                proc.kill()  # workers let SIGTERM pass
                 proc.join(timeout=5)
             raise _WorkersFailed(_failure_cause(e, sorted(Path(tmp).glob("*.err")))) from None
         finally:
@@ -330,7 +330,7 @@ def close_vec_envs(*venvs: VecEnv | None) -> None:
         if isinstance(base, SubprocVecEnv) and not all(p.is_alive() for p in processes):
             # SB3's close() would wait for a reply from every worker still owing one: stop them instead.
             for process in processes:
-                process.kill()  # workers ignore SIGTERM
+                process.kill()  # workers let SIGTERM pass
             base.closed = True
         with contextlib.suppress(EOFError, BrokenPipeError, ConnectionError, OSError, EnvWorkerError):
             venv.close()
