@@ -89,6 +89,12 @@ CASES = [
         "policy_kwargs.optimizer_kwargs {'betas': 1}: Adam refused them (TypeError: 'int' object is not subscriptable)",
     ),
     (
+        lambda: make_plan(
+            "ppo", "CartPole-v1", "cpu", overrides={**NO_PROBE, "policy_kwargs.optimizer_kwargs": {"weight_decy": 0}}
+        ),
+        "policy_kwargs.optimizer_kwargs of Adam: unknown key 'weight_decy'; did you mean 'weight_decay'",
+    ),
+    (
         lambda: make_plan("dqn", "CartPole-v1", "cpu", overrides={**NO_PROBE, "policy_kwargs.optimizer_kwargs": {"lr": 0.1}}),
         "policy_kwargs.optimizer_kwargs.lr comes from dqn's learning_rate; set that",
     ),

@@ -287,10 +287,14 @@ def valid_keys(algo: Algo) -> dict[str, Check]:
     return {**COMMON_KEYS, **_param_checks(algo)}
 
 
-def validate_flat(algo: Algo, mapping: Any, where: str) -> dict[str, Any]:
-    """Validate a profile-free mapping of keys; return the normalised values."""
+def validate_flat(algo: Algo, mapping: Any, where: str, shared_only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Validate a profile-free mapping of keys; return the normalised values. ``shared_only`` keys are refused
+    (a profile's mapping may not set them)."""
     mapping = c.mapping(mapping, where)
-    checks = valid_keys(algo)
+    for key in shared_only:
+        if key in mapping:
+            raise ConfigError(f"{where}: {key!r} must be shared, not set per profile")
+    checks = {k: v for k, v in valid_keys(algo).items() if k not in shared_only}
     _refuse_other_algorithms_keys(algo, mapping, where)
     c.check_keys(mapping, set(checks), where)
     values = {k: checks[k](v, f"{where}: {k}") for k, v in mapping.items()}
@@ -341,8 +345,5 @@ def validate_entry(algo: Algo, entry: Any, where: str) -> dict[str, Any]:
     out: dict[str, Any] = dict(shared)
     for profile in PROFILES:
         if profile in entry:
-            values = validate_flat(algo, entry[profile] or {}, f"{where}, profile {profile}")
-            if "policy" in values:
-                raise ConfigError(f"{where}, profile {profile}: 'policy' must be shared, not set per profile")
-            out[profile] = values
+            out[profile] = validate_flat(algo, entry[profile] or {}, f"{where}, profile {profile}", shared_only=("policy",))
     return out

@@ -80,6 +80,15 @@ def test_profile_overrides_shared_values_and_sources_say_so():
     assert preset.params.gamma == 0.99 and preset.sources["gamma"] == "SB3 default"
 
 
+def test_a_profile_may_not_set_the_policy_and_its_key_list_does_not_offer_it():
+    with pytest.raises(ConfigError, match="t, profile gpu: 'policy' must be shared, not set per profile"):
+        validate_entry(PPO_, {"gpu": {"policy": "MlpPolicy"}}, "t")
+    with pytest.raises(ConfigError, match="unknown key 'batch_sise'; did you mean 'batch_size'") as refused:
+        validate_entry(PPO_, {"gpu": {"batch_sise": 64}}, "t")
+    valid = str(refused.value).split("(valid: ")[1]
+    assert "batch_size" in valid.split(", ") and "policy" not in valid.rstrip(")").split(", ")
+
+
 def test_overrides_win_and_are_validated():
     entry = validate_entry(PPO_, {"batch_size": 32}, "t")
     preset = resolve_preset(
