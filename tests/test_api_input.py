@@ -9,6 +9,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
+from stable_baselines3.common.vec_env import SubprocVecEnv
 
 from sb3_gpu import (
     ConfigError,
@@ -105,6 +106,9 @@ CASES = [
     (lambda: make_vec_env("CartPole-v1", 2, env_kwargs="x"), "env_kwargs must be a mapping of keyword arguments"),
     (lambda: make_vec_env("CartPole-v1", 2, wrapper_class=5), "wrapper_class must be callable"),
     (lambda: make_vec_env("CartPole-v1", 2, vec_env_cls="subproc"), "vec_env_cls must be a VecEnv class"),
+    (lambda: make_vec_env("CartPole-v1", 2, vec_env=SubprocVecEnv), "a VecEnv class goes in vec_env_cls, got <class"),
+    (lambda: make_vec_env("CartPole-v1", 2, vec_env=None), "vec_env must be one of auto, dummy, subproc"),
+    (lambda: make_model("ppo", "CartPole-v1", "cpu", vec_env=3, probe=False), "vec_env must be one of auto, dummy, "),
     (lambda: make_vec_env("CartPole-v1", 2, atari_wrapper=True), "atari_wrapper=True wraps ALE Atari games; 'CartPole-v1'"),
     (lambda: make_vec_env("CartPole-v1", 2, atari_wrapper="yes"), "atari_wrapper (or None: Atari games only) must be True"),
     (lambda: choose_device("auto", "mlp", True, None), "hardware must be a HardwareProfile (from detect_hardware())"),

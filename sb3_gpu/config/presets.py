@@ -234,11 +234,11 @@ def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], wher
         if "lr" in kwargs["optimizer_kwargs"]:
             raise ConfigError(f"{where}: policy_kwargs.optimizer_kwargs.lr comes from {algo.name}'s learning_rate; set that")
         optimizer = kwargs.get("optimizer_class", chosen.default)
-        accepted = inspect.signature(optimizer.__init__).parameters
-        if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):  # a typo gets a suggestion, not a TypeError
+        arguments = inspect.signature(optimizer.__init__).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in arguments.values()):  # a typo gets a suggestion, not a TypeError
             c.check_keys(
                 kwargs["optimizer_kwargs"],
-                set(accepted) - {"self", "params", "lr"},
+                set(arguments) - {"self", "params", "lr"},
                 f"{where}: policy_kwargs.optimizer_kwargs of {optimizer.__name__}",
             )
         try:

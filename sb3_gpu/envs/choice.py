@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import resource
 import warnings
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ def envpool_fits(spec: EnvSpec) -> bool:
 
 
 def check_vec_env_kind(kind: str) -> str:
+    if inspect.isclass(kind):  # SubprocVecEnv given where SB3's make_vec_env takes vec_env_cls
+        raise ConfigError(f"vec_env is a name ({', '.join(VEC_ENV_KINDS)}); a VecEnv class goes in vec_env_cls, got {kind!r}")
+    if not isinstance(kind, str):
+        raise ConfigError(f"vec_env must be one of {', '.join(VEC_ENV_KINDS)}, got {kind!r}")
     if kind not in VEC_ENV_KINDS:
         raise ConfigError(f"unknown vec_env {kind!r}{closest(kind, VEC_ENV_KINDS)} (valid: {', '.join(VEC_ENV_KINDS)})")
     return kind

@@ -76,7 +76,7 @@ DASHBOARD: dict[str, dict[str, list[Any]]] = {
     "Losses": {
         "losses": ["Multiline", [r"train/.*loss"]],
         "learning rate, exploration": ["Multiline", [r"train/learning_rate", r"rollout/exploration_rate"]],
-        "prioritized replay, AMP": ["Multiline", [r"per/.*", r"amp/scale"]],
+        "prioritized replay, AMP": ["Multiline", [r"per/.*", r"amp/.*"]],
     },
     "Hardware": {
         "process memory (MiB)": ["Multiline", [r"throughput/rss_mib", r"throughput/cuda_(allocated|peak)_mib"]],
@@ -263,7 +263,7 @@ class ThroughputCallback(BaseCallback):
             # Less measured after the warm-up than the warm-up itself (a short run or resume, or its first seconds):
             # the whole of it is the measure, or a window of a second or two (a final evaluation, say) would be.
             window = (last_t - self._start, last) if last_t > self._start else None
-        if window is not None:
+        if window is not None and window[1][self._STEPS] > 0:  # the first rollout's end has only its start sampled
             seconds, d = window
             figures["env_steps_per_s"] = d[self._STEPS] / seconds
             figures["episodes_per_s"] = d[self._EPISODES] / seconds

@@ -79,6 +79,22 @@ def test_one_callback_measures_each_learn_afresh():
     assert 0.0 < callback.latest["share_env"] < 1.0  # both parts measured (their ratio depends on the load beside it)
 
 
+def test_no_learn_records_a_rate_before_it_has_measured_a_rollout(tmp_path):
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1, tensorboard_log=str(tmp_path))
+    callback = ThroughputCallback(record_s=0.0)  # the default warm-up: each short learn is measured whole
+    model.learn(256, callback=callback, tb_log_name="run")
+    model.learn(256, callback=callback, tb_log_name="run", reset_num_timesteps=False)  # a notebook's second learn
+    scalars: dict[str, list[float]] = {}
+    for events in sorted(tmp_path.rglob("events.out.tfevents.*")):  # SB3 opens a second file for the second learn
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend(e.value for e in acc.Scalars(tag))
+    # 8 rollouts, the first of each learn recorded before any was measured: no rate (it would read 0 steps/s).
+    assert len(scalars["throughput/env_steps_per_s"]) == 8 - 2 + 2  # each learn's end records one more
+    assert min(scalars["throughput/env_steps_per_s"]) > 0 and max(scalars["throughput/share_train"]) < 1
+
+
 def test_a_learn_shorter_than_twice_the_warm_up_is_measured_whole():
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=2)
     callback = ThroughputCallback(window_s=1.0, warmup_s=1e9, record_s=0.0)
