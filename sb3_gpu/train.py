@@ -27,6 +27,7 @@ from sb3_gpu.common.cli import (
     print_error,
     seed_int,
     sigterm_as_interrupt,
+    threads_arg,
 )
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged, named
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile the gradient step and policy: auto (default: on CUDA or the CPU where the probe times it "
         "faster and the run earns its compile time back), false or a torch.compile mode",
     )
-    p.add_argument("--threads", type=_threads, help="torch CPU threads: auto (default; chosen by policy size) or N")
+    p.add_argument("--threads", type=threads_arg, help="torch CPU threads: auto (default; chosen by policy size) or N")
     p.add_argument(
         "--no-probe",
         action="store_true",
@@ -119,10 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true", help="print the plan and exit without training")
     p.add_argument("--version", action="version", version=f"sb3_gpu {__version__}")
     return p
-
-
-def _threads(text: str) -> int | str:
-    return "auto" if text.strip().lower() == "auto" else positive_int(text)
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:

@@ -29,6 +29,7 @@ from sb3_gpu.common.cli import (
     print_error,
     seed_int,
     sigterm_as_interrupt,
+    threads_arg,
 )
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
     p.add_argument("--vec-env", choices=VEC_ENV_KINDS, default="auto")
+    p.add_argument("--threads", type=threads_arg, help="torch CPU threads of each trial: auto (default) or N")
     p.add_argument("--space", metavar="FILE", help="a search-space YAML (default: the bundled one for ALGO)")
     p.add_argument(
         "--heartbeat", type=positive_int, default=60, help="seconds; a silent worker's trial fails after 2x (RDB storages)"
@@ -115,6 +117,7 @@ def settings_from_args(args: argparse.Namespace) -> TrialSettings:
         eval_episodes=args.eval_episodes,
         eval_freq=args.eval_freq,
         threshold=args.threshold,
+        threads=args.threads,
     )
 
 
@@ -181,7 +184,8 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 f"--study-name {args.study_name!r}: it names a folder under tune/; accepted: letters, digits, '_', '.', '-' "
                 "(--study-dir chooses another folder)"
             )
-        plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env)
+        threads = {} if args.threads is None else {"threads": args.threads}
+        plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env, overrides=threads)
         budget = plan.preset.n_timesteps
         if args.eval_freq is not None and args.eval_freq > budget and args.threshold is not None:
             raise ConfigError(
@@ -224,13 +228,20 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             },
         )
     except ConfigError as e:
-        if new_folder is not None and new_folder.is_dir() and not any(new_folder.iterdir()):
-            new_folder.rmdir()
+        _remove_if_empty(new_folder)
         print_error(str(e))
         return 2
     except KeyboardInterrupt as e:
         print_error(f"{_stopped(e)} before any trial began")
         return interrupted(_stop_code(e))
+    except Exception as e:  # the env raising while the plan probes it, say: one line, as train says it
+        from sb3_gpu.common.errors import named
+        from sb3_gpu.tuning.storage import mask_url
+
+        _remove_if_empty(new_folder)
+        message = named(e)
+        print_error(mask_url(args.storage, message) if args.storage else message)
+        return 1
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for note in narrowed:
         console.print(f"search space: {note}", highlight=False)
@@ -262,7 +273,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             raise
 
     try:
-        run_trials(study, worker_objective, args.trials)
+        run = run_trials(study, worker_objective, args.trials)
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM or a second signal: optuna marked the running trial failed
         return _stopped_in_trials(e, url, args.heartbeat, name, started)
     except Exception as e:  # the storage failing between trials, say; its message may hold the URL
@@ -272,12 +283,24 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             return _stopped_in_trials(stops[0], url, args.heartbeat, name, started)
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1
+    if run.gave_up:
+        print_error(
+            f"this worker stopped after {run.misses} trials in a row that failed or drew an invalid combination (the "
+            f"lines above say why); the study has {finished_trials(study)} of {args.trials} trials finished"
+        )
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return _report(study, args, argv, plan.env.name, folder, plan.preset.n_timesteps, console)
+        code = _report(study, args, argv, plan.env.name, folder, plan.preset.n_timesteps, console)
+        return 1 if run.gave_up else code
     except OSError as e:  # a full disk, say: the trials are safe in the storage, and the same command reports again
         print_error(f"cannot write the study's results into {folder}: {e.strerror or e}; its trials are in {mask_url(url)}")
         return 1
+
+
+def _remove_if_empty(folder: Path | None) -> None:
+    """Remove the study dir this call made, where the study could not open in it."""
+    if folder is not None and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 class _LogFilter(logging.Filter):

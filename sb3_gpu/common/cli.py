@@ -78,6 +78,11 @@ def positive_int(text: str) -> int:
     return _integer(text, 1, "a positive integer")
 
 
+def threads_arg(text: str) -> int | str:
+    """torch's CPU threads: ``auto`` or a positive integer."""
+    return "auto" if text.strip().lower() == "auto" else positive_int(text)
+
+
 def count_int(text: str) -> int:
     """A count that may be zero: ``0``, ``30``, ``1e3``."""
     return _integer(text, 0, "an integer >= 0")

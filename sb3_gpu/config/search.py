@@ -23,6 +23,8 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"{path}: a search space must be a mapping of preset keys to {{low, high}} or {{choices}}")
     check_key_names(algo_, [str(key) for key in data], str(path))  # a misspelt key named as such, whatever its spec
+    if "n_timesteps" in data:  # every trial trains tune's --timesteps, whatever a preset key says
+        raise ConfigError(f"{path}: n_timesteps cannot be searched: each trial trains --timesteps (tune's budget per seed)")
     space: dict[str, dict[str, Any]] = {}
     for key, spec in data.items():
         where = f"{path}, key {key}"

@@ -32,6 +32,8 @@ from sb3_gpu.runs.telemetry import WindowedRate
 class StopOnSignal(BaseCallback):
     """Stop ``learn`` after the current step on SIGINT or SIGTERM; a second signal raises StopNow at once.
 
+    ``saving`` says, in the line printed on the first signal, that the caller saves the model after the stop.
+
     Use it as a context manager around ``learn`` (handlers can only be installed from the main thread; elsewhere
     it does nothing and Ctrl-C keeps Python's default)::
 
@@ -41,9 +43,9 @@ class StopOnSignal(BaseCallback):
         if stop.received: ...  # save and exit with 128 + stop.received
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM), verbose: int = 0):
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM), saving: bool = True, verbose: int = 0):
         super().__init__(verbose)
-        self.signals = signals
+        self.signals, self.saving = signals, saving
         self.received: int | None = None
         self.installed = False
         self._previous: dict[int, Any] = {}
@@ -67,7 +69,8 @@ class StopOnSignal(BaseCallback):
         self.received = signum
         # os.write, not print: a handler may run in the middle of a print, and print is not reentrant.
         name = signal.Signals(signum).name
-        os.write(2, f"\n{name} received: stopping after this step and saving (again to quit at once)\n".encode())
+        then = " and saving" if self.saving else ""
+        os.write(2, f"\n{name} received: stopping after this step{then} (again to quit at once)\n".encode())
 
     def _on_step(self) -> bool:
         return self.received is None

@@ -92,7 +92,7 @@ class Session:
     ):
         self.model, self.evaluator, self.run_dir = model, evaluator, run_dir
         self.save_replay_buffer = save_replay_buffer
-        self.stop = StopOnSignal()
+        self.stop = StopOnSignal(saving=run_dir is not None)
         self.guard = NanGuard()
         self.telemetry = ThroughputCallback(report_s=report_s, print_fn=print_fn, eval_callback=evaluator)
         self._progress_console = progress

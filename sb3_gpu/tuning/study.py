@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import shlex
 import socket
 import statistics
 import warnings
@@ -38,6 +39,7 @@ class TrialSettings:
 
     :ivar seeds: seeds per trial, from ``seed`` on; the score is the mean of their scores
     :ivar timesteps: timesteps per seed (None: the preset's)
+    :ivar threads: torch's CPU threads (None: the plan's choice)
     :ivar eval_freq: evaluate (and maybe prune) every N timesteps (None: a fifth of the run; a fiftieth with
         ``threshold``)
     :ivar threshold: None: a seed scores its final evaluation's mean return. Else it trains until its best,
@@ -55,6 +57,7 @@ class TrialSettings:
     eval_episodes: int = 10
     eval_freq: int | None = None
     threshold: float | None = None
+    threads: int | str | None = None
 
 
 def encode_choice(value: Any) -> Any:
@@ -147,6 +150,7 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
     without one)."""
     optuna = import_optuna()
     seed = settings.seed + index
+    threads = {} if settings.threads is None else {"threads": settings.threads}
     try:
         plan = make_plan(
             settings.algo,
@@ -155,8 +159,8 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
             seed=seed,
             n_timesteps=settings.timesteps,
             vec_env=settings.vec_env,
-            overrides=params,
-            override_source="search space",
+            overrides={**params, **threads},
+            override_source={**{key: "search space" for key in params}, **{key: "--threads" for key in threads}},
         )
     except ConfigError as e:  # an invalid combination (say batch_size > n_steps * n_envs): not a result
         trial.set_user_attr("invalid", str(e))
@@ -250,7 +254,7 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
     header = (
         f"# Tuned by python -m sb3_gpu.tune {algo} --env {env}: trial {best.number} of study {study.study_name!r},\n"
         f"# mean score {best.value:.2f} over {len(best.user_attrs.get('seed_scores', [])) or 1} seed(s) at {timesteps} "
-        f"timesteps each. Train it: python -m sb3_gpu.train {algo} --env {env} --preset {path.name}\n"
+        f"timesteps each. Train it: python -m sb3_gpu.train {algo} --env {env} --preset {shlex.quote(str(path.resolve()))}\n"
     )
     atomic_write_text(path, header + "".join(notes) + yaml.safe_dump({spec.name: entry}, sort_keys=False))
     load_preset_file(algo_, path)  # what we wrote must load as a preset
@@ -469,23 +473,49 @@ def seed_cells(trial: Any, threshold: float | None) -> str:
 
 
 def finished_trials(study: Any) -> int:
-    """Trials that count towards the study's target: complete or pruned."""
-    optuna = import_optuna()
-    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)))
+    """Trials that count towards the study's target: complete, or pruned by the pruner (an invalid combination,
+    pruned before it trained, is no result)."""
+    return sum(_counts(trial) for trial in study.get_trials(deepcopy=False))
 
 
-def run_trials(study: Any, objective: Any, target: int) -> None:
-    """Run trials until the study, counting every worker's, has ``target`` finished ones."""
-    optuna = import_optuna()
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    done = finished_trials(study)
-    if done >= target:
-        return
-    study.optimize(
-        objective,
-        n_trials=target - done,
-        callbacks=[optuna.study.MaxTrialsCallback(target, states=finished)],
-        gc_after_trial=True,
-        # A trial that diverges (NaN logits) or runs out of memory fails alone; the worker and the study go on.
-        catch=(Exception,),
-    )
+def _counts(trial: Any) -> bool:
+    state = import_optuna().trial.TrialState
+    return trial.state == state.COMPLETE or (trial.state == state.PRUNED and "invalid" not in trial.user_attrs)
+
+
+@dataclass
+class WorkerRun:
+    """What one worker's :func:`run_trials` did: its latest trials in a row that failed or drew an invalid
+    combination, and whether it stopped for them before the study had its target."""
+
+    misses: int = 0
+    gave_up: bool = False
+
+
+def run_trials(study: Any, objective: Any, target: int, max_misses: int | None = None) -> WorkerRun:
+    """Run trials until the study, counting every worker's, has ``target`` finished ones.
+
+    A trial that fails (a NaN, out of memory) or draws an invalid combination is tried again with new values; after
+    ``max_misses`` such trials in a row (default ``target``) the worker stops: a study whose every trial fails ends.
+    Workers finishing at once may each add a trial past ``target``.
+    """
+    limit = target if max_misses is None else max_misses
+    run = WorkerRun()
+
+    def after(study: Any, trial: Any) -> None:
+        run.misses = 0 if _counts(trial) else run.misses + 1
+        if finished_trials(study) >= target:
+            study.stop()
+        elif run.misses >= limit:
+            run.gave_up = True
+            study.stop()
+
+    if finished_trials(study) < target:
+        study.optimize(
+            objective,
+            callbacks=[after],
+            gc_after_trial=True,
+            # A trial that diverges (NaN logits) or runs out of memory fails alone; the worker and the study go on.
+            catch=(Exception,),
+        )
+    return run

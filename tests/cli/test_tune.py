@@ -228,6 +228,70 @@ def test_a_stop_that_optuna_fails_to_record_still_marks_the_trial_failed_and_exi
     assert broken and [t.state for t in load(storage).trials] == [optuna.trial.TrialState.FAIL]
 
 
+def test_failed_and_invalid_trials_are_tried_again_until_the_study_has_its_trials(tmp_path, monkeypatch, call_main):
+    space = load_space("ppo", TINY_SPACE)
+
+    def objective(trial):  # trials 0 and 2 fail (a NaN, out of memory), 3 draws an invalid combination
+        params = tuning.sample(trial, space)
+        if trial.number in (0, 2):
+            raise RuntimeError("CUDA out of memory")
+        if trial.number == 3:
+            trial.set_user_attr("invalid", "batch_size > n_steps * n_envs")
+            raise optuna.TrialPruned("invalid combination")
+        return params["learning_rate"]
+
+    monkeypatch.setattr(tuning, "make_objective", lambda settings, space: objective)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    out = call_main(tune.main, "ppo", "--trials", "3", *TINY, "--storage", storage, "--study-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    states = [t.state for t in load(storage).trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 3 and len(states) == 6
+    assert tuning.finished_trials(load(storage)) == 3  # the invalid one counts for nothing
+    assert (tmp_path / "best_preset.yaml").is_file()
+
+
+def test_a_worker_whose_trials_all_fail_stops_after_as_many_in_a_row_as_asked_and_says_so(tmp_path, monkeypatch, call_main):
+    def objective(trial):
+        trial.set_user_attr("invalid", "one rollout is more than the budget")
+        raise optuna.TrialPruned("invalid combination")
+
+    monkeypatch.setattr(tuning, "make_objective", lambda settings, space: objective)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    out = call_main(tune.main, "ppo", "--trials", "2", *TINY, "--storage", storage, "--study-dir", str(tmp_path))
+    assert out.returncode == 1, out.stderr
+    assert "error: this worker stopped after 2 trials in a row that failed or drew an invalid combination" in out.stderr
+    assert "the study has 0 of 2 trials finished" in out.stderr
+    assert len(load(storage).trials) == 2
+    # The same command tries again (the invalid ones are no results that would end the study).
+    out = call_main(tune.main, "ppo", "--trials", "2", *TINY, "--storage", storage, "--study-dir", str(tmp_path))
+    assert "0 of 2 trials finished; this worker joins in" in out.stdout and len(load(storage).trials) == 4
+
+
+def test_an_env_that_raises_while_tune_plans_is_one_line_and_exit_1(tmp_path, monkeypatch, call_main):
+    def broken(*args, **kwargs):  # the env's reset or step, as the plan's probe meets it
+        raise RuntimeError("flaky env broke")
+
+    monkeypatch.setattr("sb3_gpu.planning.plan.probe_env", broken)
+    out = call_main(tune.main, "ppo", "--trials", "1", *TINY, "--study-dir", str(tmp_path / "study"))
+    assert out.returncode == 1 and out.stderr.strip() == "error: RuntimeError: flaky env broke", out.stderr
+    assert not (tmp_path / "study").exists()
+
+
+def test_threads_reach_each_trials_plan_under_their_own_flag(monkeypatch):
+    seen = []
+
+    def plan_only(*args, overrides, override_source, **kwargs):
+        seen.append((overrides, override_source))
+        raise ConfigError("stop here")  # the trial is pruned as an invalid combination
+
+    monkeypatch.setattr(tuning, "make_plan", plan_only)
+    args = tune.build_parser().parse_args(["ppo", *TINY, "--threads", "1"])
+    study = optuna.create_study(direction="maximize")
+    study.optimize(tuning.make_objective(tune.settings_from_args(args), load_space("ppo", TINY_SPACE)), n_trials=1)
+    ((overrides, sources),) = seen
+    assert overrides["threads"] == 1 and sources["threads"] == "--threads" and sources["n_steps"] == "search space"
+
+
 def test_the_pruner_stops_a_trial_through_the_eval_callback(tmp_path):
     class AlwaysPrune(optuna.pruners.BasePruner):
         def prune(self, study, trial):
@@ -408,6 +472,7 @@ def test_a_worker_that_starts_while_another_holds_the_journal_lock_waits_for_it(
         # The key is named before its spec's shape is judged.
         ("learning_rat: 3.0e-4", "unknown key 'learning_rat'.*did you mean 'learning_rate'"),
         ("per.alpha: {low: 0.4, high: 0.8}", "'per' is for off-policy algorithms"),
+        ("n_timesteps: {choices: [100, 200]}", "n_timesteps cannot be searched: each trial trains --timesteps"),
     ],
 )
 def test_search_space_keys_and_values_are_checked_like_presets(tmp_path, text, message):
@@ -561,6 +626,7 @@ def test_the_exported_preset_is_what_the_best_trial_trained(tmp_path):
     add(-150.0, 10_000, "cpu")
     path = tuning.export_preset(study, "td3", "Pendulum-v1", tmp_path / "best_preset.yaml", timesteps=5000)
     text = path.read_text()
+    assert f"Train it: python -m sb3_gpu.train td3 --env Pendulum-v1 --preset {path.resolve()}\n" in text  # from anywhere
     entry = yaml.safe_load(text)["Pendulum-v1"]
     assert {k: entry[k] for k in ("net_arch", "batch_size", "learning_starts", "learning_rate", "buffer_size")} == {
         "net_arch": [64, 64],

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch as th
 from gymnasium import spaces
+from stable_baselines3 import PPO
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.save_util import json_to_data
 
@@ -328,6 +329,16 @@ def test_a_second_signal_with_only_a_best_model_names_it(tmp_path, monkeypatch, 
         f"error: to evaluate it: {command()} -m sb3_gpu.evaluate {run_dir}",
     ]
     assert (run_dir / "best_model.zip").exists()
+
+
+def test_the_first_signal_promises_a_save_only_where_the_session_saves(capfd):
+    from sb3_gpu.runs.session import Session
+
+    for saving, said in ((True, "stopping after this step and saving (again"), (False, "stopping after this step (again")):
+        StopOnSignal(saving=saving)._handle(signal.SIGTERM, None)
+        assert f"SIGTERM received: {said} to quit at once)" in capfd.readouterr().err
+    # A tune trial or a bench run has no run dir: it saves nothing.
+    assert Session(PPO("MlpPolicy", "CartPole-v1", n_steps=64)).stop.saving is False
 
 
 def test_a_second_signal_exits_with_its_own_status(tmp_path, monkeypatch, capsys):
