@@ -373,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a full or read-only disk while saving: the atomic writes kept the earlier files whole
         _remove_if_never_trained(run, new=args.resume is None, started=started)
         print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
-        print_error(_saved_note(run, started))
+        notes = getattr(e, "__notes__", None)  # what the save said, where summary.json could not say it
+        print_error(notes[-1] if notes else _saved_note(run, started))
         return 1
     except Exception as e:
         # An unexpected error: its traceback matters, less the note of where the model went, said once below.

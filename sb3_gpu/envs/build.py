@@ -279,14 +279,14 @@ def _seed(venv: VecEnv, seed: int | None) -> None:
         venv.seed(seed)
 
 
-def explain_env_error(error: BaseException, venv: VecEnv) -> BaseException:
+def explain_env_error(error: BaseException, venv: VecEnv, what: str = "env") -> BaseException:
     """Name the env behind an error: the one of a DummyVecEnv whose own step or reset raised (an
     :class:`EnvWorkerError` caused by the env's exception), or the worker behind a closed pipe (SB3's SubprocVecEnv
-    only reports EOFError when a worker dies)."""
+    only reports EOFError when a worker dies). ``what`` names the vec env's envs (``evaluation env``)."""
     base = venv.unwrapped
     if isinstance(base, DummyVecEnv) and (index := _raising_env(error, base)) is not None:
         trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        failed = EnvWorkerError(f"env {index} raised {named(error)}", env_index=index, worker_traceback=trace)
+        failed = EnvWorkerError(f"{what} {index} raised {named(error)}", env_index=index, worker_traceback=trace)
         failed.__cause__ = error
         return failed
     if not isinstance(error, (EOFError, ConnectionError)) or not isinstance(base, SubprocVecEnv):
@@ -301,7 +301,7 @@ def explain_env_error(error: BaseException, venv: VecEnv) -> BaseException:
                 cause = f"exited with code {code} (its traceback is above)"
                 if code < 0:
                     cause = f"was killed by {signal.Signals(-code).name}"
-                return EnvWorkerError(f"env {index} (SubprocVecEnv worker, pid {process.pid}) {cause}", env_index=index)
+                return EnvWorkerError(f"{what} {index} (SubprocVecEnv worker, pid {process.pid}) {cause}", env_index=index)
         if time.monotonic() > deadline:
             return error
         time.sleep(0.05)

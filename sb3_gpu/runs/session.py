@@ -134,6 +134,8 @@ class Session:
             self.stop.received = signal.SIGINT  # not the main thread, so Python's own Ctrl-C: stop and save
         except Exception as e:
             error = explain_env_error(e, model.get_env())  # type: ignore[arg-type]
+            if error is e and self.evaluator is not None:  # not a training env's: maybe one of a periodic evaluation
+                error = explain_env_error(e, self.evaluator.eval_env, what="evaluation env")
         finally:
             self._release()
         outcome = Outcome(

@@ -321,7 +321,12 @@ def _learn(
         if run.best_model.exists():
             summary["best_model"] = str(run.best_model)
         summary["curves"] = _draw_curves(plan, run)
-        write_json(run.summary, summary)
+        try:
+            write_json(run.summary, summary)
+        except OSError as e:  # a full disk: where the model went (and what failed before) is still said
+            if hasattr(e, "add_note"):
+                e.add_note(str(summary["saved"]))
+            raise
     if failed is not None:
         raise failed
     if outcome.error is not None:

@@ -28,7 +28,7 @@ from stable_baselines3.common.save_util import json_to_data
 
 from sb3_gpu import ConfigError
 from sb3_gpu.common.cli import command
-from sb3_gpu.common.errors import StopNow, TrainingDiverged
+from sb3_gpu.common.errors import EnvWorkerError, StopNow, TrainingDiverged
 from sb3_gpu.common.io import atomic_write_bytes, keep_previous
 from sb3_gpu.config.runconfig import load_config
 from sb3_gpu.extensions.hostreads import HostReads
@@ -664,6 +664,19 @@ def test_an_env_raising_at_step_n_stops_the_run_after_a_save(tmp_path, vec_env):
     assert _load(run_dir, run_dir / "model.zip").num_timesteps == 1398
     summary = json.loads((run_dir / "summary.json").read_text())
     assert ("exited with code 1" if vec_env == "subproc" else "boom at step 700") in summary["error"]
+
+
+def test_an_evaluation_env_that_raises_is_named_as_one():
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from tests.fault_envs import FaultyCartPoleV1
+
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=32, batch_size=32, n_epochs=1)
+    evaluator = TimedEvalCallback(DummyVecEnv([lambda: FaultyCartPoleV1(raise_at=5)]), eval_freq=32, n_eval_episodes=1)
+    with Session(model, evaluator=evaluator) as session:
+        outcome = session.learn(64)
+    assert isinstance(outcome.error, EnvWorkerError) and outcome.error.env_index == 0
+    assert str(outcome.error) == "evaluation env 0 raised RuntimeError: boom at step 5"
 
 
 # --- NaN -----------------------------------------------------------------------------------------------------------
@@ -1319,6 +1332,28 @@ def test_a_full_disk_at_the_final_save_says_so_and_names_the_last_complete_model
     checkpoint = tmp_path / "run" / "checkpoints" / "model_128_steps.zip"
     assert f"the last complete model is {checkpoint} (128 timesteps)" in err[1] and "Traceback" not in "".join(err)
     assert not model.exists()
+
+
+def test_a_disk_too_full_for_the_summary_too_still_says_what_failed_and_where_the_model_is(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(model, files, replay_buffer):
+        raise OSError(errno.ENOSPC, "No space left on device", str(files.model))
+
+    def summary_full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "128", "--n-envs", "1", "--set", "n_steps=32"]
+    args += ["--set", "batch_size=32", "--checkpoint-freq", "64", "--eval-freq", "64", "--eval-episodes", "1"]
+    monkeypatch.setattr("sb3_gpu.runs.session.save_state", full)
+    monkeypatch.setattr("sb3_gpu.runs.training.write_json", summary_full)
+    run = tmp_path / "run"
+    assert train_main([*args, "--run-dir", str(run), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == f"error: could not write {run / 'summary.json'}: No space left on device"
+    checkpoint = run / "checkpoints" / "model_128_steps.zip"
+    assert err[1].startswith(f"error: could not write {run / 'model.zip'} (No space left on device); the last complete ")
+    assert f"model is {checkpoint} (128 timesteps)" in err[1] and f"-m sb3_gpu.evaluate {run})" in err[1]  # all trained
 
 
 def test_resume_passes_over_a_damaged_checkpoint_with_a_warning(tmp_path, capsys):
