@@ -57,9 +57,15 @@ def zoo_file(spec: str) -> Path:
         return Path(next(iter(found.submodule_search_locations))) / "hyperparams" / f"{spec}.yml"
     path = Path(spec)
     if not path.is_file():
+        named = spec.partition(":")[0].removesuffix(".yml").removesuffix(".yaml").lower()
+        hint = (  # zoo:dqn.yml or zoo:dqn:CartPole-v1, as rl-zoo3 names its files and entries
+            f"; did you mean zoo:{named}? (the entry is the one for --env)"
+            if named in ZOO_ALGOS
+            else closest(spec.lower(), ZOO_ALGOS)
+        )
         raise ConfigError(
             f"zoo:{spec} is neither an algorithm's rl-zoo3 file nor a readable file; accepted: "
-            f"{', '.join(f'zoo:{a}' for a in ZOO_ALGOS)} or zoo:PATH.yml{closest(spec.lower(), ZOO_ALGOS)}"
+            f"{', '.join(f'zoo:{a}' for a in ZOO_ALGOS)} or zoo:PATH.yml{hint}"
         )
     return path
 

@@ -193,8 +193,11 @@ def test_a_zoo_value_the_preset_checks_refuse_names_the_file_and_entry():
     with pytest.raises(ConfigError, match=r"zoo:sac holds rl-zoo3's values for sac; this run trains ppo \(zoo:ppo\)"):
         load_preset_file(get_algo("ppo"), "zoo:sac")
     accepted = r"accepted: zoo:ppo, zoo:dqn, zoo:qrdqn, zoo:sac, zoo:td3, zoo:tqc or zoo:PATH.yml"
-    with pytest.raises(ConfigError, match=rf"zoo:SAC is neither .* a readable file; {accepted}; did you mean 'sac'\?"):
-        load_preset_file(get_algo("sac"), "zoo:SAC")
+    for spec in ("SAC", "sac.yml", "sac.yml:Pendulum-v1", "sac:Pendulum-v1"):  # rl-zoo3's file and entry names
+        with pytest.raises(ConfigError, match=rf"zoo:{spec} is neither .* {accepted}; did you mean zoo:sac\? \(the entry"):
+            load_preset_file(get_algo("sac"), f"zoo:{spec}")
+    with pytest.raises(ConfigError, match=rf"zoo:sacc is neither .* a readable file; {accepted}; did you mean 'sac'\?"):
+        load_preset_file(get_algo("sac"), "zoo:sacc")
     for spec in ("zoo:", "zoo:no/such.yml"):  # the folder "." and a missing file
         with pytest.raises(ConfigError, match=accepted):
             load_preset_file(get_algo("sac"), spec)
