@@ -294,10 +294,14 @@ def evaluation_line(plan: Plan, options: RunOptions) -> str:
     )
 
 
-def next_commands(run: RunDir) -> list[str]:
-    """What to run next, one command a line, each runnable as printed (outside the table, so never wrapped)."""
+def next_commands(run: RunDir, env: str | None = None) -> list[str]:
+    """What to run next, one command a line, each runnable as printed (outside the table, so never wrapped); no
+    video for an env whose class says it cannot render frames."""
+    from sb3_gpu.envs.spec import declares_render_mode
+
+    watch = [f"watch it:  {command()} -m sb3_gpu.evaluate {run} --video"]
     return [
-        f"watch it:  {command()} -m sb3_gpu.evaluate {run} --video",
+        *(watch if env is None or declares_render_mode(env) is not False else []),
         f"replay it: {command()} -m sb3_gpu.train --config {run.config}",
         f"dashboard: {command('tensorboard')} --logdir {run.tensorboard}   (the Custom Scalars tab)",
     ]
@@ -388,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     assert run is not None
     console.print(summary_table(summary, run))
-    for line in next_commands(run):
+    for line in next_commands(run, summary.get("env")):
         console.print(line, soft_wrap=True, highlight=False, markup=False)
     if summary["stopped_by"] is not None:
         print_error(f"stopped by {summary['stopped_by']}: {summary['saved']}")

@@ -94,6 +94,26 @@ def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
     return dataclasses.replace(spec, make=make, env_id=None)  # env_id None: EnvPool cannot stand in for it
 
 
+def declares_render_mode(env_id: str, render_mode: str = "rgb_array") -> bool | None:
+    """Whether an env's class (a registered id's, or ``module:Class`` of a module already imported) lists
+    ``render_mode`` in its metadata, read without making the env; None where that cannot be told (a factory, an entry
+    point that is a function)."""
+    spec = gym.registry.get(env_id)
+    module, _, attr = env_id.partition(":")
+    try:
+        if spec is not None:
+            entry = spec.entry_point
+            target = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
+        elif attr and module in sys.modules:
+            target = getattr(sys.modules[module], attr, None)
+        else:
+            return None
+    except Exception:  # an entry point that does not import: the run itself would have said so
+        return None
+    metadata = getattr(target, "metadata", None) if inspect.isclass(target) else None
+    return render_mode in metadata.get("render_modes", []) if isinstance(metadata, dict) else None
+
+
 def looks_atari(env_id: str) -> bool:
     """Whether ``env_id`` names an Atari game: ``ALE/...``, ``...NoFrameskip...``, or an id ale-py registered
     (``Pong-v4``)."""

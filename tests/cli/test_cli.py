@@ -415,6 +415,19 @@ def test_a_run_logged_to_a_file_prints_no_progress_bar_and_commands_that_run_as_
     assert replayed.returncode == 0 and "sb3_gpu plan: PPO on CartPole-v1" in replayed.stdout
 
 
+def test_the_video_hint_is_left_out_for_an_env_whose_class_cannot_render(tmp_path):
+    import tests.fault_envs  # noqa: F401  (imported, as the run imported it)
+    from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.train import next_commands
+
+    run = RunDir(tmp_path)
+    watch = f"-m sb3_gpu.evaluate {tmp_path} --video"
+    assert any(line.endswith(watch) for line in next_commands(run, "CartPole-v1"))
+    assert any(line.endswith(watch) for line in next_commands(run, None))  # unknown (a factory): offered
+    lines = next_commands(run, "tests.fault_envs:Endless")  # metadata without rgb_array
+    assert not any("--video" in line for line in lines) and lines[0].startswith("replay it: ")
+
+
 def test_the_summary_shows_values_with_brackets_as_written(tmp_path):
     from rich.console import Console
 
