@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
 from sb3_gpu.common.cli import Parser, Terminated, interrupted, positive_int, print_error, seed_int, sigterm_as_interrupt
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.runs.rundir import RunDir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,26 +49,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     try:
-        if args.model is not None and str(args.target).endswith(".zip"):
-            raise ConfigError(f"--model {args.model} picks a model in a run dir; {args.target} names one already")
-        run = RunDir(args.target)
-        if args.model == "best" and run.final.model.is_file() and not run.best_model.is_file():
-            # Asked for by name, the best model is not stood in for by the final one (the default does that).
-            raise ConfigError(f"{args.target} has no {RunDir.BEST_MODEL} (no evaluation saved one); --model final: model.zip")
         from sb3_gpu.runs.evaluation import evaluate_run  # torch and SB3: here, so that --help needs neither
 
         result = evaluate_run(
             args.target,
             args.episodes,
             deterministic=not args.stochastic,
-            which=args.model or "best",
+            which=args.model or "auto",
             device=args.device,
             seed=args.seed,
             video=args.video or args.video_length is not None,
             video_length=args.video_length or 0,
         )
     except ConfigError as e:
-        print_error(str(e))
+        print_error(re.sub(r"which='(\w+)'", r"--model \1", str(e)))  # evaluate_run's argument is this CLI's --model
         return 2
     if args.json:
         print(json.dumps(result))

@@ -316,7 +316,7 @@ def evaluate_run(
     episodes: int = 10,
     *,
     deterministic: bool = True,
-    which: str = "best",
+    which: str = "auto",
     device: str = "cpu",
     seed: int | None = None,
     video: bool = False,
@@ -327,16 +327,14 @@ def evaluate_run(
     """Load a model from a run and return ``{"mean", "std", "episodes", "deterministic", "model"}``, and ``"video"``
     (its path, frames and fps) where asked for.
 
-    :param target: a run dir (its best model, else its final one; ``which="final"``: the final one) or a model zip
-        inside a run dir
+    :param target: a run dir or a model zip inside one
+    :param which: in a run dir, ``auto`` (its best model, else its final one), ``best`` or ``final`` (that one only)
     :param video: also record an mp4 of the model (its first episode, or ``video_length`` frames) into the run dir's
         ``videos/``, named after the model
     :param should_stop: asked after every env step; True abandons the evaluation with :class:`EvaluationStopped`
     :param env: the env to evaluate on (default: the one the run's config names); needed where the run trained on a
         factory given in Python, whose name the config cannot rebuild
     """
-    if which not in ("best", "final"):
-        raise ConfigError(f"which must be 'best' or 'final', got {which!r}")
     count_arg(episodes, "episodes")
     bool_arg(deterministic, "deterministic")
     bool_arg(video, "video")

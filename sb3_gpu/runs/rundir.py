@@ -311,18 +311,25 @@ class RunDir:
         return None
 
     @classmethod
-    def find_model(cls, target: str | Path, which: str = "best") -> tuple[Path, RunDir]:
-        """(model zip, run dir) for a run dir (its best model, else its final one) or a zip somewhere inside one."""
+    def find_model(cls, target: str | Path, which: str = "auto") -> tuple[Path, RunDir]:
+        """(model zip, run dir) for a run dir or a zip somewhere inside one. In a run dir, ``which`` picks: ``auto``
+        its best model, else its final one; ``best`` or ``final`` that one only."""
+        if which not in ("auto", "best", "final"):
+            raise ConfigError(f"which must be 'auto', 'best' or 'final', got {which!r}")
         target = Path(target)
         if target.is_dir():
             run = cls(target)
-            names = [run.best_model, run.final.model] if which == "best" else [run.final.model]
+            names = {"auto": [run.best_model, run.final.model], "best": [run.best_model], "final": [run.final.model]}[which]
             for path in names:
                 if path.is_file():
                     return path, run
+            if which == "best" and run.final.model.is_file():  # asked for by name, the final model does not stand in
+                raise ConfigError(f"{target} has no {cls.BEST_MODEL} (no evaluation saved one); which='final': model.zip")
             raise ConfigError(
                 f"{target} holds no {' or '.join(p.name for p in names)}; is it a run dir written by sb3_gpu.train?"
             )
+        if which != "auto":
+            raise ConfigError(f"which={which!r} picks a model in a run dir; {target} names one already")
         if not target.is_file():
             raise ConfigError(f"no such run dir or model file: {target}")
         for parent in (*target.parents, *target.resolve().parents):  # the run dir as given (a relative path stays one)

@@ -13,6 +13,7 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.vec_env import DummyVecEnv
 
+from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import atomic_write_bytes
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.evaluate import main as evaluate_main
@@ -386,6 +387,21 @@ def test_a_replayed_config_evaluates_and_saves_as_its_run_did_and_flags_still_wi
     )
     at, run, out = replay("older_set", "--set", "eval_freq=32")
     assert at == [32, 64, 96, 128] and squashed("(eval_freq, --set; 4 times)") in out, out
+
+
+def test_which_model_a_run_dir_gives_is_decided_once_for_the_api_and_the_cli(tmp_path):
+    (tmp_path / "config.yaml").write_text("")
+    (tmp_path / "model.zip").write_bytes(b"")
+    assert RunDir.find_model(tmp_path)[0] == tmp_path / "model.zip"  # auto: the best, else the final one
+    assert RunDir.find_model(tmp_path, "final")[0] == tmp_path / "model.zip"
+    with pytest.raises(ConfigError, match=r"has no best_model\.zip \(no evaluation saved one\); which='final': model\.zip"):
+        RunDir.find_model(tmp_path, "best")  # asked for by name: the final model does not stand in
+    with pytest.raises(ConfigError, match=r"which='best' picks a model in a run dir; .*model\.zip names one already"):
+        RunDir.find_model(tmp_path / "model.zip", "best")
+    with pytest.raises(ConfigError, match="which must be 'auto', 'best' or 'final', got 'newest'"):
+        RunDir.find_model(tmp_path, "newest")
+    (tmp_path / "best_model.zip").write_bytes(b"")
+    assert RunDir.find_model(tmp_path)[0] == RunDir.find_model(tmp_path, "best")[0] == tmp_path / "best_model.zip"
 
 
 def test_a_model_zip_inside_a_run_dir_names_the_run_dir_as_given(tmp_path, monkeypatch):
