@@ -147,9 +147,6 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
             raise ConfigError(f"--no-per turns prioritized replay off, and --set {key} sets one of its values; give one")
         overrides[key], sources[key] = value, "--set"
     config = load_config(args.config) if args.config else None
-    # A config written while --eval-freq was a run option keeps the interval there: it becomes the preset key.
-    if config is not None and config.run.get("eval_freq") is not None and "eval_freq" not in overrides:
-        overrides["eval_freq"], sources["eval_freq"] = config.run["eval_freq"], f"run.eval_freq, {config.path}"
     if config is not None and args.preset:
         raise ConfigError("--config and --preset both give hyperparameters; use one (add --set to change a value)")
     if config is not None and args.algo and args.algo != config.algo:
@@ -241,8 +238,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     options, replaying = RunOptions(), None
     if args.config:
         config = load_config(args.config)
-        kept = {k: v for k, v in config.run.items() if k != "eval_freq"}  # plan_from_args made it the preset's
-        options, replaying = RunOptions.from_config(kept, config.path), config.path
+        options, replaying = RunOptions.from_config(config.run, config.path), config.path
     given = {k: v for k in ("eval_episodes", "confirm_episodes", "checkpoint_freq") if (v := getattr(args, k)) is not None}
     if args.save_replay_buffer is not None:
         given["save_replay_buffer"] = args.save_replay_buffer

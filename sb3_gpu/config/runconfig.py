@@ -83,6 +83,12 @@ def load_config(path: str | Path) -> RunConfig:
     resolved = data.get("resolved")
     recorded = resolved.get("sources") if isinstance(resolved, Mapping) else None
     sources = {k: v for k, v in recorded.items() if k in hyper and isinstance(v, str)} if isinstance(recorded, Mapping) else {}
+    run = dict(run)
+    if run.get("eval_freq") is not None and "eval_freq" not in hyper:
+        # Written while the interval was a run option: it is the preset key now, for the CLI and the API alike.
+        hyper.update(validate_flat(algo, {"eval_freq": run.pop("eval_freq")}, f"{path}: run"))
+        sources["eval_freq"] = f"run.eval_freq, {path}"
+    run.pop("eval_freq", None)  # where the hyperparameter is set too, it was the one the run evaluated by
     return RunConfig(
         algo=algo.name,
         env=str(data["env"]),
@@ -91,7 +97,7 @@ def load_config(path: str | Path) -> RunConfig:
         seed=seed,
         hyperparameters=hyper,
         path=str(path),
-        run=dict(run),
+        run=run,
         sources=sources,
         env_factory=isinstance(resolved, Mapping) and resolved.get("env_factory") is True,
     )

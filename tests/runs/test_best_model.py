@@ -387,6 +387,14 @@ def test_a_replayed_config_evaluates_and_saves_as_its_run_did_and_flags_still_wi
     )
     at, run, out = replay("older_set", "--set", "eval_freq=32")
     assert at == [32, 64, 96, 128] and squashed("(eval_freq, --set; 4 times)") in out, out
+    # From Python too: the old config read back holds the interval as the preset key (the CLI holds no logic of its own).
+    from sb3_gpu.config.runconfig import load_config
+    from sb3_gpu.planning.plan import make_plan
+
+    read = load_config(first)
+    assert read.hyperparameters["eval_freq"] == 64 and "eval_freq" not in read.run
+    assert read.sources["eval_freq"] == f"run.eval_freq, {first / 'config.yaml'}"
+    assert make_plan(read.algo, read.env, "cpu", config=read, overrides={"probe": False}).preset.eval_freq == 64
 
 
 def test_which_model_a_run_dir_gives_is_decided_once_for_the_api_and_the_cli(tmp_path):
