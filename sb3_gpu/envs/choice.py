@@ -19,10 +19,10 @@ from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
 # ~10 us per env (python -m sb3_gpu.bench envs). Bare-metal machines pay less, so auto errs towards dummy.
 BATCHED_STEP_OVERHEAD_S = 350e-6
 BATCHED_PER_ENV_S = 10e-6
-# EnvPool hands each step to its C++ thread pool; waking those threads cost ~250 us per step on the same VM, so it
-# only pays where a DummyVecEnv step (n_envs * one env step) is longer than this: CartPole from ~64 envs,
-# LunarLander from ~16, Atari always (bench envs: CartPole x32 on EnvPool measured 0.86x dummy).
-ENVPOOL_MIN_VEC_STEP_S = 1e-3
+# EnvPool hands each step to its C++ thread pool, whose wake-ups cost a fixed time per step, so it only pays where
+# a DummyVecEnv step (n_envs * one env step) is longer than this. bench envs on the same VM: CartPole x8 (~60 us a
+# vec step) 0.73x dummy, x32 1.33x (0.86x in an earlier run), x64 2.00x; LunarLander x8 (~300 us) 1.63x; Atari always.
+ENVPOOL_MIN_VEC_STEP_S = 0.2e-3
 
 
 class VecEnvFallbackWarning(UserWarning):
@@ -62,10 +62,16 @@ def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int,
             f"EnvPool has a faithful twin of this env; {n_envs} envs x {step_seconds * 1e6:.0f} us per Python step "
             "pays for its thread pool"
         )
+    passed_over = (
+        f"; EnvPool not taken: a {n_envs * step_seconds * 1e6:.0f} us vec step is under the "
+        f"{ENVPOOL_MIN_VEC_STEP_S * 1e6:.0f} us its thread pool needs"
+        if envpool
+        else ""
+    )
     if n_envs == 1:
-        return "dummy", "one env: nothing to parallelise"
+        return "dummy", "one env: nothing to parallelise" + passed_over
     if cores < 2:
-        return "dummy", "one CPU core: subprocesses would only add overhead"
+        return "dummy", "one CPU core: subprocesses would only add overhead" + passed_over
     dummy = n_envs * step_seconds
     workers = batched_workers(n_envs, cores)
     batched = -(-n_envs // workers) * step_seconds + BATCHED_STEP_OVERHEAD_S + n_envs * BATCHED_PER_ENV_S
@@ -74,7 +80,7 @@ def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int,
         f"env step {step_seconds * 1e6:.0f} us, {n_envs} envs on {cores} cores: "
         f"batched ({workers} workers) est. {ratio:.2f}x dummy"
     )
-    return ("batched" if ratio >= 1.2 else "dummy"), detail
+    return ("batched" if ratio >= 1.2 else "dummy"), detail + passed_over
 
 
 # More SB3 SubprocVecEnv workers than this per core only queue on the CPU (each is a process with its own torch).

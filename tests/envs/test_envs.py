@@ -226,8 +226,12 @@ def test_auto_choice_follows_step_cost_and_cores(n_envs, step_s, cores, kind):
 
 
 def test_auto_prefers_envpool_where_it_fits_and_never_picks_sb3_subproc():
-    assert choose_vec_env("auto", 64, 20e-6, 2, envpool=True)[0] == "envpool"  # CartPole x64
-    assert choose_vec_env("auto", 32, 15e-6, 2, envpool=True)[0] == "dummy"  # x32: EnvPool's thread wake-ups cost more
+    assert choose_vec_env("auto", 64, 8e-6, 2, envpool=True)[0] == "envpool"  # CartPole x64
+    kind, reason = choose_vec_env("auto", 8, 8e-6, 2, envpool=True)  # x8: EnvPool's thread wake-ups cost more
+    assert kind == "dummy" and reason.endswith(
+        "; EnvPool not taken: a 64 us vec step is under the 200 us its thread pool needs"
+    )
+    assert choose_vec_env("auto", 8, 38e-6, 2, envpool=True)[0] == "envpool"  # LunarLander x8
     assert choose_vec_env("auto", 8, 800e-6, 2, envpool=True)[0] == "envpool"  # Atari
     kinds = {choose_vec_env("auto", n, s, c)[0] for n in (2, 8, 64) for s in (1e-5, 1e-3, 1e-1) for c in (2, 16, 128)}
     assert kinds == {"dummy", "batched"}
