@@ -10,6 +10,8 @@ Sub-commands:
   solve      do the presets solve their envs, seed after seed: train, then evaluate the best model on fresh episodes
   step       a gradient step and a vec env step: host reads, ops launched, graph breaks and time; SB3's own, sb3_gpu
              eager and sb3_gpu compiled
+  gpu        the device data path against SB3's: sample() of Atari frames, PPO and DQN env steps/s
+  auto       auto's device, amp and threads against every alternative, idle and beside busy work
 """
 
 from __future__ import annotations

@@ -382,7 +382,7 @@ def step_markdown(rows: list[StepRow], command: str, machine: str) -> str:
         "",
         machine,
         "",
-        "| case | variant | reads / grad step | ops / grad step | vs SB3 | ms / grad step | reads / vec step "
+        "| case | variant | reads / grad step | ops / grad step | ops vs SB3 | ms / grad step | reads / vec step "
         "| ops / vec step | ms / vec step | graph breaks | GPU busy | sync-free |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
