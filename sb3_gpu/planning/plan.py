@@ -29,7 +29,7 @@ from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device, requested_device
 from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
-from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto
+from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto, free_cores
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def _probed(
         if workload is None:
             return rules, None
         for amp in _amp_candidates(v, hardware):
-            for threads in _thread_candidates(v):
+            for threads in _thread_candidates(v, hardware):
                 candidate = Candidate(v.device.device, amp, threads)
                 options.append(Option(candidate, workload, v.speed.cudnn_benchmark, v.speed.tf32))
                 owners.append(v)
@@ -431,10 +431,12 @@ def _amp_candidates(v: _Variant, hardware: HardwareProfile) -> list[str]:
     return sorted(modes, key=lambda m: m != v.speed.amp)  # the rules' choice first
 
 
-def _thread_candidates(v: _Variant) -> list[int]:
+def _thread_candidates(v: _Variant, hardware: HardwareProfile) -> list[int]:
+    """The rules' thread count first, then one thread and every free core: a choice is timed against what it passes
+    over (a small MLP's one thread against two, where two cores are free)."""
     if v.resolved.threads != "auto" or v.device.device != "cpu":
         return [v.speed.threads]
-    return sorted({v.speed.threads, 1}, key=lambda n: n != v.speed.threads)  # the rules' count first
+    return sorted({v.speed.threads, 1, free_cores(hardware, v.vec.workers)}, key=lambda n: (n != v.speed.threads, n))
 
 
 def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:

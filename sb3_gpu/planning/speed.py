@@ -120,6 +120,11 @@ def choose_amp(
     return "bf16", "CPU has AMX bf16 matrix units and the policy is large enough"
 
 
+def free_cores(hardware: HardwareProfile, env_workers: int) -> int:
+    """Physical cores left to torch's threads: the env workers and other busy work take theirs."""
+    return max(1, hardware.physical_cores - env_workers - hardware.busy_physical_cores)
+
+
 def choose_threads(
     request: int | str,
     device: str,
@@ -138,7 +143,7 @@ def choose_threads(
             )
         return int(request), "asked for"
     busy = hardware.busy_physical_cores
-    free = max(1, hardware.physical_cores - env_workers - busy)
+    free = free_cores(hardware, env_workers)
     left = f"{hardware.physical_cores} physical cores" + (f" minus {env_workers} env workers" if env_workers else "")
     left += f" minus {busy} busy with other work" if busy else ""
     if device.startswith("cuda"):

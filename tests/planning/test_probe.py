@@ -129,6 +129,18 @@ def test_in_doubt_the_rules_device_and_precision_stay_with_the_fewest_threads():
     assert (plan.speed.amp, plan.speed.threads) == ("off", 4)
 
 
+def test_a_narrow_mlps_one_thread_is_timed_against_the_free_cores_it_passes_over():
+    machine_ = __import__("tests.conftest", fromlist=["machine"]).machine(cores=4)
+    narrow = {"per": False, "net_arch": [64, 64]}  # the rules take one thread for it
+    times = FakeTimes({"cpu fp32 1": (1.00, 0.1), "cpu fp32 4": (0.6, 0.1)})
+    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides=narrow)
+    assert {"cpu fp32 1 thread", "cpu fp32 4 threads"} <= set(times.asked)
+    assert plan.speed.threads == 4 and "vs cpu fp32 1 thread" in plan.speed.threads_reason
+    times = FakeTimes({"cpu fp32 1": (1.00, 0.1), "cpu fp32 4": (0.98, 0.1)})  # no clear gain: one thread stays
+    plan = make_plan("dqn", "CartPole-v1", hardware=machine_, prober=fake_prober(times), overrides=narrow)
+    assert plan.speed.threads == 1 and "vs cpu fp32 4 threads" in plan.speed.threads_reason
+
+
 def test_a_spent_budget_times_only_the_rules_choice_which_then_stands(gpu_machine):
     times = FakeTimes({"cuda:0 fp32": (2.0, 0.8), "cpu fp32": (0.1, 0.1)})
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(times, budget_s=0.0))
