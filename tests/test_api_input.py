@@ -123,6 +123,7 @@ CASES = [
     (lambda: build_model(_plan(), None), "build_model needs the VecEnv that build_env(plan) makes, got None"),
     (lambda: train_run("ppo", "run"), "train_run takes a Plan from make_plan(...), got 'ppo'"),
     (lambda: train_run(_plan(), 5), "run dir: expected a folder path, got 5"),
+    (lambda: evaluate_run(None), "target is a run dir or a model zip inside one (a str or a path), got None"),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", preset=123), "preset: expected a preset file's path or zoo:ALGO, got 123"),
     (lambda: train_run(_plan(), "run", report_s="30"), "report_s must be a number of seconds > 0 or None, got '30'"),
     (lambda: train_run(_plan(), "run", report_s=0), "report_s must be a number of seconds > 0 or None, got 0"),

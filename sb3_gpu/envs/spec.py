@@ -84,7 +84,12 @@ def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
                 f"render_mode={render_mode!r}, it has {mode!r})"
             )
         env.reset(seed=0)
-        env.render()  # drawing may need a package of its own: pygame, for the classic-control and Box2D envs
+        frame = env.render()  # drawing may need a package of its own: pygame, for the classic-control and Box2D envs
+        if not isinstance(frame, np.ndarray):  # said before an evaluation runs, not after it
+            raise ConfigError(
+                f"env {spec.name} lists {render_mode!r} among its render modes, but its render() returned "
+                f"{type(frame).__name__}, not an image"
+            )
     except gym.error.DependencyNotInstalled as e:
         raise ConfigError(
             f"env {spec.name} cannot render frames: {e} (pip install 'sb3-gpu[video]' installs pygame and moviepy)"

@@ -335,6 +335,8 @@ def evaluate_run(
     :param env: the env to evaluate on (default: the one the run's config names); needed where the run trained on a
         factory given in Python, whose name the config cannot rebuild
     """
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"target is a run dir or a model zip inside one (a str or a path), got {target!r}")
     count_arg(episodes, "episodes")
     bool_arg(deterministic, "deterministic")
     bool_arg(video, "video")

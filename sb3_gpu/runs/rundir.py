@@ -325,6 +325,8 @@ class RunDir:
                     return path, run
             if which == "best" and run.final.model.is_file():  # asked for by name, the final model does not stand in
                 raise ConfigError(f"{target} has no {cls.BEST_MODEL} (no evaluation saved one); which='final': model.zip")
+            if which == "final" and run.best_model.is_file():
+                raise ConfigError(f"{target} has no model.zip (its final save did not happen); which='best': {cls.BEST_MODEL}")
             raise ConfigError(
                 f"{target} holds no {' or '.join(p.name for p in names)}; is it a run dir written by sb3_gpu.train?"
             )

@@ -251,6 +251,8 @@ def load_model(
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "size mismatch" in str(e):  # torch lists every tensor that differs, one per line
             first = "its networks' shapes differ from the ones this config's env and net_arch give"
+        elif "Weights only load failed" in str(e):  # torch's text goes on to advise the unsafe load: not repeated
+            first = "its weights (a .pth member) are damaged, or hold more than plain tensors"
         raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {first})") from None
     entropy = entropy_optimizer(model)
     for optimizer in [*policy_optimizers(model.policy), *([entropy] if entropy is not None else [])]:

@@ -267,6 +267,15 @@ def bad_files(tmp_path, finished_run):
     paths["dqn_config"] = _variant(finished_run, tmp_path / "dqn_config")  # a PPO model beside a DQN config
     (paths["dqn_config"] / "config.yaml").write_text("algo: dqn\nenv: CartPole-v1\nhyperparameters: {}\n")
     paths["other_env"] = _variant(finished_run, tmp_path / "other_env", env=("Acrobot-v1", {}))  # 6 inputs, not 4
+    paths["garbage_weights"] = _variant(finished_run, tmp_path / "garbage_weights")
+    for name in ("model.zip", "best_model.zip"):  # a whole zip whose weights member is noise
+        zip_path = paths["garbage_weights"] / name
+        with zipfile.ZipFile(zip_path) as archive:
+            members = {info.filename: archive.read(info) for info in archive.infolist()}
+        members["policy.pth"] = bytes(range(256)) * 8
+        with zipfile.ZipFile(zip_path, "w") as archive:
+            for member, data in members.items():
+                archive.writestr(member, data)
     return paths
 
 
@@ -355,6 +364,7 @@ def test_no_save_replay_buffer_turns_off_what_a_replayed_config_saves(bad_files,
         (["{dqn_config}"], "holds a ppo model, and this run's config is for dqn"),
         (["{other_env}"], "(RuntimeError: its networks' shapes differ from the ones this config's env and net_arch give)"),
         (["{done}/model.zip", "--model", "best"], "--model best picks a model in a run dir; "),
+        (["{garbage_weights}"], "(UnpicklingError: its weights (a .pth member) are damaged, or hold more than plain tensors)"),
     ],
 )
 def test_evaluate_bad_input_exits_2_with_one_line(args, message, bad_files, call_main, tmp_path):

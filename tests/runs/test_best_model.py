@@ -409,6 +409,10 @@ def test_which_model_a_run_dir_gives_is_decided_once_for_the_api_and_the_cli(tmp
     with pytest.raises(ConfigError, match="which must be 'auto', 'best' or 'final', got 'newest'"):
         RunDir.find_model(tmp_path, "newest")
     (tmp_path / "best_model.zip").write_bytes(b"")
+    (tmp_path / "model.zip").unlink()
+    with pytest.raises(ConfigError, match=r"has no model\.zip \(its final save did not happen\); which='best': best_model"):
+        RunDir.find_model(tmp_path, "final")
+    (tmp_path / "model.zip").write_bytes(b"")
     assert RunDir.find_model(tmp_path)[0] == RunDir.find_model(tmp_path, "best")[0] == tmp_path / "best_model.zip"
 
 

@@ -134,9 +134,9 @@ class BlankRender(NoRender):
         return None  # claims rgb_array, draws nothing
 
 
-def test_an_env_that_renders_no_image_is_refused_and_leaves_nothing_behind(tmp_path):
+def test_an_env_that_renders_no_image_is_refused_before_it_plays_and_leaves_nothing_behind(tmp_path):
     model = PPO("MlpPolicy", BlankRender(), device="cpu")
-    with pytest.raises(ConfigError, match="rendered no frames to record"):
+    with pytest.raises(ConfigError, match=r"among its render modes, but its render\(\) returned NoneType, not an image"):
         record_video(model, "tests.runs.test_video:BlankRender", tmp_path / "x.mp4")
     assert list(tmp_path.iterdir()) == []
 
