@@ -301,17 +301,23 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
 
 
 def _device(given: str) -> str | None:
-    """``--device`` resolved (auto: cuda if there is one, else cpu), or None after saying why it cannot be used."""
-    import torch as th
+    """``--device`` resolved, or None after saying why it cannot be used. Asked for by name, the plan's own check
+    answers; ``auto`` here is the GPU where there is one (these benches measure the device, not the plan's choice)."""
+    from sb3_gpu.common.hardware import detect_hardware
+    from sb3_gpu.planning.device import requested_device
 
-    device = ("cuda" if th.cuda.is_available() else "cpu") if given == "auto" else given
-    if not (device == "cpu" or device.startswith("cuda")):
+    hardware = detect_hardware()
+    if given == "auto":
+        return "cuda:0" if hardware.has_cuda else "cpu"
+    try:
+        chosen = requested_device(given, hardware)
+    except ConfigError as e:
+        print_error(f"--device: {e}")
+        return None
+    if chosen is None or chosen.device == "mps":
         print_error(f"--device: expected auto, cpu, cuda or cuda:N, got {given!r}")
         return None
-    if device.startswith("cuda") and not th.cuda.is_available():
-        print_error(f"--device {device}: this machine has no CUDA device")
-        return None
-    return device
+    return chosen.device
 
 
 def _main_step(args: argparse.Namespace, command: str) -> int:

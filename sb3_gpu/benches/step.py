@@ -29,7 +29,7 @@ from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.networks import NarrowLinear
 from sb3_gpu.extensions.per import DeviceSumMinTree
 from sb3_gpu.planning.build import build_env, model_kwargs
-from sb3_gpu.planning.plan import Plan, make_plan
+from sb3_gpu.planning.plan import Plan, auto_compile_mode, make_plan
 
 # (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand. ``dqn+per``: sb3_gpu's
 # variants with prioritized replay on the device, its trees searched by tensor ops as on a GPU (SB3's row is uniform
@@ -128,7 +128,7 @@ def _model(text: str, device: str, variant: str, buffer_size: int | None = None)
         compile_step = getattr(model, "compile_step", None)
         if compile_step is None:
             return model, "not built for this algorithm"
-        refused = compile_step("reduce-overhead" if plan.device.device.startswith("cuda") else "default")
+        refused = compile_step(auto_compile_mode(plan.device.device))
         if refused:
             return model, f"not compiled: {refused}"
         if variant == MATMUL_HEADS:  # before the first call compiles the step

@@ -34,6 +34,7 @@ from sb3_gpu.benches.base import SB3_TORCH, machine_key, preset_sha256, save_jso
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.version import __version__
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
+from sb3_gpu.envs.spec import looks_atari
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model, offset_seed
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import confirm_count, eval_envs
@@ -134,12 +135,8 @@ ZOO_ATARI: dict[str, dict[str, Any]] = {
 }
 
 
-def _is_atari(env_id: str) -> bool:
-    return env_id.startswith("ALE/") or env_id.endswith("NoFrameskip-v4")
-
-
 def has_zoo_baseline(algo: str, env_id: str) -> bool:
-    return (algo, env_id) in ZOO or (_is_atari(env_id) and algo in ZOO_ATARI)
+    return (algo, env_id) in ZOO or (looks_atari(env_id) and algo in ZOO_ATARI)
 
 
 def zoo_entry(algo: str, env_id: str) -> dict[str, Any]:
@@ -167,7 +164,7 @@ def zoo_model(
     :param budget: the env steps it will be trained for; a linear schedule of an entry with ``zoo_timesteps`` then
         decays as it would over rl-zoo3's own length
     """
-    atari = (algo, env_id) not in ZOO and _is_atari(env_id)
+    atari = (algo, env_id) not in ZOO and looks_atari(env_id)
     kwargs = dict(zoo_entry(algo, env_id))
     n_envs = kwargs.pop("n_envs")
     zoo_timesteps = kwargs.pop("zoo_timesteps", None)

@@ -189,15 +189,18 @@ def save_pickle(path: str | Path, obj: Any) -> Path:
     return atomic_write(path, lambda f: pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def load_pickle(path: str | Path, allowed: Mapping[str, Collection[str]], what: str) -> Any:
+def load_pickle(
+    path: str | Path, allowed: Mapping[str, Collection[str]], what: str, moved: Mapping[str, str] | None = None
+) -> Any:
     """Unpickle ``path``, refusing every class or function that ``allowed`` (module -> names) does not list.
 
     Unpickling calls whatever the file names, so a file from elsewhere could run any code; this runs only the
-    constructors of the data types listed.
+    constructors of the data types listed. ``moved`` maps a module an older file names to where its classes are now.
     """
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
+            module = (moved or {}).get(module, module)
             if name not in allowed.get(module, ()):
                 raise ConfigError(
                     f"{path} names {module}.{name}, which no {what} holds; sb3_gpu does not unpickle it (it could run code)"

@@ -31,6 +31,7 @@ from sb3_gpu.config.schema import (
     ACTIVATIONS,
     COMMON_DEFAULTS,
     COMMON_KEYS,
+    CONVERTED_KEYS,
     EXTENSION_KEYS,
     PROFILES,
     Algo,
@@ -183,11 +184,12 @@ class Preset:
         kwargs: dict[str, Any] = {k: v.to_sb3() if isinstance(v, Schedule) else v for k, v in self._params().items()}
         kwargs["policy_kwargs"] = self.policy_kwargs_for_sb3()
         per: Any = self._params().get("per", False)
-        grad_accum_steps = kwargs.pop("grad_accum_steps", 1)
-        critic_layer_norm = kwargs.pop("critic_layer_norm", None)
-        kwargs.pop("per", None)
-        kwargs.pop("overlap_training", None)  # auto, true or false: the plan decides (planning.buffers)
-        kwargs.pop("action_noise_std", None)  # the plan builds the noise object, which needs the action space
+        grad_accum_steps = kwargs.get("grad_accum_steps", 1)
+        critic_layer_norm = kwargs.get("critic_layer_norm")
+        # sb3_gpu's own keys go to its subclasses below or to the plan (overlap_training: planning.buffers; the
+        # action noise object, which needs the action space): none is an SB3 argument.
+        for key in (*EXTENSION_KEYS, *CONVERTED_KEYS):
+            kwargs.pop(key, None)
         if self.model_class is not get_algo(self.algo).model_class:
             kwargs["grad_accum_steps"] = grad_accum_steps
             if critic_layer_norm is not None:

@@ -138,8 +138,8 @@ def fused(policy_kwargs: dict[str, Any], on_policy: bool) -> dict[str, Any]:
 
 def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:
     """An SB3 model for the plan (sb3_gpu's subclass where :func:`model_class` says: PER, gradient accumulation,
-    overlap, compile, a GPU, and TQC always), with the plan's speed settings applied (AMP, compile, torch threads;
-    ``torch.set_num_threads`` is process-wide).
+    a critic LayerNorm, overlap, compile, a GPU, and TQC always), with the plan's speed settings applied (AMP,
+    compile, torch threads; ``torch.set_num_threads`` is process-wide).
 
     If torch.compile fails, the model trains uncompiled and a ``CompileFallbackWarning`` says why.
     """

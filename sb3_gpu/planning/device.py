@@ -61,7 +61,7 @@ def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware:
     """Resolve ``auto | cpu | cuda | cuda:N | mps`` for a policy kind and algorithm family.
 
     ``auto`` follows what is known about SB3: CNN policies train much faster on a GPU; MLP policies of on-policy
-    algorithms (PPO, A2C) train faster on the CPU, because each rollout step is a tiny batch whose transfer costs
+    algorithms (PPO) train faster on the CPU, because each rollout step is a tiny batch whose transfer costs
     more than its compute (SB3 issue 1245). Off-policy MLP policies train on a GPU in batches, so they keep it.
     """
     if policy not in ("mlp", "cnn", "multi"):

@@ -66,8 +66,10 @@ REPLAY_BUFFER_PICKLE = {
     "sb3_gpu.extensions.replay": {"DeviceReplayBuffer"},
     "sb3_gpu.extensions.per.tree": {"SumMinTree"},
     "sb3_gpu.extensions.per.device": {"DevicePrioritizedReplayBuffer", "DeviceSumMinTree"},
-    "sb3_gpu.per": {"PrioritizedReplayBuffer", "SumMinTree"},  # saved by sb3_gpu 0.1
+    "sb3_gpu.extensions.per": {"PrioritizedReplayBuffer", "SumMinTree"},  # as sb3_gpu 0.1 named them (_MOVED)
 }
+# Where the classes that sb3_gpu 0.1 saved from its top-level module are now.
+_MOVED = {"sb3_gpu.per": "sb3_gpu.extensions.per"}
 
 
 def load_vecnormalize(path: Path, venv: VecEnv) -> VecNormalize:
@@ -86,7 +88,7 @@ def load_replay_buffer(model: BaseAlgorithm, path: Path) -> None:
     model.replay_buffer = None  # type: ignore[attr-defined]
     if getattr(model, "_fixed_buffer", None) is not None:  # a compiled step's hold on it: it fixes the new one
         model._fixed_buffer = None  # type: ignore[attr-defined]
-    buffer = load_pickle(path, REPLAY_BUFFER_PICKLE, "replay buffer")
+    buffer = load_pickle(path, REPLAY_BUFFER_PICKLE, "replay buffer", moved=_MOVED)
     if not isinstance(buffer, ReplayBuffer):
         raise ConfigError(f"{path} holds a {type(buffer).__name__}, not a replay buffer")
     buffer.device = model.device  # saved on another machine, maybe: it samples onto this model's device

@@ -452,7 +452,9 @@ def test_bench_step_times_a_cases_variants_in_turn(monkeypatch):
 def test_bench_gpu_refuses_a_cuda_device_this_machine_lacks(monkeypatch, capsys):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert bench.main(["gpu", "--device", "cuda"]) == 2
-    assert capsys.readouterr().err == "error: --device cuda: this machine has no CUDA device\n"
+    assert capsys.readouterr().err.startswith("error: --device: device 'cuda' asked for a CUDA GPU, but torch sees none")
+    assert bench.main(["step", "--device", "tpu"]) == 2  # the plan's own check and words
+    assert capsys.readouterr().err == "error: --device: unknown device 'tpu'; accepted: auto, cpu, cuda, cuda:N, mps\n"
 
 
 @pytest.mark.heavy

@@ -1043,7 +1043,7 @@ def test_a_pickled_entry_in_a_model_zip_is_never_unpickled(tmp_path):
 
 
 @pytest.mark.heavy
-def test_the_pickles_of_a_run_dir_load_data_and_run_nothing(tmp_path):
+def test_the_pickles_of_a_run_dir_load_data_and_run_nothing(tmp_path, monkeypatch):
     import pickle
 
     from sb3_gpu.runs.saving import load_replay_buffer, load_vecnormalize
@@ -1063,6 +1063,17 @@ def test_the_pickles_of_a_run_dir_load_data_and_run_nothing(tmp_path):
     load_replay_buffer(model, tmp_path / "buffer.pkl")
     assert model.replay_buffer is not saved and model.replay_buffer.size() == saved.size() > 0
     assert model.replay_buffer.tree.total == saved.tree.total
+    # A buffer saved by sb3_gpu 0.1 names its classes by the top-level module they came from then.
+    from sb3_gpu.extensions.per import PrioritizedReplayBuffer, SumMinTree
+
+    for cls in (PrioritizedReplayBuffer, SumMinTree):
+        monkeypatch.setattr(cls, "__module__", "sb3_gpu.per")
+    old = pickle.dumps(saved)
+    monkeypatch.undo()
+    assert b"sb3_gpu.per" in old and b"sb3_gpu.extensions.per" not in old
+    (tmp_path / "buffer.pkl").write_bytes(old)
+    load_replay_buffer(model, tmp_path / "buffer.pkl")
+    assert type(model.replay_buffer) is PrioritizedReplayBuffer and model.replay_buffer.tree.total == saved.tree.total
     # A pickle that would create a file when loaded is refused by name, and the file is never created.
     pwned = tmp_path / "pwned"
     for name in ("vecnormalize.pkl", "buffer.pkl"):
