@@ -43,10 +43,11 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sb3_gpu":
             found.add(node.module)
             # `from sb3_gpu.extensions.per import kernels` imports a module, not a name
+            folder = PACKAGE.parent / node.module.replace(".", "/")
             found |= {
                 f"{node.module}.{a.name}"
                 for a in node.names
-                if (PACKAGE.parent / node.module.replace(".", "/") / f"{a.name}.py").exists()
+                if (folder / f"{a.name}.py").exists() or (folder / a.name / "__init__.py").exists()
             }
     return found
 
@@ -106,3 +107,13 @@ def test_importing_a_lower_layer_does_not_import_the_layers_above_it():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "sb3_gpu.config" in loaded
     assert not any(f"'sb3_gpu.{layer}" in loaded for layer in ("planning", "runs", "tuning", "benches"))
+
+
+def test_no_module_imports_relatively_where_the_layer_check_could_not_see_it():
+    relative = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    ]
+    assert relative == []

@@ -89,10 +89,15 @@ MAX_SUBPROC_PER_CORE = 8
 FD_MARGIN = 64
 
 
+def env_processes(kind: str, n_envs: int, cores: int) -> int:
+    """Worker processes a vec env kind starts for ``n_envs`` envs (EnvPool's C++ threads are no processes)."""
+    return {"subproc": n_envs, "batched": batched_workers(n_envs, cores)}.get(kind, 0)
+
+
 def check_env_resources(kind: str, n_envs: int, *, monitor: bool, cores: int | None = None) -> None:
     """Refuse, before anything is spawned or opened, a vec env that the process or machine limits cannot hold."""
     cores = cores or logical_cores()
-    processes = {"subproc": n_envs, "batched": batched_workers(n_envs, cores)}.get(kind, 0)
+    processes = env_processes(kind, n_envs, cores)
     if kind == "subproc" and n_envs > max(64, MAX_SUBPROC_PER_CORE * cores):
         raise ConfigError(
             f"n_envs={n_envs:,} with vec_env 'subproc' would start {n_envs:,} processes on {cores} cores; "
@@ -112,7 +117,8 @@ def check_env_resources(kind: str, n_envs: int, *, monitor: bool, cores: int | N
 
 @dataclass(frozen=True)
 class VecEnvChoice:
-    """A vec env kind, why, and how many worker processes it starts (each runs one torch thread)."""
+    """A vec env kind, why, and how many worker processes it starts (each runs one torch thread; EnvPool's thread
+    pool is not counted)."""
 
     kind: str
     reason: str
@@ -151,5 +157,4 @@ def vec_env_choice(
             warnings.warn(message, VecEnvFallbackWarning, stacklevel=2)
             kind, reason = choose_vec_env(requested, n_envs, step_seconds or 0.0, cores, envpool=False)
             reason += f"; EnvPool could not make the env ({failure})"
-    workers = {"subproc": n_envs, "batched": batched_workers(n_envs, cores)}.get(kind, 0)
-    return VecEnvChoice(kind, reason, workers)
+    return VecEnvChoice(kind, reason, env_processes(kind, n_envs, cores))
