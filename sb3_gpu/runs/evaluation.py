@@ -366,7 +366,7 @@ def evaluate_run(
     )
     if video:  # a video that cannot be made or written is refused now, not after the evaluation
         recordable(plan.env)
-        check_dir_creatable(run.path / "videos", "video folder")
+        check_dir_creatable(run.videos, "video folder")
     venv = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
     if isinstance(venv, VecNormalize):
         stats = run.vecnormalize_for(model_path)
@@ -390,7 +390,7 @@ def evaluate_run(
             recorded = record_video(
                 model,
                 plan.env,
-                run.path / "videos" / f"{model_path.stem}.mp4",
+                run.video_for(model_path),
                 video_length=video_length,
                 deterministic=deterministic,
                 seed=offset_seed(plan.seed, EVAL_SEED_OFFSET),

@@ -124,6 +124,14 @@ class RunDir:
         return self.path / "tb"
 
     @property
+    def videos(self) -> Path:
+        return self.path / "videos"
+
+    def video_for(self, model: Path) -> Path:
+        """Where ``evaluate --video`` writes a model's video: named after the model's file."""
+        return self.videos / f"{model.stem}.mp4"
+
+    @property
     def monitor(self) -> Path:
         return self.path / "monitor"
 
