@@ -6,15 +6,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import HardwareProfile
+from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.extensions.amp import enable_amp
 from sb3_gpu.extensions.compile import CompileFallbackWarning, compile_policy
 from sb3_gpu.planning.device import PolicyKind
@@ -193,11 +194,10 @@ def choose_speed(
 
 def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str | None:
     """Put ``speed`` into effect on ``model``; returns why compilation fell back, if it did."""
-    th.set_num_threads(speed.threads)
-    if speed.cuda_reason:
-        th.backends.cudnn.benchmark = speed.cudnn_benchmark
-        th.backends.cuda.matmul.allow_tf32 = speed.tf32
-        th.backends.cudnn.allow_tf32 = speed.tf32
+    settings = dataclasses.replace(TorchSettings.current(), threads=speed.threads)
+    if speed.cuda_reason:  # a CUDA plan; a CPU one leaves the CUDA math switches as they are
+        settings = settings.with_cuda_math(speed.tf32, speed.cudnn_benchmark)
+    settings.apply()
     if speed.amp != "off":
         enable_amp(model, speed.amp)
     if speed.compile == "false":
