@@ -44,22 +44,16 @@ if TYPE_CHECKING:
 
 
 def best_table(study: Any, top: int = 5) -> Table:
+    """The study's best trials for the terminal, as ``summary.md`` lists them."""
     from rich.table import Table
 
-    from sb3_gpu.tuning.storage import import_optuna
-    from sb3_gpu.tuning.study import seed_cells
+    from sb3_gpu.tuning.study import ranked_trials, seed_cells, state_counts
 
-    optuna = import_optuna()
-    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))]
-    done.sort(key=lambda t: t.value, reverse=True)
-    counts = {s.name.lower(): len(study.get_trials(deepcopy=False, states=(s,))) for s in optuna.trial.TrialState}
-    summary = ", ".join(f"{n} {name}" for name, n in counts.items() if n)
     threshold = study.user_attrs.get("threshold")
-    table = Table(title=f"study {study.study_name}: {summary}", title_justify="left")
+    table = Table(title=f"study {study.study_name}: {state_counts(study)}", title_justify="left")
     for column in ("trial", "score", "per seed" if threshold is None else "seconds to threshold, per seed", "params"):
         table.add_column(column)
-    for t in done[:top]:
-        params = ", ".join(f"{k}={v}" for k, v in t.params.items())
+    for t, params in ranked_trials(study, top):
         table.add_row(str(t.number), f"{t.value:.2f}", seed_cells(t, threshold), params)
     return table
 

@@ -268,11 +268,7 @@ def _default(algo: Algo, key: str) -> Any:
 
 def study_markdown(study: Any, command: str, top: int = 10) -> str:
     """The study as evidence for a preset: the command, how its trials ended, and its best trials in a table."""
-    optuna = import_optuna()
-    trials = study.get_trials(deepcopy=False)
-    counts = ", ".join(
-        f"{n} {state.name.lower()}" for state in optuna.trial.TrialState if (n := sum(t.state == state for t in trials))
-    )
+    counts, ranked = state_counts(study), ranked_trials(study, top)
     threshold = study.user_attrs.get("threshold")
     scored = (
         "the final mean return, averaged over seeds"
@@ -281,7 +277,6 @@ def study_markdown(study: Any, command: str, top: int = 10) -> str:
         f"over seeds; a seed that never did counts its whole time plus {UNREACHED_PENALTY_S:,.0f} s, so a trial ranks by "
         "how many of its seeds reached it, then by time"
     )
-    done = sorted((t for t in trials if t.state == optuna.trial.TrialState.COMPLETE), key=lambda t: t.value, reverse=True)
     lines = [
         f"`{command}`",
         "",
@@ -291,10 +286,27 @@ def study_markdown(study: Any, command: str, top: int = 10) -> str:
         "| trial | score | per seed | params |",
         "|---:|---:|---|---|",
     ]
-    for t in done[:top]:
-        params = ", ".join(f"{k}={v}" for k, v in _decoded_params(t, study).items())
+    for t, params in ranked:
         lines.append(f"| {t.number} | {t.value:.2f} | {seed_cells(t, threshold)} | {params} |")
     return "\n".join(lines) + "\n"
+
+
+def state_counts(study: Any) -> str:
+    """How the study's trials ended (``3 complete, 1 pruned, 1 invalid``): an invalid combination, pruned before it
+    trained, is counted apart from the pruner's."""
+    optuna = import_optuna()
+    trials = study.get_trials(deepcopy=False)
+    counts = {state.name.lower(): sum(t.state == state for t in trials) for state in optuna.trial.TrialState}
+    counts["invalid"] = sum(t.state == optuna.trial.TrialState.PRUNED and "invalid" in t.user_attrs for t in trials)
+    counts["pruned"] -= counts["invalid"]
+    return ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+
+
+def ranked_trials(study: Any, top: int) -> list[tuple[Any, str]]:
+    """The ``top`` complete trials, best first, each with its parameters as the search space wrote them."""
+    optuna = import_optuna()
+    done = sorted(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: t.value)
+    return [(t, ", ".join(f"{k}={v}" for k, v in _decoded_params(t, study).items())) for t in done[::-1][:top]]
 
 
 def _decoded_params(trial: Any, study: Any) -> dict[str, Any]:

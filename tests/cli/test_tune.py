@@ -248,6 +248,8 @@ def test_failed_and_invalid_trials_are_tried_again_until_the_study_has_its_trial
     assert states.count(optuna.trial.TrialState.COMPLETE) == 3 and len(states) == 6
     assert tuning.finished_trials(load(storage)) == 3  # the invalid one counts for nothing
     assert (tmp_path / "best_preset.yaml").is_file()
+    assert "3 complete, 2 fail, 1 invalid" in out.stdout  # not "1 pruned": the pruner stopped none
+    assert "3 complete, 2 fail, 1 invalid" in (tmp_path / "summary.md").read_text()
 
 
 def test_a_worker_whose_trials_all_fail_stops_after_as_many_in_a_row_as_asked_and_says_so(tmp_path, monkeypatch, call_main):
