@@ -212,8 +212,9 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
         rows.append(("best eval", summary["best"]["chosen"]))
     tp = summary.get("throughput") or {}
     if "env_steps_per_s" in tp:
-        # The telemetry's 30 s window leaves out the first 5 s; a run too short for that is measured whole.
-        span = "the last 30 s" if summary["wall_time_s"] >= 35 else "the whole run"
+        # The telemetry's 30 s window leaves out the first 5 s, and a run of under 10 s is measured whole.
+        wall = summary["wall_time_s"]
+        span = "the last 30 s" if wall >= 35 else "after the first 5 s" if wall >= 10 else "the whole run"
         speed = f"{tp['env_steps_per_s']:,.0f} env steps/s, {tp['episodes_per_s']:.1f} episodes/s ({span})"
         rows.append(("speed", speed))
     if "share_env" in tp:

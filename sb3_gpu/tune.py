@@ -228,12 +228,15 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt as e:
         print_error(f"{_stopped(e)} before any trial began")
         return interrupted(_stop_code(e))
-    except Exception as e:  # the env raising while the plan probes it, say: one line, as train says it
+    except Exception as e:  # the env raising while the plan probes it, say: its traceback, then one line, as train does
+        import traceback
+
         from sb3_gpu.common.errors import named
         from sb3_gpu.tuning.storage import mask_url
 
         _remove_if_empty(new_folder)
-        message = named(e)
+        trace, message = "".join(traceback.format_exception(e)), named(e)
+        sys.stderr.write(mask_url(args.storage, trace) if args.storage else trace)
         print_error(mask_url(args.storage, message) if args.storage else message)
         return 1
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -200,12 +200,12 @@ def load_pickle(
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
-            module = (moved or {}).get(module, module)
-            if name not in allowed.get(module, ()):
+            now = (moved or {}).get(module, module)
+            if name not in allowed.get(now, ()):
                 raise ConfigError(
                     f"{path} names {module}.{name}, which no {what} holds; sb3_gpu does not unpickle it (it could run code)"
                 )
-            return super().find_class(module, name)
+            return super().find_class(now, name)
 
     try:
         with open(path, "rb") as f:

@@ -84,11 +84,12 @@ def load_config(path: str | Path) -> RunConfig:
     recorded = resolved.get("sources") if isinstance(resolved, Mapping) else None
     sources = {k: v for k, v in recorded.items() if k in hyper and isinstance(v, str)} if isinstance(recorded, Mapping) else {}
     run = dict(run)
-    if run.get("eval_freq") is not None and "eval_freq" not in hyper:
-        # Written while the interval was a run option: it is the preset key now, for the CLI and the API alike.
+    if run.get("eval_freq") is not None:
+        # The interval the run evaluated by (train_run's eval_freq, or an old config's --eval-freq wins over the preset
+        # key): the preset key from now on, for the CLI and the API alike.
         hyper.update(validate_flat(algo, {"eval_freq": run.pop("eval_freq")}, f"{path}: run"))
         sources["eval_freq"] = f"run.eval_freq, {path}"
-    run.pop("eval_freq", None)  # where the hyperparameter is set too, it was the one the run evaluated by
+    run.pop("eval_freq", None)
     return RunConfig(
         algo=algo.name,
         env=str(data["env"]),

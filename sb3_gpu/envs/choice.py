@@ -63,7 +63,7 @@ def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int,
             "pays for its thread pool"
         )
     passed_over = (
-        f"; EnvPool not taken: a {n_envs * step_seconds * 1e6:.0f} us vec step is under the "
+        f"; EnvPool not taken: a {n_envs * step_seconds * 1e6:.1f} us vec step is under the "
         f"{ENVPOOL_MIN_VEC_STEP_S * 1e6:.0f} us its thread pool needs"
         if envpool
         else ""

@@ -338,10 +338,10 @@ class RunDir:
             raise ConfigError(
                 f"{target} holds no {' or '.join(p.name for p in names)}; is it a run dir written by sb3_gpu.train?"
             )
-        if which != "auto":
-            raise ConfigError(f"which={which!r} picks a model in a run dir; {target} names one already")
         if not target.is_file():
             raise ConfigError(f"no such run dir or model file: {target}")
+        if which != "auto":
+            raise ConfigError(f"which={which!r} picks a model in a run dir; {target} names one already")
         for parent in (*target.parents, *target.resolve().parents):  # the run dir as given (a relative path stays one)
             if cls(parent).config.is_file():
                 return target, cls(parent)

@@ -305,8 +305,9 @@ def state_counts(study: Any) -> str:
 def ranked_trials(study: Any, top: int) -> list[tuple[Any, str]]:
     """The ``top`` complete trials, best first, each with its parameters as the search space wrote them."""
     optuna = import_optuna()
-    done = sorted(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: t.value)
-    return [(t, ", ".join(f"{k}={v}" for k, v in _decoded_params(t, study).items())) for t in done[::-1][:top]]
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    done = sorted(complete, key=lambda t: t.value, reverse=True)  # stable: of equal scores the first, as best_trial
+    return [(t, ", ".join(f"{k}={v}" for k, v in _decoded_params(t, study).items())) for t in done[:top]]
 
 
 def _decoded_params(trial: Any, study: Any) -> dict[str, Any]:

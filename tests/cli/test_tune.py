@@ -269,14 +269,23 @@ def test_a_worker_whose_trials_all_fail_stops_after_as_many_in_a_row_as_asked_an
     assert "0 of 2 trials finished; this worker joins in" in out.stdout and len(load(storage).trials) == 4
 
 
-def test_an_env_that_raises_while_tune_plans_is_one_line_and_exit_1(tmp_path, monkeypatch, call_main):
+def test_an_env_that_raises_while_tune_plans_is_its_traceback_and_one_line_and_exit_1(tmp_path, monkeypatch, call_main):
     def broken(*args, **kwargs):  # the env's reset or step, as the plan's probe meets it
         raise RuntimeError("flaky env broke")
 
     monkeypatch.setattr("sb3_gpu.planning.plan.probe_env", broken)
     out = call_main(tune.main, "ppo", "--trials", "1", *TINY, "--study-dir", str(tmp_path / "study"))
-    assert out.returncode == 1 and out.stderr.strip() == "error: RuntimeError: flaky env broke", out.stderr
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == "error: RuntimeError: flaky env broke", out.stderr
+    assert out.stderr.startswith("Traceback") and "in broken" in out.stderr  # the env's code, as train shows it
     assert not (tmp_path / "study").exists()
+
+
+def test_trials_of_equal_scores_rank_as_optuna_picks_the_best_one():
+    study = optuna.create_study(direction="maximize")
+    for value in (500.0, 120.0, 500.0, 500.0):  # CartPole's cap, reached by several trials
+        study.add_trial(optuna.trial.create_trial(value=value, params={}, distributions={}))
+    assert [t.number for t, _ in tuning.ranked_trials(study, 4)] == [0, 2, 3, 1]
+    assert study.best_trial.number == 0  # what export_preset exports: first in the table too
 
 
 def test_threads_reach_each_trials_plan_under_their_own_flag(monkeypatch):

@@ -229,7 +229,7 @@ def test_auto_prefers_envpool_where_it_fits_and_never_picks_sb3_subproc():
     assert choose_vec_env("auto", 64, 8e-6, 2, envpool=True)[0] == "envpool"  # CartPole x64
     kind, reason = choose_vec_env("auto", 8, 8e-6, 2, envpool=True)  # x8: EnvPool's thread wake-ups cost more
     assert kind == "dummy" and reason.endswith(
-        "; EnvPool not taken: a 64 us vec step is under the 200 us its thread pool needs"
+        "; EnvPool not taken: a 64.0 us vec step is under the 200 us its thread pool needs"
     )
     assert choose_vec_env("auto", 8, 38e-6, 2, envpool=True)[0] == "envpool"  # LunarLander x8
     assert choose_vec_env("auto", 8, 800e-6, 2, envpool=True)[0] == "envpool"  # Atari

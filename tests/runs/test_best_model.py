@@ -408,12 +408,27 @@ def test_which_model_a_run_dir_gives_is_decided_once_for_the_api_and_the_cli(tmp
         RunDir.find_model(tmp_path / "model.zip", "best")
     with pytest.raises(ConfigError, match="which must be 'auto', 'best' or 'final', got 'newest'"):
         RunDir.find_model(tmp_path, "newest")
+    with pytest.raises(ConfigError, match=r"no such run dir or model file: .*typo"):  # not "picks a model in a run dir"
+        RunDir.find_model(tmp_path / "typo", "best")
     (tmp_path / "best_model.zip").write_bytes(b"")
     (tmp_path / "model.zip").unlink()
     with pytest.raises(ConfigError, match=r"has no model\.zip \(its final save did not happen\); which='best': best_model"):
         RunDir.find_model(tmp_path, "final")
     (tmp_path / "model.zip").write_bytes(b"")
     assert RunDir.find_model(tmp_path)[0] == RunDir.find_model(tmp_path, "best")[0] == tmp_path / "best_model.zip"
+
+
+def test_an_interval_given_to_train_run_is_kept_by_its_resume(tmp_path):
+    from sb3_gpu.config.runconfig import load_config
+    from sb3_gpu.planning.plan import make_plan
+
+    tiny = {"n_envs": 1, "n_steps": 32, "batch_size": 32, "n_epochs": 1, "n_timesteps": 128, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=3, vec_env="dummy", overrides=tiny)
+    training.train_run(plan, tmp_path, eval_freq=64, eval_episodes=1, confirm_episodes=0, progress=False)
+    read = load_config(tmp_path)  # the run option wins over the preset key (null here), as it did in the run
+    assert read.hyperparameters["eval_freq"] == 64 and "eval_freq" not in read.run
+    training.resume_run(tmp_path, timesteps=256, progress=False)
+    assert np.load(tmp_path / "eval" / "evaluations.npz")["timesteps"].tolist() == [64, 128, 192, 256]
 
 
 def test_a_model_zip_inside_a_run_dir_names_the_run_dir_as_given(tmp_path, monkeypatch):
