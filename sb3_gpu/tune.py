@@ -89,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
     p.add_argument("--vec-env", choices=VEC_ENV_KINDS, default="auto")
-    p.add_argument("--threads", type=threads_arg, help="torch CPU threads of each trial: auto (default) or N")
+    p.add_argument(
+        "--threads",
+        type=threads_arg,
+        help="torch CPU threads of each trial: auto (default) or N (a --threshold study scores seconds: give every "
+        "worker the same)",
+    )
     p.add_argument("--space", metavar="FILE", help="a search-space YAML (default: the bundled one for ALGO)")
     p.add_argument(
         "--heartbeat", type=positive_int, default=60, help="seconds; a silent worker's trial fails after 2x (RDB storages)"
@@ -280,18 +285,19 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             return _stopped_in_trials(stops[0], url, args.heartbeat, name, started)
         print_error(mask_url(url, f"the study stopped: {type(e).__name__}: {str(e).strip().splitlines()[0]}"))
         return 1
-    if run.gave_up:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        code = _report(study, args, argv, plan.env.name, folder, plan.preset.n_timesteps, console)
+    except OSError as e:  # a full disk, say: the trials are safe in the storage, and the same command reports again
+        print_error(f"cannot write the study's results into {folder}: {e.strerror or e}; its trials are in {mask_url(url)}")
+        return 1
+    if run.gave_up:  # last, below the results: why this worker ended short of --trials
         print_error(
             f"this worker stopped after {run.misses} trials in a row that failed or drew an invalid combination (the "
             f"lines above say why); the study has {finished_trials(study)} of {args.trials} trials finished"
         )
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        code = _report(study, args, argv, plan.env.name, folder, plan.preset.n_timesteps, console)
-        return 1 if run.gave_up else code
-    except OSError as e:  # a full disk, say: the trials are safe in the storage, and the same command reports again
-        print_error(f"cannot write the study's results into {folder}: {e.strerror or e}; its trials are in {mask_url(url)}")
         return 1
+    return code
 
 
 def _remove_if_empty(folder: Path | None) -> None:

@@ -263,6 +263,7 @@ def test_a_worker_whose_trials_all_fail_stops_after_as_many_in_a_row_as_asked_an
     assert out.returncode == 1, out.stderr
     assert "error: this worker stopped after 2 trials in a row that failed or drew an invalid combination" in out.stderr
     assert "the study has 0 of 2 trials finished" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: this worker stopped after")  # last, below the results
     assert len(load(storage).trials) == 2
     # The same command tries again (the invalid ones are no results that would end the study).
     out = call_main(tune.main, "ppo", "--trials", "2", *TINY, "--storage", storage, "--study-dir", str(tmp_path))
