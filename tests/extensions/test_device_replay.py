@@ -295,9 +295,9 @@ def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist(tmp_path, monk
     fresh = weakref.ref(model.replay_buffer)
     real = saving.load_pickle
 
-    def load_pickle(*args):  # the model's own empty buffer is gone before the saved one is read
+    def load_pickle(*args, **kwargs):  # the model's own empty buffer is gone before the saved one is read
         assert fresh() is None
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(saving, "load_pickle", load_pickle)
     load_replay_buffer(model, path)
