@@ -297,7 +297,7 @@ def state_counts(study: Any) -> str:
     optuna = import_optuna()
     trials = study.get_trials(deepcopy=False)
     counts = {state.name.lower(): sum(t.state == state for t in trials) for state in optuna.trial.TrialState}
-    counts["invalid"] = sum(t.state == optuna.trial.TrialState.PRUNED and "invalid" in t.user_attrs for t in trials)
+    counts["invalid"] = sum(_invalid(t) for t in trials)
     counts["pruned"] -= counts["invalid"]
     return ", ".join(f"{n} {name}" for name, n in counts.items() if n)
 
@@ -493,7 +493,12 @@ def finished_trials(study: Any) -> int:
 
 def _counts(trial: Any) -> bool:
     state = import_optuna().trial.TrialState
-    return trial.state == state.COMPLETE or (trial.state == state.PRUNED and "invalid" not in trial.user_attrs)
+    return trial.state == state.COMPLETE or (trial.state == state.PRUNED and not _invalid(trial))
+
+
+def _invalid(trial: Any) -> bool:
+    """Pruned before it trained, for an invalid combination (see the objective): no result."""
+    return trial.state == import_optuna().trial.TrialState.PRUNED and "invalid" in trial.user_attrs
 
 
 @dataclass
@@ -505,21 +510,20 @@ class WorkerRun:
     gave_up: bool = False
 
 
-def run_trials(study: Any, objective: Any, target: int, max_misses: int | None = None) -> WorkerRun:
+def run_trials(study: Any, objective: Any, target: int) -> WorkerRun:
     """Run trials until the study, counting every worker's, has ``target`` finished ones.
 
     A trial that fails (a NaN, out of memory) or draws an invalid combination is tried again with new values; after
-    ``max_misses`` such trials in a row (default ``target``) the worker stops: a study whose every trial fails ends.
+    ``target`` such trials in a row the worker stops: a study whose every trial fails ends.
     Workers finishing at once may each add a trial past ``target``.
     """
-    limit = target if max_misses is None else max_misses
     run = WorkerRun()
 
     def after(study: Any, trial: Any) -> None:
         run.misses = 0 if _counts(trial) else run.misses + 1
         if finished_trials(study) >= target:
             study.stop()
-        elif run.misses >= limit:
+        elif run.misses >= target:
             run.gave_up = True
             study.stop()
 
