@@ -27,7 +27,7 @@ _EXPORTS = {
     "TrainingDiverged": "sb3_gpu.common.errors",
     "HardwareProfile": "sb3_gpu.common.hardware",
     "detect_hardware": "sb3_gpu.common.hardware",
-    "VecEnvFallbackWarning": "sb3_gpu.envs.build",
+    "VecEnvFallbackWarning": "sb3_gpu.envs.choice",
     "make_vec_env": "sb3_gpu.envs.build",
     "GradAccumPPO": "sb3_gpu.extensions.accumulate",
     "enable_amp": "sb3_gpu.extensions.amp",
@@ -89,7 +89,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged
     from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
-    from sb3_gpu.envs.build import VecEnvFallbackWarning, make_vec_env
+    from sb3_gpu.envs.build import make_vec_env
+    from sb3_gpu.envs.choice import VecEnvFallbackWarning
     from sb3_gpu.extensions.accumulate import GradAccumPPO
     from sb3_gpu.extensions.amp import enable_amp
     from sb3_gpu.planning.build import PresetModel, build_env, build_model, make_model

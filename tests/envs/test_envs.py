@@ -288,8 +288,19 @@ def test_sb3_arguments_mean_what_they_mean_in_sb3(tmp_path):
     theirs.close()
 
 
+class _TaggedVecEnv(DummyVecEnv):
+    def __init__(self, env_fns, tag: str = "") -> None:
+        super().__init__(env_fns)
+        self.tag = tag
+
+
 def test_vec_env_cls_picks_the_class_and_passes_its_kwargs():
-    venv = make_vec_env("CartPole-v1", 2, vec_env_cls=SubprocVecEnv, vec_env_kwargs={"start_method": "forkserver"})
+    venv = make_vec_env("CartPole-v1", 2, vec_env_cls=_TaggedVecEnv, vec_env_kwargs={"tag": "mine"})
+    try:
+        assert type(venv) is _TaggedVecEnv and venv.tag == "mine" and venv.num_envs == 2
+    finally:
+        venv.close()
+    venv = make_vec_env("CartPole-v1", 2, vec_env_cls=SubprocVecEnv, vec_env_kwargs={"start_method": "spawn"})
     try:
         assert isinstance(venv, SubprocVecEnv)
     finally:

@@ -174,8 +174,12 @@ def test_bf16_runs_the_networks_in_bf16_and_hands_back_float32():
 def test_bf16_dqn_family_trains(cls):
     model = cls("MlpPolicy", "CartPole-v1", learning_starts=32, batch_size=16, policy_kwargs={"net_arch": [32]}, seed=0)
     enable_amp(model, "bf16")
+    hidden = next(m for m in model.policy.modules() if isinstance(m, th.nn.Linear))
+    seen = set()
+    hidden.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
     before = _params(model)
     model.learn(200)
+    assert seen == {th.bfloat16}, "the networks ran in bf16 while it trained"
     assert math.isfinite(model.logger.name_to_value["train/loss"])
     assert any(not th.equal(a, b) for a, b in zip(before, _params(model), strict=True))
 

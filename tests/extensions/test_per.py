@@ -232,7 +232,7 @@ def test_samples_and_priorities_land_on_the_right_transitions_with_several_envs(
     assert leaf == pytest.approx((50.0 + buffer.eps) ** buffer.alpha)
     share = leaf / buffer.tree.total  # about 10.5 / 69.5: the other 59 keep priority 1
     assert (buffer.sample(256).indices == 23).mean() == pytest.approx(share, abs=0.01)
-    assert env.max() < 3
+    assert set(env.tolist()) == {0, 1, 2}, "the first sample drew from every env's column"
 
 
 def test_new_transitions_get_the_largest_priority_after_wrap_around():

@@ -36,6 +36,7 @@ def test_an_image_run_with_stacked_frames_ends_with_its_final_evaluation(tmp_pat
     assert plan.preset.policy == "CnnPolicy"
     assert isinstance(build_model(plan, build_env(plan)).get_env(), VecTransposeImage), "the chains do differ"
     summary = train_run(plan, tmp_path / "run", eval_freq=32, eval_episodes=2, progress=False, report_s=None)
-    assert summary["interrupted"] is False and summary["final_eval_mean"] >= 0
+    assert summary["interrupted"] is False
+    assert 0 <= summary["final_eval_mean"] <= 8, "a return of 8 steps' rewards of 0 or 1"
     assert summary["best"]["checked_mean"] is not None, "the check after training rebuilds an env given as a class"
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["eval_episodes"] == 2
