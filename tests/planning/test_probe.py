@@ -305,6 +305,17 @@ def test_the_probe_clips_gradients_as_the_run_will(algo, overrides, max_grad_nor
         "tqc", "Pendulum-v1", hardware=gpu_machine, prober=fake_prober(times), overrides={"top_quantiles_to_drop_per_net": 3}
     )
     assert drops.probe is not None and {o.workload.top_quantiles_to_drop_per_net for o in drops.probe.options} == {3}
+    # And the timed step does clip: a tiny limit leaves gradients of that norm; none leaves them as they came.
+    workload = plan.probe.options[0].workload
+    for limit in (1e-3, None):
+        w = dataclasses.replace(workload, max_grad_norm=limit)
+        policy = w.policy(th.device("cpu"))
+        obs, _ = policy.obs_to_tensor(probe_module._batch(w.observation_space, w.batch_size))
+        probe_module._train_step(policy, w, obs, th.device("cpu"), "fp32")()
+        norm = th.linalg.vector_norm(
+            th.stack([p.grad.norm() for p in policy.optimizer.param_groups[0]["params"] if p.grad is not None])
+        )
+        assert (norm <= 1.001e-3) == (limit is not None), (limit, norm)
 
 
 def test_the_policy_sees_stacked_channel_first_frames():

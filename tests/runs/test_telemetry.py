@@ -350,6 +350,10 @@ def test_a_live_line_is_printed_every_report_s():
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
     model.learn(64 * 6, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=0.0, print_fn=lines.append))
     assert len(lines) >= 4 and all("steps/s" in line and "env " in line and "train " in line for line in lines)
+    hourly: list[str] = []  # the same records, but a line is due only an hour in
+    quiet = ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=3600.0, print_fn=hourly.append)
+    model.learn(64 * 6, callback=quiet)
+    assert hourly == [] and quiet.latest["env_steps_per_s"] > 0
 
 
 def test_curves_leave_out_the_time_between_a_stop_and_its_resume(tmp_path):
