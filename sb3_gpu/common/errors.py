@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib.metadata
+import re
 import signal
 from collections.abc import Iterable
 from typing import TypeVar
@@ -23,6 +26,21 @@ def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
     if not matches:
         return ""
     return "; did you mean " + " or ".join(repr(m) for m in matches) + "?"
+
+
+@functools.cache
+def install_hint(extra: str) -> str:
+    """``pip install 'optuna>=3.5' ... (sb3_gpu's [tune] extra)``: the extra's packages as the installed metadata lists
+    them, so the command works wherever sb3_gpu came from (a checkout, a git URL)."""
+    try:
+        requires = importlib.metadata.requires("sb3-gpu") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        requires = []
+    marker = re.compile(rf"""extra\s*==\s*['"]{re.escape(extra)}['"]""")
+    packages = [r.split(";")[0].strip() for r in requires if ";" in r and marker.search(r.split(";", 1)[1])]
+    if not packages:
+        return f"install sb3_gpu's [{extra}] extra"
+    return "pip install " + " ".join(f"'{p}'" for p in packages) + f" (sb3_gpu's [{extra}] extra)"
 
 
 def gist(e: BaseException, limit: int = 160) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.errors import ConfigError, closest, install_hint
 from sb3_gpu.config.files import read_yaml
 from sb3_gpu.config.schema import ACTIVATIONS, Algo, validate_entry
 from sb3_gpu.envs.spec import looks_atari
@@ -53,7 +53,7 @@ def zoo_file(spec: str) -> Path:
             raise ConfigError(f"zoo:{spec}: sb3_gpu trains {', '.join(ZOO_ALGOS)}; there is no preset for {spec}")
         found = importlib.util.find_spec("rl_zoo3")
         if found is None or not found.submodule_search_locations:
-            raise ConfigError(f"zoo:{spec} reads an installed rl_zoo3's files: pip install rl_zoo3 (or give zoo:PATH.yml)")
+            raise ConfigError(f"zoo:{spec} reads an installed rl_zoo3's files: {install_hint('zoo')} (or give zoo:PATH.yml)")
         return Path(next(iter(found.submodule_search_locations))) / "hyperparams" / f"{spec}.yml"
     path = Path(spec)
     if not path.is_file():

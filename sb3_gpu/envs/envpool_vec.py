@@ -22,7 +22,7 @@ import numpy as np
 from stable_baselines3.common.monitor import Monitor, ResultsWriter
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, install_hint
 from sb3_gpu.envs.batched import env_indices
 from sb3_gpu.envs.spec import ATARI_FRAME_SKIP
 
@@ -154,7 +154,7 @@ class EnvPoolVecEnv(VecEnv):
         if task is None:
             raise ConfigError(no_twin(env_id))
         if not envpool_available():
-            raise ConfigError("vec_env 'envpool' needs EnvPool: pip install 'sb3-gpu[envpool]'")
+            raise ConfigError(f"vec_env 'envpool' needs EnvPool: {install_hint('envpool')}")
         self.env_id, (self.task, self.config) = env_id, task
         self.is_atari, self.num_threads = is_atari, num_threads
         self._channels_last = is_atari and not channels_first

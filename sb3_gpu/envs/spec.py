@@ -23,7 +23,7 @@ from stable_baselines3.common.atari_wrappers import AtariWrapper
 from stable_baselines3.common.monitor import Monitor
 
 from sb3_gpu.common.cli import ignore_stop_signals
-from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.errors import ConfigError, closest, install_hint
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
             )
     except gym.error.DependencyNotInstalled as e:
         raise ConfigError(
-            f"env {spec.name} cannot render frames: {e} (pip install 'sb3-gpu[video]' installs pygame and moviepy)"
+            f"env {spec.name} cannot render frames: {e} ({install_hint('video')} installs pygame and moviepy)"
         ) from None
     finally:
         env.close()
@@ -128,7 +128,7 @@ def looks_atari(env_id: str) -> bool:
 
 def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
     if env_id not in gym.registry and not register_ale() and looks_atari(env_id):
-        raise ConfigError(f"env {env_id!r} is an Atari game and needs ale-py: pip install 'sb3-gpu[atari]'")
+        raise ConfigError(f"env {env_id!r} is an Atari game and needs ale-py: {install_hint('atari')}")
     if env_id not in gym.registry:
         raise ConfigError(
             f"unknown env id {env_id!r}{closest(env_id, gym.registry.keys())} "
@@ -302,8 +302,10 @@ def probe_env(spec: EnvSpec) -> gym.Env:
     try:
         return EnvFactory(spec.make, None, spec.is_atari)()
     except gym.error.DependencyNotInstalled as e:
-        extra = "box2d" if "box2d" in str(e).lower() else "atari" if "ale" in str(e).lower() else None
-        hint = f": pip install 'sb3-gpu[{extra}]'" if extra else ""
+        text = str(e).lower()
+        words = {"box2d": "box2d", "mujoco": "mujoco", "atari": "ale"}  # the extra: a word of gymnasium's message
+        extra = next((extra for extra, word in words.items() if word in text), None)
+        hint = f": {install_hint(extra)}" if extra else ""
         raise ConfigError(f"env {spec.name!r} needs a missing dependency ({str(e).splitlines()[0]}){hint}") from None
     except ConfigError:
         raise

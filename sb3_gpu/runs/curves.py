@@ -1,7 +1,7 @@
 """Learning curves and throughput of one or several runs, read from their Monitor and evaluation files.
 
 Three panels: episode return against env steps (a rolling mean of training episodes, dots for evaluations),
-return against wall time, and env steps/s over the run. Needs matplotlib (``pip install 'sb3-gpu[plot]'``).
+return against wall time, and env steps/s over the run. Needs matplotlib (the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from sb3_gpu.common.errors import ConfigError, named
+from sb3_gpu.common.errors import ConfigError, install_hint, named
 from sb3_gpu.common.io import atomic_write_bytes, check_dir_creatable
 from sb3_gpu.config.files import read_yaml
 from sb3_gpu.envs.spec import ATARI_FRAME_SKIP, looks_atari, register_ale
 from sb3_gpu.runs.rundir import RunDir
 
-MISSING = "plotting needs matplotlib: pip install 'sb3-gpu[plot]'"
+MISSING = f"plotting needs matplotlib: {install_hint('plot')}"
 
 
 def _pyplot() -> Any:

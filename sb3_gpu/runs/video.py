@@ -18,7 +18,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, install_hint
 from sb3_gpu.common.io import make_dir
 from sb3_gpu.envs.build import make_vec_env, temporary_environ
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
@@ -159,7 +159,7 @@ def recordable(env: str | EnvSpec) -> EnvSpec:
         try:
             importlib.import_module(package)
         except ImportError:
-            raise ConfigError(f"recording a video needs {package}: pip install 'sb3-gpu[video]'") from None
+            raise ConfigError(f"recording a video needs {package}: {install_hint('video')}") from None
     with _headless():
         return rendering(resolve_env(env))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, install_hint
 from sb3_gpu.common.io import make_dir
 
 
@@ -22,7 +22,7 @@ def import_optuna() -> Any:
     try:
         import optuna
     except ImportError:
-        raise ConfigError("tuning needs optuna: pip install 'sb3-gpu[tune]'") from None
+        raise ConfigError(f"tuning needs optuna: {install_hint('tune')}") from None
     return optuna
 
 
@@ -124,7 +124,7 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
         except ImportError:
             raise ConfigError(
                 f"storage {mask_url(url)}: its database driver is not installed "
-                "(PostgreSQL: pip install 'sb3-gpu[tune]'; MySQL: pip install PyMySQL)"
+                f"(PostgreSQL: {install_hint('tune')}; MySQL: pip install PyMySQL)"
             ) from None
         except Exception as e:  # SQLAlchemy raises many kinds: refused connection, bad credentials, unknown database
             text = str(e).lower()

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, install_hint
 from sb3_gpu.common.io import atomic_write_bytes, atomic_write_text
 from sb3_gpu.config.files import presets_dir, read_yaml
 from sb3_gpu.config.presets import apply_override, load_preset_file, select_entry
@@ -328,7 +328,7 @@ def write_plots(study: Any, folder: Path) -> list[str]:
         matplotlib.use("Agg")
         from optuna.visualization import matplotlib as vis
     except ImportError as e:
-        return [f"plots not drawn ({e}): pip install 'sb3-gpu[plot]'"]
+        return [f"plots not drawn ({e}): {install_hint('plot')}"]
     for name, draw in (
         ("optimization_history", vis.plot_optimization_history),
         ("param_importances", vis.plot_param_importances),

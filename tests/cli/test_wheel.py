@@ -1,10 +1,12 @@
-"""The wheel carries the presets: install it into a fresh venv and use it from outside the repo."""
+"""The wheel carries the presets: install it into a fresh venv and use it from outside the repo. The sdist carries
+what its tests read."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 
 import pytest
@@ -25,6 +27,7 @@ def test_wheel_installs_into_a_fresh_venv_and_works_outside_the_repo(tmp_path):
     algos = ("ppo", "dqn", "qrdqn", "sac", "td3", "tqc")
     presets = {f"sb3_gpu/presets/{a}.yaml" for a in algos} | {f"sb3_gpu/presets/search/{a}.yaml" for a in algos}
     assert presets | {"sb3_gpu/py.typed"} <= set(names)
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names), "the licence the metadata declares"
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -69,3 +72,19 @@ def test_wheel_installs_into_a_fresh_venv_and_works_outside_the_repo(tmp_path):
     )
     assert plan.returncode == 0, plan.stderr
     assert "dqn.yaml:CartPole-v1" in plan.stdout
+
+
+def test_the_sdist_carries_the_files_its_tests_read(tmp_path):
+    subprocess.run([sys.executable, "-m", "hatchling", "build", "-t", "sdist", "-d", str(tmp_path)], cwd=REPO, check=True)
+    sdist = next(tmp_path.glob("sb3_gpu-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    needed = {"LICENSE", "README.md", "pyproject.toml"}
+    for folder in ("tests", "notebooks", "tools", "presets"):
+        needed |= {
+            str(path.relative_to(REPO))
+            for path in (REPO / folder).rglob("*")
+            if path.is_file() and "__pycache__" not in path.parts and ".ipynb_checkpoints" not in path.parts
+        }
+    assert needed - names == set()
+    assert not any(name.startswith(("runs/", "benchmarks/", ".venv/")) for name in names)

@@ -336,7 +336,7 @@ def test_envpool_names_its_monitor_files_from_start_index(tmp_path):
     from sb3_gpu.envs.envpool_vec import envpool_available
 
     if not envpool_available():
-        pytest.skip("EnvPool is not installed (pip install 'sb3-gpu[envpool]')")
+        pytest.skip("EnvPool is not installed (the envpool extra)")
     venv = make_vec_env("CartPole-v1", 2, start_index=5, monitor_dir=str(tmp_path), vec_env="envpool", seed=0)
     venv.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["5.monitor.csv", "6.monitor.csv"]

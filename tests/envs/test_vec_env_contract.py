@@ -19,7 +19,7 @@ from sb3_gpu.envs.batched import BatchedSubprocVecEnv
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv, envpool_available
 
 N_ENVS = 3
-needs_envpool = pytest.mark.skipif(not envpool_available(), reason="EnvPool is not installed (pip install 'sb3-gpu[envpool]')")
+needs_envpool = pytest.mark.skipif(not envpool_available(), reason="EnvPool is not installed (the envpool extra)")
 # The batched ones start worker processes (seconds each): the default run keeps the in-process one.
 PYTHON_BACKENDS = [
     "dummy",

@@ -11,7 +11,7 @@ from gymnasium import spaces
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.checks import PER_CHECKS
-from sb3_gpu.common.errors import ConfigError, TrainingDiverged
+from sb3_gpu.common.errors import ConfigError, TrainingDiverged, install_hint
 from sb3_gpu.extensions.per.buffer import check_per_values
 from sb3_gpu.extensions.per.tree import kernels, last_positive_before, level_offsets, level_sizes
 from sb3_gpu.extensions.replay import DeviceReplayBuffer, refuse_empty
@@ -41,7 +41,7 @@ class DeviceSumMinTree:
         if backend not in ("auto", "torch", "numba"):
             raise ValueError(f"backend must be auto, torch or numba, got {backend!r}")
         if backend == "numba" and (kernels is None or th.device(device).type != "cpu"):
-            raise ConfigError("the numba backend runs on the CPU and needs numba: pip install 'sb3-gpu[fast]'")
+            raise ConfigError(f"the numba backend runs on the CPU and needs numba: {install_hint('fast')}")
         on_cpu = th.device(device).type == "cpu"
         self.backend = backend if backend != "auto" else "numba" if on_cpu and kernels is not None else "torch"
         self.capacity, self.fanout = capacity, fanout

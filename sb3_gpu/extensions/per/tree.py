@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, install_hint
 
 try:
     from sb3_gpu.extensions.per import kernels
@@ -73,7 +73,7 @@ class SumMinTree:
         if backend not in ("auto", "numpy", "numba"):
             raise ValueError(f"backend must be auto, numpy or numba, got {backend!r}")
         if backend == "numba" and kernels is None:
-            raise ConfigError("the numba backend needs numba: pip install 'sb3-gpu[fast]'")
+            raise ConfigError(f"the numba backend needs numba: {install_hint('fast')}")
         self.capacity, self.fanout = capacity, fanout
         self.backend = "numba" if backend == "auto" and kernels is not None else "numpy" if backend == "auto" else backend
         if top is None:  # a cumulative sum over the top costs numpy one call but compiled loops a pass per search
