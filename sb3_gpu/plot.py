@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", help="run dirs written by sb3_gpu.train")
     parser.add_argument("-o", "--out", help="the PNG to write (default: RUN_DIR/curves.png for one run, curves.png)")
     args = parser.parse_args(argv)
+    same = [run for run, n in Counter(Path(run).resolve() for run in args.run_dirs).items() if n > 1]
+    if same:  # two curves of one run: a slip, most likely for another run's name
+        parser.error(f"{same[0]} is given twice; each run once")
     try:
         from sb3_gpu.runs.curves import load_curves, plot_runs  # matplotlib and SB3: here, so that --help needs neither
         from sb3_gpu.runs.rundir import RunDir

@@ -20,12 +20,12 @@ from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_
 from sb3_gpu.common.cli import (
     Parser,
     Terminated,
-    command,
     count_int,
     interrupted,
     positive_int,
     print_error,
     seed_int,
+    shell_line,
     sigterm_as_interrupt,
     threads_arg,
 )
@@ -296,11 +296,11 @@ def next_commands(run: RunDir, env: str | None = None) -> list[str]:
     video for an env whose class says it cannot render frames."""
     from sb3_gpu.envs.spec import declares_render_mode
 
-    watch = [f"watch it:  {command()} -m sb3_gpu.evaluate {run} --video"]
+    watch = [f"watch it:  {shell_line('-m', 'sb3_gpu.evaluate', run, '--video')}"]
     return [
         *(watch if env is None or declares_render_mode(env) is not False else []),
-        f"replay it: {command()} -m sb3_gpu.train --config {run.config}",
-        f"dashboard: {command('tensorboard')} --logdir {run.tensorboard}   (the Custom Scalars tab)",
+        f"replay it: {shell_line('-m', 'sb3_gpu.train', '--config', run.config)}",
+        f"dashboard: {shell_line('--logdir', run.tensorboard, program='tensorboard')}   (the Custom Scalars tab)",
     ]
 
 
@@ -430,16 +430,18 @@ def _stopped_at_once(run: RunDir | None, *, new: bool, code: int) -> int:
         _remove_if_empty(run, new=new)
         if run is not None and run.best_model.exists():
             print_error(f"stopped at once by a second signal; the best model so far is {run.best_model}")
-            print_error(f"to evaluate it: {command()} -m sb3_gpu.evaluate {run}")
+            print_error(f"to evaluate it: {shell_line('-m', 'sb3_gpu.evaluate', run)}")
         else:
             print_error("stopped at once by a second signal before any model was saved; nothing was kept")
         return interrupted(code)
     assert run is not None
     print_error(f"stopped at once by a second signal; nothing more was saved, the last good model is {states[0].model}")
     if _trained_to_the_end(run, states[0].timesteps):
-        print_error(f"training was complete; to evaluate: {command()} -m sb3_gpu.evaluate {run}")
+        print_error(f"training was complete; to evaluate: {shell_line('-m', 'sb3_gpu.evaluate', run)}")
     else:
-        print_error(f"continue with: {command()} -m sb3_gpu.train --resume {run} ({states[0].timesteps:,} timesteps done)")
+        print_error(
+            f"continue with: {shell_line('-m', 'sb3_gpu.train', '--resume', run)} ({states[0].timesteps:,} timesteps done)"
+        )
     return interrupted(code)
 
 

@@ -22,12 +22,12 @@ from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS, default_env
 from sb3_gpu.common.cli import (
     Parser,
     Terminated,
-    command,
     finite_float,
     interrupted,
     positive_int,
     print_error,
     seed_int,
+    shell_line,
     sigterm_as_interrupt,
     threads_arg,
 )
@@ -339,7 +339,7 @@ def _report(
         print_error("no trial completed, so there is no best preset to export")
         return 1
     preset = export_preset(study, args.algo, env, folder / "best_preset.yaml", timesteps)
-    console.print(f"best preset: {preset}  ({command()} -m sb3_gpu.train {args.algo} --env {env} --preset {preset})")
+    console.print(f"best preset: {preset}  ({shell_line('-m', 'sb3_gpu.train', args.algo, '--env', env, '--preset', preset)})")
     for note in write_plots(study, folder):
         console.print(f"plot: {note}")
     return 0

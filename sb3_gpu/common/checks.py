@@ -288,6 +288,9 @@ NORMALIZE_KEYS = {
 def normalize(value: Any, where: str) -> bool | dict[str, Any]:
     if isinstance(value, bool):
         return value
+    if not isinstance(value, Mapping):
+        keys = ", ".join(NORMALIZE_KEYS)
+        raise ConfigError(f"{where}: expected true, false or a mapping of VecNormalize's options ({keys}), got {value!r}")
     options = mapping(value, where)
     check_keys(options, set(NORMALIZE_KEYS), where)
     return {k: NORMALIZE_KEYS[k](v, f"{where}.{k}") for k, v in options.items()}

@@ -167,6 +167,12 @@ def command(program: str = "python") -> str:
     return shlex.quote(str(here))
 
 
+def shell_line(*words: object, program: str = "python") -> str:
+    """``python -m sb3_gpu.evaluate 'my run'``: ``program`` as :func:`command` finds it, then each word quoted for
+    the shell, so that a printed command runs as pasted whatever its paths hold (spaces, quotes, a newline)."""
+    return " ".join([command(program), shlex.join(str(word) for word in words)])
+
+
 def console() -> Console:
     """A rich console for the CLIs' output: its own width in a terminal or a notebook; in a log file (CI, nohup, a
     cluster's job log), which has none, 160 columns rather than rich's 80, so that tables are not folded."""

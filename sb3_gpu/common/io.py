@@ -10,6 +10,7 @@ import os
 import pickle
 import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -131,6 +132,10 @@ def check_dir_creatable(path: str | Path, what: str) -> Path:
         raise ConfigError(f"cannot create {what} {path}: {folder} is in the way (not a folder)")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot create {what} {path}: {folder} is not writable")
+    try:  # os.access says yes to root everywhere, a read-only mount and /proc included: make a folder to be sure
+        os.rmdir(tempfile.mkdtemp(prefix=".sb3_gpu-check-", dir=folder))
+    except OSError as e:
+        raise ConfigError(f"cannot create {what} {path}: {folder} takes no new folder ({e.strerror or e})") from None
     return path
 
 

@@ -43,6 +43,8 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     if not run.path.exists():
         raise ConfigError(f"{run}: no such folder; give a run dir written by sb3_gpu.train")
+    if not run.path.is_dir():
+        raise ConfigError(f"{run} is a file; give the run dir written by sb3_gpu.train (the folder that holds monitor/)")
     files = sorted(run.monitor.glob("*.monitor.csv")) if run.monitor.is_dir() else []
     if not files:
         raise ConfigError(f"{run} has no monitor/*.monitor.csv; is it a run dir written by sb3_gpu.train?")

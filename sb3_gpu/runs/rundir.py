@@ -342,6 +342,8 @@ class RunDir:
             raise ConfigError(f"no such run dir or model file: {target}")
         if which != "auto":
             raise ConfigError(f"which={which!r} picks a model in a run dir; {target} names one already")
+        if not zipfile.is_zipfile(target):  # SB3 saves a model as a zip archive, whatever its name
+            raise ConfigError(f"{target} is not a zip archive, as SB3 saves a model (a damaged model, or another file)")
         for parent in (*target.parents, *target.resolve().parents):  # the run dir as given (a relative path stays one)
             if cls(parent).config.is_file():
                 return target, cls(parent)

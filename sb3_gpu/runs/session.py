@@ -17,7 +17,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import unwrap_vec_normalize
 
-from sb3_gpu.common.cli import command
+from sb3_gpu.common.cli import shell_line
 from sb3_gpu.common.errors import StopNow
 from sb3_gpu.envs.build import explain_env_error
 from sb3_gpu.extensions.stepping import first_non_finite
@@ -209,6 +209,6 @@ class Session:
                 outcome.saved = f"could not write {e.filename} ({e.strerror}); {run.last_good()}"
                 outcome.error = outcome.error or e
         if outcome.interrupted and complete:  # a stop during the last update: nothing is left to resume
-            outcome.saved += f"; training was complete (to evaluate: {command()} -m sb3_gpu.evaluate {run})"
+            outcome.saved += f"; training was complete (to evaluate: {shell_line('-m', 'sb3_gpu.evaluate', run)})"
         elif outcome.interrupted:
-            outcome.saved += f"; continue with: {command()} -m sb3_gpu.train --resume {run}"
+            outcome.saved += f"; continue with: {shell_line('-m', 'sb3_gpu.train', '--resume', run)}"

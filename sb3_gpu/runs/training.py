@@ -15,7 +15,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
 from sb3_gpu.common.checks import count_arg, seconds_arg
-from sb3_gpu.common.cli import command
+from sb3_gpu.common.cli import shell_line
 from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import make_dir, write_json, write_yaml
@@ -302,7 +302,7 @@ def _learn(
                 summary.update(interrupted=True, stopped_by=session.stopped_by)
                 summary["saved"] = (
                     f"{outcome.saved}; training was complete and its final evaluation was stopped "
-                    f"(to evaluate: {command()} -m sb3_gpu.evaluate {run})"
+                    f"(to evaluate: {shell_line('-m', 'sb3_gpu.evaluate', run)})"
                 )
             except Exception as e:
                 failed = e

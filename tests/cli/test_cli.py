@@ -118,6 +118,8 @@ BAD_INPUTS = [
     (["ppo", "--run-dir", "{existing}"], "already exists"),
     (["ppo", "--run-dir", "{existing}", "--plan"], "already exists"),
     (["ppo", "--run-dir", "{a_file}/run"], "is in the way (not a folder)"),
+    # Before the plan is printed; os.access lets root write anywhere, /proc included.
+    (["ppo", "--run-dir", "/proc/nope/x"], "cannot create run dir /proc/nope/x: /proc "),
     ([], "give an algorithm"),
     (["ppo", "--per"], "'per' is for off-policy algorithms (dqn, qrdqn); ppo is on-policy"),
     (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
@@ -165,7 +167,7 @@ BAD_INPUTS = [
     # Nothing is written through a symbolic link, and a run dir that cannot be made says why.
     (["--resume", "{linked}", "--timesteps", "128"], "linked/.lock is a symbolic link; sb3_gpu does not write through"),
     (["ppo", "--run-dir", "{a_file}/run"], "cannot create run dir"),
-    (["ppo", "--run-dir", "/sys/sb3_gpu_run"], "cannot create run dir /sys/sb3_gpu_run: Operation not permitted"),
+    (["ppo", "--run-dir", "/sys/sb3_gpu_run"], "cannot create run dir /sys/sb3_gpu_run: /sys "),
     (["--resume", "{damaged}", "--timesteps", "128"], "holds no readable model.zip or checkpoint to continue from (skipped"),
     # Sizes the machine cannot hold are refused before anything is allocated or spawned.
     (["dqn", "--env", "ALE/Pong-v5", "--set", "buffer_size=50000000"], "buffer_size=50,000,000 needs 2629.5 GiB"),
@@ -300,6 +302,7 @@ def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, mon
     assert len(lines) == 1, result.stderr
     assert message in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
+    assert "sb3_gpu plan" not in result.stdout, "refused before the plan, not after it"
     assert not (tmp_path / "pwned").exists()
     assert (tmp_path / "victim").read_text() == "precious"
 
@@ -479,3 +482,18 @@ def test_run_options_are_refused_before_the_plan_is_made(call_main, monkeypatch)
     monkeypatch.setattr(train_module, "plan_from_args", no_plan)
     result = call_main(train_main, "ppo", "--save-replay-buffer", "--plan")  # PPO keeps no replay buffer
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_next_commands_run_as_pasted_whatever_the_run_dir_is_called(tmp_path):
+    import shlex
+
+    from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.train import next_commands
+
+    run = RunDir(tmp_path / "rün dir's\nnew ☃")
+    words = [shlex.split(line.split(":", 1)[1].split("   (")[0]) for line in next_commands(run, "CartPole-v1")]
+    assert [w[1:] for w in words] == [
+        ["-m", "sb3_gpu.evaluate", str(run), "--video"],
+        ["-m", "sb3_gpu.train", "--config", str(run.config)],
+        ["--logdir", str(run.tensorboard)],
+    ]

@@ -186,6 +186,10 @@ def test_unknown_key_in_a_profile_is_an_error(tmp_path):
         ("default:\n  n_steps: 12.5\n", "n_steps: expected a positive int"),
         ("default:\n  gamma: 1.5\n", r"gamma: expected a number in \[0, 1\]"),
         ("default:\n  normalize_advantage: 'yes please'\n", "expected true or false"),
+        (
+            "default:\n  normalize: maybe\n",
+            r"normalize: expected true, false or a mapping of VecNormalize's options \(norm_obs",
+        ),
         ("default:\n  learning_rate: -1\n", "learning_rate: expected a positive number"),
         ("default:\n  learning_rate: {schedule: cosine, start: 1}\n", "schedule must be 'linear' or 'constant'"),
         ("default:\n  net_arch: [64, -1]\n", "expected a positive layer width"),

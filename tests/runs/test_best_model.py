@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import zipfile
 
 import gymnasium as gym
 import numpy as np
@@ -435,12 +436,15 @@ def test_a_model_zip_inside_a_run_dir_names_the_run_dir_as_given(tmp_path, monke
     # evaluate's paths (its JSON's model and video) stay relative when the zip was given relative.
     (tmp_path / "runs" / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "config.yaml").write_text("")
-    (tmp_path / "runs" / "r" / "checkpoints" / "model_96_steps.zip").write_bytes(b"")
+    zipfile.ZipFile(tmp_path / "runs" / "r" / "checkpoints" / "model_96_steps.zip", "w").close()
     monkeypatch.chdir(tmp_path)
     model, run = RunDir.find_model("runs/r/checkpoints/model_96_steps.zip")
     assert str(model) == "runs/r/checkpoints/model_96_steps.zip" and str(run) == "runs/r"
     _, run = RunDir.find_model(tmp_path / "runs" / "r" / "checkpoints" / "model_96_steps.zip")
     assert run.path == tmp_path / "runs" / "r"
+    (tmp_path / "runs" / "r" / "notes.txt").write_text("not a model")  # said before its config is looked for
+    with pytest.raises(ConfigError, match=r"^runs/r/notes.txt is not a zip archive, as SB3 saves a model"):
+        RunDir.find_model("runs/r/notes.txt")
 
 
 def test_waiting_for_training_at_an_evaluation_is_training_time_not_evaluation_time(tmp_path, monkeypatch):

@@ -218,6 +218,19 @@ def test_plot_refuses_a_damaged_monitor_file_or_an_unusable_output_in_one_line(t
     assert result.stderr.startswith("error: " + message.format(run="run")), result.stderr
 
 
+def test_plot_refuses_a_file_for_a_run_dir_and_a_run_given_twice(tmp_path):
+    (tmp_path / "run" / "monitor").mkdir(parents=True)
+    (tmp_path / "run" / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n1,2,3\n')
+    (tmp_path / "notes.txt").write_text("")
+    result = run_cli("sb3_gpu.plot", "notes.txt", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr == "error: notes.txt is a file; give the run dir written by " + (
+        "sb3_gpu.train (the folder that holds monitor/)\n"
+    )
+    result = run_cli("sb3_gpu.plot", "run", "./run/", cwd=tmp_path)
+    assert result.returncode == 2 and f"{tmp_path / 'run'} is given twice; each run once" in result.stderr
+    assert not (tmp_path / "curves.png").exists()
+
+
 def test_plot_says_when_a_run_has_no_finished_episode(tmp_path):
     (tmp_path / "run" / "monitor").mkdir(parents=True)
     (tmp_path / "run" / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n')
@@ -262,7 +275,7 @@ def test_plot_names_a_path_that_is_no_run_dir_and_a_plot_it_could_not_write(tmp_
     # A model file given for its run: said as such, not as a plot folder that a file is in the way of.
     result = call_main(plot.main, "run/model.zip")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("error: run/model.zip has no monitor/*.monitor.csv; is it a run dir"), result.stderr
+    assert result.stderr.startswith("error: run/model.zip is a file; give the run dir written by"), result.stderr
 
     monkeypatch.setattr(curves, "atomic_write_bytes", disk_full)
     result = call_main(plot.main, "run")

@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from sb3_gpu.common import io
+from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.io import check_dir_creatable
+
+
+def test_a_folder_that_takes_no_new_folder_is_refused_though_access_allows_it(tmp_path, monkeypatch):
+    assert check_dir_creatable(tmp_path / "a" / "b", "run dir") == tmp_path / "a" / "b"
+    assert list(tmp_path.iterdir()) == [], "the check leaves nothing behind"
+
+    def read_only(**kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(io.tempfile, "mkdtemp", read_only)  # as a read-only mount answers root, whom access() lets in
+    with pytest.raises(
+        ConfigError, match=rf"^cannot create run dir {tmp_path}/a/b: {tmp_path} takes no new folder \(Read-only"
+    ):
+        check_dir_creatable(tmp_path / "a" / "b", "run dir")
