@@ -80,16 +80,27 @@ class GradAccumPPO(PPO):
     def __init__(self, *args: Any, grad_accum_steps: int = 1, **kwargs: Any):
         self.grad_accum_steps = grad_accum_steps  # read by _setup_model, which PPO.__init__ calls
         super().__init__(*args, **kwargs)
+        if kwargs.get("_init_setup_model", True):  # a new model: refused at once (load checks when it trains)
+            self._check_accumulation()
 
     def _setup_model(self) -> None:
         super()._setup_model()
-        self.grad_accum_steps = check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
+        self.grad_accum_steps = POS_INT(self.grad_accum_steps, "grad_accum_steps")
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
         self._compiled_step: CompiledUpdate | None = None
         self._compiled_act: CompiledFunction | None = None
         for step in optimizer_steps(self):
             step.defer_checks = True  # dump_logs reads the NaN guard's flags: a fused optimizer skips on the device
+
+    def _check_accumulation(self) -> None:
+        """The windows must fit this env count's minibatches: a model loaded to act with fewer envs (an evaluation's)
+        need not, so it is checked where it trains."""
+        check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
+
+    def learn(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_accumulation()
+        return super().learn(*args, **kwargs)
 
     def _excluded_save_params(self) -> list[str]:
         excluded = ["_accumulator", "_device_log", "_compiled_step", "_compiled_act", "_descent", "_step_state"]

@@ -149,6 +149,20 @@ def test_grad_accum_ppo_saves_and_loads(tmp_path):
     loaded.learn(64)  # its hooks are in place again
 
 
+def test_a_grad_accum_ppo_loads_to_act_with_any_env_count_and_is_checked_where_it_trains(tmp_path):
+    from sb3_gpu.envs.build import make_vec_env
+
+    one_env = make_vec_env("CartPole-v1", 1)
+    four = make_vec_env("CartPole-v1", 4)
+    model = GradAccumPPO("MlpPolicy", four, n_steps=64, batch_size=32, grad_accum_steps=4, seed=0)  # 8 minibatches
+    model.save(tmp_path / "m4.zip")
+    loaded = GradAccumPPO.load(tmp_path / "m4.zip", env=one_env)  # 2 minibatches: it acts, it does not train
+    action, _ = loaded.predict(one_env.reset(), deterministic=True)
+    assert action.shape == (1,)
+    with pytest.raises(ConfigError, match=r"grad_accum_steps=4 must divide the 2 minibatches per epoch"):
+        loaded.learn(64)
+
+
 def test_ppo_grad_accum_is_a_preset_key():
     plan = make_plan("ppo", "CartPole-v1", "cpu", overrides={"grad_accum_steps": 2, "n_steps": 64, "batch_size": 32})
     model = build_model(plan, build_env(plan))
