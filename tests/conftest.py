@@ -105,6 +105,13 @@ def _probe_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _batched_costs_of_a_slow_vm(monkeypatch):
+    """A plan in doubt between dummy and batched times the batched VecEnv's overhead on this machine; tests keep the
+    model's defaults, so that a choice does not depend on the machine that runs them (tests/envs times it for real)."""
+    monkeypatch.setattr("sb3_gpu.envs.choice.batched_costs", lambda workers: None)
+
+
+@pytest.fixture(autouse=True)
 def _keep_torch_settings():
     """Building a model applies its plan's thread count and CUDA math flags process-wide: put them back after each test.
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+import multiprocessing as mp
 import resource
 import warnings
 from dataclasses import dataclass
@@ -10,19 +12,52 @@ from dataclasses import dataclass
 from sb3_gpu.common.checks import VEC_ENV_KINDS
 from sb3_gpu.common.errors import ConfigError, closest
 from sb3_gpu.common.hardware import logical_cores
-from sb3_gpu.envs.batched import batched_workers
+from sb3_gpu.envs.batched import batched_workers, measure_overhead
 from sb3_gpu.envs.envpool_vec import envpool_available, envpool_failure, envpool_task, no_twin
 from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
 
 # BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
 # pickling per env. Measured on a 2-core Firecracker VM, where waking an idle vCPU is slow: ~350 us per step and
-# ~10 us per env (python -m sb3_gpu.bench envs). Bare-metal machines pay less, so auto errs towards dummy.
+# ~10 us per env (python -m sb3_gpu.bench envs). Another 2-core VM paid ~120 us and ~2 us, so where these figures
+# leave the choice in doubt, auto measures them on the machine at hand (BatchedCosts).
 BATCHED_STEP_OVERHEAD_S = 350e-6
 BATCHED_PER_ENV_S = 10e-6
+# Batched must be estimated this much faster: it costs start-up, and the measured overhead (idle envs) leaves out
+# what a real env's step costs more in a worker than in place (bench envs: CartPole x64 est. 1.22x, ran 0.95x).
+BATCHED_MARGIN = 1.3
+# Estimates of batched / dummy inside this band, with the slow VM's costs, could go either way on another machine:
+# they are measured there. Above it batched wins even on the slow VM; below it no measured VM's costs would do.
+MEASURE_BAND = (0.25, 1.5)
 # EnvPool hands each step to its C++ thread pool, whose wake-ups cost a fixed time per step, so it only pays where
 # a DummyVecEnv step (n_envs * one env step) is longer than this. bench envs on the same VM: CartPole x8 (~60 us a
 # vec step) 0.73x dummy, x32 1.33x (0.86x in an earlier run), x64 2.00x; LunarLander x8 (~300 us) 1.63x; Atari always.
 ENVPOOL_MIN_VEC_STEP_S = 0.2e-3
+
+
+@dataclass(frozen=True)
+class BatchedCosts:
+    """What a step of the batched VecEnv costs besides its envs' own steps: a round trip (the workers wake in
+    parallel) and a little per env. The defaults are a slow VM's; :func:`batched_costs` measures this machine's."""
+
+    step_s: float = BATCHED_STEP_OVERHEAD_S
+    per_env_s: float = BATCHED_PER_ENV_S
+    measured: bool = False
+
+    def describe(self) -> str:
+        return f"{self.step_s * 1e6:.0f} us a step + {self.per_env_s * 1e6:.1f} us an env"
+
+
+@functools.cache
+def batched_costs(workers: int) -> BatchedCosts | None:
+    """This machine's :class:`BatchedCosts` for ``workers`` workers, timed once per process (about a second and a
+    half, most of it the workers' start), or None where its workers cannot start here (the defaults then stand)."""
+    try:
+        step_s, per_env_s = measure_overhead(workers)
+    except Exception:  # no subprocesses here (a sandbox, a frozen app): the build itself will say why, if it is tried
+        if getattr(mp.current_process(), "_inheriting", False):
+            raise  # a worker re-running a script that lacks the __main__ guard: it dies, as multiprocessing intends
+        return None
+    return BatchedCosts(step_s, per_env_s, measured=True)
 
 
 class VecEnvFallbackWarning(UserWarning):
@@ -45,15 +80,17 @@ def check_vec_env_kind(kind: str) -> str:
     return kind
 
 
-def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int, envpool: bool = False) -> tuple[str, str]:
+def choose_vec_env(
+    requested: str, n_envs: int, step_seconds: float, cores: int, envpool: bool = False, costs: BatchedCosts | None = None
+) -> tuple[str, str]:
     """Pick a VecEnv kind for ``n_envs`` envs whose step takes ``step_seconds``; return (kind, reason).
 
     ``envpool`` says whether EnvPool is installed and has a twin of this env: its C++ envs step on a thread pool
     with no Python in the loop, which wins once a step is long enough to pay for waking the threads. Otherwise the
     model is: DummyVecEnv costs ``n_envs * step``; the batched subprocess VecEnv spreads the envs over ``cores``
-    workers and pays a round trip per worker and a little per env. Batched must win by 20%, since its start-up
-    costs too. SB3's SubprocVecEnv is never the automatic choice: batched does the same work with one round trip
-    per worker instead of per env.
+    workers and pays a round trip per worker and a little per env (``costs``, by default a slow VM's). Batched must
+    win by 30% (``BATCHED_MARGIN``). SB3's SubprocVecEnv is never the automatic choice: batched does the same work
+    with one round trip per worker instead of per env.
     """
     if check_vec_env_kind(requested) != "auto":
         return requested, "asked for"
@@ -72,15 +109,23 @@ def choose_vec_env(requested: str, n_envs: int, step_seconds: float, cores: int,
         return "dummy", "one env: nothing to parallelise" + passed_over
     if cores < 2:
         return "dummy", "one CPU core: subprocesses would only add overhead" + passed_over
-    dummy = n_envs * step_seconds
-    workers = batched_workers(n_envs, cores)
-    batched = -(-n_envs // workers) * step_seconds + BATCHED_STEP_OVERHEAD_S + n_envs * BATCHED_PER_ENV_S
-    ratio = dummy / batched
+    costs = costs or BatchedCosts()
+    ratio = batched_speedup(n_envs, step_seconds, cores, costs)
     detail = (
         f"env step {step_seconds * 1e6:.0f} us, {n_envs} envs on {cores} cores: "
-        f"batched ({workers} workers) est. {ratio:.2f}x dummy"
+        f"batched ({batched_workers(n_envs, cores)} workers) est. {ratio:.2f}x dummy"
     )
-    return ("batched" if ratio >= 1.2 else "dummy"), detail + passed_over
+    if costs.measured:
+        detail += f" (its overhead measured here: {costs.describe()})"
+    return ("batched" if ratio >= BATCHED_MARGIN else "dummy"), detail + passed_over
+
+
+def batched_speedup(n_envs: int, step_seconds: float, cores: int, costs: BatchedCosts) -> float:
+    """The model's estimate of a batched step's speed over a dummy one: dummy steps the envs one after the other;
+    batched spreads them over its workers and pays ``costs``."""
+    workers = batched_workers(n_envs, cores)
+    batched = -(-n_envs // workers) * step_seconds + costs.step_s + n_envs * costs.per_env_s
+    return n_envs * step_seconds / batched
 
 
 # More SB3 SubprocVecEnv workers than this per core only queue on the CPU (each is a process with its own torch).
@@ -145,9 +190,10 @@ def vec_env_choice(
             probe.close()
     if requested == "envpool" and spec.env_id is not None and envpool_task(spec.env_id, spec.is_atari) is None:
         raise ConfigError(no_twin(spec.env_id))  # said by the plan, as the run would say it
+    step_seconds = step_seconds or 0.0
     pool = requested == "auto" and envpool_allowed and envpool_fits(spec)
-    kind, reason = choose_vec_env(requested, n_envs, step_seconds or 0.0, cores, envpool=pool)
-    if kind == "envpool" and requested == "auto":
+    suffix = ""
+    if pool and choose_vec_env(requested, n_envs, step_seconds, cores, envpool=True)[0] == "envpool":
         # Installed is not enough (a missing dependency such as dm_env only shows on import): auto takes EnvPool
         # only once it has made the env.
         assert spec.env_id is not None  # envpool_fits checked it
@@ -155,6 +201,13 @@ def vec_env_choice(
         if failure is not None:
             message = f"EnvPool cannot make {spec.name} here ({failure}); choosing another vec env"
             warnings.warn(message, VecEnvFallbackWarning, stacklevel=2)
-            kind, reason = choose_vec_env(requested, n_envs, step_seconds or 0.0, cores, envpool=False)
-            reason += f"; EnvPool could not make the env ({failure})"
+            pool, suffix = False, f"; EnvPool could not make the env ({failure})"
+    costs = None
+    takes_pool = pool and choose_vec_env(requested, n_envs, step_seconds, cores, envpool=True)[0] == "envpool"
+    if requested == "auto" and not takes_pool and n_envs > 1 and cores > 1:
+        default = batched_speedup(n_envs, step_seconds, cores, BatchedCosts())
+        if MEASURE_BAND[0] <= default <= MEASURE_BAND[1]:  # a slow VM's costs leave it in doubt: this machine's decide
+            costs = batched_costs(batched_workers(n_envs, cores))
+    kind, reason = choose_vec_env(requested, n_envs, step_seconds, cores, envpool=pool, costs=costs)
+    reason += suffix
     return VecEnvChoice(kind, reason, env_processes(kind, n_envs, cores))

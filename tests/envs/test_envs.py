@@ -11,7 +11,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecFram
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.envs.build import VecEnvFallbackWarning, make_vec_env
-from sb3_gpu.envs.choice import choose_vec_env
+from sb3_gpu.envs.choice import choose_vec_env, vec_env_choice
 from sb3_gpu.envs.spec import resolve_env
 
 
@@ -235,6 +235,41 @@ def test_auto_prefers_envpool_where_it_fits_and_never_picks_sb3_subproc():
     assert choose_vec_env("auto", 8, 800e-6, 2, envpool=True)[0] == "envpool"  # Atari
     kinds = {choose_vec_env("auto", n, s, c)[0] for n in (2, 8, 64) for s in (1e-5, 1e-3, 1e-1) for c in (2, 16, 128)}
     assert kinds == {"dummy", "batched"}
+
+
+def test_where_the_model_is_in_doubt_the_batched_overhead_is_measured_here(monkeypatch):
+    from sb3_gpu.envs import choice
+
+    asked = []
+
+    def fast_machine(workers):
+        asked.append(workers)
+        return choice.BatchedCosts(120e-6, 2e-6, measured=True)
+
+    monkeypatch.setattr(choice, "batched_costs", fast_machine)
+    lunar = resolve_env("LunarLander-v3")
+    # 64 envs of 34 us on 2 cores: a slow VM's costs say 1.04x (dummy); this machine's, 1.63x.
+    picked = vec_env_choice("auto", lunar, 64, cores=2, step_seconds=34e-6, envpool_allowed=False)
+    assert picked.kind == "batched" and asked == [2]
+    assert picked.reason.endswith("est. 1.63x dummy (its overhead measured here: 120 us a step + 2.0 us an env)")
+    # Clear either way: not measured.
+    assert vec_env_choice("auto", lunar, 8, cores=2, step_seconds=1e-6, envpool_allowed=False).kind == "dummy"
+    assert vec_env_choice("auto", lunar, 8, cores=2, step_seconds=1e-2, envpool_allowed=False).kind == "batched"
+    assert vec_env_choice("auto", lunar, 64, cores=1, step_seconds=34e-6, envpool_allowed=False).kind == "dummy"
+    assert vec_env_choice("dummy", lunar, 64, cores=2, step_seconds=34e-6).kind == "dummy"
+    assert asked == [2]
+    # Where the workers cannot start, the defaults stand.
+    monkeypatch.setattr(choice, "batched_costs", lambda workers: None)
+    picked = vec_env_choice("auto", lunar, 64, cores=2, step_seconds=34e-6, envpool_allowed=False)
+    assert picked.kind == "dummy" and "measured" not in picked.reason
+
+
+def test_the_batched_overhead_is_timed_with_real_workers():
+    from sb3_gpu.envs.batched import measure_overhead
+
+    step_s, per_env_s = measure_overhead(2, steps=50)
+    # A round trip to two processes: more than nothing, far less than a second; the envs themselves cost next to nothing.
+    assert 1e-6 < step_s < 0.1 and 0.0 <= per_env_s < 1e-3
 
 
 def test_explicit_choice_is_kept_and_bad_names_rejected():
