@@ -303,7 +303,8 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 def _remove_if_empty(folder: Path | None) -> None:
     """Remove the study dir this call made, where the study could not open in it."""
     if folder is not None and folder.is_dir() and not any(folder.iterdir()):
-        folder.rmdir()
+        with contextlib.suppress(OSError):  # another worker has just written into it: it stays, as theirs
+            folder.rmdir()
 
 
 class _LogFilter(logging.Filter):

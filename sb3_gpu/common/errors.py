@@ -6,6 +6,7 @@ import difflib
 import functools
 import importlib.metadata
 import re
+import shlex
 import signal
 from collections.abc import Iterable
 from typing import TypeVar
@@ -40,7 +41,7 @@ def install_hint(extra: str) -> str:
     packages = [r.split(";")[0].strip() for r in requires if ";" in r and marker.search(r.split(";", 1)[1])]
     if not packages:
         return f"install sb3_gpu's [{extra}] extra"
-    return "pip install " + " ".join(f"'{p}'" for p in packages) + f" (sb3_gpu's [{extra}] extra)"
+    return f"pip install {shlex.join(packages)} (sb3_gpu's [{extra}] extra)"
 
 
 def gist(e: BaseException, limit: int = 160) -> str:

@@ -132,10 +132,14 @@ def check_dir_creatable(path: str | Path, what: str) -> Path:
         raise ConfigError(f"cannot create {what} {path}: {folder} is in the way (not a folder)")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot create {what} {path}: {folder} is not writable")
+    if folder == path:  # there already: nothing to create (a writer sharing it sees no stray folder)
+        return path
     try:  # os.access says yes to root everywhere, a read-only mount and /proc included: make a folder to be sure
-        os.rmdir(tempfile.mkdtemp(prefix=".sb3_gpu-check-", dir=folder))
+        probe = tempfile.mkdtemp(prefix=".sb3_gpu-check-", dir=folder)
     except OSError as e:
         raise ConfigError(f"cannot create {what} {path}: {folder} takes no new folder ({e.strerror or e})") from None
+    with contextlib.suppress(OSError):  # an append-only folder keeps it: harmless, and no reason to refuse
+        os.rmdir(probe)
     return path
 
 

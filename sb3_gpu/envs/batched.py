@@ -66,10 +66,18 @@ def worker_start_method(start_method: str | None) -> str:
 def _start_forkserver(forkserver: Any) -> None:
     """Start the forkserver, if it is not up, marked so that it shields itself from SIGTERM (:func:`_shield_server`)."""
     os.environ[_SHIELD] = "1"  # read and removed by the server as it imports this module; gone here at once
+    # Libraries that size their thread pools at import (OpenBLAS, MKL) do so in the server, for every worker it forks:
+    # one thread each, whoever starts it (a build, a plan timing the workers' overhead).
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
     try:
         forkserver.ensure_running()
     finally:
         os.environ.pop(_SHIELD, None)
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
 
 
 def _shield_server() -> None:
@@ -485,25 +493,28 @@ class _IdleEnv(gym.Env):
 
 def measure_overhead(workers: int, steps: int = 200) -> tuple[float, float]:
     """Seconds that a step of this VecEnv costs besides its envs' own steps, on this machine: (a round trip to
-    ``workers`` workers, each extra env). Timed with one env per worker, then 32 per worker; medians of 5 rounds."""
-
-    def seconds_per_step(n_envs: int) -> float:
-        venv = BatchedSubprocVecEnv([_IdleEnv] * n_envs, n_workers=workers)
-        try:
+    ``workers`` workers, each extra env). Timed with one env per worker and with 32 per worker, in alternating rounds
+    (a busy spell falls on both); medians of 5 rounds each."""
+    sizes = (workers, 32 * workers)
+    venvs: list[BatchedSubprocVecEnv] = []
+    try:
+        for n_envs in sizes:
+            venvs.append(BatchedSubprocVecEnv([_IdleEnv] * n_envs, n_workers=workers))
+        actions = [np.zeros(n_envs, dtype=np.int64) for n_envs in sizes]
+        for venv, action in zip(venvs, actions, strict=True):
             venv.reset()
-            actions = np.zeros(n_envs, dtype=np.int64)
             for _ in range(steps // 10):  # warm-up: the workers' first wake-ups are slower
-                venv.step(actions)
-            rounds = []
-            for _ in range(5):
+                venv.step(action)
+        rounds: list[list[float]] = [[], []]
+        for _ in range(5):
+            for i, (venv, action) in enumerate(zip(venvs, actions, strict=True)):
                 start = time.perf_counter()
                 for _ in range(steps // 5):
-                    venv.step(actions)
-                rounds.append((time.perf_counter() - start) / (steps // 5))
-            return statistics.median(rounds)
-        finally:
+                    venv.step(action)
+                rounds[i].append((time.perf_counter() - start) / (steps // 5))
+    finally:
+        for venv in venvs:
             venv.close()
-
-    few, many = seconds_per_step(workers), seconds_per_step(32 * workers)
-    per_env = max(many - few, 0.0) / (31 * workers)
+    few, many = (statistics.median(r) for r in rounds)
+    per_env = max(many - few, 0.0) / (sizes[1] - sizes[0])
     return max(few - workers * per_env, 0.0), per_env

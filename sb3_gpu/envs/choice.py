@@ -27,7 +27,7 @@ BATCHED_PER_ENV_S = 10e-6
 BATCHED_MARGIN = 1.3
 # Estimates of batched / dummy inside this band, with the slow VM's costs, could go either way on another machine:
 # they are measured there. Above it batched wins even on the slow VM; below it no measured VM's costs would do.
-MEASURE_BAND = (0.25, 1.5)
+MEASURE_BAND = (0.5, 1.5)
 # EnvPool hands each step to its C++ thread pool, whose wake-ups cost a fixed time per step, so it only pays where
 # a DummyVecEnv step (n_envs * one env step) is longer than this. bench envs on the same VM: CartPole x8 (~60 us a
 # vec step) 0.73x dummy, x32 1.33x (0.86x in an earlier run), x64 2.00x; LunarLander x8 (~300 us) 1.63x; Atari always.
@@ -49,8 +49,9 @@ class BatchedCosts:
 
 @functools.cache
 def batched_costs(workers: int) -> BatchedCosts | None:
-    """This machine's :class:`BatchedCosts` for ``workers`` workers, timed once per process (about a second and a
-    half, most of it the workers' start), or None where its workers cannot start here (the defaults then stand)."""
+    """This machine's :class:`BatchedCosts` for ``workers`` workers, timed once per process, or None where its
+    workers cannot start here (the defaults then stand). It takes about a second, most of it the workers' start, and
+    a few more where it starts the workers' server (which then stays, for the run's workers to fork from)."""
     try:
         step_s, per_env_s = measure_overhead(workers)
     except Exception:  # no subprocesses here (a sandbox, a frozen app): the build itself will say why, if it is tried
@@ -178,9 +179,12 @@ def vec_env_choice(
     cores: int | None = None,
     step_seconds: float | None = None,
     envpool_allowed: bool = True,
+    measure: bool = True,
 ) -> VecEnvChoice:
     """:func:`choose_vec_env` with its facts gathered: ``auto`` times one env step (unless ``step_seconds`` is
-    given) and asks whether EnvPool fits (``envpool_allowed=False``: the envs carry wrappers EnvPool cannot run)."""
+    given) and asks whether EnvPool fits (``envpool_allowed=False``: the envs carry wrappers EnvPool cannot run).
+    Where batched or dummy is in doubt, it times the batched VecEnv's overhead here, unless ``measure`` is False
+    (``cores`` are another machine's, or probing is off)."""
     cores = cores or logical_cores()
     if check_vec_env_kind(requested) == "auto" and step_seconds is None:
         probe = probe_env(spec)
@@ -193,7 +197,8 @@ def vec_env_choice(
     step_seconds = step_seconds or 0.0
     pool = requested == "auto" and envpool_allowed and envpool_fits(spec)
     suffix = ""
-    if pool and choose_vec_env(requested, n_envs, step_seconds, cores, envpool=True)[0] == "envpool":
+    takes_pool = pool and choose_vec_env(requested, n_envs, step_seconds, cores, envpool=True)[0] == "envpool"
+    if takes_pool:
         # Installed is not enough (a missing dependency such as dm_env only shows on import): auto takes EnvPool
         # only once it has made the env.
         assert spec.env_id is not None  # envpool_fits checked it
@@ -201,10 +206,9 @@ def vec_env_choice(
         if failure is not None:
             message = f"EnvPool cannot make {spec.name} here ({failure}); choosing another vec env"
             warnings.warn(message, VecEnvFallbackWarning, stacklevel=2)
-            pool, suffix = False, f"; EnvPool could not make the env ({failure})"
+            pool, takes_pool, suffix = False, False, f"; EnvPool could not make the env ({failure})"
     costs = None
-    takes_pool = pool and choose_vec_env(requested, n_envs, step_seconds, cores, envpool=True)[0] == "envpool"
-    if requested == "auto" and not takes_pool and n_envs > 1 and cores > 1:
+    if measure and requested == "auto" and not takes_pool and n_envs > 1 and cores > 1:
         default = batched_speedup(n_envs, step_seconds, cores, BatchedCosts())
         if MEASURE_BAND[0] <= default <= MEASURE_BAND[1]:  # a slow VM's costs leave it in doubt: this machine's decide
             costs = batched_costs(batched_workers(n_envs, cores))

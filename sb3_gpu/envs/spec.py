@@ -91,9 +91,7 @@ def rendering(spec: EnvSpec, render_mode: str = "rgb_array") -> EnvSpec:
                 f"{type(frame).__name__}, not an image"
             )
     except gym.error.DependencyNotInstalled as e:
-        raise ConfigError(
-            f"env {spec.name} cannot render frames: {e} ({install_hint('video')} installs pygame and moviepy)"
-        ) from None
+        raise ConfigError(f"env {spec.name} cannot render frames: {e}; {install_hint('video')}") from None
     finally:
         env.close()
     return dataclasses.replace(spec, make=make, env_id=None)  # env_id None: EnvPool cannot stand in for it

@@ -172,7 +172,11 @@ def make_plan(
         if resolved.policy == "auto":
             sources = {**resolved.sources, "policy": "auto (observation space)"}
             resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
-        vec = vec_env_choice(vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds)
+        # Timing the batched VecEnv's overhead (where its choice is in doubt) is a probe of this machine.
+        measure = hardware_detected and resolved.probe
+        vec = vec_env_choice(
+            vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds, measure=measure
+        )
         if resolved.amp == "fp16" and not algo_.fp16:  # before the device's own fp16 check: on no device
             source, use = resolved.sources.get("amp", "preset"), "bf16 or off"
             if choice.device.startswith("cuda") and not (gpu := hardware.gpu(choice.device)).bf16:

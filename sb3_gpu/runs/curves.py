@@ -24,7 +24,10 @@ from sb3_gpu.config.files import read_yaml
 from sb3_gpu.envs.spec import ATARI_FRAME_SKIP, looks_atari, register_ale
 from sb3_gpu.runs.rundir import RunDir
 
-MISSING = f"plotting needs matplotlib: {install_hint('plot')}"
+
+def missing() -> str:
+    """Why no plot is drawn without matplotlib, with the command that installs it."""
+    return f"plotting needs matplotlib: {install_hint('plot')}"
 
 
 def _pyplot() -> Any:
@@ -34,7 +37,7 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")  # files only: no display needed, none opened
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError(MISSING) from None
+        raise ConfigError(missing()) from None
     return plt
 
 

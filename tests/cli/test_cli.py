@@ -444,11 +444,11 @@ def test_the_video_hint_is_left_out_for_an_env_whose_class_cannot_render(tmp_pat
 def test_the_summary_shows_values_with_brackets_as_written(tmp_path):
     from rich.console import Console
 
-    from sb3_gpu.runs.curves import MISSING
+    from sb3_gpu.runs.curves import missing
     from sb3_gpu.runs.rundir import RunDir
     from sb3_gpu.train import summary_table
 
-    summary = {"timesteps": 64, "wall_time_s": 1.0, "steps_per_s": 64.0, "model": "m.zip", "curves": f"not drawn: {MISSING}"}
+    summary = {"timesteps": 64, "wall_time_s": 1.0, "steps_per_s": 64.0, "model": "m.zip", "curves": f"not drawn: {missing()}"}
     console = Console(record=True, width=200)
     console.print(summary_table(summary, RunDir(tmp_path)))
     assert "(sb3_gpu's [plot] extra)" in console.export_text()  # rich markup would have eaten "[plot]"

@@ -21,3 +21,18 @@ def test_a_folder_that_takes_no_new_folder_is_refused_though_access_allows_it(tm
         ConfigError, match=rf"^cannot create run dir {tmp_path}/a/b: {tmp_path} takes no new folder \(Read-only"
     ):
         check_dir_creatable(tmp_path / "a" / "b", "run dir")
+
+
+def test_a_folder_that_is_there_is_not_probed_and_a_probe_that_stays_is_no_refusal(tmp_path, monkeypatch):
+    def refuse(**kwargs):
+        raise AssertionError("no folder is made in one that is there already (another writer may share it)")
+
+    monkeypatch.setattr(io.tempfile, "mkdtemp", refuse)
+    assert check_dir_creatable(tmp_path, "study dir") == tmp_path
+    monkeypatch.undo()
+
+    def append_only(path):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(io.os, "rmdir", append_only)
+    assert check_dir_creatable(tmp_path / "new", "run dir") == tmp_path / "new"

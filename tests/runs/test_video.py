@@ -148,7 +148,7 @@ class NeedsPygame(BlankRender):
 
 def test_an_env_whose_drawing_needs_a_missing_package_is_refused_before_recording(tmp_path):
     model = PPO("MlpPolicy", NeedsPygame(), device="cpu")
-    with pytest.raises(ConfigError, match=r"pygame is not installed \(pip install .*'pygame>=.*\[video\] extra"):
+    with pytest.raises(ConfigError, match=r"pygame is not installed; pip install .*'pygame>=.*\[video\] extra\)$"):
         record_video(model, "tests.runs.test_video:NeedsPygame", tmp_path / "x.mp4")
     assert list(tmp_path.iterdir()) == []
 
