@@ -153,7 +153,7 @@ def test_prefixes_at_the_total_land_on_a_real_leaf(backend, capacity):
 
 def test_numba_backend_without_numba_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("sb3_gpu.extensions.per.tree.kernels", None)
-    with pytest.raises(ConfigError, match=r"sb3-gpu\[fast\]"):
+    with pytest.raises(ConfigError, match=r"needs numba: pip install .numba>=[\d.]+. \(sb3_gpu.s \[fast\] extra\)"):
         SumMinTree(10, backend="numba")
     assert SumMinTree(10).backend == "numpy"
 
