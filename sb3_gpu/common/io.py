@@ -11,7 +11,7 @@ import pickle
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -230,3 +230,18 @@ def save_model(model: BaseAlgorithm, path: str | Path) -> Path:
     buffer = io.BytesIO()
     model.save(buffer)
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+@contextlib.contextmanager
+def temporary_environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the duration of a block, then put back what was there (or nothing)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

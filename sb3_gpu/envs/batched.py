@@ -38,6 +38,7 @@ from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 from sb3_gpu.common.cli import ignore_stop_signals
 from sb3_gpu.common.errors import EnvWorkerError
 from sb3_gpu.common.hardware import logical_cores
+from sb3_gpu.common.io import temporary_environ
 
 # Preloaded by the forkserver, so that each worker forks with torch and SB3 already imported instead of importing
 # them itself (3.4 s per worker on a 2-core Xeon, which is most of SubprocVecEnv's start-up).
@@ -65,19 +66,11 @@ def worker_start_method(start_method: str | None) -> str:
 
 def _start_forkserver(forkserver: Any) -> None:
     """Start the forkserver, if it is not up, marked so that it shields itself from SIGTERM (:func:`_shield_server`)."""
-    os.environ[_SHIELD] = "1"  # read and removed by the server as it imports this module; gone here at once
-    # Libraries that size their thread pools at import (OpenBLAS, MKL) do so in the server, for every worker it forks:
-    # one thread each, whoever starts it (a build, a plan timing the workers' overhead).
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
+    # The shield mark is read and removed by the server as it imports this module. Libraries that size their thread
+    # pools at import (OpenBLAS, MKL) do so in the server, for every worker it forks: one thread each, whoever starts
+    # it (a build, a plan timing the workers' overhead).
+    with temporary_environ(**{_SHIELD: "1", "OMP_NUM_THREADS": "1"}):
         forkserver.ensure_running()
-    finally:
-        os.environ.pop(_SHIELD, None)
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
 
 
 def _shield_server() -> None:

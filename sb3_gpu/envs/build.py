@@ -13,7 +13,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv,
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, named
-from sb3_gpu.common.io import make_dir
+from sb3_gpu.common.io import make_dir, temporary_environ
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
@@ -256,21 +256,6 @@ def _failure_cause(error: BaseException, reports: list[Path]) -> str:
         cause += " (a worker exited before it built its env: an import error or a missing __main__ guard)"
     cause = " ".join(cause.split())
     return cause if len(cause) < 300 else cause[:297] + "..."
-
-
-@contextlib.contextmanager
-def temporary_environ(**values: str) -> Iterator[None]:
-    """Set environment variables for the duration of a block, then put back what was there (or nothing)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _seed(venv: VecEnv, seed: int | None) -> None:

@@ -19,8 +19,8 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, install_hint
-from sb3_gpu.common.io import make_dir
-from sb3_gpu.envs.build import make_vec_env, temporary_environ
+from sb3_gpu.common.io import make_dir, temporary_environ
+from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
 
 # Frames are held in memory until the video is written (an Atari frame is 100 KB): a bound on a recording that is
