@@ -16,7 +16,9 @@ switches its part on there:
   ``found_inf`` flag) and the model reads the guard's flags when it writes its logs (``defer_checks``), the step is
   skipped on the device, without a wait, and the error raised at that read (:func:`guard_flags`,
   :func:`raise_for_guards`); elsewhere the gradient is read at each step;
-- counting: ``steps`` counts the steps the optimizer really took (not held-back or skipped ones).
+- counting: ``steps`` counts the optimizer's steps, not held-back ones; a step skipped on the host for an fp16
+  overflow does not count, but one skipped on the device does (it is known only when the flags are read; AMP
+  logs those under ``amp/skipped_steps``).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class LossScale:
 class OptimizerStep:
     """An optimizer's ``zero_grad`` and ``step``, wrapped once; get it with :func:`optimizer_step`.
 
-    :ivar steps: steps the optimizer took
+    :ivar steps: steps the optimizer took, with those skipped on the device (see the module's notes on counting)
     :ivar on_non_finite: the NaN guard: given a parameter's name, the exception to raise when its gradient is not
         finite (and no loss scale explains it); given ``UPDATE_OF`` and the name where a compiled step found the
         gradient finite and the weight after the update not, and "" where it found only the loss non-finite

@@ -60,9 +60,10 @@ def requested_device(requested: str, hardware: HardwareProfile) -> DeviceChoice 
 def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware: HardwareProfile) -> DeviceChoice:
     """Resolve ``auto | cpu | cuda | cuda:N | mps`` for a policy kind and algorithm family.
 
-    ``auto`` follows what is known about SB3: CNN policies train much faster on a GPU; MLP policies of on-policy
-    algorithms (PPO) train faster on the CPU, because each rollout step is a tiny batch whose transfer costs
-    more than its compute (SB3 issue 1245). Off-policy MLP policies train on a GPU in batches, so they keep it.
+    ``auto`` follows what is known about SB3: CNN policies train much faster on a GPU; MLP and dict-observation
+    (``multi``) policies of on-policy algorithms (PPO) train faster on the CPU, because each rollout step is a tiny
+    batch whose transfer costs more than its compute (SB3 issue 1245). Off-policy ones train on a GPU in batches,
+    so they keep it.
     """
     if policy not in ("mlp", "cnn", "multi"):
         raise ConfigError(f"policy must be 'mlp', 'cnn' or 'multi' (the policy's kind), got {policy!r}")

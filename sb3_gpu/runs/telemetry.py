@@ -6,8 +6,9 @@ collection (policy inference, buffer writes, callbacks), in training and in peri
 fill, process RSS and CPU use, and on CUDA the allocated and peak device memory (and GPU utilisation where
 nvidia-ml-py is installed). Env time comes from a thin VecEnv timer put on the model's env for the duration
 of ``learn``; collection and training time from the rollout hooks; optimizer steps from the count that the policy's
-:class:`~sb3_gpu.extensions.stepping.OptimizerStep` keeps, so steps that AMP skipped or gradient accumulation held
-back do not count.
+:class:`~sb3_gpu.extensions.stepping.OptimizerStep` keeps: steps that gradient accumulation held back do not
+count, nor fp16 overflows skipped on the host; those skipped on the device (a fused or compiled step) do, since
+reading them would make training wait (``amp/skipped_steps`` has their number).
 """
 
 from __future__ import annotations
