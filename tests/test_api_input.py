@@ -142,7 +142,60 @@ CASES = [
     (lambda: ThroughputCallback(record_s="1"), "record_s must be a finite number of seconds >= 0, got '1'"),
     (lambda: ThroughputCallback(report_s=-5), "report_s must be a finite number of seconds >= 0, got -5"),
     (lambda: ReturnFreeMemory(every_s=-1), "every_s must be a finite number of seconds >= 0, got -1"),
+    (lambda: ReturnFreeMemory(clock=5), "clock must be a callable that returns seconds"),
+    (lambda: ThroughputCallback(print_fn=5), "print_fn must be a callable that takes a line of text"),
+    (lambda: ThroughputCallback(eval_callback=5), "eval_callback must be a TimedEvalCallback"),
+    (lambda: ThroughputCallback(dashboard="no"), "dashboard must be True or False, got 'no'"),
+    # make_vec_env's own arguments, and envs that fail to build in whichever vec env was asked for.
+    (lambda: make_vec_env("CartPole-v1", 2, monitor_kwargs=[1]), "monitor_kwargs must be a mapping of keyword argum"),
+    (lambda: make_vec_env("CartPole-v1", 2, vec_env_kwargs=[1]), "vec_env_kwargs must be a mapping of keyword argum"),
+    (lambda: make_vec_env("CartPole-v1", 2, start_index=-1), "start_index must be an int >= 0, got -1"),
+    (lambda: make_vec_env("CartPole-v1", 2, start_index=1.5), "start_index must be an int >= 0, got 1.5"),
+    (lambda: make_vec_env("CartPole-v1", 2, wrapper_kwargs={"a": 1}), "wrapper_kwargs ['a'] are for a wrapper_class, and"),
+    (
+        lambda: make_vec_env("CartPole-v1", 2, vec_env="envpool", vec_env_kwargs={"seed": 1}),
+        "vec_env_kwargs ['seed'] are not arguments of EnvPoolVecEnv; accepted: num_threads",
+    ),
+    (lambda: make_vec_env(_raises, 2, vec_env="dummy"), "env '_raises' failed to build: ZeroDivisionError: division by zero"),
+    (lambda: make_vec_env(lambda: 42, 1, vec_env="dummy"), "failed to build: TypeError: Expected env to be a `gymnasium.Env`"),
+    (
+        lambda: make_vec_env("CartPole-v1", 1, env_kwargs={"foo": 1}, vec_env="dummy"),
+        "env 'CartPole-v1' failed to build: TypeError: CartPoleEnv.__init__() got an unexpected keyword argument 'foo'",
+    ),
+    (
+        lambda: make_vec_env(_cartpole_factory, 1, atari_wrapper=True, vec_env="dummy"),
+        "env '_cartpole_factory' failed to build: AttributeError: 'CartPoleEnv' object has no attribute 'get_action_mean",
+    ),
+    # make_plan's less common arguments, and an env built for another plan.
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", profile=None), "profile must be a name: auto, cpu, gpu, large; got None"),
+    (lambda: make_model("ppo", "CartPole-v1", "cpu", n_envs="4", probe=False), "n_envs must be a positive int or None, got"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", n_timesteps=2.5), "n_timesteps must be a positive int or None, got 2.5"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", steps_left=-5), "steps_left must be a positive int or None, got -5"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", override_source=3), "override_source must be a label, or a mapping"),
+    (
+        lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides=NO_PROBE, override_source={"x": "y"}),
+        "override_source names no source for the overrides ['probe']",
+    ),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", config={"algo": "ppo"}), "config must be a run's RunConfig (from load"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", training="no"), "training must be True or False, got 'no'"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", prober=3), "prober must be a Prober or None, got 3"),
+    (
+        lambda: build_model(_plan(), make_vec_env("Pendulum-v1", 1, vec_env="dummy")),
+        "the env given to build_model has Box(-2.0, 2.0, (1,), float32), but the plan (CartPole-v1) has discrete actions",
+    ),
+    (lambda: train_run(_plan(), "run", console="stdout"), "console must be a rich Console or None, got 'stdout'"),
+    (lambda: train_run(_plan(), "run", progress="no"), "progress must be True or False, got 'no'"),
+    (lambda: resume_run(5), "run dir: expected a folder path, got 5"),
+    (lambda: record_video(_ppo(), "CartPole-v1", 5), "path: expected the mp4 file's path, got 5"),
 ]
+
+
+def _raises() -> gym.Env:
+    return 1 / 0  # type: ignore[return-value]
+
+
+def _ppo() -> Any:
+    return make_model("ppo", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", probe=False, n_steps=32, batch_size=32).model
 
 
 @pytest.mark.parametrize("call, message", CASES)

@@ -29,6 +29,9 @@ from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, chec
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
 from sb3_gpu.envs.spec import EnvFactory, EnvSpec, resolve_env
 
+# EnvPoolVecEnv's arguments that make_vec_env sets from its own: vec_env_kwargs may give the others.
+_ENVPOOL_SET = ("env_id", "n_envs", "seed", "is_atari", "monitor_dir", "start_index", "channels_first")
+
 # The kinds that ``vec_env_cls`` names, as SB3 users pass them.
 _KIND_OF_CLASS: dict[type[VecEnv], str] = {
     DummyVecEnv: "dummy",
@@ -77,10 +80,19 @@ def make_vec_env(
     seed = seed_arg(seed)
     count_arg(frame_stack, "frame_stack", optional=True)
     count_arg(max_episode_steps, "max_episode_steps", optional=True)
-    if env_kwargs is not None and not isinstance(env_kwargs, Mapping):
-        raise ConfigError(f"env_kwargs must be a mapping of keyword arguments, got {env_kwargs!r}")
+    count_arg(start_index, "start_index", low=0)
+    for name, kwargs in (
+        ("env_kwargs", env_kwargs),
+        ("vec_env_kwargs", vec_env_kwargs),
+        ("monitor_kwargs", monitor_kwargs),
+        ("wrapper_kwargs", wrapper_kwargs),
+    ):
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ConfigError(f"{name} must be a mapping of keyword arguments or None, got {kwargs!r}")
     if wrapper_class is not None and not callable(wrapper_class):
         raise ConfigError(f"wrapper_class must be callable (a gymnasium.Wrapper class, say), got {wrapper_class!r}")
+    if wrapper_kwargs and wrapper_class is None:
+        raise ConfigError(f"wrapper_kwargs {sorted(wrapper_kwargs)} are for a wrapper_class, and none is given")
     if vec_env_cls is not None and not (isinstance(vec_env_cls, type) and issubclass(vec_env_cls, VecEnv)):
         raise ConfigError(f"vec_env_cls must be a VecEnv class (DummyVecEnv, SubprocVecEnv, ...), got {vec_env_cls!r}")
     vec_env_kwargs = dict(vec_env_kwargs or {})
@@ -92,6 +104,7 @@ def make_vec_env(
         bool_arg(atari_wrapper, "atari_wrapper (or None: Atari games only)")
     if atari_wrapper and not spec.is_atari and isinstance(env_id, str) and env_id in gym.registry:
         # SB3's AtariWrapper reads the ALE's action meanings and lives count: on another env it fails in each worker.
+        # (A factory's env is known only once built: where it is no ALE game, building it fails, naming the env.)
         raise ConfigError(f"atari_wrapper=True wraps ALE Atari games; {env_id!r} is not one (leave it None or False)")
     atari = (spec.is_atari and wrapper_class is None) if atari_wrapper is None else atari_wrapper
     kind = _kind(vec_env, vec_env_cls)
@@ -116,6 +129,7 @@ def make_vec_env(
         # SB3's CNN takes, so no transpose wrapper copies them (and the stack reaches the device in one piece).
         channels_first = atari and bool(frame_stack)
         stack_order = "first" if channels_first else None
+        _check_kwargs(EnvPoolVecEnv, vec_env_kwargs, fixed=_ENVPOOL_SET)
         venv: VecEnv = _envpool(spec, n_envs, seed, atari, monitor_dir, start_index, vec_env_kwargs, channels_first)
     else:
         factories = [
@@ -130,7 +144,7 @@ def make_vec_env(
             )
             for i in range(n_envs)
         ]
-        venv = _build(kind, factories, vec_env_cls, vec_env_kwargs, seed)
+        venv = _build(kind, factories, vec_env_cls, vec_env_kwargs, seed, spec.name)
     _seed(venv, seed)  # after a subprocess probe reset used the seeds up, the model's first reset gets them again
     return VecFrameStack(venv, frame_stack, channels_order=stack_order) if frame_stack else venv
 
@@ -177,10 +191,11 @@ def _build(
     vec_env_cls: type[VecEnv] | None,
     vec_env_kwargs: dict[str, Any],
     seed: int | None,
+    name: str,
 ) -> VecEnv:
     fns: list[Callable[[], gym.Env]] = list(factories)
     if kind == "dummy":
-        return DummyVecEnv(fns)
+        return _dummy(fns, name)
     if kind == "class":
         assert vec_env_cls is not None
         if issubclass(vec_env_cls, (SubprocVecEnv, BatchedSubprocVecEnv)):  # a user's subclass: the same preload
@@ -190,15 +205,26 @@ def _build(
     try:
         return _start_workers(kind, factories, vec_env_kwargs, seed)
     except _WorkersFailed as e:
-        name = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
-        warnings.warn(f"{name} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=3)
+        venv = _dummy(fns, name)  # an env that fails here too is the env's fault, not the workers': no fallback to name
+        cls = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
+        warnings.warn(f"{cls} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=3)
+        return venv
+
+
+def _dummy(fns: list[Callable[[], gym.Env]], name: str) -> DummyVecEnv:
+    """A DummyVecEnv; an env that fails to build (its factory, wrapper or Monitor raised) is named in one line."""
+    try:
         return DummyVecEnv(fns)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"env {name!r} failed to build: {named(e)}") from e
 
 
-def _check_kwargs(cls: type[VecEnv], kwargs: dict[str, Any]) -> None:
-    """Refuse a keyword ``cls`` does not take, before any worker starts: its TypeError would otherwise read as
-    workers that could not start, and fall back to DummyVecEnv."""
-    accepted = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "env_fns")]
+def _check_kwargs(cls: type[VecEnv], kwargs: dict[str, Any], fixed: tuple[str, ...] = ("env_fns",)) -> None:
+    """Refuse a keyword ``cls`` does not take (or that make_vec_env sets itself: ``fixed``), before any worker
+    starts: its TypeError would otherwise read as workers that could not start, and fall back to DummyVecEnv."""
+    accepted = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", *fixed)]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise ConfigError(f"vec_env_kwargs {unknown} are not arguments of {cls.__name__}; accepted: {', '.join(accepted)}")

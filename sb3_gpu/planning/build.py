@@ -147,14 +147,15 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
     if not isinstance(env, VecEnv):
         raise TypeError(f"build_model needs the VecEnv that build_env(plan) makes, got {env!r}")
     _check_model_args(tensorboard_log, verbose)
+    _check_env_fits(plan, env)
     preset, cls = plan.preset, model_class(plan)
     params: Any = preset.params
-    rollout = params.n_steps * preset.n_envs if plan.algo == "ppo" else None
+    rollout = params.n_steps * env.num_envs if plan.algo == "ppo" else None
     if rollout is not None and params.batch_size > rollout:  # the plan table flags it; a caller of the API sees this
         source = preset.sources.get("batch_size", "preset")
         warnings.warn(
             f"batch_size {params.batch_size} ({source}) is more than one rollout (n_steps * n_envs = {params.n_steps} * "
-            f"{preset.n_envs} = {rollout}): each minibatch is the whole rollout; give batch_size={rollout} or less",
+            f"{env.num_envs} = {rollout}): each minibatch is the whole rollout; give batch_size={rollout} or less",
             UserWarning,
             stacklevel=2,
         )
@@ -189,6 +190,18 @@ class PresetModel(NamedTuple):
 
     model: BaseAlgorithm
     timesteps: int
+
+
+def _check_env_fits(plan: Plan, env: VecEnv) -> None:
+    """Refuse an env whose actions are not the plan's (one built for another env): its preset would not fit it."""
+    space = env.action_space
+    shape = space.shape if isinstance(space, gym.spaces.Box) else None
+    if shape != plan.action_shape:
+        planned = f"Box actions of shape {plan.action_shape}" if plan.action_shape is not None else "discrete actions"
+        raise ConfigError(
+            f"the env given to build_model has {space}, but the plan ({plan.env.name}) has {planned}: "
+            "build the env with build_env(plan)"
+        )
 
 
 def make_model(

@@ -16,7 +16,7 @@ import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
-from sb3_gpu.common.checks import CONTINUOUS_ALGOS, seed_arg
+from sb3_gpu.common.checks import CONTINUOUS_ALGOS, bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
@@ -140,8 +140,7 @@ def make_plan(
     """
     algo_ = get_algo(algo)
     seed = seed_arg(seed)
-    if overrides is not None and not isinstance(overrides, Mapping):
-        raise ConfigError(f"overrides must be a mapping of preset keys to values, got {type(overrides).__name__}")
+    _check_plan_args(n_envs, n_timesteps, profile, overrides, override_source, config, training, prober, steps_left)
     hardware_detected = hardware is None  # an injected profile is a what-if: nothing on it can be timed
     hardware = hardware or detect_hardware()
     requested_device(device, hardware)
@@ -551,6 +550,38 @@ def _speed(preset: Preset, device: str, policy: PolicyKind, env_workers: int, ha
         env_workers=env_workers,
         hardware=hardware,
     )
+
+
+def _check_plan_args(
+    n_envs: Any,
+    n_timesteps: Any,
+    profile: Any,
+    overrides: Any,
+    override_source: Any,
+    config: Any,
+    training: Any,
+    prober: Any,
+    steps_left: Any,
+) -> None:
+    """make_plan's arguments of the wrong type, refused in one line before anything is resolved."""
+    count_arg(n_envs, "n_envs", optional=True)
+    count_arg(n_timesteps, "n_timesteps", optional=True)
+    count_arg(steps_left, "steps_left", optional=True)
+    if not isinstance(profile, str):
+        raise ConfigError(f"profile must be a name: auto, {', '.join(PROFILES)}; got {profile!r}")
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise ConfigError(f"overrides must be a mapping of preset keys to values, got {type(overrides).__name__}")
+    if isinstance(override_source, Mapping):
+        unlabelled = sorted(set(overrides or {}) - set(override_source))
+        if unlabelled:
+            raise ConfigError(f"override_source names no source for the overrides {unlabelled}")
+    elif not isinstance(override_source, str):
+        raise ConfigError(f"override_source must be a label, or a mapping of override keys to labels; got {override_source!r}")
+    if config is not None and not isinstance(config, RunConfig):
+        raise ConfigError(f"config must be a run's RunConfig (from load_config) or None, got {type(config).__name__}")
+    bool_arg(training, "training")
+    if prober is not None and not isinstance(prober, Prober):
+        raise ConfigError(f"prober must be a Prober or None, got {prober!r}")
 
 
 def _layered(

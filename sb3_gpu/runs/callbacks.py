@@ -20,7 +20,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.utils import safe_mean
 
 from sb3_gpu.common.checks import duration_arg
-from sb3_gpu.common.errors import StopNow, TrainingDiverged
+from sb3_gpu.common.errors import ConfigError, StopNow, TrainingDiverged
 from sb3_gpu.common.io import save_pickle
 from sb3_gpu.common.memory import return_free_memory
 from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep, first_non_finite, optimizer_steps, settle_guards
@@ -185,6 +185,8 @@ class ReturnFreeMemory(BaseCallback):
 
     def __init__(self, every_s: float = 30.0, clock: Callable[[], float] = time.monotonic, verbose: int = 0):
         super().__init__(verbose)
+        if not callable(clock):
+            raise ConfigError(f"clock must be a callable that returns seconds (time.monotonic, say), got {clock!r}")
         self.every_s, self.clock = duration_arg(every_s, "every_s", zero=True), clock
         self.returned = 0  # calls that gave pages back
         self._due = 0.0

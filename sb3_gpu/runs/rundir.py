@@ -85,6 +85,8 @@ class RunDir:
     _CHECKPOINT_BUFFER = re.compile(r"model_replay_buffer_(\d+)_steps\.pkl")
 
     def __init__(self, path: str | Path):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"run dir: expected a folder path, got {path!r}")
         self.path = Path(path)
 
     def __str__(self) -> str:

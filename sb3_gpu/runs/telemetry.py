@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,8 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import TensorBoardOutputFormat
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_gpu.common.checks import duration_arg
+from sb3_gpu.common.checks import bool_arg, duration_arg
+from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_steps
 from sb3_gpu.runs.evaluation import TimedEvalCallback
 
@@ -151,7 +153,7 @@ class ThroughputCallback(BaseCallback):
         window_s: float = 30.0,
         warmup_s: float = 5.0,
         report_s: float | None = None,
-        print_fn: Any = print,
+        print_fn: Callable[[str], Any] = print,
         dashboard: bool = True,
         eval_callback: TimedEvalCallback | None = None,
         record_s: float = 1.0,
@@ -161,6 +163,13 @@ class ThroughputCallback(BaseCallback):
         window_s, warmup_s = duration_arg(window_s, "window_s"), duration_arg(warmup_s, "warmup_s", zero=True)
         record_s = duration_arg(record_s, "record_s", zero=True)
         report_s = None if report_s is None else duration_arg(report_s, "report_s", zero=True)
+        if not callable(print_fn):
+            raise ConfigError(f"print_fn must be a callable that takes a line of text (print, say), got {print_fn!r}")
+        bool_arg(dashboard, "dashboard")
+        if eval_callback is not None and not isinstance(eval_callback, TimedEvalCallback):
+            raise ConfigError(
+                f"eval_callback must be a TimedEvalCallback (its time is set apart) or None, got {eval_callback!r}"
+            )
         self.dashboard, self.eval_callback, self.record_s = dashboard, eval_callback, record_s
         self._next_record = 0.0
         self.window = Window(window_s)

@@ -14,7 +14,7 @@ from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
 
-from sb3_gpu.common.checks import count_arg, seconds_arg
+from sb3_gpu.common.checks import bool_arg, count_arg, seconds_arg
 from sb3_gpu.common.cli import shell_line
 from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import detect_hardware
@@ -219,6 +219,9 @@ class _Output:
     report_s: float | None
 
     def __post_init__(self) -> None:
+        bool_arg(self.progress, "progress")
+        if self.console is not None and not isinstance(self.console, Console):
+            raise ConfigError(f"console must be a rich Console or None, got {self.console!r}")
         seconds_arg(self.report_s, "report_s")
 
     def say(self, text: str) -> None:

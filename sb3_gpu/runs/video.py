@@ -70,6 +70,8 @@ def record_video(
     bool_arg(deterministic, "deterministic")
     if normalization is not None and not isinstance(normalization, VecNormalize):
         raise TypeError(f"normalization takes a VecNormalize (its statistics) or None, got {normalization!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path: expected the mp4 file's path, got {path!r}")
     path = Path(path)
     if path.suffix != ".mp4":
         raise ConfigError(f"a video is written as mp4: give a path ending in .mp4, got {path}")

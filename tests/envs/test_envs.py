@@ -189,6 +189,23 @@ def test_factory_failing_only_in_workers_falls_back_and_names_the_cause():
     assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
 
 
+def fails_everywhere() -> gym.Env:
+    raise ZeroDivisionError("division by zero")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["subproc", "batched"])
+def test_an_env_that_fails_in_this_process_too_is_refused_without_a_fallback_warning(kind):
+    # The workers' failure is then the env's own: a warning that falls back to DummyVecEnv, and the same error
+    # raised from it, would point at the wrong cause.
+    before = set(mp.active_children())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VecEnvFallbackWarning)
+        with pytest.raises(ConfigError, match=r"^env 'fails_everywhere' failed to build: ZeroDivisionError: division by"):
+            make_vec_env(fails_everywhere, 2, vec_env=kind)
+    assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
+
+
 @pytest.mark.heavy
 def test_worker_dying_on_first_reset_falls_back():
     with pytest.warns(VecEnvFallbackWarning, match="SubprocVecEnv could not start"):
