@@ -1,10 +1,11 @@
 """Presets: loading a preset file, choosing its entry for an env, layering SB3 defaults, the entry, its profile and
 overrides into one resolved :class:`Preset`, and turning that into SB3 keyword arguments.
 
-A preset file (``presets/ppo.yaml``) maps entry names to entries. An entry is chosen by env id, else ``atari``
-for Atari games, else ``default``. An entry holds shared keys plus ``cpu:`` and ``gpu:`` profiles that override
-them; the profile follows the chosen device. Every key is validated: unknown keys, wrong types and values outside
-their domain raise :class:`~sb3_gpu.common.errors.ConfigError` naming the key, the file and the closest valid name.
+A preset file (``presets/ppo.yaml``) maps entry names to entries. An entry is chosen by env id, else ``atari`` for
+Atari games, else ``default``. An entry holds shared keys plus ``cpu:``, ``gpu:`` and ``large:`` profiles that
+override them; the profile follows the chosen device unless one is asked for. Every key is validated: unknown keys,
+wrong types and values outside their domain raise :class:`~sb3_gpu.common.errors.ConfigError` naming the key, the file
+and the closest valid name.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_override(values: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``key`` in a flat mapping; ``policy_kwargs.x``, ``env_kwargs.x``, ``per.x`` reach one level down."""
+    """Set ``key`` in a flat mapping; ``policy_kwargs.x``, ``env_kwargs.x``, ``normalize.x``, ``per.x`` reach one level
+    down."""
     head, dot, rest = key.partition(".")
     if dot and head in ("policy_kwargs", "env_kwargs", "normalize", "per") and rest:
         inner = values.get(head)

@@ -242,8 +242,9 @@ COMMON_KEYS: dict[str, Check] = {
     "normalize": c.normalize,
     "frame_stack": c.optional(c.POS_INT),
     "env_kwargs": c.kwargs_mapping,  # passed on as given, its numbers as Python's (1e-3 a float, not YAML's string)
-    # Evaluation episodes are cut after this many steps (default: the env's own time limit, else 10,000), so that a
-    # deterministic policy that never ends an episode cannot hang an evaluation.
+    # Evaluation episodes are cut after this many steps of the env itself (an Atari game's emulator frames; default:
+    # the env's own time limit, else 10,000), so that a deterministic policy that never ends an episode cannot hang an
+    # evaluation.
     "eval_max_episode_steps": c.optional(c.POS_INT),
     # Evaluate every this many env steps (default: a tenth of the run); `--eval-freq` overrides it. A long run whose
     # policy swings between evaluations needs them closer, or its best model is chosen among too few.

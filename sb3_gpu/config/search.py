@@ -174,7 +174,8 @@ def _numbers(spec: dict[str, Any]) -> list[int | float]:
 
 
 def _capped(spec: dict[str, Any], limit: int, key: str, timesteps: int, keep_next: bool = False) -> tuple[dict[str, Any], str]:
-    """``spec`` without the values above ``limit`` (with ``keep_next``, the smallest of them stays), and which went."""
+    """``spec`` without the values above ``limit`` (with ``keep_next``, the smallest of them, or of a range the limit
+    itself, stays), and which went."""
     if "choices" in spec:
         choices = spec["choices"]
         above = sorted(c for c in _numbers(spec) if c > limit)
@@ -186,8 +187,11 @@ def _capped(spec: dict[str, Any], limit: int, key: str, timesteps: int, keep_nex
                 f"{timesteps:,} timesteps; train longer (--timesteps) or give smaller choices"
             )
         return {"choices": kept}, ", ".join(str(c) for c in choices if c in drop)
-    if spec["high"] <= limit or keep_next:
+    if spec["high"] <= limit:
         return spec, ""
+    if keep_next:  # a range keeps the least of the values above the limit: the limit, or its low beyond it
+        high = max(spec["low"], limit)
+        return {**spec, "high": high}, f"values above {high:,}" if high < spec["high"] else ""
     if spec["low"] > limit:
         raise ConfigError(
             f"search space key {key}: its range starts at {spec['low']}, too large for trials of {timesteps:,} "

@@ -74,7 +74,8 @@ def make_vec_env(
     :param vec_env: ``auto``, ``dummy``, ``subproc`` (SB3's), ``batched`` or ``envpool``; use it or ``vec_env_cls``
     :param atari_wrapper: wrap with SB3's AtariWrapper (default: for Atari games when no ``wrapper_class`` is given)
     :param frame_stack: stack this many frames with VecFrameStack
-    :param max_episode_steps: cut episodes at this many steps (a line on stderr says when one is cut)
+    :param max_episode_steps: cut episodes at this many steps of the env itself (an Atari game's emulator frames, four
+        to an agent step; a line on stderr says when one is cut)
     """
     count_arg(n_envs, "n_envs")
     seed = seed_arg(seed)

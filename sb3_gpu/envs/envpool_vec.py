@@ -218,7 +218,8 @@ class EnvPoolVecEnv(VecEnv):
         dones = terminated | truncated
         # Monitor sits below SB3's Atari wrapper, so it counts whole games with unclipped rewards.
         self._returns += info.get("reward", rewards)
-        # SB3's Monitor sits below the frame skip, so on Atari it counts frames (without the reset no-ops).
+        # SB3's Monitor sits below the frame skip, so on Atari it counts frames; it also counts the reset no-ops and
+        # FIRE steps of SB3's wrappers above it, which EnvPool takes inside its reset: this count leaves those out.
         self._lengths += self._frames_per_step
         infos: list[dict[str, Any]] = [
             {"TimeLimit.truncated": bool(tr and not te)} for te, tr in zip(terminated, truncated, strict=True)

@@ -227,7 +227,7 @@ class EnvFactory:
         try:
             env: gym.Env = self.make()
             if self.max_episode_steps is not None:
-                env = EpisodeStepCap(env, self.max_episode_steps)
+                env = EpisodeStepCap(env, self.max_episode_steps, "emulator frames" if self.atari else "steps")
             env = Monitor(env, filename=self.monitor_path, **self.monitor_kwargs)
             env = AtariWrapper(env, frame_skip=ATARI_FRAME_SKIP) if self.atari else env
             env = self.wrapper_class(env, **self.wrapper_kwargs) if self.wrapper_class is not None else env
@@ -241,9 +241,9 @@ class EpisodeStepCap(gym.Wrapper):
     """Truncate an episode after ``cap`` steps of the env itself (emulator frames under SB3's Atari frame skip), and
     say so on stderr: where the env did not end it, a policy may be stuck."""
 
-    def __init__(self, env: gym.Env, cap: int):
+    def __init__(self, env: gym.Env, cap: int, unit: str = "steps"):
         super().__init__(env)
-        self.cap, self.steps = cap, 0
+        self.cap, self.steps, self.unit = cap, 0, unit
 
     def reset(self, **kwargs: Any) -> Any:
         self.steps = 0
@@ -254,7 +254,7 @@ class EpisodeStepCap(gym.Wrapper):
         self.steps += 1
         if self.steps >= self.cap and not (terminated or truncated):
             truncated = True
-            sys.stderr.write(f"warning: an episode was cut at {self.cap:,} steps; the env did not end it\n")
+            sys.stderr.write(f"warning: an episode was cut at {self.cap:,} {self.unit}; the env did not end it\n")
         return obs, reward, terminated, truncated, info
 
 
@@ -361,7 +361,8 @@ def _check_observation(obs: Any, space: gym.spaces.Space, name: str, where: str)
 
 
 def measure_step_seconds(env: gym.Env, budget_s: float = 0.05, max_steps: int = 500) -> float:
-    """Median wall time of one ``step`` with random actions, over at most ``budget_s`` seconds."""
+    """Median wall time of one ``step`` with random actions, over ``budget_s`` seconds (at least 5 steps, at most
+    ``max_steps``)."""
     env.reset(seed=0)
     env.action_space.seed(0)
     times: list[float] = []

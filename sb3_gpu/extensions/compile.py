@@ -123,7 +123,8 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
 
 def _trial_step(model: BaseAlgorithm, batch_size: int) -> None:
     """The training path (forward and backward on a training batch, gradients thrown away) and the rollout path
-    (a no-grad forward on ``n_envs`` observations), so that both compile now."""
+    (a no-grad forward on up to ``n_envs`` observations; the whole batch for dict observations), so that both compile
+    now."""
     policy: Any = model.policy
     obs_tensor, _ = policy.obs_to_tensor(_stack([model.observation_space.sample() for _ in range(batch_size)]))
     rollout = obs_tensor[: model.n_envs] if isinstance(obs_tensor, th.Tensor) else obs_tensor

@@ -9,9 +9,11 @@ compiled graph (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), which CU
 the action forward pass of collection, one small graph per env step, where SB3 launches each layer's ops.
 
 The random draws of the step (SAC's reparametrised actions or, under gSDE, its exploration matrix; TD3's target
-smoothing noise) are made before it, by the same calls and in the same order as SB3's: so a step equals SB3's,
-compiled or not (tests pin both). As the DQN family's, the logged losses are their means over the gradient steps
-since the last log write (SB3's logger keeps the last ``train()`` call's).
+smoothing noise) are made before it, by the same calls and in the same order as SB3's: so a step on a given batch
+equals SB3's, compiled or not (tests pin both). A compiled step that samples inside its graph draws all of a
+``train()`` call's batches at once, from other draws than ``sample()``'s: the same seed then picks other transitions.
+As the DQN family's, the logged losses are their means over the gradient steps since the last log write (SB3's logger
+keeps the last ``train()`` call's).
 
 With ``grad_accum_steps=k`` a gradient step takes k micro-batches of ``batch_size`` and goes in stages, as one step on
 their union would: each optimizer's loss is backpropagated on every micro-batch before it steps on their mean gradient

@@ -2,7 +2,9 @@
 
 On a GPU each such read makes the host wait until the device has run everything queued before it, so a training step
 with reads in it cannot run ahead of the GPU. On the CPU the same reads cost nothing, which is why they are counted
-rather than timed: the count is the same on both, and a CPU test can hold it at zero.
+rather than timed: the count is the same on both, and a CPU test can hold it at zero. The one exception is a blocking
+``.to("cpu")`` of a device tensor, counted on a GPU only (on the CPU it cannot be told from a move to the model's
+device).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ READS = frozenset(
     }
 )
 _TORCH_DIR = th.__file__.rsplit("/", 1)[0]
-# torch's optimizers keep their step counters on the host unless they are capturable, so that reading one (for the
-# bias correction) never waits for a device: those reads are not counted.
+# torch's optimizers keep their step counters on the host unless they are capturable or fused, so that reading one
+# (for the bias correction) never waits for a device: those reads are not counted.
 _OPTIM_DIR = f"{_TORCH_DIR}/optim/"
 
 

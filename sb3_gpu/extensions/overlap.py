@@ -20,7 +20,8 @@ The schedule keeps SB3's counts: the ``gradient_steps`` earned by rollout k run 
   training runs, so thread timing cannot reorder the draws, and a seeded run is reproducible.
 
 The one departure from SB3's schedule: the policy that acts lags one rollout (``train_freq`` steps) behind, and so do
-the exploration rate and target copies. ``overlap_training=False`` (the default) is SB3's exact schedule.
+the exploration rate and target copies. ``overlap_training=False`` (the class's default) is SB3's exact schedule; a
+plan's ``overlap: auto`` overlaps where the model trains on CUDA (:func:`sb3_gpu.planning.buffers.choose_overlap`).
 """
 
 from __future__ import annotations

@@ -426,7 +426,8 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
             observations=self._device_normalize_obs(gather(self.observations, flat), env),
             actions=gather(self.actions, flat),
             next_observations=self._device_normalize_obs(next_obs, env),
-            # Only dones that are not timeouts end the bootstrap (timeouts stay zero unless handle_timeout_termination).
+            # Only dones that are not timeouts end the bootstrap (timeouts stay zero unless handle_timeout_termination,
+            # but for the episodes a resumed buffer cut off).
             dones=(dones * (1 - timeouts)).view(-1, 1),
             rewards=returns,
             discounts=discounts,

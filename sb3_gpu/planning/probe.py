@@ -6,10 +6,11 @@ backward, optimizer) and one inference at ``n_envs`` with its observation and ac
 
     seconds per env step = env step + inference / n_envs + gradient steps per env step * gradient step
 
-from the preset's schedule. The rules' choice is probed first and kept unless another candidate is predicted at
-least ``1 - MARGIN`` faster (probe noise must not flip a choice); among candidates that close to the best, the rules'
-device and precision and the fewest threads win. Probing is bounded (``budget_s`` per plan) and its figures are
-cached per machine, torch version, policy shape and free cores in the user's cache directory.
+from the preset's schedule (where training overlaps collection, the larger of the two parts instead of their sum). The
+rules' choice is probed first and kept unless another candidate is predicted at least ``1 - MARGIN`` faster (probe
+noise must not flip a choice); among candidates that close to the best, the rules' device and precision and the fewest
+threads win. Probing is bounded (``budget_s`` per plan) and its figures are cached per machine, torch version, policy
+shape and free cores in the user's cache directory.
 
 ``compile: auto`` is probed apart, on the option chosen (:meth:`Prober.time_compile`): the same gradient step eager
 and compiled whole (:class:`~sb3_gpu.extensions.graphstep.CompiledUpdate`), collection's forward pass eager and

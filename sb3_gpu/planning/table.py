@@ -25,7 +25,8 @@ def plan_table(plan: Plan) -> Table:
     _row(table, "buffers", plan.buffers, plan.buffers_reason)
     if not get_algo(plan.algo).on_policy:
         _row(table, "training", plan.training, plan.training_reason)
-    cap = f"{plan.eval_step_cap:,} steps" if plan.eval_step_cap is not None else "none"
+    unit = "emulator frames" if plan.env.is_atari else "steps"
+    cap = f"{plan.eval_step_cap:,} {unit}" if plan.eval_step_cap is not None else "none"
     warn = plan.eval_step_cap_reason.startswith("warning")
     _row(table, "eval episode cap", cap, plan.eval_step_cap_reason, style="yellow" if warn else None)
     for name, value, why in plan.speed.rows() if plan.speed else []:

@@ -65,7 +65,8 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
     episodes = episodes[np.argsort(episodes[:, 2], kind="stable")]
     curves = {
         "returns": episodes[:, 0],
-        # On Atari the Monitor sits below the frame skip (it counts whole games): its lengths are emulator frames.
+        # On Atari the Monitor sits below the frame skip (it counts whole games): its lengths are emulator frames, the
+        # reset no-ops of SB3's wrappers included, so this overstates agent steps by a few per game.
         "steps": np.cumsum(episodes[:, 1]) / _frames_per_step(run),
         "seconds": episodes[:, 2],
     }

@@ -574,6 +574,11 @@ def test_the_space_keeps_only_values_that_fit_the_budget():
     assert len(notes) == 3
     ranged, _ = fit_to_budget({"n_steps": {"low": 8, "high": 4096}}, timesteps=1000, n_envs=4, on_policy=True)
     assert ranged == {"n_steps": {"low": 8, "high": 250}}
+    buffers = {"buffer_size": {"low": 1000, "high": 1_000_000, "log": True}}
+    ranged, notes = fit_to_budget(buffers, timesteps=3000, n_envs=1, on_policy=False)
+    assert ranged == {"buffer_size": {"low": 1000, "high": 3000, "log": True}}  # above 3,000 all hold the whole run
+    assert notes == ["buffer_size: values above 3,000 left out (larger than the 3,000-step budget, like the size kept)"]
+    assert fit_to_budget({"buffer_size": {"low": 5000, "high": 9000}}, 3000, 1, False)[0]["buffer_size"]["high"] == 5000
     with pytest.raises(ConfigError, match=r"every choice .* is too large for trials of 100 timesteps"):
         fit_to_budget(load_space("ppo"), timesteps=100, n_envs=8, on_policy=True)
 

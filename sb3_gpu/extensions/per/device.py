@@ -240,7 +240,8 @@ class DevicePrioritizedReplayBufferSamples(NamedTuple):
 
 
 class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
-    """``PrioritizedReplayBuffer`` on the device: the same arguments, draws and weights, with the trees as tensors.
+    """``PrioritizedReplayBuffer`` on the device: the same arguments, sampling distribution and weights, with the trees
+    as tensors (its draws come from a torch generator seeded from NumPy's, so not the host buffer's very draws).
 
     Transition ``(pos, env)`` has flat index ``pos * n_envs + env``; samples carry ``indices`` as a device tensor, and
     ``update_priorities`` takes them back with the TD errors as tensors. Nothing waits for the device except the
