@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import check_dir_creatable, companion_of, make_dir, open_no_follow, refuse_links
+from sb3_gpu.common.io import (
+    atomic_write_text,
+    check_dir_creatable,
+    companion_of,
+    make_dir,
+    open_no_follow,
+    refuse_links,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,28 @@ class SavedState:
     timesteps: int
     vecnormalize: Path | None
     replay_buffer: Path | None
+
+
+def _drop_episodes_after(path: Path, cutoff: float) -> int:
+    """Rewrite a Monitor file without the episodes that ended after ``cutoff`` (seconds since the epoch, as its
+    header's ``t_start`` plus each episode's ``t``); the number dropped. A file it cannot read is left as it is."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        start = float(json.loads(lines[0][1:])["t_start"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, IndexError, TypeError):
+        return 0
+    kept = lines[:2]
+    for line in lines[2:]:
+        try:
+            ended = start + float(line.split(",")[2])
+        except (ValueError, IndexError):
+            continue  # a half-written last line: the episode it began to record is not kept either
+        if ended <= cutoff:
+            kept.append(line)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        atomic_write_text(path, "".join(kept))
+    return dropped
 
 
 @dataclass(frozen=True)
@@ -249,14 +278,22 @@ class RunDir:
         """Refuse a run dir that holds a symbolic link: sb3_gpu and SB3 write inside it and would write through it."""
         refuse_links(self.path, "run dir")
 
-    def set_monitor_files_aside(self) -> None:
-        """Keep the earlier segments' episodes (SB3's Monitor truncates its file); the plots read every segment."""
+    def set_monitor_files_aside(self, saved_at: float | None = None) -> int:
+        """Keep the earlier segments' episodes (SB3's Monitor truncates its file); the plots read every segment.
+
+        :param saved_at: when the checkpoint resumed from was written (its mtime): the episodes that ended after it are
+            dropped, since the resumed run trains those steps again; otherwise the curves would count them twice
+        :return: how many episodes were dropped
+        """
         if not self.monitor.is_dir():
-            return
+            return 0
         segment = 1 + len({p.name.split(".")[1] for p in self.monitor.glob("*.seg*.monitor.csv")})
         for path in self.monitor.glob("*.monitor.csv"):
             if ".seg" not in path.name:
                 path.rename(path.with_name(path.name.replace(".monitor.csv", f".seg{segment}.monitor.csv")))
+        if saved_at is None:
+            return 0
+        return sum(_drop_episodes_after(path, saved_at) for path in sorted(self.monitor.glob("*.seg*.monitor.csv")))
 
     # ------------------------------------------------------------------ finding what was saved
     def saved_states(self, on_skip: Callable[[str], None] | None = None) -> list[SavedState]:

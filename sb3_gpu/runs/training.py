@@ -234,7 +234,10 @@ class _Output:
 def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, output: _Output) -> dict[str, Any]:
     with run.locked():
         if state is not None:
-            run.set_monitor_files_aside()
+            from_checkpoint = state.model != run.final.model
+            dropped = run.set_monitor_files_aside(saved_at=state.model.stat().st_mtime if from_checkpoint else None)
+            if dropped:
+                output.say(f"{dropped:,} episodes that ended after {state.model.name} left out of the curves (trained again)")
         env: VecEnv = build_env(plan, monitor_dir=str(run.monitor))
         eval_env: VecEnv | None = None
         try:

@@ -4,12 +4,14 @@ episodes confirm it, and only a confirmed mean above the best's own replaces bes
 from __future__ import annotations
 
 import json
+import os
 import warnings
 import zipfile
 
 import gymnasium as gym
 import numpy as np
 import pytest
+from rich.console import Console
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.vec_env import DummyVecEnv
@@ -506,3 +508,38 @@ def test_evaluate_run_plays_the_episodes_of_the_seed_it_is_given_not_those_of_th
     assert not np.array_equal(firsts[3], firsts[4])  # no seed: fresh episodes each time, not the training seed's
     trained = build_env(make_plan("ppo", "CartPole-v1", "cpu", seed=3, overrides=tiny)).reset()  # its first episode
     assert not any(np.array_equal(first[0], trained[0]) for first in firsts)
+
+
+def test_a_resume_from_a_checkpoint_drops_the_episodes_it_trains_again(tmp_path):
+    """A run killed after a checkpoint resumes from it and trains the steps after it again: the episodes they ended
+    leave the curves, as their evaluations leave evaluations.npz; a resume from the final model drops none."""
+    from sb3_gpu.planning.plan import make_plan
+    from sb3_gpu.runs.curves import load_curves
+
+    tiny = {"n_envs": 1, "n_steps": 64, "batch_size": 32, "n_epochs": 1, "n_timesteps": 512, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=3, vec_env="dummy", overrides=tiny)
+    training.train_run(plan, tmp_path, checkpoint_freq=256, eval_episodes=1, confirm_episodes=0, progress=False)
+    monitor = tmp_path / "monitor" / "0.monitor.csv"
+    start = json.loads(monitor.read_text().splitlines()[0][1:])["t_start"]
+    ends = [start + float(line.split(",")[2]) for line in monitor.read_text().splitlines()[2:]]
+    assert len(ends) > 10
+    (tmp_path / "model.zip").unlink()  # killed: only the checkpoint at 256 steps is left
+    (tmp_path / "checkpoints" / "model_512_steps.zip").unlink(missing_ok=True)
+    checkpoint = tmp_path / "checkpoints" / "model_256_steps.zip"
+    half = len(ends) // 2
+    cutoff = (ends[half - 1] + ends[half]) / 2  # the first half of the episodes ended before it was written
+    os.utime(checkpoint, (cutoff, cutoff))
+    console = Console(record=True, width=200)
+    training.resume_run(tmp_path, progress=False, console=console)
+    kept = (tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines()[2:]
+    assert len(kept) == half
+    assert (
+        f"{len(ends) - half:,} episodes that ended after model_256_steps.zip left out of the curves" in console.export_text()
+    )
+    lengths = [int(line.split(",")[1]) for line in kept]
+    resumed = [int(line.split(",")[1]) for line in (tmp_path / "monitor" / "0.monitor.csv").read_text().splitlines()[2:]]
+    assert load_curves(tmp_path)["steps"][-1] == sum(lengths) + sum(resumed)  # the dropped ones are counted once: never
+
+    training.resume_run(tmp_path, timesteps=640, progress=False, console=(console := Console(record=True, width=200)))
+    assert "left out of the curves" not in console.export_text()
+    assert len((tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines()[2:]) == len(kept)
