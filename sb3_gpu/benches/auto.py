@@ -14,9 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import torch as th
-
 from sb3_gpu.common.errors import BenchCannotRun
+from sb3_gpu.common.torch_settings import synchronize
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import COMPILE_TIMED, Plan, auto_compile_mode, make_plan
@@ -101,8 +100,7 @@ def _run(algo: str, env: str, device: str, overrides: dict[str, Any], collect: b
         model = build_model(plan, venv)
         start = time.perf_counter()
         model.learn(steps)
-        if model.device.type == "cuda":
-            th.cuda.synchronize(model.device)
+        synchronize(model.device)
         return model.num_timesteps / (time.perf_counter() - start)
     finally:
         close_vec_envs(venv)

@@ -22,6 +22,7 @@ from stable_baselines3.common.vec_env import SubprocVecEnv
 
 from sb3_gpu.benches.base import SB3_TORCH, paired_times
 from sb3_gpu.benches.train import has_zoo_baseline, zoo_model
+from sb3_gpu.common.torch_settings import synchronize
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
@@ -30,11 +31,6 @@ from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.plan import make_plan
 
 FRAMES = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)  # what SB3's Atari preprocessing and a 4-frame stack give
-
-
-def _sync(device: th.device) -> None:
-    if device.type == "cuda":
-        th.cuda.synchronize(device)
 
 
 def _filled(buffer: ReplayBuffer, capacity: int) -> ReplayBuffer:
@@ -75,7 +71,7 @@ def bench_sample(device: str, capacity: int, batch: int, repeats: int) -> dict[s
             data: Any = buffer.sample(batch)
             if update:
                 buffer.update_priorities(data.indices, td)  # type: ignore[attr-defined]
-            _sync(dev)  # a CUDA copy or gather is asynchronous: time it to its end
+            synchronize(dev)  # a CUDA copy or gather is asynchronous: time it to its end
 
         return run
 
@@ -148,7 +144,7 @@ def _timed_learn(model: Any, steps: int, device: th.device, in_process: bool) ->
     with _Utilisation(device) as gpu:
         start, start_cpu = time.perf_counter(), time.process_time()
         model.learn(steps)
-        _sync(device)
+        synchronize(device)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     updates = int(getattr(model, "_n_updates", 0))
     return {

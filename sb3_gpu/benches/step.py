@@ -24,6 +24,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
 from sb3_gpu.common.errors import gist
+from sb3_gpu.common.torch_settings import synchronize
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.networks import NarrowLinear
@@ -185,22 +186,17 @@ def _collector(model: Any, vec_steps: int) -> tuple[Callable[[], None], int]:
     return replay, vec_steps
 
 
-def _sync(device: th.device) -> None:
-    if device.type == "cuda":
-        th.cuda.synchronize(device)
-
-
 def _count(fn: Callable[[], None], device: th.device) -> tuple[int, int, float | None]:
     """Host reads and ops launched by one call of ``fn``, and on CUDA the GPU's busy share of its wall time."""
     cuda = device.type == "cuda"
     activities = [th.profiler.ProfilerActivity.CPU] + ([th.profiler.ProfilerActivity.CUDA] if cuda else [])
     with HostReads():  # a compiled step meets the counting mode here first: any recompiling for it is done now
         fn()
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     with HostReads() as reads, th.profiler.profile(activities=activities) as prof:
         fn()
-        _sync(device)
+        synchronize(device)
     wall = time.perf_counter() - start
     events = list(prof.events())
     if cuda:
@@ -252,10 +248,10 @@ def interleaved_medians(fns: Sequence[Callable[[], None]], device: th.device, re
         if round_:
             shuffle(order)
         for i in order:
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             fns[i]()
-            _sync(device)
+            synchronize(device)
             times[i].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
 

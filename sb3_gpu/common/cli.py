@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import warnings
@@ -164,13 +165,18 @@ def command(program: str = "python") -> str:
     # The folders, not the files: a venv's python is a link to the base interpreter, which the shell may find too.
     if found is not None and Path(found).parent.resolve() == bin_dir.resolve():
         return program
-    return shlex.quote(str(here))
+    return _quoted([str(here)])
 
 
 def shell_line(*words: object, program: str = "python") -> str:
     """``python -m sb3_gpu.evaluate 'my run'``: ``program`` as :func:`command` finds it, then each word quoted for
     the shell, so that a printed command runs as pasted whatever its paths hold (spaces, quotes, a newline)."""
-    return " ".join([command(program), shlex.join(str(word) for word in words)])
+    return " ".join([command(program), _quoted([str(word) for word in words])])
+
+
+def _quoted(words: list[str]) -> str:
+    # Windows' shells take no single quotes (and a path's backslashes are no escapes there): its own quoting rules.
+    return subprocess.list2cmdline(words) if os.name == "nt" else shlex.join(words)
 
 
 def console() -> Console:

@@ -11,6 +11,7 @@ import pickle
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -32,6 +33,18 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return atomic_write(path, lambda f: f.write(data))
 
 
+def replace(src: str | Path, dst: str | Path) -> None:
+    """``os.replace``; on Windows, where it fails while another process has ``dst`` open (a plot reading it, an
+    indexer, an antivirus scan), tried again for up to a second before the error stands."""
+    for wait in (0.05, 0.1, 0.2, 0.3, 0.4) if os.name == "nt" else ():
+        try:
+            os.replace(src, dst)
+            return
+        except PermissionError:
+            time.sleep(wait)
+    os.replace(src, dst)
+
+
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
     """``atomic_write_bytes`` for a writer that streams into the file (a pickle of a large replay buffer, which
     would otherwise be built whole in memory first). Any error in ``write`` removes the temp file, ``path`` untouched."""
@@ -44,7 +57,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
         tmp = None
     except OSError as e:  # a full disk says so without a file name; name the file that was not written
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
@@ -54,10 +67,15 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
     return path
 
 
+# Never through a link, never inherited by a child; binary on Windows, where os.open's default text mode would write
+# each b"\n" of a zip or pickle as b"\r\n". (Windows has neither of the first two: links are refused by refuse_links.)
+_SAFE_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+
+
 def _create_new(path: Path) -> tuple[Path, int]:
     """A temp file beside ``path`` that no one else has: its name is random (two writers of one pid, in two
     containers sharing a folder, or two threads, never meet), and a name that exists is passed over, never removed."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS
     for _ in range(100):
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -87,7 +105,7 @@ def keep_previous(path: Path) -> Callable[[bool], None]:
     def restore(failed: bool) -> None:
         with contextlib.suppress(OSError):  # the write that failed already says why
             if failed and kept.exists():
-                os.replace(kept, path)  # a no-op where both name one file (path was never replaced)
+                replace(kept, path)  # a no-op where both name one file (path was never replaced)
             elif failed and not existed:
                 path.unlink(missing_ok=True)
             # An old file that could not be kept is left as it is: it may still be the old one, and is never removed.
@@ -118,7 +136,7 @@ def put_back_cut_short(companion: Path, main: Path) -> None:
     """Before a new write of the pair: where the last one was cut short (:func:`companion_of`), put the companion that
     pairs with ``main`` back in its place, for :func:`keep_previous` to keep."""
     if companion_of(companion, main) == _kept(companion):
-        os.replace(_kept(companion), companion)
+        replace(_kept(companion), companion)
 
 
 def check_dir_creatable(path: str | Path, what: str) -> Path:
@@ -174,7 +192,7 @@ def refuse_links(folder: str | Path, what: str, allowed: Callable[[Path], bool] 
 def open_no_follow(path: str | Path) -> int:
     """Open ``path`` for reading and writing, creating it, but never through a symbolic link (one-line error)."""
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        return os.open(path, os.O_RDWR | os.O_CREAT | _SAFE_FLAGS, 0o644)
     except OSError as e:
         if Path(path).is_symlink():
             raise ConfigError(f"{path} is a symbolic link; sb3_gpu does not write through links (remove it)") from None

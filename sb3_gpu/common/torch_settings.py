@@ -1,4 +1,5 @@
-"""torch's process-wide settings that a plan sets (threads, TF32, cuDNN autotuning): taken and put back as one."""
+"""torch's process-wide settings that a plan sets (threads, TF32, cuDNN autotuning): taken and put back as one; and
+waiting for a device, for timings."""
 
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ class TorchSettings:
 
     def with_cuda_math(self, tf32: bool, cudnn_benchmark: bool) -> TorchSettings:
         return dataclasses.replace(self, tf32_matmul=tf32, tf32_cudnn=tf32, cudnn_benchmark=cudnn_benchmark)
+
+
+def synchronize(device: th.device | str) -> None:
+    """Wait until ``device`` has run everything queued on it (a timing that skips this times the launches only)."""
+    device = th.device(device)
+    if device.type == "cuda":
+        th.cuda.synchronize(device)
+    elif device.type == "mps":
+        th.mps.synchronize()

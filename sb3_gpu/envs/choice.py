@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import multiprocessing as mp
-import resource
 import warnings
 from dataclasses import dataclass
 
@@ -15,6 +14,11 @@ from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.envs.batched import batched_workers, measure_overhead
 from sb3_gpu.envs.envpool_vec import envpool_available, envpool_failure, envpool_task, no_twin
 from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
+
+try:
+    import resource
+except ImportError:  # Windows: no rlimits to check
+    resource = None  # type: ignore[assignment]
 
 # BatchedSubprocVecEnv pays one round trip per worker per step (the workers wake in parallel), plus the infos'
 # pickling per env. Measured on a 2-core Firecracker VM, where waking an idle vCPU is slow: ~350 us per step and
@@ -149,6 +153,8 @@ def check_env_resources(kind: str, n_envs: int, *, monitor: bool, cores: int | N
             f"n_envs={n_envs:,} with vec_env 'subproc' would start {n_envs:,} processes on {cores} cores; "
             f"use vec_env 'batched' (one worker per core) or 'dummy'"
         )
+    if resource is None:
+        return
     files = (n_envs if monitor else 0) + 2 * processes + FD_MARGIN  # a Monitor CSV per env, a pipe pair per worker
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and files > soft:

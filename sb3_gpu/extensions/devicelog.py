@@ -44,7 +44,7 @@ class DeviceLog:
             total = self._sums.get(key)
             # float32 sums: a float64 one would cast each value first, a kernel of its own at every step.
             self._sums[key] = value.to(th.float32, copy=True) if total is None else total + value
-            self._counts[key] = self._counts.get(key, 0) + (1 if counts is None else counts.double())
+            self._counts[key] = self._counts.get(key, 0) + (1 if counts is None else counts.to(_wide(counts.device)))
 
     def means(self, keys: tuple[str, ...], values: th.Tensor, counts: th.Tensor | None = None) -> None:
         """Add each element of ``values`` (1-dim) to the mean logged as the key at its position: one add for all."""
@@ -88,7 +88,7 @@ class DeviceLog:
         if not keys:
             return {}
         device = tensors[0].device
-        read = th.stack([t.to(device=device, dtype=th.float64).reshape(()) for t in tensors]).tolist()
+        read = th.stack([t.to(device=device, dtype=_wide(device)).reshape(()) for t in tensors]).tolist()
         values = dict(zip(keys, read, strict=True))
         for key in counted:
             if not values.pop(key):
@@ -101,6 +101,11 @@ class DeviceLog:
         for key, value in values.items():
             logger.record(key, value)
         return values
+
+
+def _wide(device: th.device) -> th.dtype:
+    """float64 for counts and reads, but on MPS, which has none."""
+    return th.float32 if device.type == "mps" else th.float64
 
 
 _COUNT = "\0count:"  # read()'s own keys for a graph's counts, which no logged key can be
@@ -119,7 +124,7 @@ class GraphSums:
     def __init__(self, keys: Sequence[str], device: th.device | str):
         self.keys = tuple(keys)
         device = th.device(device)
-        dtype = th.float32 if device.type == "mps" else th.float64  # MPS has no float64
+        dtype = _wide(device)
         self.state = th.zeros(2, len(self.keys), dtype=dtype, device=device)  # each key's sum, and its count
         th._dynamo.mark_static_address(self.state)  # a CUDA graph adds to it in place
         self.read_state = th.zeros_like(self.state)  # the state the log last read (its own, under its lock)

@@ -9,6 +9,7 @@ device).
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from collections import Counter
@@ -38,10 +39,10 @@ READS = frozenset(
         "unique",
     }
 )
-_TORCH_DIR = th.__file__.rsplit("/", 1)[0]
+_TORCH_DIR = os.path.join(os.path.dirname(th.__file__), "")  # with its separator: torchvision's is not torch's
 # torch's optimizers keep their step counters on the host unless they are capturable or fused, so that reading one
 # (for the bias correction) never waits for a device: those reads are not counted.
-_OPTIM_DIR = f"{_TORCH_DIR}/optim/"
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim", "")
 
 
 class HostReads(TorchFunctionMode):

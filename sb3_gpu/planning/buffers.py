@@ -26,6 +26,8 @@ def choose_buffers(preset: Preset, device: str, observation_space: spaces.Space,
     request, source = preset.device_buffers, preset.sources.get("device_buffers", "sb3_gpu default")
     # A reason a device buffer cannot be used at all: asked for, it is an error; under auto, SB3's buffer is kept.
     blocker = "Dict observations take SB3's Dict buffers" if isinstance(observation_space, spaces.Dict) else None
+    if device.startswith("mps"):  # its sampling draws, n-step discounts and PER trees are float64, which MPS lacks
+        blocker = "Apple's MPS has no float64, which the device buffers' sampling and PER trees use"
     if request == "false":
         return BufferChoice("host", f"SB3's buffers: device_buffers=false ({source})")
     if request == "true":

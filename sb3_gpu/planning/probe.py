@@ -44,7 +44,7 @@ from stable_baselines3.common.preprocessing import get_action_dim
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.errors import cause_of, named
 from sb3_gpu.common.io import atomic_write_text
-from sb3_gpu.common.torch_settings import TorchSettings
+from sb3_gpu.common.torch_settings import TorchSettings, synchronize
 from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code, python_int_spaces
 from sb3_gpu.extensions.continuous import normed_critics_policy, polyak, sde_sample, squashed_sample
@@ -282,11 +282,6 @@ def _batch(space: spaces.Space, n: int) -> Any:
     return np.stack([space.sample() for _ in range(n)])
 
 
-def _sync(device: th.device) -> None:
-    if device.type == "cuda":
-        th.cuda.synchronize(device)
-
-
 def measure_option(option: Option, seconds: float) -> Timing:
     """Time ``option`` for about ``seconds``: the policy built at the preset's sizes on the candidate's device."""
     w, c = option.workload, option.candidate
@@ -306,7 +301,7 @@ def measure_option(option: Option, seconds: float) -> Timing:
 
         def train() -> None:
             step()
-            _sync(device)
+            synchronize(device)
 
         return Timing(_median_time(train, seconds / 2), _median_time(infer, seconds / 2))
 
@@ -454,7 +449,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
 
         def train() -> None:
             eager()
-            _sync(device)
+            synchronize(device)
 
         for _ in range(2):  # warm-up
             train()
@@ -475,7 +470,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
 
         def compiled() -> None:
             step()
-            _sync(device)
+            synchronize(device)
 
         with warnings.catch_warnings():
             warnings.simplefilter("error", CompileFallbackWarning)  # a fallback times eager code: not a candidate
@@ -501,7 +496,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             def run() -> None:
                 with th.no_grad(), _autocast(device, c.amp):
                     fn(rollout_obs, *draws)
-                _sync(device)
+                synchronize(device)
 
             return run
 

@@ -24,7 +24,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import check_dir_creatable, keep_previous, put_back_cut_short, save_model, write_json
+from sb3_gpu.common.io import check_dir_creatable, keep_previous, put_back_cut_short, replace, save_model, write_json
 from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, offset_seed
@@ -252,7 +252,7 @@ class TimedEvalCallback(EvalCallback):
         except Exception:  # a truncated zip fails in many ways
             complete = False
         if complete:
-            os.replace(scratch, self.run_dir.evaluations)
+            replace(scratch, self.run_dir.evaluations)
         else:
             scratch.unlink(missing_ok=True)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -23,6 +22,30 @@ from sb3_gpu.common.io import (
     open_no_follow,
     refuse_links,
 )
+
+try:
+    import fcntl
+except ImportError:  # Windows: msvcrt's byte-range lock instead
+    fcntl = None  # type: ignore[assignment]
+
+
+def _lock_or_raise(f: Any) -> None:
+    """Take ``f``'s exclusive lock without waiting, or raise BlockingIOError where another process holds it."""
+    if fcntl is not None:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    import msvcrt  # type: ignore[import-not-found,unused-ignore]
+
+    f.seek(_WINDOWS_LOCK_BYTE)  # a byte past the pid, so that the process refused can still read who holds it
+    try:
+        msvcrt.locking(f.fileno(), msvcrt.LK_NBLCK, 1)  # type: ignore[attr-defined,unused-ignore]
+    except OSError as e:
+        raise BlockingIOError(str(e)) from None
+    finally:
+        f.seek(0)
+
+
+_WINDOWS_LOCK_BYTE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -253,7 +276,7 @@ class RunDir:
         self.refuse_links()
         with os.fdopen(open_no_follow(self.lock_file), "r+") as f:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock_or_raise(f)
             except BlockingIOError:
                 pid = f.read().strip() or "?"
                 raise ConfigError(f"{self.path} is in use by another sb3_gpu process (pid {pid})") from None

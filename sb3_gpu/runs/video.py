@@ -19,7 +19,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, install_hint
-from sb3_gpu.common.io import make_dir, temporary_environ
+from sb3_gpu.common.io import make_dir, replace, temporary_environ
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
 
@@ -117,7 +117,7 @@ def record_video(
             written = list(scratch.glob("*.mp4"))
             if len(written) != 1:
                 raise ConfigError(f"env {spec.name} rendered no frames to record (render() returned no image)")
-            os.replace(written[0], path)  # the complete file, renamed over any earlier one
+            replace(written[0], path)  # the complete file, renamed over any earlier one
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return Video(path, recorders[0].captured, recorders[0].frames_per_sec)

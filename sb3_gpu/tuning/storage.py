@@ -99,14 +99,16 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
     """An optuna storage: ``journal:PATH`` (a journal file), or any SQLAlchemy URL (sqlite, postgresql, mysql)."""
     optuna = import_optuna()
     if url.startswith("journal:"):
-        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock, JournalStorage
 
         path = Path(url.removeprefix("journal:"))
         if not path.name or path.is_dir():
             raise ConfigError(f"storage {url!r}: journal:PATH names a file to write, and {path} is a folder")
         make_dir(path.parent, "the journal's folder")
         try:
-            return JournalStorage(JournalFileBackend(str(path)))
+            # optuna's default lock is a symbolic link, which Windows lets only administrators (or Developer Mode) make.
+            lock = JournalFileOpenLock(str(path)) if os.name == "nt" else None
+            return JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
         except OSError as e:
             raise ConfigError(f"storage {url!r}: cannot open the journal file {path}: {e.strerror or e}") from None
     if "://" not in url:
