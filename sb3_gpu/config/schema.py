@@ -212,9 +212,9 @@ def get_algo(name: str) -> Algo:
     """Look an algorithm up by name (case-insensitive)."""
     if not isinstance(name, str):
         raise ConfigError(f"the algorithm is a name ({', '.join(ALGOS)}); got {name!r}")
-    algo = ALGOS.get(name.lower())
+    algo = ALGOS.get(name.strip().lower())
     if algo is None:
-        raise ConfigError(f"unknown algorithm {name!r}{closest(name.lower(), ALGOS)} (valid: {', '.join(ALGOS)})")
+        raise ConfigError(f"unknown algorithm {name!r}{closest(name.strip().lower(), ALGOS)} (valid: {', '.join(ALGOS)})")
     return algo
 
 

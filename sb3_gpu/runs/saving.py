@@ -331,8 +331,15 @@ def restore_model(plan: Plan, env: VecEnv, state: SavedState, run: RunDir, say: 
             kept = f"; kept as {kind}, as it was saved, where a new run here would use the other"
         say(f"replay buffer restored from {state.replay_buffer} ({size:,} transitions{kept})")
     else:
+        others = [run.final.replay_buffer] if run.final.replay_buffer.is_file() else []
+        others += sorted(run.checkpoints.glob("model_replay_buffer_*_steps.pkl")) if run.checkpoints.is_dir() else []
+        why = (
+            f"a run keeps only its newest model's, {others[0]}, and that model could not be resumed from"
+            if others
+            else "--save-replay-buffer keeps it"
+        )
         say(
-            f"no replay buffer was saved with {state.model.name} (--save-replay-buffer keeps it): it starts empty, and "
+            f"no replay buffer was saved with {state.model.name} ({why}): it starts empty, and "
             "training goes on at once, on batches drawn from its first transitions"
         )
     return model

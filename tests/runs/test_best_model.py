@@ -543,3 +543,22 @@ def test_a_resume_from_a_checkpoint_drops_the_episodes_it_trains_again(tmp_path)
     training.resume_run(tmp_path, timesteps=640, progress=False, console=(console := Console(record=True, width=200)))
     assert "left out of the curves" not in console.export_text()
     assert len((tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines()[2:]) == len(kept)
+
+
+def test_a_resume_from_an_older_checkpoint_says_why_it_has_no_replay_buffer(tmp_path):
+    from sb3_gpu.planning.plan import make_plan
+
+    tiny = {"n_envs": 1, "n_timesteps": 512, "learning_starts": 64, "batch_size": 16, "probe": False, "per": False}
+    plan = make_plan("dqn", "CartPole-v1", "cpu", seed=3, vec_env="dummy", overrides=tiny)
+    training.train_run(
+        plan, tmp_path, checkpoint_freq=256, save_replay_buffer=True, eval_episodes=1, confirm_episodes=0, progress=False
+    )
+    (tmp_path / "model.zip").unlink()  # the final model is lost; its buffer, written after it, is not
+    (tmp_path / "checkpoints" / "model_512_steps.zip").unlink(missing_ok=True)
+    assert not list((tmp_path / "checkpoints").glob("*.pkl"))  # the final buffer replaced the checkpoints' own
+    console = Console(record=True, width=300)
+    training.resume_run(tmp_path, progress=False, console=console)
+    assert (
+        f"no replay buffer was saved with model_256_steps.zip (a run keeps only its newest model's, "
+        f"{tmp_path / 'replay_buffer.pkl'}, and that model could not be resumed from): it starts empty"
+    ) in console.export_text()
