@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from gymnasium import spaces
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.hardware import GPUInfo
 from sb3_gpu.config.presets import Preset
 from sb3_gpu.extensions.replay import size_text
 
@@ -21,11 +22,28 @@ class BufferChoice:
     reason: str
 
 
-def choose_buffers(preset: Preset, device: str, observation_space: spaces.Space, data_bytes: int) -> BufferChoice:
-    """Resolve ``device_buffers`` (auto, true, false) for a plan on ``device``; ``data_bytes`` is what the buffer holds."""
+# The share of a GPU's memory a device buffer may take: the networks, optimizer state, activations and torch's
+# caching allocator need the rest.
+GPU_MEMORY_SHARE = 0.8
+
+
+def choose_buffers(
+    preset: Preset,
+    device: str,
+    observation_space: spaces.Space,
+    data_bytes: int,
+    gpu: GPUInfo | None = None,
+) -> BufferChoice:
+    """Resolve ``device_buffers`` (auto, true, false) for a plan on ``device``; ``data_bytes`` is what the buffer holds,
+    ``gpu`` the CUDA device's facts (its memory)."""
     request, source = preset.device_buffers, preset.sources.get("device_buffers", "sb3_gpu default")
     # A reason a device buffer cannot be used at all: asked for, it is an error; under auto, SB3's buffer is kept.
     blocker = "Dict observations take SB3's Dict buffers" if isinstance(observation_space, spaces.Dict) else None
+    if gpu is not None and data_bytes > GPU_MEMORY_SHARE * gpu.memory_gb * 2**30:
+        blocker = (
+            f"{size_text(data_bytes)} would take more than {GPU_MEMORY_SHARE:.0%} of {gpu.name}'s {gpu.memory_gb:.0f} GB, "
+            "which the networks and their activations need too"
+        )
     if device.startswith("mps"):  # its sampling draws, n-step discounts and PER trees are float64, which MPS lacks
         blocker = "Apple's MPS has no float64, which the device buffers' sampling and PER trees use"
     if request == "false":

@@ -18,7 +18,7 @@ from stable_baselines3.common.preprocessing import is_image_space, is_image_spac
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS, bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, closest, named
-from sb3_gpu.common.hardware import HardwareProfile, detect_hardware
+from sb3_gpu.common.hardware import GPUInfo, HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
 from sb3_gpu.config.schema import PROFILES, get_algo
@@ -174,7 +174,13 @@ def make_plan(
         # Timing the batched VecEnv's overhead (where its choice is in doubt) is a probe of this machine.
         measure = hardware_detected and resolved.probe
         vec = vec_env_choice(
-            vec_env, spec, resolved.n_envs, cores=hardware.logical_cores, step_seconds=facts.step_seconds, measure=measure
+            vec_env,
+            spec,
+            resolved.n_envs,
+            cores=hardware.logical_cores,
+            step_seconds=facts.step_seconds,
+            envpool_allowed=not hardware.mps,  # macOS: EnvPool has no build for it (a what-if may ask from Linux)
+            measure=measure,
         )
         if resolved.amp == "fp16" and not algo_.fp16:  # before the device's own fp16 check: on no device
             source, use = resolved.sources.get("amp", "preset"), "bf16 or off"
@@ -205,13 +211,16 @@ def make_plan(
         check(chosen)
 
     resolved, vec = chosen.resolved, chosen.vec
-    buffers = _buffers(resolved, chosen.device.device, facts)
+    gpu = hardware.gpu(chosen.device.device) if chosen.device.device.startswith("cuda") else None
+    buffers = _buffers(resolved, chosen.device.device, facts, gpu)
     if not training:  # a loaded model's buffer is built at its full size, and evaluation fills none: never on the GPU
         buffers.update(buffers="host", buffers_reason="SB3's buffers: evaluation fills none")
     if training:
         # A replay buffer on a GPU holds its transitions there (and checks the GPU's free memory as it allocates).
         on_gpu = buffers["buffers"] == "device" and chosen.device.device.startswith("cuda")
-        _check_sizes(resolved, facts, in_host_memory=not on_gpu)
+        # This machine's free memory; a what-if profile's RAM, where the hardware was given.
+        available = psutil.virtual_memory().available if hardware_detected else int(hardware.ram_gb * 2**30)
+        _check_sizes(resolved, facts, available if not on_gpu else None)
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
         # Last, once the run is known to be possible: timing the compiled step compiles it, a minute on a CPU.
         if prober is not None and resolved.probe and resolved.compile == "auto" and compiles_auto(chosen.device.device):
@@ -505,13 +514,13 @@ def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
     return spaces.Box(low, high, dtype=space.dtype)
 
 
-def _buffers(preset: Preset, device: str, facts: _EnvFacts) -> dict[str, Any]:
+def _buffers(preset: Preset, device: str, facts: _EnvFacts, gpu: GPUInfo | None) -> dict[str, Any]:
     params: Any = preset.params
     per_step = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
     # A rollout holds one observation (not two) and a few floats per step; a replay buffer whole transitions.
     rollout = params.n_steps * preset.n_envs * (per_step // 2 + 32) if preset.algo == "ppo" else 0
     data = rollout or params.buffer_size * per_step
-    chosen = choose_buffers(preset, device, facts.observation_space, data)
+    chosen = choose_buffers(preset, device, facts.observation_space, data, gpu)
     overlap = choose_overlap(preset, device)
     return {
         "buffers": chosen.kind,
@@ -645,9 +654,9 @@ def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
     return "mlp"
 
 
-def _check_sizes(preset: Preset, facts: _EnvFacts, in_host_memory: bool = True) -> None:
+def _check_sizes(preset: Preset, facts: _EnvFacts, host_memory: int | None) -> None:
     """Refuse, before anything is allocated, a run that would overshoot its length or outgrow the machine's memory
-    (the host's, where ``in_host_memory``: the replay buffer lives there)."""
+    (``host_memory`` bytes, where the replay buffer lives on the host; None: it does not)."""
     params: Any = preset.params
     per_env = params.n_steps if preset.algo == "ppo" else _train_freq_steps(params.train_freq)
     rollout = per_env * preset.n_envs
@@ -665,10 +674,10 @@ def _check_sizes(preset: Preset, facts: _EnvFacts, in_host_memory: bool = True) 
             f"batch_size ({params.batch_size:,}) is more than buffer_size ({params.buffer_size:,}): every batch would "
             "repeat transitions; lower batch_size or raise buffer_size"
         )
-    if preset.algo != "ppo" and in_host_memory:
+    if preset.algo != "ppo" and host_memory is not None:
         per_transition = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
         needed = params.buffer_size * per_transition
-        available = psutil.virtual_memory().available
+        available = host_memory
         if needed > available:
             raise ConfigError(
                 f"buffer_size={params.buffer_size:,} needs {needed / 2**30:.1f} GiB of memory for its transitions "

@@ -147,7 +147,7 @@ def choose_threads(
     free = free_cores(hardware, env_workers)
     left = f"{hardware.physical_cores} physical cores" + (f" minus {env_workers} env workers" if env_workers else "")
     left += f" minus {busy} busy with other work" if busy else ""
-    if device.startswith("cuda"):
+    if device.startswith(("cuda", "mps")):
         return min(free, 4), f"the GPU does the math; {left}, at most 4 to feed it"
     if policy == "mlp" and width < LARGE_MLP_WIDTH:
         return 1, f"MLP {width} wide: one thread is as fast as several on ops this small"

@@ -104,3 +104,14 @@ def test_mps_is_given_no_float64(gpu_machine):
         make_plan("dqn", "CartPole-v1", "mps", hardware=mac, overrides=overrides)
     plan = make_plan("dqn", "CartPole-v1", "mps", hardware=mac, overrides={"probe": False})
     assert plan.buffers == "host" and "MPS has no float64" in plan.buffers_reason
+
+
+def test_a_mac_plan_feeds_its_gpu_with_few_threads_and_takes_no_envpool():
+    from tests.conftest import machine
+
+    mac = machine(mps=True, cores=8)
+    plan = make_plan("sac", "Pendulum-v1", "auto", hardware=mac, overrides={"probe": False})
+    assert plan.device.device == "mps" and plan.speed is not None
+    assert plan.speed.threads == 4 and plan.speed.threads_reason.startswith("the GPU does the math")
+    plan = make_plan("ppo", "LunarLander-v3", "auto", hardware=mac, n_envs=64, overrides={"probe": False})
+    assert plan.vec_env != "envpool"  # EnvPool has no macOS build, whatever this machine has installed

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import gymnasium as gym
@@ -182,11 +183,32 @@ def test_host_memory_bounds_a_replay_buffer_only_where_it_lives_on_the_host(cpu_
     monkeypatch.setattr(planning.psutil, "virtual_memory", lambda: small)
     big = {"buffer_size": 1_000_000}
     with pytest.raises(ConfigError, match=r"^buffer_size=1,000,000 needs 0.\d GiB of memory for its transitions"):
-        make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides=big)
+        make_plan("dqn", "CartPole-v1", "cpu", overrides={**big, "probe": False})  # this machine: its free memory
+    # A what-if machine: its own RAM, not this one's free memory.
+    tiny_ram = dataclasses.replace(cpu_machine, ram_gb=0.01)
+    with pytest.raises(ConfigError, match=r"needs 0.\d GiB of memory for its transitions \(observation and next obse"):
+        make_plan("dqn", "CartPole-v1", hardware=tiny_ram, overrides=big)
+    assert make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides=big).preset.params.buffer_size == 1_000_000
+    small_gpu = dataclasses.replace(gpu_machine, ram_gb=0.01)
     with pytest.raises(ConfigError, match="GiB of memory for its transitions"):  # SB3's host buffer beside a GPU
-        make_plan("dqn", "CartPole-v1", hardware=gpu_machine, overrides={**big, "device_buffers": False})
-    plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, overrides=big)  # on the GPU, which it checks itself
+        make_plan("dqn", "CartPole-v1", hardware=small_gpu, overrides={**big, "device_buffers": False})
+    plan = make_plan("dqn", "CartPole-v1", hardware=small_gpu, overrides=big)  # on the GPU, which it checks itself
     assert plan.buffers == "device" and plan.device.device == "cuda:0"
+
+
+def test_a_device_buffer_that_would_crowd_the_gpu_stays_on_the_host(gpu_machine):
+    from sb3_gpu.common.hardware import GPUInfo
+
+    small = dataclasses.replace(gpu_machine, gpus=(GPUInfo(0, "Fake T4", 4.0, (7, 5)),), ram_gb=512.0)
+    huge = {"buffer_size": 100_000_000}  # about 5 GB of CartPole transitions: over 80% of the GPU's 4 GB
+    plan = make_plan("dqn", "CartPole-v1", hardware=small, overrides=huge)
+    assert plan.device.device == "cuda:0" and plan.buffers == "host"
+    assert "would take more than 80% of Fake T4's 4 GB, which the networks and their activations need" in plan.buffers_reason
+    with pytest.raises(ConfigError, match=r"device_buffers=true \(override\): .* would take more than 80% of Fake T4"):
+        make_plan("dqn", "CartPole-v1", hardware=small, overrides={**huge, "device_buffers": True})
+    with pytest.raises(ConfigError, match=r"GiB of memory for its transitions"):  # nor does the host's 2 GB hold it
+        make_plan("dqn", "CartPole-v1", hardware=dataclasses.replace(small, ram_gb=2.0), overrides=huge)
+    assert make_plan("dqn", "CartPole-v1", hardware=small, overrides={"buffer_size": 10_000_000}).buffers == "device"
 
 
 @pytest.mark.parametrize(
