@@ -69,7 +69,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     else:
         mode = "deterministic" if result["deterministic"] else "stochastic"
         mean, std, episodes = result["mean"], result["std"], result["episodes"]
-        print(f"{result['model']}: return {mean:.2f} +/- {std:.2f} over {episodes} episodes ({mode})")
+        plural = "s" if episodes != 1 else ""
+        print(f"{result['model']}: return {mean:.2f} +/- {std:.2f} over {episodes} episode{plural} ({mode})")
         if "video" in result:
             video = result["video"]
             print(f"video: {video['path']} ({video['frames']:,} frames at {video['fps']} fps)")

@@ -192,7 +192,7 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title="sb3_gpu summary", title_justify="left")
+    table = Table(title="sb3_gpu summary", title_justify="left", show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
     rows = [
@@ -291,15 +291,19 @@ def evaluation_line(plan: Plan, options: RunOptions) -> str:
     )
 
 
-def next_commands(run: RunDir, env: str | None = None) -> list[str]:
+def next_commands(run: RunDir, env: str | None = None, trained: int | None = None) -> list[str]:
     """What to run next, one command a line, each runnable as printed (outside the table, so never wrapped); no
-    video for an env whose class says it cannot render frames."""
+    video for an env whose class says it cannot render frames; where the run finished its ``trained`` timesteps, how
+    to train it on."""
     from sb3_gpu.envs.spec import declares_render_mode
 
     watch = [f"watch it:  {shell_line('-m', 'sb3_gpu.evaluate', run, '--video')}"]
+    resume = ("-m", "sb3_gpu.train", "--resume", run, "--timesteps", 2 * trained) if trained else ()
+    more = [f"train on:  {shell_line(*resume)}   (a new total)"] if trained else []
     return [
         *(watch if env is None or declares_render_mode(env) is not False else []),
-        f"replay it: {shell_line('-m', 'sb3_gpu.train', '--config', run.config)}",
+        f"replay it: {shell_line('-m', 'sb3_gpu.train', '--config', run.config)}   (a new run, from scratch)",
+        *more,
         f"dashboard: {shell_line('--logdir', run.tensorboard, program='tensorboard')}   (the Custom Scalars tab)",
     ]
 
@@ -389,7 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     assert run is not None
     console.print(summary_table(summary, run))
-    for line in next_commands(run, summary.get("env")):
+    trained = summary["timesteps"] if summary["stopped_by"] is None else None  # a stopped run says how to go on
+    for line in next_commands(run, summary.get("env"), trained):
         console.print(line, soft_wrap=True, highlight=False, markup=False)
     if summary["stopped_by"] is not None:
         print_error(f"stopped by {summary['stopped_by']}: {summary['saved']}")

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -41,6 +42,9 @@ class Parser(argparse.ArgumentParser):
         return super()._get_value(action, arg_string)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def plain_warnings() -> None:
     """Print each warning as one ``warning: ...`` line, as the commands print their other messages (Python's own form
     is the file and line of the code that warned, then that line of code)."""
@@ -49,8 +53,10 @@ def plain_warnings() -> None:
         target = file if file is not None else sys.stderr
         if target is None:  # no stderr (pythonw, a detached daemon): as Python's own handler, drop it
             return
+        # Gymnasium colours its warnings and starts them with its own "WARN: ": neither belongs in a log file.
+        text = _ANSI.sub("", str(message)).removeprefix("WARN: ")
         with contextlib.suppress(OSError):  # a closed pipe must not turn a warning into an error mid-training
-            print(f"warning: {message}", file=target, flush=True)
+            print(f"warning: {text}", file=target, flush=True)
 
     warnings.showwarning = show
 

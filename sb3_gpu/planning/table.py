@@ -21,7 +21,7 @@ def plan_table(plan: Plan) -> Table:
     _row(table, "device", plan.device.device, plan.device.reason)
     _row(table, "profile", plan.preset.profile, f"{plan.preset.entry}: {plan.profile_reason}")
     _row(table, "vec_env", plan.vec_env, plan.vec_env_reason)
-    _row(table, "seed", str(plan.seed), "")
+    _row(table, "seed", str(plan.seed) if plan.seed is not None else "none", "" if plan.seed is not None else "a random one")
     _row(table, "buffers", plan.buffers, plan.buffers_reason)
     if not get_algo(plan.algo).on_policy:
         _row(table, "training", plan.training, plan.training_reason)
@@ -30,13 +30,16 @@ def plan_table(plan: Plan) -> Table:
     warn = plan.eval_step_cap_reason.startswith("warning")
     _row(table, "eval episode cap", cap, plan.eval_step_cap_reason, style="yellow" if warn else None)
     for name, value, why in plan.speed.rows() if plan.speed else []:
+        if why.startswith("asked for") and name in plan.preset.sources:  # its preset row is not listed below
+            why = f"asked for ({plan.preset.sources[name]})" + why.removeprefix("asked for")
         _row(table, name, value, why, style="yellow" if "warning:" in why else None)
     if plan.probe is not None:
         _row(table, "probe", plan.probe.summary(), "; ".join(plan.probe.lines()[1:]))
     table.add_section()
     values = plan.preset.values()
+    decided = _decided_above(plan)
     for key, value in values.items():
-        if (key == "policy_kwargs" and not value) or (key == "env_kwargs" and not value):
+        if (key == "policy_kwargs" and not value) or (key == "env_kwargs" and not value) or key in decided:
             continue
         shown = "SB3 default" if value is None and key in ("net_arch", "activation_fn") else _show(value)
         why, style = plan.preset.sources.get(key, ""), None
@@ -54,11 +57,25 @@ def plan_table(plan: Plan) -> Table:
     return table
 
 
+def _decided_above(plan: Plan) -> set[str]:
+    """Preset keys whose decision the rows above show, with what was asked for in their reason: not listed again."""
+    keys = {"eval_max_episode_steps", "device_buffers"}
+    if plan.speed is not None:
+        keys |= {"amp", "compile", "threads"}
+    if plan.probe is not None:
+        keys.add("probe")
+    if not get_algo(plan.algo).on_policy:
+        keys.add("overlap_training")
+    return keys
+
+
 def _show(value: Any) -> str:
     if isinstance(value, dict) and value.get("schedule") == "linear":
         return f"linear {value['start']:g} -> {value['end']:g}"
     if isinstance(value, float):
         return f"{value:g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
     return str(value)
 
 

@@ -309,10 +309,21 @@ class ThroughputCallback(BaseCallback):
     def line(self) -> str:
         """The latest figures as one compact line."""
         f = self.latest
-        parts = [f"{self.num_timesteps:,} steps", f"{f.get('env_steps_per_s', 0):,.0f} steps/s"]
+        done, total, rate = (
+            self.num_timesteps,
+            int(getattr(self.model, "_total_timesteps", 0) or 0),
+            f.get("env_steps_per_s", 0),
+        )
+        parts = [f"{done:,}/{total:,} steps ({min(done / total, 1):.0%})" if total else f"{done:,} steps"]
+        if total > done and rate > 0:
+            parts.append(f"{_clock((total - done) / rate)} left")
+        episodes = getattr(self.model, "ep_info_buffer", None)
+        if episodes:  # SB3's window of the latest training episodes (Monitor's unclipped returns)
+            parts.append(f"return {np.mean([e['r'] for e in episodes]):,.1f}")
+        parts.append(f"{rate:,.0f} steps/s")
         parts.append(f"{f.get('episodes_per_s', 0):.1f} ep/s")
         if "grad_steps_per_1k_env_steps" in f:
-            parts.append(f"{f['grad_steps_per_1k_env_steps']:.0f} opt steps/1k")
+            parts.append(f"{f['grad_steps_per_1k_env_steps']:.0f} grad steps/1k")
         if "share_env" in f:
             shares = (f"{name} {f['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
             parts.append(" ".join(shares))
@@ -323,6 +334,13 @@ class ThroughputCallback(BaseCallback):
         if "cuda_allocated_mib" in f:
             parts.append(f"GPU mem {f['cuda_allocated_mib']:,.0f} MiB")
         return " | ".join(parts)
+
+
+def _clock(seconds: float) -> str:
+    """``1:02:03`` (or ``2:03`` under an hour)."""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 _NVML: dict[str, Any] = {}

@@ -424,7 +424,11 @@ def test_a_run_logged_to_a_file_prints_no_progress_bar_and_commands_that_run_as_
     assert max(len(line) for line in lines) > 80
     watch, replay = (next(line for line in lines if line.startswith(prefix)) for prefix in ("watch it: ", "replay it: "))
     assert watch.endswith(f"-m sb3_gpu.evaluate {run_dir} --video")
-    replayed = subprocess.run([*replay.removeprefix("replay it:").split(), "--plan"], capture_output=True, text=True)
+    trained = json.loads((run_dir / "summary.json").read_text())["timesteps"]
+    assert any(line.endswith(f"--resume {run_dir} --timesteps {2 * trained}   (a new total)") for line in lines)
+    replayed = subprocess.run(
+        [*replay.removeprefix("replay it:").split("   (")[0].split(), "--plan"], capture_output=True, text=True
+    )
     assert replayed.returncode == 0 and "sb3_gpu plan: PPO on CartPole-v1" in replayed.stdout
 
 
@@ -491,9 +495,10 @@ def test_the_next_commands_run_as_pasted_whatever_the_run_dir_is_called(tmp_path
     from sb3_gpu.train import next_commands
 
     run = RunDir(tmp_path / "rün dir's\nnew ☃")
-    words = [shlex.split(line.split(":", 1)[1].split("   (")[0]) for line in next_commands(run, "CartPole-v1")]
+    words = [shlex.split(line.split(":", 1)[1].split("   (")[0]) for line in next_commands(run, "CartPole-v1", 1000)]
     assert [w[1:] for w in words] == [
         ["-m", "sb3_gpu.evaluate", str(run), "--video"],
         ["-m", "sb3_gpu.train", "--config", str(run.config)],
+        ["-m", "sb3_gpu.train", "--resume", str(run), "--timesteps", "2000"],
         ["--logdir", str(run.tensorboard)],
     ]

@@ -94,3 +94,16 @@ def test_a_program_run_prints_warnings_as_one_line_each_and_a_call_from_python_l
         warnings.simplefilter("always")
         warnings.warn("batch_size 512 is more than one rollout", UserWarning, stacklevel=1)
     assert capsys.readouterr().err == "warning: batch_size 512 is more than one rollout\n"
+
+
+def test_a_library_warning_is_printed_as_one_plain_line(monkeypatch):
+    import io
+    import warnings
+
+    from sb3_gpu.common.cli import plain_warnings
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # put back after the test
+    plain_warnings()
+    out = io.StringIO()
+    warnings.showwarning("\x1b[33mWARN: The environment CartPole-v0 is out of date.\x1b[0m", UserWarning, "x.py", 1, out)
+    assert out.getvalue() == "warning: The environment CartPole-v0 is out of date.\n"

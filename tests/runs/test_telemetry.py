@@ -363,6 +363,9 @@ def test_a_live_line_is_printed_every_report_s():
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
     model.learn(64 * 6, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=0.0, print_fn=lines.append))
     assert len(lines) >= 4 and all("steps/s" in line and "env " in line and "train " in line for line in lines)
+    # Where the run is, against its total, with the time left at this speed and the latest episodes' return.
+    assert re.match(r"^\d{2,3}/384 steps \(\d+%\) \| \d+:\d\d left \| return \d+\.\d \| ", lines[1]), lines[1]
+    assert lines[-1].startswith("384/384 steps (100%) | return ")  # nothing left: no time left shown
     hourly: list[str] = []  # the same records, but a line is due only an hour in
     quiet = ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=3600.0, print_fn=hourly.append)
     model.learn(64 * 6, callback=quiet)
