@@ -195,28 +195,31 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     table = Table(title="sb3_gpu summary", title_justify="left", show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
+    stopped = f" (stopped by {summary['stopped_by']})" if summary.get("stopped_by") else ""
     rows = [
-        ("timesteps", f"{summary['timesteps']:,}"),
+        ("timesteps", f"{summary['timesteps']:,}{stopped}"),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("steps/s", f"{summary['steps_per_s']:,.0f}" if summary.get("steps_per_s") else "-"),
     ]
     if "final_eval_mean" in summary:
         rows.append(
             (
                 "final eval",
-                f"{summary['final_eval_mean']:.2f} +/- {summary['final_eval_std']:.2f} "
+                f"model.zip: {summary['final_eval_mean']:.2f} +/- {summary['final_eval_std']:.2f} "
                 f"({summary['eval_episodes']} episodes, deterministic)",
             )
         )
     if summary.get("best") is not None:
-        rows.append(("best eval", summary["best"]["chosen"]))
+        rows.append(("best eval", f"best_model.zip: {summary['best']['chosen']}"))
     tp = summary.get("throughput") or {}
+    speed = f"{summary['steps_per_s']:,.0f} env steps/s over the whole run" if summary.get("steps_per_s") else "-"
     if "env_steps_per_s" in tp:
         # The telemetry's 30 s window leaves out the first 5 s, and a run of under 10 s is measured whole.
         wall = summary["wall_time_s"]
-        span = "the last 30 s" if wall >= 35 else "after the first 5 s" if wall >= 10 else "the whole run"
-        speed = f"{tp['env_steps_per_s']:,.0f} env steps/s, {tp['episodes_per_s']:.1f} episodes/s ({span})"
-        rows.append(("speed", speed))
+        span = "over the last 30 s" if wall >= 35 else "after the first 5 s" if wall >= 10 else "over the whole run"
+        now = f"{tp['env_steps_per_s']:,.0f} env steps/s {span}"
+        speed = now if span == "over the whole run" or speed == "-" else f"{speed}, {now}"
+        speed += f"; {tp['episodes_per_s']:.1f} episodes/s"
+    rows.append(("speed", speed))
     if "share_env" in tp:
         split = ", ".join(f"{name} {tp['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
         rows.append(("time split", split))
