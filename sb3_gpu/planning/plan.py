@@ -21,7 +21,7 @@ from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import GPUInfo, HardwareProfile, detect_hardware
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
-from sb3_gpu.config.schema import PROFILES, get_algo
+from sb3_gpu.config.schema import ALGOS, PROFILES, get_algo
 from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choice
 from sb3_gpu.envs.spec import EnvSpec, check_env_api, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
@@ -152,7 +152,12 @@ def make_plan(
     facts = _probe(spec, measure=vec_env == "auto")
     needed = algo_.action_space
     if needed is not None and not isinstance(facts.action_space, needed):
-        raise ConfigError(f"{algo_.name} needs a {needed.__name__} action space; {spec.name} has {facts.action_space}")
+        fits = ", ".join(
+            name for name, a in ALGOS.items() if a.action_space is None or isinstance(facts.action_space, a.action_space)
+        )
+        raise ConfigError(
+            f"{algo_.name} needs a {needed.__name__} action space; {spec.name} has {facts.action_space} (for it: {fits})"
+        )
     _check_observation_space(spec.name, facts.observation_space, provisional.frame_stack)
     box = facts.action_space
     if isinstance(box, spaces.Box) and not (np.isfinite(box.low).all() and np.isfinite(box.high).all()):

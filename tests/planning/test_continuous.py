@@ -136,8 +136,8 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
 @pytest.mark.parametrize(
     "algo, env, overrides, message",
     [
-        ("sac", "CartPole-v1", {}, r"sac needs a Box action space; CartPole-v1 has Discrete\(2\)"),
-        ("dqn", "Pendulum-v1", {}, "dqn needs a Discrete action space; Pendulum-v1 has Box"),
+        ("sac", "CartPole-v1", {}, r"sac needs a Box action space; CartPole-v1 has Discrete\(2\) \(for it: ppo, dqn, qrdqn\)"),
+        ("dqn", "Pendulum-v1", {}, r"dqn needs a Discrete action space; Pendulum-v1 has Box.* \(for it: ppo, sac, td3, tqc\)"),
         ("sac", "Pendulum-v1", {"per": True}, "'per' is for dqn, qrdqn, not sac"),
         ("td3", "Pendulum-v1", {"exploration_fraction": 0.1}, "'exploration_fraction' is for dqn, qrdqn, not td3"),
         ("dqn", "CartPole-v1", {"action_noise_std": 0.1}, "'action_noise_std' is for sac, td3, tqc, not dqn"),
