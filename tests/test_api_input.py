@@ -170,6 +170,10 @@ CASES = [
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", profile=None), "profile must be a name: auto, cpu, gpu, large; got None"),
     (lambda: make_model("ppo", "CartPole-v1", "cpu", n_envs="4", probe=False), "n_envs must be a positive int or None, got"),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", n_timesteps=2.5), "n_timesteps must be a positive int or None, got 2.5"),
+    (
+        lambda: make_plan("ppo", "CartPole-v1", "cpu", n_timesteps="1e5"),
+        "n_timesteps must be a positive int or None, got '1e5'",
+    ),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", steps_left=-5), "steps_left must be a positive int or None, got -5"),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", override_source=3), "override_source must be a label, or a mapping"),
     (
@@ -266,3 +270,8 @@ def test_a_run_trained_on_a_factory_is_evaluated_and_resumed_with_it_and_says_so
     out = call_main(train_main, "--config", str(run / "config.yaml"), "--plan")
     assert out.returncode == 2 and "give --env to replay it on a registered env" in out.stderr
     assert call_main(train_main, "--config", str(run / "config.yaml"), "--env", "CartPole-v1", "--plan").returncode == 0
+
+
+def test_a_whole_float_count_is_taken_as_configs_write_it():
+    plan = make_plan("ppo", "CartPole-v1", "cpu", n_envs=2.0, n_timesteps=1e5, vec_env="dummy", overrides=NO_PROBE)
+    assert plan.preset.n_envs == 2 and plan.preset.n_timesteps == 100_000

@@ -182,7 +182,16 @@ def shell_line(*words: object, program: str = "python") -> str:
 
 def _quoted(words: list[str]) -> str:
     # Windows' shells take no single quotes (and a path's backslashes are no escapes there): its own quoting rules.
-    return subprocess.list2cmdline(words) if os.name == "nt" else shlex.join(words)
+    return " ".join(_windows_word(word) for word in words) if os.name == "nt" else shlex.join(words)
+
+
+def _windows_word(word: str) -> str:
+    """A word as Windows programs split their command line (quotes and backslashes by the C runtime's rules), quoted
+    also where cmd.exe would read it (``&``, ``|``, ``<``, ``>``, ``^``, parentheses); ``%`` is expanded even in quotes."""
+    quoted = subprocess.list2cmdline([word])
+    if quoted.startswith('"') or not re.search(r"[&|<>^()]", word):
+        return quoted
+    return '"' + re.sub(r"(\\+)$", r"\1\1", quoted) + '"'  # backslashes before the closing quote are doubled
 
 
 def console() -> Console:

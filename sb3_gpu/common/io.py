@@ -244,7 +244,9 @@ def load_pickle(
 
 
 def save_model(model: BaseAlgorithm, path: str | Path) -> Path:
-    """``model.save`` into memory, then one atomic write (SB3 itself writes the zip in place)."""
+    """``model.save`` into memory, then one atomic write (SB3 itself writes the zip in place). The zip records when it
+    was saved, by the clock its run's Monitor files use (a file's mtime is the file system's, and copies change it)."""
+    model._sb3_gpu_saved_at = time.time()  # type: ignore[attr-defined]
     buffer = io.BytesIO()
     model.save(buffer)
     return atomic_write_bytes(path, buffer.getvalue())

@@ -41,7 +41,7 @@ def choose_buffers(
     blocker = "Dict observations take SB3's Dict buffers" if isinstance(observation_space, spaces.Dict) else None
     if gpu is not None and data_bytes > GPU_MEMORY_SHARE * gpu.memory_gb * 2**30:
         blocker = (
-            f"{size_text(data_bytes)} would take more than {GPU_MEMORY_SHARE:.0%} of {gpu.name}'s {gpu.memory_gb:.0f} GB, "
+            f"{size_text(data_bytes)} would take more than {GPU_MEMORY_SHARE:.0%} of {gpu.name}'s {gpu.memory_gb:.0f} GiB, "
             "which the networks and their activations need too"
         )
     if device.startswith("mps"):  # its sampling draws, n-step discounts and PER trees are float64, which MPS lacks

@@ -578,9 +578,9 @@ def _check_plan_args(
     steps_left: Any,
 ) -> None:
     """make_plan's arguments of the wrong type, refused in one line before anything is resolved."""
-    count_arg(n_envs, "n_envs", optional=True)
-    count_arg(n_timesteps, "n_timesteps", optional=True)
-    count_arg(steps_left, "steps_left", optional=True)
+    for value, name in ((n_envs, "n_envs"), (n_timesteps, "n_timesteps"), (steps_left, "steps_left")):
+        whole = isinstance(value, float) and value.is_integer()  # 1e5, as SB3's and rl-zoo3's configs write it
+        count_arg(int(value) if whole else value, name, optional=True)
     if not isinstance(profile, str):
         raise ConfigError(f"profile must be a name: auto, {', '.join(PROFILES)}; got {profile!r}")
     if overrides is not None and not isinstance(overrides, Mapping):

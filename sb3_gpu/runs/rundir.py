@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import zipfile
@@ -60,24 +61,27 @@ class SavedState:
 
 def _drop_episodes_after(path: Path, cutoff: float) -> int:
     """Rewrite a Monitor file without the episodes that ended after ``cutoff`` (seconds since the epoch, as its
-    header's ``t_start`` plus each episode's ``t``); the number dropped. A file it cannot read is left as it is."""
+    header's ``t_start`` plus each episode's ``t``), which are appended to ``N.segK.dropped.csv``; the number moved. A
+    file it cannot read is left as it is."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
         start = float(json.loads(lines[0][1:])["t_start"])
     except (OSError, UnicodeDecodeError, ValueError, KeyError, IndexError, TypeError):
         return 0
-    kept = lines[:2]
+    kept, dropped = lines[:2], list[str]()
     for line in lines[2:]:
         try:
             ended = start + float(line.split(",")[2])
         except (ValueError, IndexError):
-            continue  # a half-written last line: the episode it began to record is not kept either
-        if ended <= cutoff:
-            kept.append(line)
-    dropped = len(lines) - len(kept)
+            ended = math.inf  # a half-written last line: set aside with the episodes after the checkpoint
+        (kept if ended <= cutoff else dropped).append(line if line.endswith("\n") else line + "\n")
     if dropped:
+        aside = path.with_name(path.name.removesuffix(".monitor.csv") + ".dropped.csv")
+        with aside.open("a", encoding="utf-8") as f:  # before the rewrite: a stop between the two loses nothing
+            f.writelines(lines[:2] if f.tell() == 0 else [])
+            f.writelines(dropped)
         atomic_write_text(path, "".join(kept))
-    return dropped
+    return len(dropped)
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,16 @@ def zip_timesteps(path: Path) -> int | None:
     except ConfigError:
         return None
     return value if isinstance(value, int) else None
+
+
+def zip_saved_at(path: Path) -> float | None:
+    """When sb3_gpu saved a model zip (seconds since the epoch, by the saving process's clock); None where it did
+    not say (an older or a foreign zip) or the zip is unreadable."""
+    try:
+        value = read_zip_data(path).get("_sb3_gpu_saved_at")
+    except ConfigError:
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 class RunDir:
@@ -274,26 +288,31 @@ class RunDir:
         """One process per run dir: a second ``--resume`` of a running run would interleave their files. The lock
         file exists while a process works in the run dir and is removed when it is done."""
         self.refuse_links()
-        with os.fdopen(open_no_follow(self.lock_file), "r+") as f:
-            try:
-                _lock_or_raise(f)
-            except BlockingIOError:
-                pid = f.read().strip() or "?"
-                raise ConfigError(f"{self.path} is in use by another sb3_gpu process (pid {pid})") from None
-            try:
-                current = os.stat(self.lock_file)
-            except FileNotFoundError:
-                current = None
-            if current is None or not os.path.samestat(os.fstat(f.fileno()), current):
-                # The process that held it removed it as it finished: the lock it released belongs to no one now.
-                raise ConfigError(f"{self.path} was in use by another sb3_gpu process that just finished; try again")
-            f.truncate()
-            f.write(str(os.getpid()))
-            f.flush()
-            try:
-                yield
-            finally:
-                # Removed while still held: a process that opened it before finds it locked, then gone (above).
+        try:
+            with os.fdopen(open_no_follow(self.lock_file), "r+") as f:
+                try:
+                    _lock_or_raise(f)
+                except BlockingIOError:
+                    pid = f.read().strip() or "?"
+                    raise ConfigError(f"{self.path} is in use by another sb3_gpu process (pid {pid})") from None
+                try:
+                    current = os.stat(self.lock_file)
+                except FileNotFoundError:
+                    current = None
+                if current is None or not os.path.samestat(os.fstat(f.fileno()), current):
+                    # The process that held it removed it as it finished: the lock it released belongs to no one now.
+                    raise ConfigError(f"{self.path} was in use by another sb3_gpu process that just finished; try again")
+                f.truncate()
+                f.write(str(os.getpid()))
+                f.flush()
+                try:
+                    yield
+                finally:
+                    # Removed while still held: a process that opened it before finds it locked, then gone (above).
+                    with contextlib.suppress(OSError):
+                        self.lock_file.unlink()
+        finally:
+            if fcntl is None:  # Windows removes no open file: once closed (one another process opened stays, as it must)
                 with contextlib.suppress(OSError):
                     self.lock_file.unlink()
 
@@ -301,21 +320,18 @@ class RunDir:
         """Refuse a run dir that holds a symbolic link: sb3_gpu and SB3 write inside it and would write through it."""
         refuse_links(self.path, "run dir")
 
-    def set_monitor_files_aside(self, saved_at: float | None = None) -> int:
-        """Keep the earlier segments' episodes (SB3's Monitor truncates its file); the plots read every segment.
-
-        :param saved_at: when the checkpoint resumed from was written (its mtime): the episodes that ended after it are
-            dropped, since the resumed run trains those steps again; otherwise the curves would count them twice
-        :return: how many episodes were dropped
-        """
+    def set_monitor_files_aside(self) -> None:
+        """Keep the earlier segments' episodes (SB3's Monitor truncates its file); the plots read every segment."""
         if not self.monitor.is_dir():
-            return 0
+            return
         segment = 1 + len({p.name.split(".")[1] for p in self.monitor.glob("*.seg*.monitor.csv")})
         for path in self.monitor.glob("*.monitor.csv"):
             if ".seg" not in path.name:
                 path.rename(path.with_name(path.name.replace(".monitor.csv", f".seg{segment}.monitor.csv")))
-        if saved_at is None:
-            return 0
+
+    def set_episodes_aside_after(self, saved_at: float) -> int:
+        """Move the earlier segments' episodes that ended after ``saved_at`` (a checkpoint resumed from, which trains
+        their steps again) out of the curves, into ``N.segK.dropped.csv`` beside them; how many."""
         return sum(_drop_episodes_after(path, saved_at) for path in sorted(self.monitor.glob("*.seg*.monitor.csv")))
 
     # ------------------------------------------------------------------ finding what was saved

@@ -315,8 +315,10 @@ class ThroughputCallback(BaseCallback):
             f.get("env_steps_per_s", 0),
         )
         parts = [f"{done:,}/{total:,} steps ({min(done / total, 1):.0%})" if total else f"{done:,} steps"]
-        if total > done and rate > 0:
-            parts.append(f"{_clock((total - done) / rate)} left")
+        elapsed = time.perf_counter() - self._start
+        average = (done - self._steps0) / elapsed if elapsed > 0 else 0.0  # steadier than the window's rate
+        if total > done and average > 0:
+            parts.append(f"{_clock((total - done) / average)} left")
         episodes = getattr(self.model, "ep_info_buffer", None)
         if episodes:  # SB3's window of the latest training episodes (Monitor's unclipped returns)
             parts.append(f"return {np.mean([e['r'] for e in episodes]):,.1f}")

@@ -36,7 +36,7 @@ from sb3_gpu.runs.evaluation import (
     eval_envs,
     evaluate_run,
 )
-from sb3_gpu.runs.rundir import RunDir, SavedState
+from sb3_gpu.runs.rundir import RunDir, SavedState, zip_saved_at
 from sb3_gpu.runs.saving import restore_model, restore_vecnormalize
 from sb3_gpu.runs.session import Outcome, Session
 
@@ -231,13 +231,22 @@ class _Output:
         Console(stderr=True).print(f"warning: {text}", highlight=False, markup=False, soft_wrap=True)
 
 
+def _set_retrained_episodes_aside(run: RunDir, state: SavedState, output: _Output) -> None:
+    """Once a resume from a checkpoint has its model back: the episodes that ended after the checkpoint was saved
+    leave the curves (the resumed run trains their steps again), kept beside them in ``*.dropped.csv``."""
+    saved_at = zip_saved_at(state.model) if state.model != run.final.model else None
+    moved = run.set_episodes_aside_after(saved_at) if saved_at is not None else 0
+    if moved:
+        output.say(
+            f"{moved:,} episodes that ended after {state.model.name} was saved set aside (trained again): "
+            f"{run.monitor}/*.dropped.csv"
+        )
+
+
 def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, output: _Output) -> dict[str, Any]:
     with run.locked():
         if state is not None:
-            from_checkpoint = state.model != run.final.model
-            dropped = run.set_monitor_files_aside(saved_at=state.model.stat().st_mtime if from_checkpoint else None)
-            if dropped:
-                output.say(f"{dropped:,} episodes that ended after {state.model.name} left out of the curves (trained again)")
+            run.set_monitor_files_aside()
         env: VecEnv = build_env(plan, monitor_dir=str(run.monitor))
         eval_env: VecEnv | None = None
         try:
@@ -247,6 +256,7 @@ def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | Non
             else:
                 env = restore_vecnormalize(env, state, run)
                 model = restore_model(plan, env, state, run, output.say)
+                _set_retrained_episodes_aside(run, state, output)
             _write_config(plan, run, options, state, env)
             return _learn(plan, run, options, state, model, eval_env, output)
         finally:

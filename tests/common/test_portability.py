@@ -72,6 +72,7 @@ def test_printed_commands_use_windows_quoting_there(monkeypatch):
     assert cli._quoted(words) == "--resume 'runs\\ppo 1' 'it'\"'\"'s'"
     monkeypatch.setattr(cli, "os", types.SimpleNamespace(name="nt"))
     assert cli._quoted(words) == '--resume "runs\\ppo 1" it\'s'
+    assert cli._quoted(["runs\\a&b", "a(1)\\", "plain"]) == '"runs\\a&b" "a(1)\\\\" plain'  # cmd.exe's & and ( quoted
 
 
 def test_a_rename_refused_while_the_file_is_open_is_tried_again_on_windows(monkeypatch):

@@ -200,10 +200,10 @@ def test_a_device_buffer_that_would_crowd_the_gpu_stays_on_the_host(gpu_machine)
     from sb3_gpu.common.hardware import GPUInfo
 
     small = dataclasses.replace(gpu_machine, gpus=(GPUInfo(0, "Fake T4", 4.0, (7, 5)),), ram_gb=512.0)
-    huge = {"buffer_size": 100_000_000}  # about 5 GB of CartPole transitions: over 80% of the GPU's 4 GB
+    huge = {"buffer_size": 100_000_000}  # about 5 GiB of CartPole transitions: over 80% of the GPU's 4 GiB
     plan = make_plan("dqn", "CartPole-v1", hardware=small, overrides=huge)
     assert plan.device.device == "cuda:0" and plan.buffers == "host"
-    assert "would take more than 80% of Fake T4's 4 GB, which the networks and their activations need" in plan.buffers_reason
+    assert "would take more than 80% of Fake T4's 4 GiB, which the networks and their activations need" in plan.buffers_reason
     with pytest.raises(ConfigError, match=r"device_buffers=true \(override\): .* would take more than 80% of Fake T4"):
         make_plan("dqn", "CartPole-v1", hardware=small, overrides={**huge, "device_buffers": True})
     with pytest.raises(ConfigError, match=r"GiB of memory for its transitions"):  # nor does the host's 2 GB hold it

@@ -4,7 +4,6 @@ episodes confirm it, and only a confirmed mean above the best's own replaces bes
 from __future__ import annotations
 
 import json
-import os
 import warnings
 import zipfile
 
@@ -267,7 +266,8 @@ def test_the_plan_and_the_summary_say_how_the_best_is_chosen(tmp_path, call_main
     assert summary["best_eval_mean"] == best["checked_mean"]
     assert json.loads((run_dir / "eval" / "best.json").read_text())["checked_mean"] == best["checked_mean"]
     reported = f"{best['checked_mean']:.2f} +/- {best['checked_std']:.2f} on 6 fresh episodes after training"
-    assert best["chosen"].startswith(reported) and reported in " ".join(trained.stdout.split())
+    table = " ".join(trained.stdout.replace("│", " ").split())  # a long row wraps inside the table's borders
+    assert best["chosen"].startswith(reported) and reported in table
     assert "6 confirming episodes; its periodic evaluation read" in best["chosen"]
     evaluated = call_main(evaluate_main, str(run_dir), "--episodes", "2")
     assert evaluated.returncode == 0 and "best_model.zip" in evaluated.stdout
@@ -510,39 +510,40 @@ def test_evaluate_run_plays_the_episodes_of_the_seed_it_is_given_not_those_of_th
     assert not any(np.array_equal(first[0], trained[0]) for first in firsts)
 
 
-def test_a_resume_from_a_checkpoint_drops_the_episodes_it_trains_again(tmp_path):
+def test_a_resume_from_a_checkpoint_sets_aside_the_episodes_it_trains_again(tmp_path):
     """A run killed after a checkpoint resumes from it and trains the steps after it again: the episodes they ended
-    leave the curves, as their evaluations leave evaluations.npz; a resume from the final model drops none."""
+    leave the curves (kept beside them), as their evaluations leave evaluations.npz; a resume from the final model
+    sets none aside."""
     from sb3_gpu.planning.plan import make_plan
     from sb3_gpu.runs.curves import load_curves
 
     tiny = {"n_envs": 1, "n_steps": 64, "batch_size": 32, "n_epochs": 1, "n_timesteps": 512, "probe": False}
     plan = make_plan("ppo", "CartPole-v1", "cpu", seed=3, vec_env="dummy", overrides=tiny)
     training.train_run(plan, tmp_path, checkpoint_freq=256, eval_episodes=1, confirm_episodes=0, progress=False)
-    monitor = tmp_path / "monitor" / "0.monitor.csv"
-    start = json.loads(monitor.read_text().splitlines()[0][1:])["t_start"]
-    ends = [start + float(line.split(",")[2]) for line in monitor.read_text().splitlines()[2:]]
-    assert len(ends) > 10
+    first = (tmp_path / "monitor" / "0.monitor.csv").read_text().splitlines()
+    lengths = [int(line.split(",")[1]) for line in first[2:]]
     (tmp_path / "model.zip").unlink()  # killed: only the checkpoint at 256 steps is left
     (tmp_path / "checkpoints" / "model_512_steps.zip").unlink(missing_ok=True)
-    checkpoint = tmp_path / "checkpoints" / "model_256_steps.zip"
-    half = len(ends) // 2
-    cutoff = (ends[half - 1] + ends[half]) / 2  # the first half of the episodes ended before it was written
-    os.utime(checkpoint, (cutoff, cutoff))
-    console = Console(record=True, width=200)
+    (tmp_path / "checkpoints" / "model_vecnormalize_512_steps.pkl").unlink(missing_ok=True)
+    console = Console(record=True, width=300)
     training.resume_run(tmp_path, progress=False, console=console)
-    kept = (tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines()[2:]
-    assert len(kept) == half
-    assert (
-        f"{len(ends) - half:,} episodes that ended after model_256_steps.zip left out of the curves" in console.export_text()
+    kept = (tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines()
+    aside = (tmp_path / "monitor" / "0.seg1.dropped.csv").read_text().splitlines()
+    # One env steps once per step: the episodes kept ended within the checkpoint's 256 steps, the next one after.
+    kept_steps = sum(int(line.split(",")[1]) for line in kept[2:])
+    assert kept_steps <= 256 < kept_steps + lengths[len(kept) - 2]
+    assert kept[:2] == aside[:2] == first[:2] and kept[2:] + aside[2:] == first[2:]  # moved, not lost
+    moved = len(aside) - 2
+    assert f"{moved:,} episodes that ended after model_256_steps.zip was saved set aside (trained again)" in (
+        console.export_text()
     )
-    lengths = [int(line.split(",")[1]) for line in kept]
     resumed = [int(line.split(",")[1]) for line in (tmp_path / "monitor" / "0.monitor.csv").read_text().splitlines()[2:]]
-    assert load_curves(tmp_path)["steps"][-1] == sum(lengths) + sum(resumed)  # the dropped ones are counted once: never
+    assert load_curves(tmp_path)["steps"][-1] == kept_steps + sum(resumed)
 
-    training.resume_run(tmp_path, timesteps=640, progress=False, console=(console := Console(record=True, width=200)))
-    assert "left out of the curves" not in console.export_text()
-    assert len((tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines()[2:]) == len(kept)
+    console = Console(record=True, width=300)
+    training.resume_run(tmp_path, timesteps=640, progress=False, console=console)  # from the final model.zip
+    assert "set aside" not in console.export_text()
+    assert (tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines() == kept
 
 
 def test_a_resume_from_an_older_checkpoint_says_why_it_has_no_replay_buffer(tmp_path):
