@@ -31,7 +31,7 @@ def closest(name: str, choices: Iterable[str], n: int = 3) -> str:
 
 @functools.cache
 def install_hint(extra: str) -> str:
-    """``pip install 'optuna>=3.5' ... (sb3_gpu's [tune] extra)``: the extra's packages as the installed metadata lists
+    """``pip install 'optuna>=4.0' ... (sb3_gpu's [tune] extra)``: the extra's packages as the installed metadata lists
     them, so the command works wherever sb3_gpu came from (a checkout, a git URL)."""
     try:
         requires = importlib.metadata.requires("sb3-gpu") or []
