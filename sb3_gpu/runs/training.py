@@ -232,13 +232,16 @@ class _Output:
 
 
 def _set_retrained_episodes_aside(run: RunDir, state: SavedState, output: _Output) -> None:
-    """Once a resume from a checkpoint has its model back: the episodes that ended after the checkpoint was saved
-    leave the curves (the resumed run trains their steps again), kept beside them in ``*.dropped.csv``."""
-    saved_at = zip_saved_at(state.model) if state.model != run.final.model else None
+    """Once a resume has its model back: the episodes that ended after that model was saved (a checkpoint, or the
+    model.zip of a pass killed later) leave the curves, since the resumed run trains their steps again; they are kept
+    beside them in ``*.dropped.csv``. After a plain stop none ended after the final save."""
+    saved_at, by = zip_saved_at(state.model), ""
+    if saved_at is None and state.model != run.final.model:  # a checkpoint of an older sb3_gpu: its file's time
+        saved_at, by = state.model.stat().st_mtime, " (by the file's time: the zip records none)"
     moved = run.set_episodes_aside_after(saved_at) if saved_at is not None else 0
     if moved:
         output.say(
-            f"{moved:,} episodes that ended after {state.model.name} was saved set aside (trained again): "
+            f"{moved:,} episodes that ended after {state.model.name} was saved set aside{by} (trained again): "
             f"{run.monitor}/*.dropped.csv"
         )
 

@@ -4,6 +4,7 @@ episodes confirm it, and only a confirmed mean above the best's own replaces bes
 from __future__ import annotations
 
 import json
+import os
 import warnings
 import zipfile
 
@@ -563,3 +564,38 @@ def test_a_resume_from_an_older_checkpoint_says_why_it_has_no_replay_buffer(tmp_
         f"no replay buffer was saved with model_256_steps.zip (a run keeps only its newest model's, "
         f"{tmp_path / 'replay_buffer.pkl'}, and that model could not be resumed from): it starts empty"
     ) in console.export_text()
+
+
+def test_a_killed_pass_after_the_final_model_and_an_older_checkpoint_are_set_aside_too(tmp_path, monkeypatch):
+    import time
+
+    from sb3_gpu.planning.plan import make_plan
+
+    tiny = {"n_envs": 1, "n_steps": 64, "batch_size": 32, "n_epochs": 1, "n_timesteps": 256, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=3, vec_env="dummy", overrides=tiny)
+    training.train_run(plan, tmp_path, checkpoint_freq=128, eval_episodes=1, confirm_episodes=0, progress=False)
+    monitor = tmp_path / "monitor"
+    first = (monitor / "0.monitor.csv").read_text()
+    # A second pass (--resume --timesteps 512) set the first pass's files aside and was killed before it saved.
+    (monitor / "0.monitor.csv").rename(monitor / "0.seg1.monitor.csv")
+    killed = f'#{{"t_start": {time.time() + 1}, "env_id": "CartPole-v1"}}\nr,l,t\n20.0,20,0.5\n31.0,31,1.1\n'
+    (monitor / "0.monitor.csv").write_text(killed)
+    console = Console(record=True, width=300)
+    training.resume_run(tmp_path, timesteps=384, progress=False, console=console)
+    assert "2 episodes that ended after model.zip was saved set aside (trained again)" in console.export_text()
+    assert (monitor / "0.seg1.monitor.csv").read_text() == first  # the first pass ended before model.zip was saved
+    assert (monitor / "0.seg2.monitor.csv").read_text().splitlines() == killed.splitlines()[:2]
+    assert (monitor / "0.seg2.dropped.csv").read_text() == killed
+
+    # A checkpoint an older sb3_gpu wrote records no save time: its file's time stands in, and the run says so.
+    (tmp_path / "model.zip").unlink()
+    for late in (512, 384):
+        (tmp_path / "checkpoints" / f"model_{late}_steps.zip").unlink(missing_ok=True)
+    checkpoint = tmp_path / "checkpoints" / "model_256_steps.zip"
+    os.utime(checkpoint, (0.0, 0.0))  # before every episode: each segment's episodes move
+    monkeypatch.setattr(training, "zip_saved_at", lambda path: None)
+    console = Console(record=True, width=300)
+    training.resume_run(tmp_path, timesteps=384, progress=False, console=console)
+    assert "set aside (by the file's time: the zip records none) (trained again)" in console.export_text()
+    assert [p.name for p in sorted(monitor.glob("*.seg*.monitor.csv"))] == [f"0.seg{k}.monitor.csv" for k in (1, 2, 3)]
+    assert all(len(p.read_text().splitlines()) == 2 for p in monitor.glob("*.seg*.monitor.csv"))  # headers only
