@@ -14,6 +14,7 @@ import re
 import shlex
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ from sb3_gpu.common.cli import (
     threads_arg,
 )
 from sb3_gpu.common.cli import console as cli_console
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.tuning import PRUNERS, SAMPLERS
 
 # optuna, torch and SB3 are imported inside main, so that --help is quick and a Ctrl-C while they load is one line.
@@ -143,9 +144,18 @@ def _stopped_in_trials(e: KeyboardInterrupt, url: str, heartbeat_s: int, name: s
     worker's heartbeat or dead-worker check."""
     from sb3_gpu.tuning.storage import fail_left_running
 
-    with contextlib.suppress(Exception, KeyboardInterrupt):
-        fail_left_running(url, heartbeat_s, name, started)
-    print_error(f"{str(e) or _stopped(e)}; a running trial was marked failed. Run the same command to go on")
+    marked = "a running trial was marked failed"
+    for wait in (0.5, 1.0, 2.0, None):  # a storage busy with another worker's (or this one's heartbeat's) write
+        try:
+            fail_left_running(url, heartbeat_s, name, started)
+            break
+        except (Exception, KeyboardInterrupt) as failure:
+            if wait is None:
+                marked = f"its running trial is left to the next worker's check (marking it failed: {named(failure)})"
+                break
+            with contextlib.suppress(KeyboardInterrupt):
+                time.sleep(wait)
+    print_error(f"{str(e) or _stopped(e)}; {marked}. Run the same command to go on")
     return interrupted(_stop_code(e))
 
 
