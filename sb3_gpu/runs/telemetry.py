@@ -180,6 +180,7 @@ class ThroughputCallback(BaseCallback):
         self._optimizer_steps: list[OptimizerStep] = []
         self._grad0 = 0
         self._steps0, self._eval0 = 0, 0.0
+        self._pace0: tuple[float, int] | None = None  # where the time left is measured from (time, steps)
         self._start = self._rollout_start = self._rollout_end = 0.0
         self._next_report = 0.0
         self._process: Any = None
@@ -211,6 +212,14 @@ class ThroughputCallback(BaseCallback):
         self._last = (self._start, self.counters.copy())
         self._next_report = self._start + (self.report_s or 0.0)
         self._next_record = 0.0
+        self._pace0 = None
+        self._set_pace_origin(self._start)
+
+    def _set_pace_origin(self, now: float) -> None:
+        # The steps before learning_starts take no gradient steps and run many times faster than the rest: an average
+        # over them would promise an off-policy run's end far too soon. The time left counts from the first update.
+        if self._pace0 is None and self.num_timesteps >= int(getattr(self.model, "learning_starts", 0) or 0):
+            self._pace0 = (now, self.num_timesteps)
 
     def _steps_taken(self) -> int:
         # One per gradient step: SAC's actor and critic each step once per gradient step (TD3's actor less often).
@@ -230,6 +239,7 @@ class ThroughputCallback(BaseCallback):
         if self.eval_callback is not None:
             self.counters[self._EVAL] = self.eval_callback.seconds - self._eval0
         self._last = (now, self.counters.copy())
+        self._set_pace_origin(now)
         if now - self._start >= self.warmup_s:
             self.window.add(now, self.counters.copy())
 
@@ -315,8 +325,10 @@ class ThroughputCallback(BaseCallback):
             f.get("env_steps_per_s", 0),
         )
         parts = [f"{done:,}/{total:,} steps ({min(done / total, 1):.0%})" if total else f"{done:,} steps"]
-        elapsed = time.perf_counter() - self._start
-        average = (done - self._steps0) / elapsed if elapsed > 0 else 0.0  # steadier than the window's rate
+        average = 0.0  # steadier than the window's rate; none yet before learning starts
+        if self._pace0 is not None:
+            elapsed = time.perf_counter() - self._pace0[0]
+            average = (done - self._pace0[1]) / elapsed if elapsed > 0 else 0.0
         if total > done and average > 0:
             parts.append(f"{_clock((total - done) / average)} left")
         episodes = getattr(self.model, "ep_info_buffer", None)

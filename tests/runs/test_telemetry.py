@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 
 import pytest
@@ -370,6 +371,34 @@ def test_a_live_line_is_printed_every_report_s():
     quiet = ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=3600.0, print_fn=hourly.append)
     model.learn(64 * 6, callback=quiet)
     assert hourly == [] and quiet.latest["env_steps_per_s"] > 0
+
+
+def test_the_time_left_counts_from_the_first_update_not_from_the_warm_up(monkeypatch):
+    # A fake clock: the 300 warm-up steps (no updates) take 10 ms each, the steps that train take 1 s each.
+    import gymnasium as gym
+
+    clock = [0.0]
+
+    class Costed(gym.Wrapper):
+        def step(self, action):
+            clock[0] += 0.01 if self.unwrapped_model.num_timesteps < 300 else 1.0
+            return self.env.step(action)
+
+    monkeypatch.setattr("sb3_gpu.runs.telemetry.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    env = Costed(gym.make("CartPole-v1"))
+    model = DQN("MlpPolicy", env, learning_starts=300, train_freq=1, buffer_size=1000, seed=0)
+    env.unwrapped_model = model
+    lines: list[str] = []
+    model.learn(400, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0, report_s=0.0, print_fn=lines.append))
+    shown = {int(line.split("/")[0].replace(",", "")): line for line in lines}
+    assert all(" left |" not in line for done, line in shown.items() if done < 300)  # no measure of training yet
+    # 1 s a step from then on: the last lines before the end say ~(400 - done) s; the whole run's average would say a
+    # third of that.
+    late = [(done, line) for done, line in shown.items() if 340 <= done < 400]
+    assert late
+    for done, line in late:
+        minutes, seconds = re.search(r"\| (\d+):(\d\d) left \|", line).groups()
+        assert abs(60 * int(minutes) + int(seconds) - (400 - done)) <= 2, line
 
 
 def test_curves_leave_out_the_time_between_a_stop_and_its_resume(tmp_path):
