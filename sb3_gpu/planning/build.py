@@ -33,6 +33,13 @@ def offset_seed(seed: int | None, offset: int) -> int | None:
     return None if seed is None else (seed + offset) % 2**32
 
 
+def resumed_seed(seed: int | None, timesteps: int) -> int | None:
+    """The seed a run resumed at ``timesteps`` continues on: a hash of both, so that it repeats for one stop, and
+    neither replays the first episodes nor lands on the seeds an offset gives (``seed + 10_000`` would train on the
+    evaluation episodes of a run stopped at 10,000 steps)."""
+    return None if seed is None else int(np.random.SeedSequence([seed, timesteps]).generate_state(1)[0])
+
+
 def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None = None, evaluation: bool = False) -> VecEnv:
     """The plan's VecEnv (``evaluation=True``: dummy envs, one unless ``n_envs`` says, seeded apart, with frozen
     normalisation)."""

@@ -24,7 +24,7 @@ from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs
 from sb3_gpu.envs.spec import EnvSpec
-from sb3_gpu.planning.build import build_env, build_model, offset_seed
+from sb3_gpu.planning.build import build_env, build_model, offset_seed, resumed_seed
 from sb3_gpu.planning.device import requested_device
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.runs.callbacks import SaveVecNormalizeCallback
@@ -141,7 +141,7 @@ def train_run(
             f"run dir {run} already holds {shown}; runs are never overwritten: give a new run_dir, or "
             f"resume_run({str(run)!r}) to continue it"
         )
-    return _train(plan, run, options, None, output)
+    return _train(plan, run, options, None, output, plan.seed)
 
 
 def resume_run(
@@ -185,8 +185,7 @@ def resume_run(
             f"--resume: {run} already trained {state.timesteps:,} of {total:,} timesteps; "
             f"pass --timesteps (resume_run's timesteps=) with a larger total to train on"
         )
-    # Seeded runs continue on fresh seeds: replaying the first episodes' seeds would repeat them.
-    seed = None if config.seed is None else (config.seed + state.timesteps) % 2**32
+    seed = resumed_seed(config.seed, state.timesteps)
     if save_replay_buffer is not None:
         options = dataclasses.replace(options, save_replay_buffer=save_replay_buffer)
     options.check(config.algo)
@@ -207,7 +206,7 @@ def resume_run(
         n_timesteps=timesteps,
         steps_left=total - state.timesteps,
     )
-    return _train(plan, run, options, state, output)
+    return _train(plan, run, options, state, output, config.seed)
 
 
 @dataclass(frozen=True)
@@ -246,7 +245,10 @@ def _set_retrained_episodes_aside(run: RunDir, state: SavedState, output: _Outpu
         )
 
 
-def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, output: _Output) -> dict[str, Any]:
+def _train(
+    plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, output: _Output, seed: int | None
+) -> dict[str, Any]:
+    # seed: the run's own, which config.yaml keeps; a resumed plan's is derived from it and the timesteps.
     with run.locked():
         if state is not None:
             run.set_monitor_files_aside()
@@ -260,16 +262,15 @@ def _train(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | Non
                 env = restore_vecnormalize(env, state, run)
                 model = restore_model(plan, env, state, run, output.say)
                 _set_retrained_episodes_aside(run, state, output)
-            _write_config(plan, run, options, state, env)
+            _write_config(plan, run, options, env, seed)
             return _learn(plan, run, options, state, model, eval_env, output)
         finally:
             close_vec_envs(env, eval_env)
 
 
-def _write_config(plan: Plan, run: RunDir, options: RunOptions, state: SavedState | None, env: VecEnv) -> None:
+def _write_config(plan: Plan, run: RunDir, options: RunOptions, env: VecEnv, seed: int | None) -> None:
     config = plan.to_config()
-    if state is not None and plan.seed is not None:
-        config["seed"] = (plan.seed - state.timesteps) % 2**32  # the run's own seed, not the resumed segment's
+    config["seed"] = seed  # the run's own, not a resumed segment's
     config["run"] = dataclasses.asdict(options)
     config["resolved"]["vec_env_class"] = type(env.unwrapped).__name__  # after any fallback to DummyVecEnv
     write_yaml(run.config, config)

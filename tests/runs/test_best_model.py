@@ -11,6 +11,7 @@ import zipfile
 import gymnasium as gym
 import numpy as np
 import pytest
+import yaml
 from rich.console import Console
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
@@ -20,6 +21,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import atomic_write_bytes
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.evaluate import main as evaluate_main
+from sb3_gpu.planning.build import EVAL_SEED_OFFSET, resumed_seed
 from sb3_gpu.runs import evaluation, training
 from sb3_gpu.runs.evaluation import BestModel, EvaluationStopped, TimedEvalCallback
 from sb3_gpu.runs.rundir import RunDir, zip_timesteps
@@ -511,7 +513,18 @@ def test_evaluate_run_plays_the_episodes_of_the_seed_it_is_given_not_those_of_th
     assert not any(np.array_equal(first[0], trained[0]) for first in firsts)
 
 
-def test_a_resume_from_a_checkpoint_sets_aside_the_episodes_it_trains_again(tmp_path):
+def test_a_resumed_run_trains_on_seeds_apart_from_its_first_episodes_and_its_evaluations():
+    # Resumed at 10,000 or 20,000 steps, seed + timesteps trained on the evaluation envs' (seed + 10,000 + i) or the
+    # check's (seed + 20,000 + i) episodes.
+    seed, n_envs = 3, 16
+    taken = {seed + offset + i for offset in (0, EVAL_SEED_OFFSET, training.CHECK_SEED_OFFSET) for i in range(n_envs)}
+    resumed = [resumed_seed(seed, steps) for steps in (256, 10_000, 20_000, 500_000)]
+    assert all(0 <= r < 2**32 and not {r + i for i in range(n_envs)} & taken for r in resumed)
+    assert len(set(resumed)) == 4 and resumed[1] == resumed_seed(3, 10_000)  # one per stop, and repeatable
+    assert resumed_seed(None, 10_000) is None
+
+
+def test_a_resume_from_a_checkpoint_sets_aside_the_episodes_it_trains_again(tmp_path, monkeypatch):
     """A run killed after a checkpoint resumes from it and trains the steps after it again: the episodes they ended
     leave the curves (kept beside them), as their evaluations leave evaluations.npz; a resume from the final model
     sets none aside."""
@@ -527,7 +540,11 @@ def test_a_resume_from_a_checkpoint_sets_aside_the_episodes_it_trains_again(tmp_
     (tmp_path / "checkpoints" / "model_512_steps.zip").unlink(missing_ok=True)
     (tmp_path / "checkpoints" / "model_vecnormalize_512_steps.pkl").unlink(missing_ok=True)
     console = Console(record=True, width=300)
+    planned = []
+    monkeypatch.setattr(training, "make_plan", lambda *a, **k: planned.append(k["seed"]) or make_plan(*a, **k))
     training.resume_run(tmp_path, progress=False, console=console)
+    # Fresh episodes, not the first ones; config.yaml keeps the run's own seed, which a second resume starts from.
+    assert planned == [resumed_seed(3, 256)] and yaml.safe_load((tmp_path / "config.yaml").read_text())["seed"] == 3
     kept = (tmp_path / "monitor" / "0.seg1.monitor.csv").read_text().splitlines()
     aside = (tmp_path / "monitor" / "0.seg1.dropped.csv").read_text().splitlines()
     # One env steps once per step: the episodes kept ended within the checkpoint's 256 steps, the next one after.
