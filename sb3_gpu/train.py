@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     RunDir.check_new(args.run_dir)
                 options = run_options(args)  # first: the plan's probe may compile for a minute
                 plan = plan_from_args(args)
-                console.print(plan_table(plan))
+                console.print(plan_table(plan, console.width))
                 console.print(evaluation_line(plan, options), highlight=False, markup=False)
                 if args.plan:
                     return 0

@@ -10,13 +10,22 @@ from rich.text import Text
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.planning.plan import Plan
 
+NARROW = 120  # console columns below which the reasons take the room the values do not need
 
-def plan_table(plan: Plan) -> Table:
-    """The plan as one table: decisions with reasons, then every hyperparameter with its source."""
-    table = Table(title=f"sb3_gpu plan: {plan.algo.upper()} on {plan.env.name}", show_lines=False, title_justify="left")
-    table.add_column("setting", style="bold")
-    table.add_column("value")
-    table.add_column("why / source", style="dim")
+
+def plan_table(plan: Plan, width: int | None = None) -> Table:
+    """The plan as one table: decisions with reasons, then every hyperparameter with its source (``width``: the
+    console's, so that a narrow one wraps the long reasons rather than every column alike)."""
+    narrow = width is not None and width < NARROW
+    table = Table(
+        title=f"sb3_gpu plan: {plan.algo.upper()} on {plan.env.name}",
+        show_lines=False,
+        title_justify="left",
+        expand=narrow,
+    )
+    table.add_column("setting", style="bold", no_wrap=narrow)
+    table.add_column("value", ratio=2 if narrow else None)
+    table.add_column("why / source", style="dim", ratio=3 if narrow else None)
     _row(table, "hardware", plan.hardware.describe(), plan.hardware.cpu)
     _row(table, "device", plan.device.device, plan.device.reason)
     _row(table, "profile", plan.preset.profile, f"{plan.preset.entry}: {plan.profile_reason}")

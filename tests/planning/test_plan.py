@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
 
 import gymnasium as gym
@@ -131,6 +132,28 @@ def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
     table = plan_table(plan)
     settings = [str(cell) for cell in table.columns[0].cells]  # plain Text cells
     assert {"hardware", "device", "vec_env", "batch_size", "target_update_interval", "n_timesteps"} <= set(settings)
+
+
+def test_on_a_narrow_console_the_reasons_take_the_room_and_no_setting_name_wraps(cpu_machine):
+    from rich.console import Console
+
+    plan = make_plan("dqn", "CartPole-v1", hardware=cpu_machine)
+
+    def lines(width: int, told: bool) -> list[str]:
+        console = Console(width=width, record=True, file=io.StringIO())
+        console.print(plan_table(plan, console.width if told else None))
+        return console.export_text().splitlines()
+
+    def names(rendered: list[str]) -> list[str]:
+        return [line.split("│")[1].strip() for line in rendered if line.startswith("│") and line.split("│")[1].strip()]
+
+    narrow, as_before = lines(80, True), lines(80, False)
+    assert len(narrow) < len(as_before) and max(map(len, narrow)) <= 80
+    header = next(line for line in narrow if "why / source" in line)
+    assert len(header.split("┃")[3]) > len(header.split("┃")[2])  # the reasons' column is the wider one
+    settings = [str(cell) for cell in plan_table(plan).columns[0].cells]
+    assert names(narrow) == settings  # each name whole, on one line
+    assert lines(200, True) == lines(200, False)  # a wide console: as it was
 
 
 def test_the_table_warns_where_learning_would_never_start(cpu_machine):
