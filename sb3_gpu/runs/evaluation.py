@@ -157,6 +157,7 @@ class TimedEvalCallback(EvalCallback):
         self.seconds = 0.0
         self.should_stop: Callable[[], bool] | None = None
         self.stopped = False  # an evaluation was abandoned: last_mean_reward is not its result
+        self.evaluate_first = False  # a resume owes the evaluation its stop abandoned: run it before the first step
 
     def _init_callback(self) -> None:
         with warnings.catch_warnings():
@@ -167,6 +168,12 @@ class TimedEvalCallback(EvalCallback):
         calls_from_the_models_steps(self)
         if self.on_new_best is not None:
             self.on_new_best.init_callback(self.model)
+
+    def _on_training_start(self) -> None:
+        super()._on_training_start()
+        if self.evaluate_first and self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
+            self.evaluate_first = False
+            self._on_step()  # at the calls the model's timesteps stand for: the evaluation due there
 
     def _on_step(self) -> bool:
         if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:

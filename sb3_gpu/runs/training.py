@@ -298,6 +298,10 @@ def _learn(
     )
     if state is not None:
         evaluator.restore_history(state.timesteps)
+        every = evaluator.eval_freq * model.n_envs
+        if every > 0 and state.timesteps % every == 0 and state.timesteps not in evaluator.evaluations_timesteps:
+            evaluator.evaluate_first = True  # a stop abandoned it (or its write failed)
+            output.say(f"evaluating at {state.timesteps:,} timesteps first: the stop had abandoned that evaluation")
     console = output.console or Console()
     session = Session(
         model,

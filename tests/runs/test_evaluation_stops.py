@@ -7,6 +7,7 @@ import json
 import signal
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import yaml
 from rich.console import Console
@@ -106,6 +107,23 @@ def test_a_signal_during_a_periodic_evaluation_stops_it_at_once_and_saves(tmp_pa
     )
     assert squashed(expected) in squashed(result.stderr)
     assert zip_timesteps(model) == 32
+
+
+def test_the_resume_runs_the_periodic_evaluation_a_signal_abandoned_before_it_trains_on(tmp_path, call_main):
+    # Evaluations every 32 steps, of 2 episodes cut at 20 steps: the signal at step 40 falls in the one at 32.
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 40}", "--set", "eval_max_episode_steps=20"]
+    args += ["--timesteps", "64", "--eval-freq", "32", "--eval-episodes", "2", "--confirm-episodes", "0"]
+    stopped = call_main(train_main, *args, "--run-dir", str(run_dir), "--no-progress")
+    assert stopped.returncode == 130 and zip_timesteps(run_dir / "model.zip") == 32, stopped.stderr
+    assert not (run_dir / "eval" / "evaluations.npz").exists()
+    resumed = call_main(train_main, "--resume", str(run_dir), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert squashed("evaluating at 32 timesteps first: the stop had abandoned that evaluation") in squashed(resumed.stdout)
+    with np.load(run_dir / "eval" / "evaluations.npz") as data:
+        assert data["timesteps"].tolist() == [32, 64]  # as in a run never stopped
+    again = call_main(train_main, "--resume", str(run_dir), "--timesteps", "96", "--no-progress")
+    assert again.returncode == 0 and "first" not in again.stdout  # nothing owed after a plain end
 
 
 def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_advises_evaluate(tmp_path, call_main):
