@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 def best_table(study: Any, top: int = 5) -> Table:
-    """The study's best trials for the terminal, as ``summary.md`` lists them."""
+    """The study's ``top`` best trials for the terminal, in the columns of ``summary.md``'s table (which lists 10)."""
     from rich.table import Table
 
     from sb3_gpu.tuning.study import ranked_trials, seed_cells, state_counts

@@ -152,12 +152,9 @@ def _physical_cores(logical: int, sysfs: str = "/sys/devices/system/cpu") -> int
             return max(1, len(cores))
         except OSError:
             pass
-    try:
-        import psutil
+    import psutil
 
-        physical = psutil.cpu_count(logical=False)
-    except ImportError:  # pragma: no cover - psutil is a dependency, but keep the probe harmless without it
-        return logical
+    physical = psutil.cpu_count(logical=False)
     host = os.cpu_count() or logical
     if not physical:
         return logical
@@ -165,12 +162,9 @@ def _physical_cores(logical: int, sysfs: str = "/sys/devices/system/cpu") -> int
 
 
 def _ram_gb() -> float:
-    try:
-        import psutil
+    import psutil
 
-        return psutil.virtual_memory().total / 2**30
-    except ImportError:  # pragma: no cover
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return psutil.virtual_memory().total / 2**30
 
 
 def _in_notebook() -> bool:

@@ -20,7 +20,7 @@ from sb3_gpu.extensions.hostcopy import queued_observation_copies
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
-from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step, optimizer_steps, read_with_guards
+from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step, optimizer_steps, record_with_guards
 
 
 def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
@@ -128,8 +128,7 @@ class GradAccumPPO(PPO):
         return reason
 
     def dump_logs(self, iteration: int = 0) -> None:
-        for key, value in read_with_guards(self, self._device_log).items():
-            self.logger.record(key, value)
+        record_with_guards(self, self._device_log)
         super().dump_logs(iteration)
 
     def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:
@@ -251,12 +250,12 @@ class GradAccumPPO(PPO):
                     if counted is not None and kl_sum is not None:  # after a stop the epoch's later ones count nowhere
                         step_loss, approx_kl = th.where(counted, step_loss, loss), th.where(counted, approx_kl, 0.0)
                     loss = step_loss
-                    log.means(_FIGURES, figures, counts=counted)
+                    log.mean(_FIGURES, figures, counts=counted)
                     kl_sum = approx_kl if kl_sum is None else kl_sum + approx_kl
                     kl_count = kl_count + (counted.long() if counted is not None else 1)
                     continue
                 loss, (figures, approx_kl) = self._minibatch_loss(*inputs, clip_range, clip_range_vf)
-                log.means(_FIGURES, figures)
+                log.mean(_FIGURES, figures)
                 kl_sum, kl_count = approx_kl if kl_sum is None else kl_sum + approx_kl, kl_count + 1
                 if self.target_kl is not None and float(approx_kl) > 1.5 * self.target_kl:  # the one read allowed
                     continue_training = False

@@ -48,7 +48,7 @@ from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.quantile import quantile_huber_mean
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
+from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_with_guards
 
 # A step's descent of one optimizer, by its position in ``_optimizers()``, on a loss.
 Descend = Callable[[int, th.Tensor], None]
@@ -405,8 +405,7 @@ class _ActorCriticTraining(StagedObservations):
 
     def dump_logs(self) -> None:
         """Read the figures kept on the device, and the NaN guard's flags, with one wait; then write as SB3 does."""
-        for key, value in read_with_guards(self, self._device_log).items():  # type: ignore[arg-type]
-            self.logger.record(key, value)  # type: ignore[attr-defined]
+        record_with_guards(self, self._device_log)  # type: ignore[arg-type]
         super().dump_logs()  # type: ignore[misc]
 
 
@@ -454,8 +453,9 @@ class _EntropyRegularised(_ActorCriticTraining):
         entropy = ["train/ent_coef_loss"] if self.ent_coef_optimizer is not None else []  # type: ignore[attr-defined]
         return [*entropy, "train/ent_coef", "train/critic_loss", "train/actor_loss"]
 
-    def _target_q(self, data: ReplayBufferSamples, next_actions: th.Tensor, next_log_prob: th.Tensor) -> th.Tensor:
-        """The critics' regression target (no gradient)."""
+    def _target_q(self, data: ReplayBufferSamples, next_actions: th.Tensor, entropy_term: th.Tensor) -> th.Tensor:
+        """The critics' regression target (no gradient); ``entropy_term`` is ``ent_coef * log_prob`` of the next
+        actions."""
         raise NotImplementedError
 
     def _critic_loss(self, data: ReplayBufferSamples, target: th.Tensor) -> th.Tensor:

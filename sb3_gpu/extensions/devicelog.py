@@ -34,9 +34,10 @@ class DeviceLog:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def mean(self, key: str, value: th.Tensor, counts: th.Tensor | None = None) -> None:
+    def mean(self, key: str | tuple[str, ...], value: th.Tensor, counts: th.Tensor | None = None) -> None:
         """Add ``value`` (a 0-dim tensor) to the mean logged as ``key``; ``counts``, a 0-dim bool tensor, decides on
-        the device whether it does."""
+        the device whether it does. With a tuple of keys, ``value`` is 1-dim: each element goes to the mean logged as
+        the key at its position, in one add for all."""
         value = value.detach()
         if counts is not None:
             value = th.where(counts, value, 0.0)
@@ -45,10 +46,6 @@ class DeviceLog:
             # float32 sums: a float64 one would cast each value first, a kernel of its own at every step.
             self._sums[key] = value.to(th.float32, copy=True) if total is None else total + value
             self._counts[key] = self._counts.get(key, 0) + (1 if counts is None else counts.to(_wide(counts.device)))
-
-    def means(self, keys: tuple[str, ...], values: th.Tensor, counts: th.Tensor | None = None) -> None:
-        """Add each element of ``values`` (1-dim) to the mean logged as the key at its position: one add for all."""
-        self.mean(keys, values, counts)  # type: ignore[arg-type]
 
     def take(self, sums: GraphSums) -> None:
         """Take what ``sums`` holds now (one copy, on the device): its figures' means since the last read are logged at

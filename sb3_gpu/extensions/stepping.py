@@ -342,14 +342,18 @@ def raise_for_guards(model: BaseAlgorithm, values: dict[str, float]) -> None:
             raise step.on_non_finite(step._bad_names[int(first)] if 0 <= first < len(step._bad_names) else "")
 
 
-def read_with_guards(model: BaseAlgorithm, log: DeviceLog) -> dict[str, float]:
-    """``log``'s pending figures and the device-side NaN guard's flags, read with one wait; raises the guard's error
-    where a step was skipped. Returns the figures to record (the flags removed)."""
+def record_with_guards(model: BaseAlgorithm, log: DeviceLog, hold: tuple[str, ...] = ()) -> dict[str, float]:
+    """Read ``log``'s pending figures and the device-side NaN guard's flags with one wait, raise the guard's error
+    where a step was skipped, and record the figures in the model's logger, but for those named in ``hold``: returned
+    for the caller to judge."""
     for key, flag in guard_flags(model).items():
         log.latest(key, flag)
     values = log.read()
     raise_for_guards(model, values)
-    return values
+    held = {key: values.pop(key) for key in hold if key in values}
+    for key, value in values.items():
+        model.logger.record(key, value)
+    return held
 
 
 def settle_guards(model: BaseAlgorithm) -> None:

@@ -196,13 +196,10 @@ class ThroughputCallback(BaseCallback):
         assert self.model.env is not None
         # The innermost VecEnv: wrappers such as VecNormalize pickle their own attributes (checkpoints do that).
         self._timer = EnvTimer(self.model.env.unwrapped)
-        try:
-            import psutil
+        import psutil
 
-            self._process = psutil.Process()
-            self._process.cpu_percent(None)  # the first call only starts the measurement
-        except ImportError:  # pragma: no cover - psutil is a dependency
-            self._process = None
+        self._process = psutil.Process()
+        self._process.cpu_percent(None)  # the first call only starts the measurement
         self.counters[:] = 0.0
         self.window.points.clear()
         self._steps0 = self.num_timesteps

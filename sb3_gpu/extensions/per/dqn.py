@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN
 
-from sb3_gpu.common.checks import PER_CHECKS, POS_INT, boolean
+from sb3_gpu.common.checks import PER_CHECKS, POS_INT, bool_arg
 from sb3_gpu.extensions.accumulate import accumulating_step
 from sb3_gpu.extensions.compile import python_int_spaces
 from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
@@ -21,7 +21,7 @@ from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
 from sb3_gpu.extensions.quantile import quantile_huber
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, read_with_guards
+from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_with_guards
 
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
@@ -54,7 +54,7 @@ class _PrioritizedTraining(StagedObservations):
         # Set before SB3's __init__, which calls _setup_model (as load does, after restoring the saved attributes).
         self.grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
         self.per_beta_fraction = PER_CHECKS["beta_fraction"](per_beta_fraction, "per.beta_fraction")
-        self.overlap_training = boolean(overlap_training, "overlap_training")
+        self.overlap_training = bool_arg(overlap_training, "overlap_training")
         super().__init__(*args, **kwargs)
 
     def _setup_model(self) -> None:
@@ -261,11 +261,9 @@ class _PrioritizedTraining(StagedObservations):
         buffer = getattr(self, "replay_buffer", None)
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
             self._device_log.latest(REFUSED, buffer.refused_updates)
-        values = read_with_guards(self, self._device_log)  # type: ignore[arg-type]
+        held = record_with_guards(self, self._device_log, hold=(REFUSED,))  # type: ignore[arg-type]
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
-            buffer.check(values.pop(REFUSED, None))
-        for key, value in values.items():
-            self.logger.record(key, value)  # type: ignore[attr-defined]
+            buffer.check(held.get(REFUSED))
         super().dump_logs()  # type: ignore[misc]
 
 
