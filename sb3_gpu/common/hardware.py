@@ -172,6 +172,17 @@ def _in_notebook() -> bool:
     return shell is not None and type(shell).__name__ in {"ZMQInteractiveShell", "Shell"}
 
 
+def gpu_free_bytes(index: int) -> int | None:
+    """The memory other processes leave free on CUDA device ``index`` (asking makes this process's context there, on
+    the device a run is planned for); None where torch cannot say."""
+    import torch as th
+
+    try:
+        return int(th.cuda.mem_get_info(index)[0])
+    except (RuntimeError, AssertionError):  # no CUDA, or a driver that cannot tell
+        return None
+
+
 def detect_hardware() -> HardwareProfile:
     """Query the machine; every GPU query goes through ``torch.cuda`` / ``torch.backends.mps`` so tests can fake it."""
     import torch as th  # here, not at the top: the CLIs read this module before deciding they need torch

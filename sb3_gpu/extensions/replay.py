@@ -170,7 +170,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
             what = what or f"a device replay buffer of {self.buffer_size * self.n_envs:,} transitions"
             raise ConfigError(
                 f"{what} needs {size_text(needed)} on {device}; {size_text(free)} is free: lower buffer_size or use "
-                "SB3's host buffer (replay_buffer_class=None)"
+                "SB3's host buffer (--set device_buffers=false; replay_buffer_class=None for a model built by hand)"
             )
 
     def _storage_bytes(self) -> int:

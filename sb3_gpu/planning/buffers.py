@@ -23,8 +23,9 @@ class BufferChoice:
 
 
 # The share of a GPU's memory a device buffer may take: the networks, optimizer state, activations and torch's
-# caching allocator need the rest.
+# caching allocator need the rest. On the host, the same share of the available memory, for the same reasons.
 GPU_MEMORY_SHARE = 0.8
+HOST_MEMORY_SHARE = 0.8
 
 
 def choose_buffers(
@@ -33,27 +34,35 @@ def choose_buffers(
     observation_space: spaces.Space,
     data_bytes: int,
     gpu: GPUInfo | None = None,
+    gpu_free: int | None = None,
 ) -> BufferChoice:
     """Resolve ``device_buffers`` (auto, true, false) for a plan on ``device``; ``data_bytes`` is what the buffer holds,
-    ``gpu`` the CUDA device's facts (its memory)."""
+    ``gpu`` the CUDA device's facts (its memory), ``gpu_free`` the bytes other processes leave free on it (None: all).
+    """
     request, source = preset.device_buffers, preset.sources.get("device_buffers", "sb3_gpu default")
     # A reason a device buffer cannot be used at all: asked for, it is an error; under auto, SB3's buffer is kept.
     blocker = "Dict observations take SB3's Dict buffers" if isinstance(observation_space, spaces.Dict) else None
-    if gpu is not None and data_bytes > GPU_MEMORY_SHARE * gpu.memory_gb * 2**30:
-        blocker = (
-            f"{size_text(data_bytes)} would take more than {GPU_MEMORY_SHARE:.0%} of {gpu.name}'s {gpu.memory_gb:.0f} GiB, "
-            "which the networks and their activations need too"
-        )
+    if gpu is not None:
+        total = gpu.memory_gb * 2**30
+        usable, of = (gpu_free, "free") if gpu_free is not None and gpu_free < total else (total, "")
+        if data_bytes > GPU_MEMORY_SHARE * usable:
+            blocker = (
+                f"{size_text(data_bytes)} would take more than {GPU_MEMORY_SHARE:.0%} of the {size_text(usable)}"
+                f"{' ' + of if of else ''} on {gpu.name}"
+                f"{f' (of {size_text(total)}; other processes hold the rest)' if of else ''}, which the networks and "
+                "their activations need too"
+            )
     if device.startswith("mps"):  # its sampling draws, n-step discounts and PER trees are float64, which MPS lacks
         blocker = "Apple's MPS has no float64, which the device buffers' sampling and PER trees use"
+    host = f"SB3's buffers ({size_text(data_bytes)} in host memory)"
     if request == "false":
-        return BufferChoice("host", f"SB3's buffers: device_buffers=false ({source})")
+        return BufferChoice("host", f"{host}: device_buffers=false ({source})")
     if request == "true":
         if blocker is not None:
             raise ConfigError(f"device_buffers=true ({source}): {blocker}; set device_buffers to auto or false")
         return BufferChoice("device", f"asked for ({source}); {size_text(data_bytes)} on {device}")
     if blocker is not None:
-        return BufferChoice("host", f"SB3's buffers: {blocker}")
+        return BufferChoice("host", f"{host}: {blocker}")
     if device.startswith("cuda"):
         return BufferChoice(
             "device",
@@ -62,7 +71,7 @@ def choose_buffers(
         )
     # Measured on a 2-core VM (bench gpu --device cpu): the PPO and DQN CartPole presets (PER included) at 1.02x and
     # 0.97x SB3's buffers, medians of 7 rounds that ranged from 0.73x to 1.15x: even, within the noise.
-    return BufferChoice("host", f"SB3's buffers: on {device} a device buffer is no faster (device_buffers=true to use one)")
+    return BufferChoice("host", f"{host}: on {device} a device buffer is no faster (device_buffers=true to use one)")
 
 
 def choose_overlap(preset: Preset, device: str) -> BufferChoice:

@@ -18,7 +18,7 @@ from stable_baselines3.common.preprocessing import is_image_space, is_image_spac
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS, bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, closest, named
-from sb3_gpu.common.hardware import GPUInfo, HardwareProfile, detect_hardware
+from sb3_gpu.common.hardware import GPUInfo, HardwareProfile, detect_hardware, gpu_free_bytes
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
 from sb3_gpu.config.schema import ALGOS, PROFILES, get_algo
@@ -26,7 +26,8 @@ from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choic
 from sb3_gpu.envs.spec import EnvSpec, check_env_api, episode_limit, measure_step_seconds, probe_env, resolve_env
 from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
-from sb3_gpu.planning.buffers import choose_buffers, choose_overlap
+from sb3_gpu.extensions.replay import size_text
+from sb3_gpu.planning.buffers import HOST_MEMORY_SHARE, choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device, requested_device
 from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto, free_cores
@@ -217,7 +218,9 @@ def make_plan(
 
     resolved, vec = chosen.resolved, chosen.vec
     gpu = hardware.gpu(chosen.device.device) if chosen.device.device.startswith("cuda") else None
-    buffers = _buffers(resolved, chosen.device.device, facts, gpu)
+    # What other processes leave free on this machine's GPU (a what-if GPU: all of it).
+    gpu_free = gpu_free_bytes(gpu.index) if gpu is not None and hardware_detected else None
+    buffers = _buffers(resolved, chosen.device.device, facts, gpu, gpu_free)
     if not training:  # a loaded model's buffer is built at its full size, and evaluation fills none: never on the GPU
         buffers.update(buffers="host", buffers_reason="SB3's buffers: evaluation fills none")
     if training:
@@ -225,7 +228,7 @@ def make_plan(
         on_gpu = buffers["buffers"] == "device" and chosen.device.device.startswith("cuda")
         # This machine's free memory; a what-if profile's RAM, where the hardware was given.
         available = psutil.virtual_memory().available if hardware_detected else int(hardware.ram_gb * 2**30)
-        _check_sizes(resolved, facts, available if not on_gpu else None)
+        _check_sizes(resolved, facts, available if not on_gpu else None, "available" if hardware_detected else "of RAM given")
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
         # Last, once the run is known to be possible: timing the compiled step compiles it, a minute on a CPU.
         if prober is not None and resolved.probe and resolved.compile == "auto" and compiles_auto(chosen.device.device):
@@ -519,13 +522,18 @@ def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
     return spaces.Box(low, high, dtype=space.dtype)
 
 
-def _buffers(preset: Preset, device: str, facts: _EnvFacts, gpu: GPUInfo | None) -> dict[str, Any]:
+def _data_bytes(preset: Preset, facts: _EnvFacts) -> int:
+    """The bytes PPO's rollout buffer or an off-policy replay buffer holds."""
     params: Any = preset.params
     per_step = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
     # A rollout holds one observation (not two) and a few floats per step; a replay buffer whole transitions.
-    rollout = params.n_steps * preset.n_envs * (per_step // 2 + 32) if preset.algo == "ppo" else 0
-    data = rollout or params.buffer_size * per_step
-    chosen = choose_buffers(preset, device, facts.observation_space, data, gpu)
+    if preset.algo == "ppo":
+        return int(params.n_steps * preset.n_envs * (per_step // 2 + 32))
+    return int(params.buffer_size * per_step)
+
+
+def _buffers(preset: Preset, device: str, facts: _EnvFacts, gpu: GPUInfo | None, gpu_free: int | None) -> dict[str, Any]:
+    chosen = choose_buffers(preset, device, facts.observation_space, _data_bytes(preset, facts), gpu, gpu_free)
     overlap = choose_overlap(preset, device)
     return {
         "buffers": chosen.kind,
@@ -659,9 +667,10 @@ def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
     return "mlp"
 
 
-def _check_sizes(preset: Preset, facts: _EnvFacts, host_memory: int | None) -> None:
+def _check_sizes(preset: Preset, facts: _EnvFacts, host_memory: int | None, memory_is: str = "available") -> None:
     """Refuse, before anything is allocated, a run that would overshoot its length or outgrow the machine's memory
-    (``host_memory`` bytes, where the replay buffer lives on the host; None: it does not)."""
+    (``host_memory`` bytes, where the rollout or replay buffer lives on the host; None: it does not; ``memory_is``
+    says what that figure is)."""
     params: Any = preset.params
     per_env = params.n_steps if preset.algo == "ppo" else _train_freq_steps(params.train_freq)
     rollout = per_env * preset.n_envs
@@ -679,15 +688,19 @@ def _check_sizes(preset: Preset, facts: _EnvFacts, host_memory: int | None) -> N
             f"batch_size ({params.batch_size:,}) is more than buffer_size ({params.buffer_size:,}): every batch would "
             "repeat transitions; lower batch_size or raise buffer_size"
         )
-    if preset.algo != "ppo" and host_memory is not None:
-        per_transition = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
-        needed = params.buffer_size * per_transition
-        available = host_memory
-        if needed > available:
-            raise ConfigError(
-                f"buffer_size={params.buffer_size:,} needs {needed / 2**30:.1f} GiB of memory for its transitions "
-                f"(observation and next observation each); {available / 2**30:.1f} GiB is available: lower buffer_size"
-            )
+    # numpy commits a buffer's pages as they fill: one that does not fit is killed by the OOM killer hours in, where
+    # nothing can save it. So it is refused here, with room left for the rest of the run.
+    if host_memory is not None and (needed := _data_bytes(preset, facts)) > HOST_MEMORY_SHARE * host_memory:
+        if preset.algo == "ppo":
+            holder = f"a rollout of n_steps * n_envs = {params.n_steps:,} * {preset.n_envs:,} steps needs"
+            what, fix = "its observations", "lower n_steps or n_envs"
+        else:
+            holder, fix = f"buffer_size={params.buffer_size:,} needs", "lower buffer_size"
+            what = "its transitions (observation and next observation each)"
+        raise ConfigError(
+            f"{holder} {size_text(needed)} of memory for {what}, more than {HOST_MEMORY_SHARE:.0%} of the "
+            f"{size_text(host_memory)} {memory_is} (the networks, envs and evaluations need the rest): {fix}"
+        )
 
 
 def _train_freq_steps(train_freq: int | tuple[int, str]) -> int:

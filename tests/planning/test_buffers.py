@@ -39,7 +39,10 @@ def test_on_a_gpu_the_data_stays_there_and_the_plan_says_how_much(gpu_machine):
 
 def test_where_a_device_buffer_cannot_or_need_not_serve_sb3s_is_kept_with_the_reason(gpu_machine, cpu_machine):
     off = make_plan("dqn", "Acrobot-v1", hardware=gpu_machine, overrides={"per": False, "device_buffers": False})
-    assert (off.buffers, off.buffers_reason) == ("host", "SB3's buffers: device_buffers=false (override)")
+    assert (off.buffers, off.buffers_reason) == (
+        "host",
+        "SB3's buffers (3.2 MiB in host memory): device_buffers=false (override)",
+    )
     cpu = make_plan("ppo", "CartPole-v1", hardware=cpu_machine)
     assert cpu.buffers == "host" and "no faster" in cpu.buffers_reason
     with pytest.raises(ConfigError, match="device_buffers: unknown value 'sometimes'"):

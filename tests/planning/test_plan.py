@@ -205,18 +205,64 @@ def test_host_memory_bounds_a_replay_buffer_only_where_it_lives_on_the_host(cpu_
     small = psutil.virtual_memory()._replace(available=2**20)  # 1 MiB free: a million CartPole transitions do not fit
     monkeypatch.setattr(planning.psutil, "virtual_memory", lambda: small)
     big = {"buffer_size": 1_000_000}
-    with pytest.raises(ConfigError, match=r"^buffer_size=1,000,000 needs 0.\d GiB of memory for its transitions"):
+    with pytest.raises(ConfigError, match=r"^buffer_size=1,000,000 needs 49.6 MiB of memory for its transitions"):
         make_plan("dqn", "CartPole-v1", "cpu", overrides={**big, "probe": False})  # this machine: its free memory
     # A what-if machine: its own RAM, not this one's free memory.
     tiny_ram = dataclasses.replace(cpu_machine, ram_gb=0.01)
-    with pytest.raises(ConfigError, match=r"needs 0.\d GiB of memory for its transitions \(observation and next obse"):
+    with pytest.raises(ConfigError, match=r"needs 49.6 MiB of memory for its transitions \(observation and next obse"):
         make_plan("dqn", "CartPole-v1", hardware=tiny_ram, overrides=big)
     assert make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides=big).preset.params.buffer_size == 1_000_000
     small_gpu = dataclasses.replace(gpu_machine, ram_gb=0.01)
-    with pytest.raises(ConfigError, match="GiB of memory for its transitions"):  # SB3's host buffer beside a GPU
+    with pytest.raises(ConfigError, match="MiB of memory for its transitions"):  # SB3's host buffer beside a GPU
         make_plan("dqn", "CartPole-v1", hardware=small_gpu, overrides={**big, "device_buffers": False})
     plan = make_plan("dqn", "CartPole-v1", hardware=small_gpu, overrides=big)  # on the GPU, which it checks itself
     assert plan.buffers == "device" and plan.device.device == "cuda:0"
+
+
+def test_a_buffer_leaves_a_fifth_of_the_memory_to_the_rest_of_the_run_and_ppos_rollout_is_checked_too(cpu_machine):
+    from sb3_gpu.planning.plan import HOST_MEMORY_SHARE
+
+    per_transition = make_plan("dqn", "CartPole-v1", hardware=cpu_machine).buffers_reason  # its size is shown
+    assert per_transition.startswith("SB3's buffers (") and " in host memory): " in per_transition
+    big = {"buffer_size": 1_000_000}
+    shown = make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides=big).buffers_reason
+    needed = 2**20 * float(re.search(r"\(([\d.]+) MiB in host memory\)", shown).group(1))  # 49.6 MiB
+    # The OOM killer ends a run whose buffer fills past the memory, hours in and unsaved: 90% is refused, 75% is not.
+    crowded = dataclasses.replace(cpu_machine, ram_gb=needed / 0.9 / 2**30)
+    refused = r"^buffer_size=1,000,000 needs 49.6 MiB of memory for its transitions .*, more than 80% of the 55.1 MiB of RAM "
+    with pytest.raises(ConfigError, match=refused + r"given \(the networks, envs and evaluations need the rest\)"):
+        make_plan("dqn", "CartPole-v1", hardware=crowded, overrides=big)
+    roomy = dataclasses.replace(cpu_machine, ram_gb=needed / 0.75 / 2**30)
+    assert make_plan("dqn", "CartPole-v1", hardware=roomy, overrides=big).preset.params.buffer_size == 1_000_000
+    assert HOST_MEMORY_SHARE == 0.8
+    # PPO's rollout on the host: 8 envs * 2**20 steps of CartPole (about 0.5 GiB) on 0.25 GiB of RAM.
+    rollout = {"n_steps": 2**20, "n_envs": 8, "batch_size": 2**20, "n_timesteps": 2**24}
+    with pytest.raises(
+        ConfigError,
+        match=r"^a rollout of n_steps \* n_envs = 1,048,576 \* 8 steps needs .* of memory for "
+        r"its observations, .*: lower n_steps or n_envs$",
+    ):
+        make_plan("ppo", "CartPole-v1", hardware=dataclasses.replace(cpu_machine, ram_gb=0.25), overrides=rollout)
+    assert make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides=rollout).preset.params.n_steps == 2**20
+
+
+def test_a_device_buffer_stays_on_the_host_where_other_processes_hold_the_gpus_memory(gpu_machine, monkeypatch):
+    from sb3_gpu.planning import plan as planning
+
+    # This machine, seen as a GPU machine whose cuda:0 another process has filled but for 2 GiB.
+    monkeypatch.setattr(planning, "detect_hardware", lambda: gpu_machine)
+    monkeypatch.setattr(planning, "gpu_free_bytes", lambda index: 2 * 2**30)
+    crowd = {"buffer_size": 1_000_000, "probe": False}  # 49.6 MiB: 2 GiB free holds it
+    assert make_plan("dqn", "CartPole-v1", "cuda", overrides=crowd).buffers == "device"
+    monkeypatch.setattr(planning, "gpu_free_bytes", lambda index: 2**25)  # 32 MiB free
+    plan = make_plan("dqn", "CartPole-v1", "cuda", overrides=crowd)
+    assert plan.buffers == "host" and plan.device.device == "cuda:0"
+    assert re.search(
+        r"would take more than 80% of the 32.0 MiB free on .* \(of .* GiB; other processes hold the rest\)",
+        plan.buffers_reason,
+    ), plan.buffers_reason
+    # A what-if GPU is taken as empty: nothing on it can be asked.
+    assert make_plan("dqn", "CartPole-v1", hardware=gpu_machine, overrides=crowd).buffers == "device"
 
 
 def test_a_device_buffer_that_would_crowd_the_gpu_stays_on_the_host(gpu_machine):
@@ -226,8 +272,10 @@ def test_a_device_buffer_that_would_crowd_the_gpu_stays_on_the_host(gpu_machine)
     huge = {"buffer_size": 100_000_000}  # about 5 GiB of CartPole transitions: over 80% of the GPU's 4 GiB
     plan = make_plan("dqn", "CartPole-v1", hardware=small, overrides=huge)
     assert plan.device.device == "cuda:0" and plan.buffers == "host"
-    assert "would take more than 80% of Fake T4's 4 GiB, which the networks and their activations need" in plan.buffers_reason
-    with pytest.raises(ConfigError, match=r"device_buffers=true \(override\): .* would take more than 80% of Fake T4"):
+    assert "would take more than 80% of the 4.0 GiB on Fake T4, which the networks and their activations need" in (
+        plan.buffers_reason
+    )
+    with pytest.raises(ConfigError, match=r"device_buffers=true \(override\): .* more than 80% of the 4.0 GiB on Fake T4"):
         make_plan("dqn", "CartPole-v1", hardware=small, overrides={**huge, "device_buffers": True})
     with pytest.raises(ConfigError, match=r"GiB of memory for its transitions"):  # nor does the host's 2 GB hold it
         make_plan("dqn", "CartPole-v1", hardware=dataclasses.replace(small, ram_gb=2.0), overrides=huge)
