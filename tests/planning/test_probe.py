@@ -404,7 +404,8 @@ def test_compile_auto_stays_eager_where_compiling_is_not_faster_or_would_not_pay
     )
     assert short.speed.compile == "false" and untimed.asked == []
     assert short.speed.compile_reason == (
-        "auto: not compiled: the run's gradient steps take about 2.5 s eager, less than compiling takes"
+        "auto: not compiled: the run's gradient steps take about 2.5 s eager, too little to earn a compile back "
+        "(timed from 5 s)"
     )
     failing = FakeCompile(error="inductor: no kernel for this op\ndetails")
     plan = make_plan("dqn", "CartPole-v1", hardware=gpu_machine, prober=fake_prober(FakeTimes(GPU_TIMES), failing))
@@ -526,12 +527,15 @@ def test_compile_auto_says_where_the_forward_pass_did_not_compile(cpu_machine):
 def test_compile_auto_on_the_cpu_leaves_a_short_run_eager_without_compiling_to_time_it(cpu_machine):
     compile_times = FakeCompile()
     prober = fake_prober(FakeTimes(CPU_TIMES), compile_times)
-    plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, n_timesteps=5_000)
+    plan = make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, n_timesteps=1_400)
     assert compile_times.asked == [] and plan.speed.compile == "false"
     assert plan.speed.compile_reason == (
-        "auto: not compiled: the run's gradient steps take about 100.0 s eager, less than compiling takes on the CPU "
-        "(timed from 300 s)"
+        "auto: not compiled: the run's gradient steps take about 28.0 s eager, too little to earn a compile back "
+        "(timed from 30 s on the CPU)"
     )
+    # A little longer, and it is timed: the compile may well pay (SAC Pendulum's step ran twice as fast compiled).
+    make_plan("td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=prober, n_timesteps=1_600)
+    assert compile_times.asked
     assert model_class(plan) is TD3  # SB3's own class, as before
 
 
@@ -548,7 +552,7 @@ def test_compile_auto_on_the_cpu_times_the_eager_step_where_the_device_probe_had
         "cpu",
         hardware=cpu_machine,
         prober=fake_prober(times, short),
-        n_timesteps=5_000,
+        n_timesteps=1_000,
         overrides={"threads": 2},
     )
     assert short.asked == []
@@ -562,7 +566,7 @@ def test_compile_auto_on_a_gpu_times_the_eager_step_where_the_device_probe_had_n
     )
     assert times.asked == ["cuda:0 fp32"] and compile_times.asked == [("cuda:0 fp32", "reduce-overhead")]
     assert plan.speed.compile == "reduce-overhead"
-    short = FakeCompile()  # 2,500 gradient steps of 1 ms: less than compiling takes, so not timed compiled
+    short = FakeCompile()  # 2,500 gradient steps of 1 ms: too little to earn a compile back, so not timed
     plan = make_plan(
         "dqn",
         "CartPole-v1",
@@ -597,7 +601,7 @@ def test_bench_auto_runs_auto_against_the_compile_choice_it_passed_over_on_the_c
     # auto's choice (the step compiled, collection eager) against all eager and all compiled
     assert sorted(twins) == [("default", False), ("default", True), ("false", True)]
     short = make_plan(
-        "td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES)), n_timesteps=5_000
+        "td3", "Pendulum-v1", "cpu", hardware=cpu_machine, prober=fake_prober(FakeTimes(CPU_TIMES)), n_timesteps=1_000
     )
     assert {o["compile"] for _, _, o, _ in _alternatives(short)} == {"false"}  # not timed: nothing passed over
 
