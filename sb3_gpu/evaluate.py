@@ -21,6 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", choices=("best", "final"), help="for a run dir: which model (default: the best, else the final one)"
     )
     p.add_argument("--device", default="cpu", help="device to run the policy on (default cpu)")
+    p.add_argument(
+        "--env",
+        help="the env to evaluate on (default: the run's own); give the run's 'package.module:EnvClass' again to "
+        "confirm that its module may be imported",
+    )
     p.add_argument("--seed", type=seed_int, default=None, help="seed of the evaluation env")
     p.add_argument(
         "--video",
@@ -60,6 +65,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             seed=args.seed,
             video=args.video or args.video_length is not None,
             video_length=args.video_length or 0,
+            env=args.env,
         )
     except ConfigError as e:
         print_error(re.sub(r"which='(\w+)'", r"--model \1", str(e)))  # evaluate_run's argument is this CLI's --model

@@ -174,7 +174,7 @@ def _make_plan(
 
     return make_plan(
         algo,
-        args.env or (config_env(config, None, _FACTORY_REPLAY) if config else default_env(algo)),
+        args.env or (config_env(config, None, _FACTORY_REPLAY, "--env {env}") if config else default_env(algo)),
         args.device or (config.device if config else "auto"),
         n_envs=args.n_envs,
         n_timesteps=args.timesteps,
@@ -312,7 +312,7 @@ def next_commands(run: RunDir, env: str | None = None, trained: int | None = Non
 
 
 # With --resume the run's config.yaml decides everything but these.
-_RESUME_FLAGS = {"resume", "timesteps", "save_replay_buffer", "device", "no_progress"}
+_RESUME_FLAGS = {"resume", "timesteps", "save_replay_buffer", "device", "no_progress", "env"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     device=args.device,
                     progress=_progress_bar(args, console),
                     console=console,
+                    env=args.env,
                 )
             else:
                 if args.run_dir is not None:  # before the plan, whose probe may take a minute
@@ -418,7 +419,7 @@ def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         raise ConfigError(
             f"--resume continues {run} with its own config.yaml, so {flag} cannot be given; "
             "accepted with --resume: --timesteps (a new total), --[no-]save-replay-buffer, --device (where it trains now), "
-            "--no-progress"
+            "--env (the run's own, to confirm the import of its module), --no-progress"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,14 +38,24 @@ class RunConfig:
     env_factory: bool = False
 
 
-def config_env(config: RunConfig, env: Any, how: str) -> Any:
-    """``env`` where given, else what the config names; a factory's name is refused, saying ``how`` to go on."""
+def config_env(config: RunConfig, env: Any, how: str, confirm: str = "") -> Any:
+    """``env`` where given, else what the config names; a factory's name is refused, saying ``how`` to go on.
+
+    A ``package.module:EnvClass`` name whose module is not imported yet is refused too: importing a module runs its
+    code, and a file (a run dir handed over, say) must not choose code to run. ``confirm`` says how to give the name
+    again (``{env}`` in it is filled in); the user who gives it asks for that import."""
     if env is not None:
         return env
     if config.env_factory:
         raise ConfigError(
             f"{config.path}: the run trained on an env factory given in Python ({config.env}), which a config file "
             f"cannot rebuild; {how}"
+        )
+    module = config.env.partition(":")[0] if ":" in config.env else None
+    if module is not None and module not in sys.modules:
+        raise ConfigError(
+            f"{config.path} names the env {config.env!r}, whose module {module!r} is not imported: importing it would "
+            f"run its code, which a file may not ask for; to confirm, give it again: {confirm.format(env=config.env)}"
         )
     return config.env
 

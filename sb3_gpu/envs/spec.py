@@ -153,10 +153,12 @@ def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
     target = getattr(imported, attr, None)
     if target is None:
         raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}")
-    # Checked before anything is called: a name in a file (a run's config.yaml, say) must not run arbitrary code.
-    if not (inspect.isclass(target) and issubclass(target, gym.Env)):
+    # Checked before anything is called: a name in a file (a run's config.yaml, say) must not run arbitrary code. A
+    # wrapper is an Env subclass too, but takes an env (Monitor writes the file it is given): refused as well.
+    if not (inspect.isclass(target) and issubclass(target, gym.Env)) or issubclass(target, gym.Wrapper):
         raise ConfigError(
-            f"env {path!r}: {attr!r} is not a gymnasium.Env class; a name may only be an env class or a registered id "
+            f"env {path!r}: {attr!r} is not a gymnasium.Env class (nor may it be a wrapper, which takes an env); a name "
+            "may only be an env class or a registered id "
             "(to use a factory function, pass the function itself to make_plan, make_model or make_vec_env)"
         )
     return EnvSpec(path, functools.partial(_make_from_path, path, kwargs))

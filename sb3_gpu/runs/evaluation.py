@@ -24,7 +24,15 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.io import check_dir_creatable, keep_previous, put_back_cut_short, replace, save_model, write_json
+from sb3_gpu.common.io import (
+    check_dir_creatable,
+    keep_previous,
+    put_back_cut_short,
+    refuse_links,
+    replace,
+    save_model,
+    write_json,
+)
 from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.envs.spec import EnvSpec
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, offset_seed
@@ -363,7 +371,12 @@ def evaluate_run(
     speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
     plan = make_plan(
         config.algo,
-        config_env(config, env, "pass it again: evaluate_run(run, env=the_factory)"),
+        config_env(
+            config,
+            env,
+            "pass it again: evaluate_run(run, env=the_factory)",
+            "--env {env} (from Python: evaluate_run(run, env={env!r}))",
+        ),
         device,
         vec_env="dummy",
         seed=seed,
@@ -373,6 +386,14 @@ def evaluate_run(
     )
     if video:  # a video that cannot be made or written is refused now, not after the evaluation
         recordable(plan.env)
+        # The folder a run dir brings along (handed over, say) must not send the video, or the recording's scratch
+        # folder that is removed after it, elsewhere.
+        if run.videos.is_symlink():
+            raise ConfigError(
+                f"{run.videos} is a symbolic link; sb3_gpu does not write through links in a run dir (remove it)"
+            )
+        if run.videos.is_dir():
+            refuse_links(run.videos, "run dir's video folder")
         check_dir_creatable(run.videos, "video folder")
     venv = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
     if isinstance(venv, VecNormalize):

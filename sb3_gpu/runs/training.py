@@ -163,13 +163,19 @@ def resume_run(
     :param device: where to train from now on (default: the run's own ``device``), with the run's hyperparameters:
         a run started on a GPU can go on on a CPU, and the other way round
     :param env: the env to train on (default: the one the run's config names); needed where the run trained on a
-        factory given in Python, whose name the config cannot rebuild
+        factory given in Python, whose name the config cannot rebuild, or on ``package.module:EnvClass`` whose module
+        is not imported yet (a name given must be the run's own)
     """
     count_arg(timesteps, "timesteps (the new total)", optional=True)
     output = _Output(progress, console, report_s)
     run = RunDir(run_dir)
     run.check_resumable()
     config = load_config(run.config)
+    if isinstance(env, str) and not config.env_factory and env.strip() != config.env:
+        raise ConfigError(
+            f"--resume: {run} trained on {config.env!r}, and goes on on it: --env (resume_run's env=) may only name it "
+            f"again, not {env!r}"
+        )
     options = RunOptions.from_config(config.run, config.path)
     skipped: list[str] = []
     states = run.saved_states(on_skip=skipped.append)
@@ -198,7 +204,12 @@ def resume_run(
             ) from None
     plan = make_plan(
         config.algo,
-        config_env(config, env, "pass it again: resume_run(run, env=the_factory)"),
+        config_env(
+            config,
+            env,
+            "pass it again: resume_run(run, env=the_factory)",
+            "--env {env} (from Python: resume_run(run, env={env!r}))",
+        ),
         config.device if device is None else device,
         vec_env=config.vec_env,
         seed=seed,

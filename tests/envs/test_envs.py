@@ -57,8 +57,13 @@ def test_a_name_resolves_to_an_env_class_and_never_to_a_function(tmp_path):
     spec = resolve_env("gymnasium.envs.classic_control.cartpole:CartPoleEnv")
     assert spec.make().observation_space.shape == (4,)
     marker = tmp_path / "ran"
-    for name, kwargs in (("tests.envs.test_envs:cartpole", {}), ("os:system", {"command": f"touch {marker}"})):
-        with pytest.raises(ConfigError, match=r"is not a gymnasium\.Env class; a name may only be an env class"):
+    for name, kwargs in (
+        ("tests.envs.test_envs:cartpole", {}),
+        ("os:system", {"command": f"touch {marker}"}),
+        # A wrapper is an Env subclass, but takes an env, and Monitor writes the file it is named.
+        ("stable_baselines3.common.monitor:Monitor", {"env": "CartPole-v1", "filename": str(marker)}),
+    ):
+        with pytest.raises(ConfigError, match=r"is not a gymnasium\.Env class \(nor may it be a wrapper, which takes an "):
             resolve_env(name, kwargs)
     assert not marker.exists(), "refused before anything was called"
     assert resolve_env(cartpole).make().spec.id == "CartPole-v1", "a factory is passed as a callable"
