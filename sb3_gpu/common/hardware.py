@@ -173,12 +173,14 @@ def _in_notebook() -> bool:
 
 
 def gpu_free_bytes(index: int) -> int | None:
-    """The memory other processes leave free on CUDA device ``index`` (asking makes this process's context there, on
-    the device a run is planned for); None where torch cannot say."""
+    """The memory free for new tensors on CUDA device ``index``: the device's free memory and the blocks torch's
+    allocator holds for this process but no tensor uses (asking makes this process's context there, on the device a
+    run is planned for); None where torch cannot say."""
     import torch as th
 
     try:
-        return int(th.cuda.mem_get_info(index)[0])
+        cached = th.cuda.memory_reserved(index) - th.cuda.memory_allocated(index)
+        return int(th.cuda.mem_get_info(index)[0] + cached)
     except (RuntimeError, AssertionError):  # no CUDA, or a driver that cannot tell
         return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,12 +39,13 @@ class RunConfig:
     env_factory: bool = False
 
 
-def config_env(config: RunConfig, env: Any, how: str, confirm: str = "") -> Any:
+def config_env(config: RunConfig, env: Any, how: str, confirm: str) -> Any:
     """``env`` where given, else what the config names; a factory's name is refused, saying ``how`` to go on.
 
-    A ``package.module:EnvClass`` name whose module is not imported yet is refused too: importing a module runs its
-    code, and a file (a run dir handed over, say) must not choose code to run. ``confirm`` says how to give the name
-    again (``{env}`` in it is filled in); the user who gives it asks for that import."""
+    A ``package.module:EnvClass`` name whose module (or a package above it) lies inside the config's own folder is
+    refused too: importing a module runs its code, and a run dir handed over must not bring code for sb3_gpu to run.
+    ``confirm`` says how to give the name again (``{env}`` in it is filled in): the user who gives it asks for that
+    import. Modules found elsewhere (installed, or the user's own beside the run) are imported as named."""
     if env is not None:
         return env
     if config.env_factory:
@@ -51,13 +53,37 @@ def config_env(config: RunConfig, env: Any, how: str, confirm: str = "") -> Any:
             f"{config.path}: the run trained on an env factory given in Python ({config.env}), which a config file "
             f"cannot rebuild; {how}"
         )
-    module = config.env.partition(":")[0] if ":" in config.env else None
-    if module is not None and module not in sys.modules:
+    folder = Path(config.path).resolve().parent
+    shipped = _found_inside(config.env.partition(":")[0], folder) if ":" in config.env else None
+    if shipped is not None:
         raise ConfigError(
-            f"{config.path} names the env {config.env!r}, whose module {module!r} is not imported: importing it would "
-            f"run its code, which a file may not ask for; to confirm, give it again: {confirm.format(env=config.env)}"
+            f"{config.path} names the env {config.env!r}, whose module {shipped!r} lies inside {folder}: importing it "
+            "would run code that came with the run dir; to confirm, give it again: " + confirm.format(env=config.env)
         )
     return config.env
+
+
+def _found_inside(module: str, folder: Path) -> str | None:
+    """The first package or module of dotted ``module`` that lies inside ``folder``, found without running its code
+    (each step imports only the package above it, already found outside); None where none does or it is not found."""
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            places = [getattr(loaded, "__file__", None), *getattr(loaded, "__path__", [])]
+        else:
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):  # the import fails anyway: resolve_env says so in one line
+                return None
+            if spec is None:
+                return None
+            places = [spec.origin, *(spec.submodule_search_locations or [])]
+        for place in places:
+            if place and Path(place).is_absolute() and Path(place).resolve().is_relative_to(folder):
+                return name
+    return None
 
 
 def load_config(path: str | Path) -> RunConfig:

@@ -153,15 +153,30 @@ def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
     target = getattr(imported, attr, None)
     if target is None:
         raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}")
-    # Checked before anything is called: a name in a file (a run's config.yaml, say) must not run arbitrary code. A
-    # wrapper is an Env subclass too, but takes an env (Monitor writes the file it is given): refused as well.
-    if not (inspect.isclass(target) and issubclass(target, gym.Env)) or issubclass(target, gym.Wrapper):
+    # Checked before anything is called: a name in a file (a run's config.yaml, say) must not run arbitrary code.
+    if not _env_class(target):
         raise ConfigError(
             f"env {path!r}: {attr!r} is not a gymnasium.Env class (nor may it be a wrapper, which takes an env); a name "
             "may only be an env class or a registered id "
             "(to use a factory function, pass the function itself to make_plan, make_model or make_vec_env)"
         )
     return EnvSpec(path, functools.partial(_make_from_path, path, kwargs))
+
+
+def _env_class(target: Any) -> bool:
+    """A ``gymnasium.Env`` subclass that builds its own env: a wrapper that takes one (Monitor, which writes the file
+    it is given) is not, though an env class that wraps itself (``TimeLimit`` around its own env) is."""
+    try:
+        if not (inspect.isclass(target) and issubclass(target, gym.Env)):
+            return False
+    except TypeError:  # isclass is true of objects that issubclass refuses
+        return False
+    if issubclass(target, gym.Wrapper):
+        try:
+            return "env" not in inspect.signature(target).parameters
+        except (TypeError, ValueError):
+            return False
+    return True
 
 
 def resolve_env(env: str | Callable[[], gym.Env] | EnvSpec, env_kwargs: dict[str, Any] | None = None) -> EnvSpec:

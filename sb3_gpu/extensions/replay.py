@@ -15,6 +15,7 @@ from stable_baselines3.common.utils import get_device
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.hardware import gpu_free_bytes
 from sb3_gpu.extensions.handoff import ObservationHandOff
 from sb3_gpu.extensions.hostcopy import copy_into, to_device
 
@@ -28,9 +29,7 @@ _TERMINAL_ROWS = 64  # first size of the memory-optimised layout's store of epis
 def _free_bytes(device: th.device) -> int | None:
     """Bytes free for new tensors on ``device``: CUDA's free memory, or the host's available RAM; None if unknown."""
     if device.type == "cuda":
-        # Blocks torch's allocator holds but no tensor uses (a buffer just released) are free to this process too.
-        cached = th.cuda.memory_reserved(device) - th.cuda.memory_allocated(device)
-        return th.cuda.mem_get_info(device)[0] + cached
+        return gpu_free_bytes(device.index if device.index is not None else th.cuda.current_device())
     if device.type == "cpu":
         return psutil.virtual_memory().available
     return None

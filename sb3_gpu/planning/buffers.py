@@ -49,8 +49,7 @@ def choose_buffers(
             blocker = (
                 f"{size_text(data_bytes)} would take more than {GPU_MEMORY_SHARE:.0%} of the {size_text(usable)}"
                 f"{' ' + of if of else ''} on {gpu.name}"
-                f"{f' (of {size_text(total)}; other processes hold the rest)' if of else ''}, which the networks and "
-                "their activations need too"
+                f"{f' (of {size_text(total)} in all)' if of else ''}, which the networks and their activations need too"
             )
     if device.startswith("mps"):  # its sampling draws, n-step discounts and PER trees are float64, which MPS lacks
         blocker = "Apple's MPS has no float64, which the device buffers' sampling and PER trees use"

@@ -219,7 +219,7 @@ def make_plan(
     resolved, vec = chosen.resolved, chosen.vec
     gpu = hardware.gpu(chosen.device.device) if chosen.device.device.startswith("cuda") else None
     # What other processes leave free on this machine's GPU (a what-if GPU: all of it).
-    gpu_free = gpu_free_bytes(gpu.index) if gpu is not None and hardware_detected else None
+    gpu_free = gpu_free_bytes(gpu.index) if gpu is not None and hardware_detected and training else None
     buffers = _buffers(resolved, chosen.device.device, facts, gpu, gpu_free)
     if not training:  # a loaded model's buffer is built at its full size, and evaluation fills none: never on the GPU
         buffers.update(buffers="host", buffers_reason="SB3's buffers: evaluation fills none")
@@ -333,7 +333,7 @@ COMPILE_TIMED = "probe: gradient step"
 # A run whose eager training takes less than this cannot earn a compile back, and is not timed compiled. On the CPU
 # inductor writes and builds C++: 9-13 s for the PPO, DQN and SAC presets' steps on a 2-core VM, where compiling made
 # SAC's step about twice as fast, the most it gained; and the first plan on a machine compiles once more to time it
-# (cached after). At 300 s, SAC Pendulum's 20,000 steps (about 55 s eager) trained at half the speed compiled.
+# (cached after). At 300 s, SAC Pendulum's 20,000 steps (about 55 s eager) stayed eager, at half the compiled speed.
 MIN_COMPILE_S = {"cuda": 5.0, "cpu": 30.0}
 
 

@@ -10,13 +10,15 @@ from rich.text import Text
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.planning.plan import Plan
 
-NARROW = 120  # console columns below which the reasons take the room the values do not need
+# Console columns in which the reasons take the room the values do not need and setting names stay whole (narrower
+# still, a whole name would leave the values no room).
+NARROW = (72, 120)
 
 
 def plan_table(plan: Plan, width: int | None = None) -> Table:
     """The plan as one table: decisions with reasons, then every hyperparameter with its source (``width``: the
     console's, so that a narrow one wraps the long reasons rather than every column alike)."""
-    narrow = width is not None and width < NARROW
+    narrow = width is not None and NARROW[0] <= width < NARROW[1]
     table = Table(
         title=f"sb3_gpu plan: {plan.algo.upper()} on {plan.env.name}",
         show_lines=False,

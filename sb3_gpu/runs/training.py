@@ -173,8 +173,8 @@ def resume_run(
     config = load_config(run.config)
     if isinstance(env, str) and not config.env_factory and env.strip() != config.env:
         raise ConfigError(
-            f"--resume: {run} trained on {config.env!r}, and goes on on it: --env (resume_run's env=) may only name it "
-            f"again, not {env!r}"
+            f"--resume continues {run} on its own env {config.env!r}; --env (resume_run's env=) may only repeat that "
+            f"name (to allow importing its module), not {env!r}"
         )
     options = RunOptions.from_config(config.run, config.path)
     skipped: list[str] = []
@@ -311,8 +311,8 @@ def _learn(
         evaluator.restore_history(state.timesteps)
         every = evaluator.eval_freq * model.n_envs
         if every > 0 and state.timesteps % every == 0 and state.timesteps not in evaluator.evaluations_timesteps:
-            evaluator.evaluate_first = True  # a stop abandoned it (or its write failed)
-            output.say(f"evaluating at {state.timesteps:,} timesteps first: the stop had abandoned that evaluation")
+            evaluator.evaluate_first = True  # a stop abandoned it, or its write failed
+            output.say(f"no evaluation is recorded at {state.timesteps:,} timesteps, where one is due: running it first")
     console = output.console or Console()
     session = Session(
         model,

@@ -145,7 +145,7 @@ BAD_INPUTS = [
     (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps (resume_run's timesteps=) with a larger"),
     (["--resume", "{done}", "--timesteps", "10"], "already trained 64 of 10 timesteps"),
     (["--resume", "{done}", "--seed", "3"], "so --seed cannot be given; accepted with --resume: --timesteps"),
-    (["--resume", "{done}", "--env", "Acrobot-v1"], "trained on 'CartPole-v1', and goes on on it: --env (resume_run's env="),
+    (["--resume", "{done}", "--env", "Acrobot-v1"], "on its own env 'CartPole-v1'; --env (resume_run's env=) may only repeat"),
     (["--resume", "{done}", "--set", "n_steps=8"], "so --set cannot be given"),
     (["ppo", "--resume", "{done}"], "so the algorithm 'ppo' cannot be given"),
     # A run started on a GPU, resumed on a machine without one: --device says where it goes on.

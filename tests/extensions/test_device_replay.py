@@ -270,7 +270,11 @@ def test_the_free_memory_query_asks_cuda_on_a_gpu_and_the_host_on_the_cpu(monkey
     monkeypatch.setattr(th.cuda, "mem_get_info", lambda device: asked.append(device) or (123, 456))
     monkeypatch.setattr(th.cuda, "memory_reserved", lambda device: 50)  # 20 of them held by torch, unused
     monkeypatch.setattr(th.cuda, "memory_allocated", lambda device: 30)
-    assert replay._free_bytes(th.device("cuda", 1)) == 143 and asked == [th.device("cuda", 1)]
+    assert replay._free_bytes(th.device("cuda", 1)) == 143 and asked == [1]
+    # The plan asks the same question, one answer for both.
+    from sb3_gpu.common.hardware import gpu_free_bytes
+
+    assert gpu_free_bytes(1) == 143
     assert 0 < replay._free_bytes(th.device("cpu")) <= __import__("psutil").virtual_memory().total
 
 

@@ -154,6 +154,7 @@ def test_on_a_narrow_console_the_reasons_take_the_room_and_no_setting_name_wraps
     settings = [str(cell) for cell in plan_table(plan).columns[0].cells]
     assert names(narrow) == settings  # each name whole, on one line
     assert lines(200, True) == lines(200, False)  # a wide console: as it was
+    assert lines(50, True) == lines(50, False)  # too narrow for whole names: as it was too
 
 
 def test_the_table_warns_where_learning_would_never_start(cpu_machine):
@@ -258,7 +259,7 @@ def test_a_device_buffer_stays_on_the_host_where_other_processes_hold_the_gpus_m
     plan = make_plan("dqn", "CartPole-v1", "cuda", overrides=crowd)
     assert plan.buffers == "host" and plan.device.device == "cuda:0"
     assert re.search(
-        r"would take more than 80% of the 32.0 MiB free on .* \(of .* GiB; other processes hold the rest\)",
+        r"would take more than 80% of the 32.0 MiB free on .* \(of .* GiB in all\)",
         plan.buffers_reason,
     ), plan.buffers_reason
     # A what-if GPU is taken as empty: nothing on it can be asked.

@@ -22,7 +22,6 @@ Path(__file__).with_name("imported").touch()
 
 from gymnasium.envs.classic_control import CartPoleEnv  # noqa: E402
 """
-NAME = "handed_over_env:CartPoleEnv"
 TINY = {
     "n_envs": 1,
     "n_steps": 32,
@@ -35,44 +34,60 @@ TINY = {
 
 
 @pytest.fixture
-def handed_over(tmp_path, monkeypatch):
-    """A finished run on an env class from a module of its own, as if from another machine: the module not imported."""
-    code = tmp_path / "code"
+def own_env_run(tmp_path, monkeypatch):
+    """A finished run on an env class from the user's own module, beside the run dir, in a fresh process (the module
+    not imported yet); the folder above the run dir is on sys.path, as the working directory is for ``python -m``.
+    Yields the run dir, the module's name and the file its import creates."""
+    code, module = tmp_path / "code", "own_env_" + tmp_path.name  # a name of its own: each test imports it afresh
     code.mkdir()
-    (code / "handed_over_env.py").write_text(PAYLOAD)
+    (code / f"{module}.py").write_text(PAYLOAD)
     monkeypatch.syspath_prepend(str(code))
-    plan = make_plan("ppo", NAME, "cpu", seed=0, vec_env="dummy", overrides=TINY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = make_plan("ppo", f"{module}:CartPoleEnv", "cpu", seed=0, vec_env="dummy", overrides=TINY)
     train_run(plan, tmp_path / "run", eval_episodes=1, confirm_episodes=0, progress=False)
-    monkeypatch.delitem(sys.modules, "handed_over_env")
+    del sys.modules[module]
     (code / "imported").unlink()
-    return tmp_path / "run", code / "imported"
+    yield tmp_path / "run", module, code / "imported"
+    for name in [name for name in sys.modules if name.split(".")[0] in ("run", module)]:
+        del sys.modules[name]
 
 
-def test_a_run_dirs_env_module_is_imported_only_once_the_user_names_it_again(handed_over, call_main):
-    run, imported = handed_over
+def test_the_users_own_env_module_beside_the_run_is_imported_as_the_run_names_it(own_env_run, call_main):
+    run, _, imported = own_env_run
+    result = call_main(evaluate_main, str(run), "--episodes", "1")
+    assert result.returncode == 0 and imported.exists(), result.stderr
+
+
+def test_a_module_that_came_inside_the_run_dir_is_imported_only_once_the_user_names_it(own_env_run, call_main):
+    # A run dir handed over with code of its own, which its config.yaml names (the folder above is on sys.path).
+    run, module, _ = own_env_run
+    (run / "payload.py").write_text(PAYLOAD)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace(f"env: {module}:CartPoleEnv", "env: run.payload:CartPoleEnv"))
+    name, imported = "run.payload:CartPoleEnv", run / "imported"
     refused = (
-        f"error: {run / 'config.yaml'} names the env '{NAME}', whose module 'handed_over_env' is not imported: "
-        "importing it would run its code, which a file may not ask for; to confirm, give it again: "
+        f"error: {config} names the env '{name}', whose module 'run' lies inside {run}: importing it would run code "
+        "that came with the run dir; to confirm, give it again: "
     )
     for main, args, confirm in (
-        (evaluate_main, [str(run), "--episodes", "1"], f"--env {NAME} (from Python: evaluate_run(run, env='{NAME}'))"),
-        (train_main, ["--resume", str(run), "--timesteps", "128", "--no-progress"], f"--env {NAME} (from Python: resume_run"),
-        (train_main, ["--config", str(run / "config.yaml"), "--plan"], f"--env {NAME}"),
+        (evaluate_main, [str(run), "--episodes", "1"], f"--env {name} (from Python: evaluate_run(run, env='{name}'))"),
+        (train_main, ["--resume", str(run), "--timesteps", "128", "--no-progress"], f"--env {name} (from Python: resume_run"),
+        (train_main, ["--config", str(config), "--plan"], f"--env {name}"),
     ):
         result = call_main(main, *args)
         assert result.returncode == 2 and squashed(result.stderr).startswith(squashed(refused + confirm)), result.stderr
         assert not imported.exists()
-    with pytest.raises(ConfigError, match=r"from Python: resume_run\(run, env='handed_over_env:CartPoleEnv'\)\)$"):
+    with pytest.raises(ConfigError, match=r"from Python: resume_run\(run, env='run.payload:CartPoleEnv'\)\)$"):
         resume_run(run, timesteps=128, progress=False)
     # A resume goes on on the run's own env: another name is refused, before anything is imported.
     result = call_main(train_main, "--resume", str(run), "--env", "CartPole-v1", "--timesteps", "128", "--no-progress")
-    assert result.returncode == 2 and squashed("may only name it again, not 'CartPole-v1'") in squashed(result.stderr)
+    assert result.returncode == 2 and squashed("may only repeat that name") in squashed(result.stderr), result.stderr
     assert not imported.exists()
 
-    # Named again by the user: imported, and the run evaluates and resumes as before.
-    result = call_main(evaluate_main, str(run), "--episodes", "1", "--env", NAME)
+    # Named again by the user: imported, and the run resumes and evaluates.
+    result = call_main(train_main, "--resume", str(run), "--env", name, "--timesteps", "128", "--no-progress")
     assert result.returncode == 0 and imported.exists(), result.stderr
-    result = call_main(train_main, "--resume", str(run), "--env", NAME, "--timesteps", "128", "--no-progress")
+    result = call_main(evaluate_main, str(run), "--episodes", "1", "--env", name)
     assert result.returncode == 0, result.stderr
 
 
