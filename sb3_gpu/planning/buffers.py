@@ -37,7 +37,7 @@ def choose_buffers(
     gpu_free: int | None = None,
 ) -> BufferChoice:
     """Resolve ``device_buffers`` (auto, true, false) for a plan on ``device``; ``data_bytes`` is what the buffer holds,
-    ``gpu`` the CUDA device's facts (its memory), ``gpu_free`` the bytes other processes leave free on it (None: all).
+    ``gpu`` the CUDA device's facts (its memory), ``gpu_free`` the bytes free on it for new tensors (None: all of it).
     """
     request, source = preset.device_buffers, preset.sources.get("device_buffers", "sb3_gpu default")
     # A reason a device buffer cannot be used at all: asked for, it is an error; under auto, SB3's buffer is kept.

@@ -164,7 +164,7 @@ def resume_run(
         a run started on a GPU can go on on a CPU, and the other way round
     :param env: the env to train on (default: the one the run's config names); needed where the run trained on a
         factory given in Python, whose name the config cannot rebuild, or on ``package.module:EnvClass`` whose module
-        is not imported yet (a name given must be the run's own)
+        lies inside the run dir (a name given must be the run's own)
     """
     count_arg(timesteps, "timesteps (the new total)", optional=True)
     output = _Output(progress, console, report_s)
