@@ -179,9 +179,11 @@ class TimedEvalCallback(EvalCallback):
 
     def _on_training_start(self) -> None:
         super()._on_training_start()
-        if self.evaluate_first and self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
+        if self.evaluate_first:
             self.evaluate_first = False
             self._on_step()  # at the calls the model's timesteps stand for: the evaluation due there
+            if self.stopped:  # end learn() before its first env step, so the next resume still owes this evaluation
+                raise EvaluationStopped
 
     def _on_step(self) -> bool:
         if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
@@ -277,11 +279,23 @@ class TimedEvalCallback(EvalCallback):
             with contextlib.suppress(OSError):  # SB3 made it at start and writes into it until the end
                 (self.run_dir.eval / RunDir.SCRATCH).rmdir()
 
-    def restore_history(self, up_to_timesteps: int) -> None:
+    def restore_history(self, up_to_timesteps: int, n_envs: int) -> bool:
         """Continue a resumed run's ``evaluations.npz`` (its entries up to the resumed model's timesteps) and its
-        best (the best model may be newer than the model resumed from)."""
+        best (the best model may be newer than the model resumed from).
+
+        :return: whether an evaluation is owed: one is due at ``up_to_timesteps`` and none is recorded there (a stop
+            abandoned it, or its write failed). Training then runs it before its first env step.
+        """
         if self.run_dir is None:
-            return
+            return False
+        self._load_history(up_to_timesteps)
+        every = self.eval_freq * n_envs
+        due = every > 0 and up_to_timesteps > 0 and up_to_timesteps % every == 0
+        self.evaluate_first = due and up_to_timesteps not in self.evaluations_timesteps
+        return self.evaluate_first
+
+    def _load_history(self, up_to_timesteps: int) -> None:
+        assert self.run_dir is not None
         self.best = BestModel.read(self.run_dir.best_record)
         if self.best is not None:
             self.best_mean_reward = self.best.mean

@@ -132,6 +132,8 @@ class Session:
             raise
         except KeyboardInterrupt:
             self.stop.received = signal.SIGINT  # not the main thread, so Python's own Ctrl-C: stop and save
+        except EvaluationStopped:  # the evaluation a resume owed, run before the first step: stopped_by names the signal
+            pass
         except Exception as e:
             error = explain_env_error(e, model.get_env())  # type: ignore[arg-type]
             if error is e and self.evaluator is not None:  # not a training env's: maybe one of a periodic evaluation

@@ -307,12 +307,8 @@ def _learn(
         callback_on_new_best=SaveVecNormalizeCallback(run.best_vecnormalize) if preset.normalize else None,
         verbose=0,
     )
-    if state is not None:
-        evaluator.restore_history(state.timesteps)
-        every = evaluator.eval_freq * model.n_envs
-        if every > 0 and state.timesteps % every == 0 and state.timesteps not in evaluator.evaluations_timesteps:
-            evaluator.evaluate_first = True  # a stop abandoned it, or its write failed
-            output.say(f"no evaluation is recorded at {state.timesteps:,} timesteps, where one is due: running it first")
+    if state is not None and evaluator.restore_history(state.timesteps, model.n_envs):
+        output.say(f"no evaluation is recorded at {state.timesteps:,} timesteps, where one is due: running it first")
     console = output.console or Console()
     session = Session(
         model,

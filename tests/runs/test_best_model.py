@@ -157,9 +157,22 @@ def test_a_resumed_evaluator_measures_candidates_against_the_confirmed_best(tmp_
     record = BestModel(32, 30.0, 1.0, 6, 10.0, confirmed=True)
     run.best_record.write_text(json.dumps(record.__dict__))
     evaluator = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=run, confirm_episodes=6)
-    evaluator.restore_history(up_to_timesteps=32)
+    evaluator.restore_history(up_to_timesteps=32, n_envs=1)
     assert evaluator.best == record and evaluator.best_mean_reward == 30.0  # not 50, the best periodic figure
     assert evaluator.evaluations_timesteps == [32]
+
+
+def test_a_resumed_evaluator_owes_the_evaluation_due_at_its_timesteps_only_where_none_is_recorded(tmp_path):
+    run = RunDir(tmp_path)
+    run.eval.mkdir()
+    np.savez(run.evaluations, timesteps=np.array([32, 64]), results=np.ones((2, 1)), ep_lengths=np.ones((2, 1)))
+    evaluator = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=run, eval_freq=16)
+    # Two envs: an evaluation every 16 calls is one every 32 timesteps.
+    owed = {t: evaluator.restore_history(up_to_timesteps=t, n_envs=2) for t in (0, 48, 64, 96)}
+    assert owed == {0: False, 48: False, 64: False, 96: True}  # nothing due at 0 or 48; 64's is recorded
+    assert evaluator.evaluate_first and evaluator.evaluations_timesteps == [32, 64]
+    fresh = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=RunDir(tmp_path / "new"), eval_freq=16)
+    assert fresh.restore_history(up_to_timesteps=32, n_envs=2)  # no evaluations.npz yet: the one at 32 is owed
 
 
 def test_a_resumed_evaluator_keeps_the_success_rates_in_line_with_the_timesteps(tmp_path):
@@ -169,7 +182,7 @@ def test_a_resumed_evaluator_keeps_the_success_rates_in_line_with_the_timesteps(
     rows = {"timesteps": np.array([32, 64]), "results": np.ones((2, 2)), "ep_lengths": np.ones((2, 2))}
     np.savez(run.evaluations, **rows, successes=np.array([[0.0, 1.0], [1.0, 1.0]]))
     evaluator = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=run)
-    evaluator.restore_history(up_to_timesteps=32)
+    evaluator.restore_history(up_to_timesteps=32, n_envs=1)
     assert evaluator.evaluations_timesteps == [32] and evaluator.evaluations_successes == [[0.0, 1.0]]
 
 
@@ -219,7 +232,7 @@ def test_a_damaged_evaluations_file_warns_and_the_resumed_history_starts_empty(t
     run.best_record.write_text(json.dumps(record.__dict__))
     evaluator = TimedEvalCallback(make_vec_env("CartPole-v1", 1, vec_env="dummy"), run_dir=run, confirm_episodes=6)
     with pytest.warns(RuntimeWarning, match="evaluation history starts empty"):
-        evaluator.restore_history(up_to_timesteps=32)
+        evaluator.restore_history(up_to_timesteps=32, n_envs=1)
     assert evaluator.best == record and evaluator.best_mean_reward == 30.0 and evaluator.evaluations_timesteps == []
 
 

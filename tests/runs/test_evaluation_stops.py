@@ -127,6 +127,29 @@ def test_the_resume_runs_the_periodic_evaluation_a_signal_abandoned_before_it_tr
     assert again.returncode == 0 and "running it first" not in again.stdout  # nothing owed after a plain end
 
 
+def test_a_signal_during_the_owed_evaluation_stops_the_resume_before_its_first_step_and_it_stays_owed(
+    tmp_path, call_main, monkeypatch
+):
+    run_dir = tmp_path / "run"
+    args = ["ppo", "--env", ENDLESS, *TINY, "--set", "env_kwargs={signal_at: 40}", "--set", "eval_max_episode_steps=20"]
+    args += ["--timesteps", "64", "--eval-freq", "32", "--eval-episodes", "2", "--confirm-episodes", "0"]
+    stopped = call_main(train_main, *args, "--run-dir", str(run_dir), "--no-progress")
+    assert stopped.returncode == 130 and zip_timesteps(run_dir / "model.zip") == 32, stopped.stderr
+    # The resume counts from 0 again: its plan's check takes step 1, the owed evaluation (2 episodes of 20 steps)
+    # steps 2-41, so the signal at 40 lands inside it, before training's first step.
+    monkeypatch.setattr(Endless, "steps", 0)
+    again = call_main(train_main, "--resume", str(run_dir), "--no-progress")
+    assert again.returncode == 130, again.stderr
+    assert "running it first" in again.stdout and Endless.steps < 42  # no training step after the signal
+    assert zip_timesteps(run_dir / "model.zip") == 32 and "--resume" in again.stderr  # still due where it stands
+    assert not (run_dir / "eval" / "evaluations.npz").exists()
+    monkeypatch.setattr(Endless, "steps", 100)  # past the signal
+    resumed = call_main(train_main, "--resume", str(run_dir), "--no-progress")
+    assert resumed.returncode == 0 and "running it first" in resumed.stdout, resumed.stderr
+    with np.load(run_dir / "eval" / "evaluations.npz") as data:
+        assert data["timesteps"].tolist() == [32, 64]
+
+
 def test_a_signal_during_the_final_evaluation_stops_it_keeps_the_summary_and_advises_evaluate(tmp_path, call_main):
     run_dir, result = _train_signalled(tmp_path, call_main, signal_at=40, timesteps=32, eval_freq=100_000)
     assert result.returncode == 130, result.stderr
