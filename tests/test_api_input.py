@@ -185,7 +185,12 @@ CASES = [
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", prober=3), "prober must be a Prober or None, got 3"),
     (
         lambda: build_model(_plan(), make_vec_env("Pendulum-v1", 1, vec_env="dummy")),
-        "the env given to build_model has Box(-2.0, 2.0, (1,), float32), but the plan (CartPole-v1) has discrete actions",
+        "the env given to build_model has actions Box(-2.0, 2.0, (1,), float32), but the plan's env (CartPole-v1) has "
+        "Discrete(2)",
+    ),
+    (
+        lambda: build_model(_plan(), make_vec_env("Acrobot-v1", 1, vec_env="dummy")),
+        "the env given to build_model has actions Discrete(3), but the plan's env (CartPole-v1) has Discrete(2)",
     ),
     (lambda: train_run(_plan(), "run", console="stdout"), "console must be a rich Console or None, got 'stdout'"),
     (lambda: train_run(_plan(), "run", progress="no"), "progress must be True or False, got 'no'"),

@@ -201,14 +201,19 @@ class PresetModel(NamedTuple):
 
 def _check_env_fits(plan: Plan, env: VecEnv) -> None:
     """Refuse an env whose actions are not the plan's (one built for another env): its preset would not fit it."""
-    space = env.action_space
-    shape = space.shape if isinstance(space, gym.spaces.Box) else None
-    if shape != plan.action_shape:
-        planned = f"Box actions of shape {plan.action_shape}" if plan.action_shape is not None else "discrete actions"
+    space, planned = env.action_space, plan.action_space
+    if planned is not None and _action_kind(space) != _action_kind(planned):
         raise ConfigError(
-            f"the env given to build_model has {space}, but the plan ({plan.env.name}) has {planned}: "
+            f"the env given to build_model has actions {space}, but the plan's env ({plan.env.name}) has {planned}: "
             "build the env with build_env(plan)"
         )
+
+
+def _action_kind(space: gym.spaces.Space) -> tuple[Any, ...]:
+    """What a preset's networks and noise depend on: the space's class, shape and choices, not a Box's bounds (SB3
+    rescales actions to them)."""
+    choices = getattr(space, "n", None) if isinstance(space, gym.spaces.Discrete) else getattr(space, "nvec", None)
+    return type(space).__name__, space.shape, None if choices is None else np.asarray(choices).tolist()
 
 
 def make_model(

@@ -61,8 +61,13 @@ class Plan:
     training_reason: str = ""
     # The timings behind the auto choices (None: nothing was probed; the rules decided).
     probe: ProbeResult | None = None
-    # A Box action space's shape (None for discrete actions): the shape of TD3's and SAC's action noise.
-    action_shape: tuple[int, ...] | None = None
+    # The env's action space as training sees it (None: not recorded).
+    action_space: spaces.Space | None = None
+
+    @property
+    def action_shape(self) -> tuple[int, ...] | None:
+        """A Box action space's shape (None for discrete actions): the shape of TD3's and SAC's action noise."""
+        return self.action_space.shape if isinstance(self.action_space, spaces.Box) else None
 
     def to_config(self) -> dict[str, Any]:
         """Plain data that :func:`~sb3_gpu.config.runconfig.load_config` turns back into the same hyperparameters."""
@@ -252,7 +257,7 @@ def make_plan(
         seed=seed,
         speed=chosen.speed,
         probe=probed,
-        action_shape=facts.action_space.shape if isinstance(facts.action_space, spaces.Box) else None,
+        action_space=facts.action_space,
         **_eval_step_cap(resolved, facts),
         **buffers,
     )
