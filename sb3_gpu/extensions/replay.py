@@ -175,6 +175,11 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
     def _storage_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for name in _STORAGE if (t := getattr(self, name)) is not None)
 
+    def host_copy_bytes(self) -> int:
+        """The host memory a save (a pickle) takes for the storage: all of it away from the CPU, none on it (there the
+        pickle reads the storage's own memory)."""
+        return 0 if self._device.type == "cpu" else self._storage_bytes()
+
     def _place(self, arrays: dict[str, th.Tensor | np.ndarray | None], device: th.device) -> None:
         """Set the storage from tensors or arrays, on ``device``, and bind the views of ``_scalars``."""
         for name, array in arrays.items():

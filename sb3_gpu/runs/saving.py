@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import ReplayBuffer
@@ -19,7 +20,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
-from sb3_gpu.extensions.replay import DeviceReplayBuffer, end_episodes_under_way
+from sb3_gpu.extensions.replay import DeviceReplayBuffer, end_episodes_under_way, size_text
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
 from sb3_gpu.planning.plan import Plan
@@ -129,9 +130,34 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
         bad = non_finite_transition(model.replay_buffer)  # type: ignore[attr-defined]
         if bad is not None:  # a run resumed with it would sample it and stop again, as often as it is resumed
             return f"the replay buffer was not saved: it holds {bad}, which a resumed run would sample again"
+        short = host_memory_short(model.replay_buffer)  # type: ignore[attr-defined]
+        if short is not None:  # the copy would not raise MemoryError: the kernel would kill the process, model and all
+            return f"the replay buffer was not saved: {short}"
         save_pickle(files.replay_buffer, model.replay_buffer)  # type: ignore[attr-defined]
     except Exception as e:  # MemoryError and pickling errors too: the model is saved, only the buffer is lost
         return f"the replay buffer was not saved ({named(e)})"
+    return None
+
+
+# The share of the host's available memory a device buffer's copy may take while it is saved: the rest is the
+# pickle's own working memory and the other processes'.
+_SAVE_SHARE = 0.8
+
+
+def _available_host_memory() -> int:
+    return int(psutil.virtual_memory().available)
+
+
+def host_memory_short(buffer: Any) -> str | None:
+    """Why a device replay buffer cannot be copied to the host to be saved (its storage is larger than the host memory
+    available to take it), or None where it can, or where nothing is copied (SB3's buffers, a buffer on the CPU)."""
+    needed = buffer.host_copy_bytes() if isinstance(buffer, DeviceReplayBuffer) else 0
+    available = _available_host_memory()
+    if needed > _SAVE_SHARE * available:
+        return (
+            f"its {size_text(needed)} on {buffer.device} would be copied to host memory to be written, and only "
+            f"{size_text(available)} is available"
+        )
     return None
 
 

@@ -768,6 +768,41 @@ def test_a_replay_buffer_holding_a_nan_reward_is_not_saved_for_a_resume_to_stop_
     assert (tmp_path / "checkpoints" / "model_replay_buffer_200_steps.pkl").exists()
 
 
+def test_a_device_buffer_larger_than_the_hosts_free_memory_is_not_copied_to_be_saved(tmp_path, monkeypatch):
+    # Copying it to the host would not raise MemoryError: the kernel would kill the process. A buffer on the meta
+    # device stands for one on a GPU (its storage is not host memory); one on the CPU is pickled from its own memory.
+    from sb3_gpu.extensions.replay import DeviceReplayBuffer
+    from sb3_gpu.runs import saving
+
+    box, actions = spaces.Box(-1, 1, (250,), np.float32), spaces.Box(-1, 1, (2,), np.float32)
+    elsewhere = DeviceReplayBuffer(1000, box, actions, "meta")
+    assert elsewhere.host_copy_bytes() == 1000 * (2 * 250 + 2 + 3) * 4  # 2.0 MB
+    assert DeviceReplayBuffer(1000, box, actions, "cpu").host_copy_bytes() == 0
+    monkeypatch.setattr(saving, "_available_host_memory", lambda: 2_000_000)
+    assert saving.host_memory_short(elsewhere) == (
+        "its 1.9 MiB on meta would be copied to host memory to be written, and only 1.9 MiB is available"
+    )
+    monkeypatch.setattr(saving, "_available_host_memory", lambda: 3_000_000)
+    assert saving.host_memory_short(elsewhere) is None  # 2.0 MB of 3.0: within the share a save may take
+
+    # save_state keeps the model and says why the buffer is missing.
+    plan = make_plan(
+        "dqn", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", overrides={"learning_starts": 0, "device_buffers": True}
+    )
+    env = build_env(plan)
+    model = build_model(plan, env)
+    model.learn(64)
+    assert isinstance(model.replay_buffer, DeviceReplayBuffer)
+    needed = model.replay_buffer._storage_bytes()
+    monkeypatch.setattr(DeviceReplayBuffer, "host_copy_bytes", lambda self: needed)  # as though on a GPU
+    monkeypatch.setattr(saving, "_available_host_memory", lambda: needed)
+    run = RunDir(tmp_path)
+    lost = saving.save_state(model, run.final, replay_buffer=True)
+    assert lost is not None and lost.startswith("the replay buffer was not saved: its ") and "only" in lost
+    assert _load_zip(plan, run.final.model, env).num_timesteps == 64 and not run.final.replay_buffer.exists()
+    env.close()
+
+
 @pytest.mark.parametrize("storage", ["numpy", "torch"])
 def test_the_scan_of_a_replay_buffer_names_the_first_non_finite_field_and_row(storage, monkeypatch):
     from stable_baselines3.common.buffers import ReplayBuffer
