@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import site
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,19 +55,31 @@ def config_env(config: RunConfig, env: Any, how: str, confirm: str) -> Any:
             f"{config.path}: the run trained on an env factory given in Python ({config.env}), which a config file "
             f"cannot rebuild; {how}"
         )
-    folder = Path(config.path).resolve().parent
-    shipped = _found_inside(config.env.partition(":")[0], folder) if ":" in config.env else None
-    if shipped is not None:
-        raise ConfigError(
-            f"{config.path} names the env {config.env!r}, whose module {shipped!r} lies inside {folder}: importing it "
-            "would run code that came with the run dir; to confirm, give it again: " + confirm.format(env=config.env)
-        )
+    # The folder the file is in, and the one it leads to where it is a link: a link must not move the check elsewhere.
+    config_path = Path(os.path.abspath(config.path))
+    folders = dict.fromkeys((config_path.parent.resolve(), config_path.resolve().parent))
+    for folder in folders:
+        shipped = _found_inside(config.env.partition(":")[0], folder) if ":" in config.env else None
+        if shipped is not None:
+            raise ConfigError(
+                f"{config.path} names the env {config.env!r}, whose module {shipped!r} lies inside {folder}: importing "
+                "it would run code that came with the config's folder (a run dir handed over, say); to confirm, give it "
+                "again: " + confirm.format(env=config.env)
+            )
     return config.env
 
 
+def _installed_places() -> list[Path]:
+    """Where this Python's installed packages live (a virtual environment inside a project holding configs, say)."""
+    places = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()}
+    resolved = {Path(place).resolve() for place in places if place}
+    return [place for place in resolved if place != Path(place.anchor)]  # never the whole file system
+
+
 def _found_inside(module: str, folder: Path) -> str | None:
-    """The first package or module of dotted ``module`` that lies inside ``folder``, found without running its code
-    (each step imports only the package above it, already found outside); None where none does or it is not found."""
+    """The first package or module of dotted ``module`` that lies inside ``folder`` (and not among this Python's
+    installed packages), found without running its code (each step imports only the package above it, already found
+    outside); None where none does or it is not found."""
     parts = module.split(".")
     for i in range(1, len(parts) + 1):
         name = ".".join(parts[:i])
@@ -81,7 +95,10 @@ def _found_inside(module: str, folder: Path) -> str | None:
                 return None
             places = [spec.origin, *(spec.submodule_search_locations or [])]
         for place in places:
-            if place and Path(place).is_absolute() and Path(place).resolve().is_relative_to(folder):
+            if not place or not Path(place).is_absolute():
+                continue
+            where = Path(place).resolve()
+            if where.is_relative_to(folder) and not any(where.is_relative_to(p) for p in _installed_places()):
                 return name
     return None
 

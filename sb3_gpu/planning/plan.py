@@ -233,7 +233,8 @@ def make_plan(
         on_gpu = buffers["buffers"] == "device" and chosen.device.device.startswith("cuda")
         # This machine's free memory; a what-if profile's RAM, where the hardware was given.
         available = psutil.virtual_memory().available if hardware_detected else int(hardware.ram_gb * 2**30)
-        _check_sizes(resolved, facts, available if not on_gpu else None, "available" if hardware_detected else "of RAM given")
+        memory_is = "available" if hardware_detected else "of RAM given"
+        _check_sizes(resolved, facts, available if not on_gpu else None, memory_is, sb3_buffers=buffers["buffers"] == "host")
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
         # Last, once the run is known to be possible: timing the compiled step compiles it, a minute on a CPU.
         if prober is not None and resolved.probe and resolved.compile == "auto" and compiles_auto(chosen.device.device):
@@ -537,6 +538,12 @@ def _data_bytes(preset: Preset, facts: _EnvFacts) -> int:
     return int(params.buffer_size * per_step)
 
 
+def _observation_bytes(preset: Preset, facts: _EnvFacts) -> int:
+    """The bytes of a PPO rollout's observations (half of a transition's, which holds two)."""
+    per_step = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
+    return int(preset.params.n_steps * preset.n_envs * (per_step // 2))
+
+
 def _buffers(preset: Preset, device: str, facts: _EnvFacts, gpu: GPUInfo | None, gpu_free: int | None) -> dict[str, Any]:
     chosen = choose_buffers(preset, device, facts.observation_space, _data_bytes(preset, facts), gpu, gpu_free)
     overlap = choose_overlap(preset, device)
@@ -672,10 +679,12 @@ def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
     return "mlp"
 
 
-def _check_sizes(preset: Preset, facts: _EnvFacts, host_memory: int | None, memory_is: str = "available") -> None:
+def _check_sizes(
+    preset: Preset, facts: _EnvFacts, host_memory: int | None, memory_is: str = "available", sb3_buffers: bool = True
+) -> None:
     """Refuse, before anything is allocated, a run that would overshoot its length or outgrow the machine's memory
     (``host_memory`` bytes, where the rollout or replay buffer lives on the host; None: it does not; ``memory_is``
-    says what that figure is)."""
+    says what that figure is; ``sb3_buffers``: SB3's own buffers, not sb3_gpu's device ones)."""
     params: Any = preset.params
     per_env = params.n_steps if preset.algo == "ppo" else _train_freq_steps(params.train_freq)
     rollout = per_env * preset.n_envs
@@ -695,10 +704,16 @@ def _check_sizes(preset: Preset, facts: _EnvFacts, host_memory: int | None, memo
         )
     # numpy commits a buffer's pages as they fill: one that does not fit is killed by the OOM killer hours in, where
     # nothing can save it. So it is refused here, with room left for the rest of the run.
-    if host_memory is not None and (needed := _data_bytes(preset, facts)) > HOST_MEMORY_SHARE * host_memory:
+    # SB3's rollout buffer copies each array as it flattens the envs into one batch axis for sampling (a copy where
+    # there are several envs), the whole observations while the rollout is still held.
+    flattened = preset.algo == "ppo" and sb3_buffers and preset.n_envs > 1
+    needed = _data_bytes(preset, facts) + (_observation_bytes(preset, facts) if flattened else 0)
+    if host_memory is not None and needed > HOST_MEMORY_SHARE * host_memory:
         if preset.algo == "ppo":
             holder = f"a rollout of n_steps * n_envs = {params.n_steps:,} * {preset.n_envs:,} steps needs"
             what, fix = "its observations", "lower n_steps or n_envs"
+            if flattened:
+                what += " (twice while SB3 flattens them for sampling)"
         else:
             holder, fix = f"buffer_size={params.buffer_size:,} needs", "lower buffer_size"
             what = "its transitions (observation and next observation each)"

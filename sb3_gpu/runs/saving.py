@@ -3,6 +3,7 @@ models back without unpickling what is inside their zips."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -258,6 +259,7 @@ def load_model(
         warnings.filterwarnings("ignore", message="You have specified a mini-batch size")
         template = model_class(policy, env, device="cpu", _init_setup_model=False, **model_kwargs)  # type: ignore[call-arg]
     _check_same_algorithm(path, data, template)
+    _check_same_spaces(path, data, template)
     serialized = sorted(k for k, v in data.items() if isinstance(v, dict) and ":serialized:" in v)
     known = vars(template)
     custom: dict[str, Any] = {}
@@ -286,6 +288,43 @@ def load_model(
     for optimizer in [*policy_optimizers(model.policy), *([entropy] if entropy is not None else [])]:
         _capturable_as_loaded(optimizer, model.device)
     return model
+
+
+def _check_same_spaces(path: Path, data: dict[str, Any], template: BaseAlgorithm) -> None:
+    """Refuse a model trained on other observation or action spaces than the env it is loaded with has (an env named
+    in place of the run's own, say), read from what the zip records of them as text: their pickles are never loaded,
+    and the template's own spaces stand in for them, so SB3's load would only fail at the weights' shapes."""
+    for name in ("observation_space", "action_space"):
+        recorded, space = _space_text(data.get(name)), getattr(template, name)
+        if recorded is not None and recorded != _space_text(space):
+            raise ConfigError(
+                f"{path} was trained on an env with {name.replace('_', ' ')} {recorded}; the env it is loaded with "
+                f"has {_space_text(space)}: evaluate or resume it on the env it trained on"
+            )
+
+
+def _space_text(space: Any) -> str | None:
+    """A space's class and size as ``Box(17,)`` or ``Discrete(3)``, from the space or from SB3's JSON record of it
+    (None where the record says too little)."""
+    if isinstance(space, dict):  # the record: text fields beside the pickle
+        kind = re.search(r"\.(\w+)'>$", str(space.get(":type:", "")))
+        if kind is None or "_shape" not in space:
+            return None
+        name, shape = kind.group(1), space["_shape"]
+        size, choices = space.get("n", space.get("nvec")), None
+    else:
+        name, shape = type(space).__name__, space.shape
+        size, choices = getattr(space, "n", getattr(space, "nvec", None)), None
+    if size is not None:
+        choices = " ".join(re.findall(r"\d+", str(size)))
+    dims = None if shape is None else re.findall(r"\d+", str(shape))
+    if choices is not None:
+        inside = choices
+    elif dims is None:
+        inside = ""
+    else:
+        inside = ",".join(dims) + ("," if len(dims) == 1 else "")
+    return f"{name}({inside})"
 
 
 def _capturable_as_loaded(optimizer: th.optim.Optimizer, device: th.device) -> None:

@@ -171,7 +171,7 @@ def resume_run(
     run = RunDir(run_dir)
     run.check_resumable()
     config = load_config(run.config)
-    if isinstance(env, str) and not config.env_factory and env.strip() != config.env:
+    if isinstance(env, str) and not config.env_factory and env != config.env:
         raise ConfigError(
             f"--resume continues {run} on its own env {config.env!r}; --env (resume_run's env=) may only repeat that "
             f"name (to allow importing its module), not {env!r}"

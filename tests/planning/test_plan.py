@@ -241,10 +241,20 @@ def test_a_buffer_leaves_a_fifth_of_the_memory_to_the_rest_of_the_run_and_ppos_r
     with pytest.raises(
         ConfigError,
         match=r"^a rollout of n_steps \* n_envs = 1,048,576 \* 8 steps needs .* of memory for "
-        r"its observations, .*: lower n_steps or n_envs$",
+        r"its observations \(twice while SB3 flattens them for sampling\), .*: lower n_steps or n_envs$",
     ):
         make_plan("ppo", "CartPole-v1", hardware=dataclasses.replace(cpu_machine, ram_gb=0.25), overrides=rollout)
     assert make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides=rollout).preset.params.n_steps == 2**20
+    # SB3 flattens the envs of a rollout for sampling with a copy of its observations (about 0.2 GiB more here): with
+    # 0.7 GiB the rollout alone would fit, not the two together. One env, or the device buffer (which samples the
+    # storage as it lies), makes no copy.
+    tight = dataclasses.replace(cpu_machine, ram_gb=0.7)
+    with pytest.raises(ConfigError, match=r"its observations \(twice while SB3 flattens them for sampling\), more than"):
+        make_plan("ppo", "CartPole-v1", hardware=tight, overrides=rollout)
+    one_env = {**rollout, "n_steps": 2**23, "n_envs": 1}
+    assert make_plan("ppo", "CartPole-v1", hardware=tight, overrides=one_env).preset.params.n_steps == 2**23
+    on_device = make_plan("ppo", "CartPole-v1", hardware=tight, overrides={**rollout, "device_buffers": True})
+    assert on_device.buffers == "device"
 
 
 def test_a_device_buffer_stays_on_the_host_where_other_processes_hold_the_gpus_memory(gpu_machine, monkeypatch):

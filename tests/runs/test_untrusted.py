@@ -67,7 +67,7 @@ def test_a_module_that_came_inside_the_run_dir_is_imported_only_once_the_user_na
     name, imported = "run.payload:CartPoleEnv", run / "imported"
     refused = (
         f"error: {config} names the env '{name}', whose module 'run' lies inside {run}: importing it would run code "
-        "that came with the run dir; to confirm, give it again: "
+        "that came with the config's folder (a run dir handed over, say); to confirm, give it again: "
     )
     for main, args, confirm in (
         (evaluate_main, [str(run), "--episodes", "1"], f"--env {name} (from Python: evaluate_run(run, env='{name}'))"),
@@ -105,3 +105,43 @@ def test_a_video_never_goes_through_a_link_the_run_dir_brings(tmp_path, call_mai
     result = call_main(evaluate_main, str(run), "--episodes", "1", "--video")
     assert result.returncode == 2 and "best_model.mp4 is a symbolic link" in result.stderr, result.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_config_links_to_elsewhere_is_checked_where_it_lies_and_where_it_leads(own_env_run, call_main):
+    run, module, _ = own_env_run
+    (run / "payload.py").write_text(PAYLOAD)
+    config = run / "config.yaml"
+    (run / "x").mkdir()
+    (run / "x" / "config.yaml").write_text(
+        config.read_text().replace(f"env: {module}:CartPoleEnv", "env: run.payload:CartPoleEnv")
+    )
+    config.unlink()
+    config.symlink_to("x/config.yaml")  # the folder it leads to holds no code: the one it lies in does
+    result = call_main(evaluate_main, str(run), "--episodes", "1")
+    assert result.returncode == 2 and "whose module 'run' lies inside" in result.stderr, result.stderr
+    assert not (run / "imported").exists()
+
+
+def test_a_package_installed_in_a_virtual_environment_inside_the_configs_folder_is_imported(tmp_path, monkeypatch):
+    from sb3_gpu.config import runconfig
+
+    # A project keeping its config at its root and its virtual environment in .venv below it.
+    site_packages = tmp_path / ".venv" / "lib" / "site-packages"
+    site_packages.mkdir(parents=True)
+    (site_packages / "installed_envs.py").write_text("")
+    monkeypatch.syspath_prepend(str(site_packages))
+    config = runconfig.RunConfig("ppo", "installed_envs:MyEnv", "cpu", "auto", None, {}, str(tmp_path / "config.yaml"))
+    with pytest.raises(ConfigError, match="whose module 'installed_envs' lies inside"):
+        runconfig.config_env(config, None, "", "")
+    monkeypatch.setattr(runconfig.sys, "prefix", str(tmp_path / ".venv"))  # this Python's own environment
+    assert runconfig.config_env(config, None, "", "") == "installed_envs:MyEnv"
+
+
+def test_evaluating_a_run_on_an_env_of_other_spaces_says_so_and_blames_no_file(own_env_run, call_main):
+    run, _, _ = own_env_run
+    result = call_main(evaluate_main, str(run), "--episodes", "1", "--env", "Acrobot-v1")
+    assert result.returncode == 2, result.stderr
+    assert squashed(
+        f"error: {run / 'best_model.zip'} was trained on an env with observation space Box(4,); the env it is loaded "
+        "with has Box(6,): evaluate or resume it on the env it trained on"
+    ) in squashed(result.stderr)
