@@ -221,7 +221,9 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
         speed += f"; {tp['episodes_per_s']:.1f} episodes/s"
     rows.append(("speed", speed))
     if "share_env" in tp:
-        split = ", ".join(f"{name} {tp['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
+        from sb3_gpu.runs.telemetry import SHARES
+
+        split = ", ".join(f"{name} {tp['share_' + name]:.0%}" for name in SHARES)
         rows.append(("time split", split))
     rows += [("run dir", str(run)), ("model", summary["model"] or "not saved (NaN weights)")]
     if "best_model" in summary:

@@ -61,10 +61,17 @@ class WindowedRate(Window):
         return float(delta[1] / delta[0]) if delta is not None else 0.0
 
 
+# Where the time goes, in the order lines and tables give it: env steps, the rest of collection and SB3's loop,
+# training, periodic evaluation.
+SHARES = ("env", "other", "train", "eval")
+
 # The "Custom Scalars" dashboard: category -> chart -> tag regexes (several runs in one log dir share it).
 DASHBOARD: dict[str, dict[str, list[Any]]] = {
     "Returns": {
-        "episode return (rollout, eval)": ["Multiline", [r"rollout/ep_rew_mean", r"eval/mean_reward"]],
+        "episode return (rollout, eval, confirmed)": [
+            "Multiline",
+            [r"rollout/ep_rew_mean", r"eval/mean_reward", r"eval/confirmed_mean_reward"],
+        ],
         "episode length": ["Multiline", [r"rollout/ep_len_mean", r"eval/mean_ep_length"]],
     },
     "Throughput": {
@@ -74,16 +81,23 @@ DASHBOARD: dict[str, dict[str, list[Any]]] = {
         "SB3 fps (since start)": ["Multiline", [r"time/fps"]],
     },
     "Time split": {
-        "share of wall time": ["Multiline", [r"throughput/share_(env|policy|train|eval)"]],
+        "share of wall time": ["Multiline", [r"throughput/share_(env|other|train|eval)"]],
     },
     "Losses": {
         "losses": ["Multiline", [r"train/.*loss"]],
-        "learning rate, exploration": ["Multiline", [r"train/learning_rate", r"rollout/exploration_rate"]],
+        "learning rate, exploration, entropy coefficient": [
+            "Multiline",
+            [r"train/learning_rate", r"rollout/exploration_rate", r"train/ent_coef"],
+        ],
+        "PPO: KL, clip fraction and range, explained variance": [
+            "Multiline",
+            [r"train/(approx_kl|clip_fraction|clip_range|explained_variance)"],
+        ],
         "prioritized replay, AMP": ["Multiline", [r"per/.*", r"amp/.*"]],
     },
     "Hardware": {
         "process memory (MiB)": ["Multiline", [r"throughput/rss_mib", r"throughput/cuda_(allocated|peak)_mib"]],
-        "CPU and GPU use (%)": ["Multiline", [r"throughput/cpu_percent", r"throughput/gpu_util_percent"]],
+        "CPU use (% of one core), GPU use (%)": ["Multiline", [r"throughput/cpu_percent", r"throughput/gpu_util_percent"]],
         "replay buffer fill": ["Multiline", [r"throughput/buffer_fill"]],
     },
 }
@@ -145,8 +159,9 @@ class ThroughputCallback(BaseCallback):
     """
 
     # Counters kept cumulative since training start: env steps, episodes, optimizer steps, and seconds in env
-    # steps, in collection as a whole, in training, and in periodic evaluation (which runs inside collection).
-    _STEPS, _EPISODES, _GRAD, _ENV, _COLLECT, _TRAIN, _EVAL = range(7)
+    # steps, in collection as a whole, in training, in periodic evaluation (which runs inside collection), and
+    # between rollouts without a gradient step (SB3's loop before learning starts, or between off-policy updates).
+    _STEPS, _EPISODES, _GRAD, _ENV, _COLLECT, _TRAIN, _EVAL, _LOOP = range(8)
 
     def __init__(
         self,
@@ -174,7 +189,7 @@ class ThroughputCallback(BaseCallback):
         self._next_record = 0.0
         self.window = Window(window_s)
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
-        self.counters = np.zeros(7)
+        self.counters = np.zeros(8)
         self.latest: dict[str, float] = {}
         self._timer: EnvTimer | None = None
         self._optimizer_steps: list[OptimizerStep] = []
@@ -182,6 +197,8 @@ class ThroughputCallback(BaseCallback):
         self._steps0, self._eval0 = 0, 0.0
         self._pace0: tuple[float, int] | None = None  # where the time left is measured from (time, steps)
         self._start = self._rollout_start = self._rollout_end = 0.0
+        self._grad_at_rollout_end = 0  # optimizer steps when the last rollout ended: did the gap after it train?
+        self._cpu: tuple[float, float | None] = (0.0, None)  # (since when, figure): CPU use, measured over >= 1 s
         self._next_report = 0.0
         self._process: Any = None
         self._last: tuple[float, np.ndarray] = (0.0, self.counters.copy())  # the latest sample, warm-up or not
@@ -206,8 +223,10 @@ class ThroughputCallback(BaseCallback):
         self._eval0 = self.eval_callback.seconds if self.eval_callback is not None else 0.0
         self._start = time.perf_counter()
         self._rollout_end = self._start
+        self._grad_at_rollout_end = self._grad0
         self._last = (self._start, self.counters.copy())
         self._next_report = self._start + (self.report_s or 0.0)
+        self._cpu = (self._start, None)
         self._next_record = 0.0
         self._pace0 = None
         self._set_pace_origin(self._start)
@@ -222,9 +241,15 @@ class ThroughputCallback(BaseCallback):
         # One per gradient step: SAC's actor and critic each step once per gradient step (TD3's actor less often).
         return max((step.steps for step in self._optimizer_steps), default=0)
 
+    def _count_gap(self, now: float) -> None:
+        # Training runs between one rollout and the next (with overlapped training, the wait for it); a gap that took
+        # no gradient step (before learning starts, say) is SB3's loop alone.
+        trained = self._steps_taken() > self._grad_at_rollout_end
+        self.counters[self._TRAIN if trained else self._LOOP] += now - self._rollout_end
+
     def _on_rollout_start(self) -> None:
         now = time.perf_counter()
-        self.counters[self._TRAIN] += now - self._rollout_end  # training runs between one rollout and the next
+        self._count_gap(now)
         self._rollout_start = now
         self._sample(now)
 
@@ -249,6 +274,7 @@ class ThroughputCallback(BaseCallback):
     def _on_rollout_end(self) -> None:
         now = time.perf_counter()
         self._rollout_end = now
+        self._grad_at_rollout_end = self._steps_taken()
         self.counters[self._COLLECT] += now - self._rollout_start
         if now >= self._next_record:
             self._next_record = now + self.record_s
@@ -257,7 +283,7 @@ class ThroughputCallback(BaseCallback):
     def _on_training_end(self) -> None:
         # The last training ran after the last rollout: count it, record, and write what is pending.
         now = time.perf_counter()
-        self.counters[self._TRAIN] += now - self._rollout_end
+        self._count_gap(now)
         self._rollout_end = now
         self._sample(now)
         self._record(now)
@@ -286,19 +312,26 @@ class ThroughputCallback(BaseCallback):
             figures["episodes_per_s"] = d[self._EPISODES] / seconds
             if d[self._STEPS] > 0:
                 figures["grad_steps_per_1k_env_steps"] = 1000.0 * d[self._GRAD] / d[self._STEPS]
-            busy = d[self._COLLECT] + d[self._TRAIN]
+            busy = d[self._COLLECT] + d[self._TRAIN] + d[self._LOOP]
             if busy > 0:
-                # Collection = env steps + evaluation + the rest of the loop: policy inference, buffer writes, callbacks.
+                # Collection = env steps + evaluation + the rest: policy inference, buffer writes, callbacks; and SB3's
+                # loop between rollouts that trained nothing.
                 figures["share_env"] = d[self._ENV] / busy
                 figures["share_eval"] = d[self._EVAL] / busy
-                figures["share_policy"] = max(d[self._COLLECT] - d[self._ENV] - d[self._EVAL], 0.0) / busy
+                rest = max(d[self._COLLECT] - d[self._ENV] - d[self._EVAL], 0.0) + d[self._LOOP]
+                figures["share_other"] = rest / busy
                 figures["share_train"] = d[self._TRAIN] / busy
         buffer = getattr(self.model, "replay_buffer", None)
         if buffer is not None:
             figures["buffer_fill"] = buffer.size() / buffer.buffer_size
         if self._process is not None:
             figures["rss_mib"] = self._process.memory_info().rss / 2**20
-            figures["cpu_percent"] = self._process.cpu_percent(None)
+            # psutil measures since its previous call: a record right after another (the last one) would measure
+            # a few milliseconds, so the figure is renewed once a second has passed.
+            if now - self._cpu[0] >= 1.0:
+                self._cpu = (now, self._process.cpu_percent(None))
+            if self._cpu[1] is not None:
+                figures["cpu_percent"] = self._cpu[1]
         device = self.model.device
         if device.type == "cuda":
             figures["cuda_allocated_mib"] = th.cuda.memory_allocated(device) / 2**20
@@ -336,7 +369,7 @@ class ThroughputCallback(BaseCallback):
         if "grad_steps_per_1k_env_steps" in f:
             parts.append(f"{f['grad_steps_per_1k_env_steps']:.0f} grad steps/1k")
         if "share_env" in f:
-            shares = (f"{name} {f['share_' + name]:.0%}" for name in ("env", "policy", "train", "eval"))
+            shares = (f"{name} {f['share_' + name]:.0%}" for name in SHARES)
             parts.append(" ".join(shares))
         if "buffer_fill" in f:
             parts.append(f"buffer {f['buffer_fill']:.0%}")

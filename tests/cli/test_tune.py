@@ -117,9 +117,15 @@ def _heartbeat_ages(db: Path) -> list[float]:
     return [float(age) for (age,) in rows]
 
 
-def _poll(condition, what: str, timeout: float = 120.0) -> None:
+def _poll(condition, what: str, proc: subprocess.Popen | None = None, stderr: Path | None = None) -> None:
+    """Wait for ``condition``; fail at once, with its stderr, where the worker ``proc`` ended first. The deadline only
+    guards against a hang: a loaded CI machine takes many times an idle one's start-up (imports, planning)."""
+    timeout = 600.0
     deadline = time.monotonic() + timeout
     while not condition():
+        if proc is not None and proc.poll() is not None:
+            said = stderr.read_text()[-3000:] if stderr is not None and stderr.exists() else ""
+            pytest.fail(f"the worker ended (exit code {proc.returncode}) before {what}:\n{said}")
         if time.monotonic() > deadline:
             pytest.fail(f"{what} did not happen in {timeout} s")
         time.sleep(0.2)
@@ -135,9 +141,11 @@ def test_a_killed_worker_leaves_a_failed_trial_and_the_study_goes_on(tmp_path):
     # The same settings (a study refuses a worker that would score another way), on an env slow in this worker alone.
     long_trial = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", "1", *base]
     slow = {**env, "SB3_GPU_TEST_STEP_SLEEP": "0.5"}
-    proc = subprocess.Popen(long_trial, cwd=tmp_path, env=slow, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stderr = tmp_path / "worker.err"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(long_trial, cwd=tmp_path, env=slow, stdout=subprocess.DEVNULL, stderr=err)
     try:
-        _poll(lambda: _heartbeat_ages(db), "the worker's first heartbeat")
+        _poll(lambda: _heartbeat_ages(db), "the worker's first heartbeat", proc, stderr)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -157,12 +165,15 @@ def test_sigint_stops_the_running_trial_marks_it_failed_and_ends_the_worker(tmp_
     cmd = [sys.executable, "-m", "sb3_gpu.tune", "ppo", "--trials", "1", *TINY, "--timesteps", "200000"]
     cmd += ["--storage", storage, "--study-dir", str(tmp_path), "--heartbeat", "1"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr = tmp_path / "worker.err"
+    with stderr.open("w") as err_file:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err_file, text=True)
     try:
-        _poll(lambda: _heartbeat_ages(db), "the worker's first heartbeat")  # a trial is training
+        _poll(lambda: _heartbeat_ages(db), "the worker's first heartbeat", proc, stderr)  # a trial is training
     finally:
         proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=120)
+    proc.wait(timeout=300)
+    err = stderr.read_text()
     assert proc.returncode == 130, err
     # "stopped by SIGINT in trial 0" once training began; "interrupted" while the trial was still building its model.
     assert re.search(r"error: (stopped by SIGINT in trial 0|interrupted); a running trial was marked failed\.", err), err

