@@ -213,9 +213,12 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     tp = summary.get("throughput") or {}
     speed = f"{summary['steps_per_s']:,.0f} env steps/s over the whole run" if summary.get("steps_per_s") else "-"
     if "env_steps_per_s" in tp:
-        # The telemetry's 30 s window leaves out the first 5 s, and a run of under 10 s is measured whole.
-        wall = summary["wall_time_s"]
-        span = "over the last 30 s" if wall >= 35 else "after the first 5 s" if wall >= 10 else "over the whole run"
+        # The telemetry's window (30 s) leaves out the first seconds, and a short run is measured whole.
+        if "window_s" in tp:
+            span = "over the whole run" if tp.get("window_whole") else f"over the last {tp['window_s']:,.0f} s"
+        else:  # a summary written before the telemetry said its window
+            wall = summary["wall_time_s"]
+            span = "over the last 30 s" if wall >= 35 else "after the first 5 s" if wall >= 10 else "over the whole run"
         now = f"{tp['env_steps_per_s']:,.0f} env steps/s {span}"
         speed = now if span == "over the whole run" or speed == "-" else f"{speed}, {now}"
         speed += f"; {tp['episodes_per_s']:.1f} episodes/s"

@@ -302,7 +302,8 @@ class ThroughputCallback(BaseCallback):
         figures: dict[str, float] = {}
         window = self.window.delta()
         last_t, last = self._last
-        if last_t - self._start < 2 * self.warmup_s:
+        whole = last_t - self._start < 2 * self.warmup_s
+        if whole:
             # Less measured after the warm-up than the warm-up itself (a short run or resume, or its first seconds):
             # the whole of it is the measure, or a window of a second or two (a final evaluation, say) would be.
             window = (last_t - self._start, last) if last_t > self._start else None
@@ -341,6 +342,9 @@ class ThroughputCallback(BaseCallback):
                 figures["gpu_util_percent"] = util
         for key, value in figures.items():
             self.logger.record(f"throughput/{key}", value)
+        if window is not None and "env_steps_per_s" in figures:
+            # What the rates are measured over, for the summary to say (not logged: TensorBoard has the steps).
+            figures.update(window_s=window[0], window_whole=float(whole))
         self.latest = figures
         if self.report_s is not None and now >= self._next_report and "env_steps_per_s" in figures:
             self._next_report = now + self.report_s

@@ -459,6 +459,34 @@ def test_the_summary_shows_values_with_brackets_as_written(tmp_path):
     assert "(sb3_gpu's [plot] extra)" in console.export_text()  # rich markup would have eaten "[plot]"
 
 
+@pytest.mark.parametrize(
+    "window, span",
+    [
+        ({"window_s": 30.0, "window_whole": 0.0}, "over the last 30 s"),
+        ({"window_s": 12.4, "window_whole": 0.0}, "over the last 12 s"),  # a run of 17 s: its first 5 left out
+        ({"window_s": 8.0, "window_whole": 1.0}, "over the whole run"),
+    ],
+)
+def test_the_summary_says_what_span_the_current_speed_is_measured_over(window, span, tmp_path):
+    from rich.console import Console
+
+    from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.train import summary_table
+
+    # 300 s of wall time (setup, an owed evaluation) say nothing of the span: the telemetry says it.
+    throughput = {"env_steps_per_s": 900.0, "episodes_per_s": 2.0, **window}
+    summary = {"timesteps": 64, "wall_time_s": 300.0, "steps_per_s": 500.0, "model": "m.zip", "throughput": throughput}
+    console = Console(record=True, width=200)
+    console.print(summary_table(summary, RunDir(tmp_path)))
+    # Measured whole, the telemetry's figure (training alone, not the setup) is the one the row gives.
+    both = (
+        "900 env steps/s over the whole run"
+        if span == "over the whole run"
+        else f"500 env steps/s over the whole run, 900 env steps/s {span}"
+    )
+    assert f"{both}; 2.0 episodes/s" in console.export_text()
+
+
 def test_the_plan_names_the_flag_that_set_each_value():
     from sb3_gpu.train import build_parser, plan_from_args
 

@@ -106,6 +106,7 @@ def test_a_learn_shorter_than_twice_the_warm_up_is_measured_whole():
     # Every rollout and its training counted (with the warm-up alone, nothing would be), and not a second's slice.
     assert figures["grad_steps_per_1k_env_steps"] == pytest.approx(2 * 1000 / 64)
     assert 256 / wall <= figures["env_steps_per_s"] <= 256 / (wall * 0.25)
+    assert figures["window_whole"] == 1.0 and 0 < figures["window_s"] <= wall  # what the summary says it measured
     assert sum(figures[f"share_{part}"] for part in ("env", "other", "train", "eval")) == pytest.approx(1.0)
 
 
