@@ -68,7 +68,9 @@ def _evaluate(args: argparse.Namespace) -> int:
             env=args.env,
         )
     except ConfigError as e:
-        print_error(re.sub(r"which='(\w+)'", r"--model \1", str(e)))  # evaluate_run's argument is this CLI's --model
+        # evaluate_run's arguments, as this CLI spells them
+        message = re.sub(r"which='(\w+)'", r"--model \1", str(e)).replace("with deterministic=True", "without --stochastic")
+        print_error(message)
         return 2
     if args.json:
         print(json.dumps(result))

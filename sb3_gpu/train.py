@@ -146,6 +146,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         if args.per is False and key.startswith("per."):  # a PER value would turn PER back on
             raise ConfigError(f"--no-per turns prioritized replay off, and --set {key} sets one of its values; give one")
         overrides[key], sources[key] = value, "--set"
+    values_of_per = sorted(key for key in overrides if key.startswith("per."))
+    if overrides.get("per") is False and values_of_per:  # a PER value would turn PER back on, as with --no-per
+        raise ConfigError(
+            f"--set per=false turns prioritized replay off, and --set {values_of_per[0]} sets one of its values; give one"
+        )
     config = load_config(args.config) if args.config else None
     if config is not None and args.preset:
         raise ConfigError("--config and --preset both give hyperparameters; use one (add --set to change a value)")
@@ -183,7 +188,7 @@ def _make_plan(
         preset=args.preset,
         profile=args.profile,
         overrides=overrides,
-        override_source=sources,
+        override_source={**sources, "n_envs": "--n-envs", "n_timesteps": "--timesteps"},
         config=config,
     )
 

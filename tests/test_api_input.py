@@ -182,6 +182,13 @@ CASES = [
     ),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", config={"algo": "ppo"}), "config must be a run's RunConfig (from load"),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", training="no"), "training must be True or False, got 'no'"),
+    (
+        lambda: make_plan("ppo", "CartPole-v1", "cpu", n_envs=2, overrides={"n_envs": 4}),
+        "n_envs=2 and overrides['n_envs']=4 both set n_envs; give one",
+    ),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides={1: 2}), "overrides' keys must be preset key names (str)"),
+    (lambda: make_plan("dqn", "CartPole-v1", "cpu", overrides={"learning_rat": 1}), "overrides: unknown key 'learning_rat';"),
+    (lambda: make_plan("ppo", "CartPole-v1", "cpu", n_envs=2**40), "n_envs must be a positive int up to 2,147,483,647"),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", prober=3), "prober must be a Prober or None, got 3"),
     (
         lambda: build_model(_plan(), make_vec_env("Pendulum-v1", 1, vec_env="dummy")),

@@ -133,6 +133,8 @@ def count_arg(value: Any, name: str, low: int = 1, optional: bool = False) -> in
     number = _whole(value)
     if number is None or not low <= number <= MAX_COUNT:
         what = "a positive int" if low == 1 else f"an int >= {low}"
+        if number is not None and number > MAX_COUNT:
+            what += f" up to {MAX_COUNT:,}"
         raise ConfigError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
     return number
 

@@ -223,7 +223,14 @@ def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], wher
     if policy_class is None:  # pragma: no cover - POLICIES lists only aliases every algorithm has
         raise ConfigError(f"{where}: {algo.name} has no policy {policy!r}")
     accepted = set(inspect.signature(policy_class.__init__).parameters) - {"self", "observation_space", "action_space"}
-    c.check_keys(kwargs, accepted - {*_OWN_KEYS, "lr_schedule"}, f"{where}: policy_kwargs of {policy}")
+    valid = accepted - {*_OWN_KEYS, "lr_schedule"}
+    for key in kwargs:
+        if key not in valid and (own := closest(str(key), set(_OWN_KEYS) & accepted)):  # net_arc: net_arch, its own key
+            raise ConfigError(
+                f"{where}: policy_kwargs of {policy}: unknown key {key!r}{own} It is a preset key of its own: set it "
+                f"without policy_kwargs (valid in policy_kwargs: {', '.join(sorted(valid))})"
+            )
+    c.check_keys(kwargs, valid, f"{where}: policy_kwargs of {policy}")
     try:
         hints = typing.get_type_hints(policy_class.__init__)
     except Exception:  # pragma: no cover - an annotation that does not resolve: SB3 checks the values itself
@@ -310,7 +317,9 @@ def resolve_preset(
             raw[key] = {**values[key], **raw[key]}
         elif key == "per" and raw[key] is True and isinstance(values.get(key), Mapping):
             raw[key] = values[key]  # --per switches the preset's own PER settings on, not the defaults
-    values.update(validate_flat(algo, raw, "override"))
+    # Named as the user gave them: the CLI's --set, or make_plan's overrides.
+    given_as = "--set" if any(source == "--set" for _, source in overrides.values()) else "overrides"
+    values.update(validate_flat(algo, raw, given_as))
     check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], sources.get("policy_kwargs", entry_label))
     params = algo.params_class(**{f.name: values[f.name] for f in dataclasses.fields(algo.params_class)})
     common = {k: values[k] for k in COMMON_KEYS}

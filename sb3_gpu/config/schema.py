@@ -304,11 +304,12 @@ def validate_flat(algo: Algo, mapping: Any, where: str, shared_only: tuple[str, 
     return values
 
 
-def check_key_names(algo: Algo, keys: list[str], where: str) -> None:
-    """Refuse keys that are no preset key of ``algo`` (a dotted key by its head), before their values are read."""
+def check_key_names(algo: Algo, keys: list[str], where: str, excluded: tuple[str, ...] = ()) -> None:
+    """Refuse keys that are no preset key of ``algo`` (a dotted key by its head), before their values are read;
+    ``excluded`` keys are left out of the valid ones the error lists (the caller refuses them itself)."""
     heads = {key.partition(".")[0]: None for key in keys}
     _refuse_other_algorithms_keys(algo, heads, where)
-    c.check_keys(heads, set(valid_keys(algo)), where)
+    c.check_keys({k: v for k, v in heads.items() if k not in excluded}, set(valid_keys(algo)) - set(excluded), where)
 
 
 def _check_net_arch_heads(algo: Algo, arch: dict[str, list[int]], where: str) -> None:

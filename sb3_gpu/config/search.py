@@ -22,7 +22,8 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     data = read_yaml(path, "search space")
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"{path}: a search space must be a mapping of preset keys to {{low, high}} or {{choices}}")
-    check_key_names(algo_, [str(key) for key in data], str(path))  # a misspelt key named as such, whatever its spec
+    # A misspelt key named as such, whatever its spec; n_timesteps is a key, but not one to search (below).
+    check_key_names(algo_, [str(key) for key in data], str(path), excluded=("n_timesteps",))
     if "n_timesteps" in data:  # every trial trains tune's --timesteps, whatever a preset key says
         raise ConfigError(f"{path}: n_timesteps cannot be searched: each trial trains --timesteps (tune's budget per seed)")
     space: dict[str, dict[str, Any]] = {}

@@ -151,7 +151,7 @@ def check_env_resources(kind: str, n_envs: int, *, monitor: bool, cores: int | N
     if kind == "subproc" and n_envs > max(64, MAX_SUBPROC_PER_CORE * cores):
         raise ConfigError(
             f"n_envs={n_envs:,} with vec_env 'subproc' would start {n_envs:,} processes on {cores} cores; "
-            f"use vec_env 'batched' (one worker per core) or 'dummy'"
+            "use vec_env 'batched' (--vec-env batched: one worker per core) or 'dummy'"
         )
     if resource is None:
         return

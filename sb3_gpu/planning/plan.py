@@ -605,6 +605,12 @@ def _check_plan_args(
         raise ConfigError(f"profile must be a name: auto, {', '.join(PROFILES)}; got {profile!r}")
     if overrides is not None and not isinstance(overrides, Mapping):
         raise ConfigError(f"overrides must be a mapping of preset keys to values, got {type(overrides).__name__}")
+    for key in overrides or {}:
+        if not isinstance(key, str):
+            raise ConfigError(f"overrides' keys must be preset key names (str), got {key!r}")
+    for value, name in ((n_envs, "n_envs"), (n_timesteps, "n_timesteps")):
+        if value is not None and overrides is not None and name in overrides:
+            raise ConfigError(f"{name}={value!r} and overrides[{name!r}]={overrides[name]!r} both set {name}; give one")
     if isinstance(override_source, Mapping):
         unlabelled = sorted(set(overrides or {}) - set(override_source))
         if unlabelled:
@@ -621,12 +627,14 @@ def _check_plan_args(
 def _layered(
     overrides: Mapping[str, Any] | None, source: str | Mapping[str, str], n_envs: int | None, n_timesteps: int | None
 ) -> dict[str, tuple[Any, str]]:
-    """Overrides as ``key -> (value, source)``; the CLI's counts name their flags."""
+    """Overrides as ``key -> (value, source)``; the counts are named by their argument, or as ``source`` names them
+    (a CLI: its flags)."""
     layered = {k: (v, source if isinstance(source, str) else source[k]) for k, v in (overrides or {}).items()}
+    named = source if isinstance(source, Mapping) else {}
     if n_envs is not None:
-        layered["n_envs"] = (n_envs, "--n-envs")
+        layered["n_envs"] = (n_envs, named.get("n_envs", "n_envs="))
     if n_timesteps is not None:
-        layered["n_timesteps"] = (n_timesteps, "--timesteps")
+        layered["n_timesteps"] = (n_timesteps, named.get("n_timesteps", "n_timesteps="))
     return layered
 
 
@@ -659,8 +667,8 @@ def _profile(requested: str, choice: DeviceChoice, entry: Mapping[str, Any], ent
     if requested not in PROFILES:
         raise ConfigError(f"unknown profile {requested!r}{closest(requested, PROFILES)} (valid: auto, {', '.join(PROFILES)})")
     if requested not in entry and requested not in ("cpu", "gpu"):
-        have = [p for p in PROFILES if p in entry]
-        raise ConfigError(f"{entry_label} has no {requested!r} profile (it has: {', '.join(have) or 'none'})")
+        accepted = ["auto", "cpu", "gpu", *(p for p in PROFILES if p in entry and p not in ("cpu", "gpu"))]
+        raise ConfigError(f"{entry_label} has no {requested!r} profile; accepted for it: {', '.join(accepted)}")
     return requested, "asked for"
 
 
@@ -810,8 +818,8 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
         )
     if getattr(params, "optimize_memory_usage", False):
         raise ConfigError(
-            "optimize_memory_usage=true is not supported by the plan yet: SB3's replay buffer refuses it beside timeout "
-            "handling, which stays on (sb3_gpu.extensions.replay.DeviceReplayBuffer takes both, given to SB3 by hand)"
+            "optimize_memory_usage=true is not supported yet: SB3's replay buffer refuses it together with the "
+            "handling of time limits, which sb3_gpu keeps on; leave it false"
         )
     if getattr(params, "per", False) and isinstance(obs_space, spaces.Dict):
         raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")

@@ -379,7 +379,7 @@ def evaluate_run(
     config = load_config(run.config)
     if not deterministic and config.algo == "td3":  # SB3's TD3 policy ignores the flag: the figures would be mislabelled
         raise ConfigError(
-            "td3's policy has no stochastic actions (its exploration noise is training's); evaluate it without --stochastic"
+            "td3's policy has no stochastic actions (its exploration noise is training's); evaluate it with deterministic=True"
         )
     # Evaluation trains nothing: the training run's speed switches (fp16 on its GPU, say) must not block it here.
     speed_off = {"amp": "off", "compile": "false", "threads": "auto"}
@@ -413,7 +413,7 @@ def evaluate_run(
     if isinstance(venv, VecNormalize):
         stats = run.vecnormalize_for(model_path)
         if stats is None:
-            hint = "; --model final evaluates model.zip with its own" if model_path.name == run.BEST_MODEL else ""
+            hint = "; which='final' evaluates model.zip with its own" if model_path.name == run.BEST_MODEL else ""
             raise ConfigError(f"{run} normalised its observations, but {run.missing_vecnormalize(model_path)}{hint}")
         venv = load_vecnormalize(stats, venv.venv)
         venv.training, venv.norm_reward = False, False

@@ -277,11 +277,11 @@ class RunDir:
     def check_resumable(self) -> None:
         """Refuse, in one line, a ``--resume`` target that is no run dir: missing, a file, or without its config."""
         if self.path.exists() and not self.path.is_dir():
-            raise ConfigError(f"--resume: {self} is a file; give the run dir that holds config.yaml")
+            raise ConfigError(f"cannot resume {self}: it is a file; give the run dir that holds config.yaml")
         if not self.path.is_dir():
-            raise ConfigError(f"--resume: no such run dir: {self}")
+            raise ConfigError(f"cannot resume {self}: no such run dir")
         if not self.config.is_file():
-            raise ConfigError(f"--resume: {self} holds no config.yaml; is it a run dir written by sb3_gpu.train?")
+            raise ConfigError(f"cannot resume {self}: it holds no config.yaml; is it a run dir written by sb3_gpu.train?")
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

@@ -72,7 +72,8 @@ class RunOptions:
         if self.save_replay_buffer and algo_.on_policy:
             name = algo_.name
             raise ConfigError(
-                f"--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc); {name} keeps no replay buffer"
+                f"save_replay_buffer=True (--save-replay-buffer) is for off-policy algorithms (dqn, qrdqn, sac, td3, "
+                f"tqc); {name} keeps no replay buffer"
             )
 
     @classmethod
@@ -215,6 +216,7 @@ def resume_run(
         seed=seed,
         config=config,
         n_timesteps=timesteps,
+        override_source={"n_timesteps": "--timesteps (resume_run's timesteps=)"},
         steps_left=total - state.timesteps,
     )
     return _train(plan, run, options, state, output, config.seed)

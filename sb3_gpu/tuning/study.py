@@ -160,7 +160,11 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
             n_timesteps=settings.timesteps,
             vec_env=settings.vec_env,
             overrides={**params, **threads},
-            override_source={**{key: "search space" for key in params}, **{key: "--threads" for key in threads}},
+            override_source={
+                **{key: "search space" for key in params},
+                **{key: "--threads" for key in threads},
+                "n_timesteps": "--timesteps",
+            },
         )
     except ConfigError as e:  # an invalid combination (say batch_size > n_steps * n_envs): not a result
         trial.set_user_attr("invalid", str(e))

@@ -92,6 +92,10 @@ BAD_INPUTS = [
     (["ppo", "--env", "no_such_pkg.envs:MyEnv"], "cannot import module 'no_such_pkg.envs'"),
     (["ppo", "--timesteps", "0"], "--timesteps: expected a positive integer"),
     (["dqn", "--no-per", "--set", "per.alpha=0.5"], "--no-per turns prioritized replay off, and --set per.alpha sets"),
+    (["dqn", "--set", "per=false", "--set", "per.alpha=0.5"], "--set per=false turns prioritized replay off, and --set"),
+    (["dqn", "--set", "learning_rat=1e-3"], "error: --set: unknown key 'learning_rat'; did you mean 'learning_rate'"),
+    (["ppo", "--profile", "large"], "ppo.yaml:CartPole-v1 has no 'large' profile; accepted for it: auto, cpu, gpu"),
+    (["dqn", "--set", "policy_kwargs.net_arc=[64]"], "unknown key 'net_arc'; did you mean 'net_arch'? It is a preset key of"),
     (["ppo", "--n-envs", "4", "--set", "n_envs=2"], "--n-envs and --set n_envs both set n_envs; give one"),
     (["ppo", "--timesteps", "900", "--set", "n_timesteps=500"], "--timesteps and --set n_timesteps both set n_timesteps"),
     (["dqn", "--amp", "off", "--set", "amp=bf16"], "--amp and --set amp both set amp; give one"),
@@ -135,12 +139,12 @@ BAD_INPUTS = [
         ["ppo", "--set", "learning_rate={{schedule: linear, start: 1.0e-3, end: -1}}"],
         "learning_rate.end: expected a number >= 0",
     ),
-    (["ppo", "--save-replay-buffer"], "--save-replay-buffer is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc)"),
+    (["ppo", "--save-replay-buffer"], "(--save-replay-buffer) is for off-policy algorithms (dqn, qrdqn, sac, td3, tqc)"),
     # --resume: the run dir and what may be given with it
-    (["--resume", "{missing}"], "--resume: no such run dir"),
-    (["--resume", "{done}/config.yaml"], "config.yaml is a file; give the run dir that holds config.yaml"),
+    (["--resume", "{missing}"], ": no such run dir"),
+    (["--resume", "{done}/config.yaml"], "config.yaml: it is a file; give the run dir that holds config.yaml"),
     (["--resume", "{existing}"], "holds no config.yaml; is it a run dir written by sb3_gpu.train?"),
-    (["--resume", "{missing}", "--plan"], "--resume: no such run dir: "),  # what is wrong first, not the flag
+    (["--resume", "{missing}", "--plan"], "cannot resume "),  # what is wrong first, not the flag
     (["--resume", "{broken}"], "holds no readable model.zip or checkpoint to continue from"),
     (["--resume", "{done}"], "already trained 64 of 64 timesteps; pass --timesteps (resume_run's timesteps=) with a larger"),
     (["--resume", "{done}", "--timesteps", "10"], "already trained 64 of 10 timesteps"),

@@ -336,9 +336,10 @@ def test_per_for_an_on_policy_algorithm_is_an_error():
 
 
 def test_plain_dqn_is_plain_sb3_when_extensions_are_off():
-    model = make_model("dqn", "CartPole-v1", device="cpu", per=False, n_steps=1, net_arch=[8]).model
+    # compile off too: a loaded machine's probe may find the compiled step worth it, and that is an extension.
+    model = make_model("dqn", "CartPole-v1", device="cpu", per=False, n_steps=1, net_arch=[8], compile="false").model
     assert type(model) is DQN and type(model.replay_buffer) is ReplayBuffer
-    n_step = make_model("dqn", "CartPole-v1", device="cpu", per=False, net_arch=[8]).model  # the preset's n_steps: 3
+    n_step = make_model("dqn", "CartPole-v1", device="cpu", per=False, net_arch=[8], compile="false").model  # n_steps 3
     assert type(n_step) is DQN and type(n_step.replay_buffer) is NStepReplayBuffer and n_step.n_steps == 3
 
 
