@@ -188,7 +188,7 @@ def _make_plan(
         preset=args.preset,
         profile=args.profile,
         overrides=overrides,
-        override_source={**sources, "n_envs": "--n-envs", "n_timesteps": "--timesteps"},
+        override_source={"n_envs": "--n-envs", "n_timesteps": "--timesteps", **sources},
         config=config,
     )
 

@@ -188,6 +188,10 @@ CASES = [
     ),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides={1: 2}), "overrides' keys must be preset key names (str)"),
     (lambda: make_plan("dqn", "CartPole-v1", "cpu", overrides={"learning_rat": 1}), "overrides: unknown key 'learning_rat';"),
+    (  # the closest key is one policy_kwargs takes, not use_sde (a preset key of its own)
+        lambda: make_plan("ppo", "CartPole-v1", "cpu", overrides={"policy_kwargs": {"use_expl": True}}),
+        "policy_kwargs of MlpPolicy: unknown key 'use_expl'; did you mean 'use_expln'? (valid: ",
+    ),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", n_envs=2**40), "n_envs must be a positive int up to 2,147,483,647"),
     (lambda: make_plan("ppo", "CartPole-v1", "cpu", prober=3), "prober must be a Prober or None, got 3"),
     (

@@ -224,8 +224,11 @@ def check_policy_kwargs(algo: Algo, policy: str, kwargs: Mapping[str, Any], wher
         raise ConfigError(f"{where}: {algo.name} has no policy {policy!r}")
     accepted = set(inspect.signature(policy_class.__init__).parameters) - {"self", "observation_space", "action_space"}
     valid = accepted - {*_OWN_KEYS, "lr_schedule"}
+    own_keys = set(_OWN_KEYS) & accepted
     for key in kwargs:
-        if key not in valid and (own := closest(str(key), set(_OWN_KEYS) & accepted)):  # net_arc: net_arch, its own key
+        match = difflib.get_close_matches(str(key), [*valid, *own_keys], n=1, cutoff=0.6)
+        if key not in valid and match and match[0] in own_keys:  # net_arc: net_arch, a preset key of its own
+            own = closest(str(key), [match[0]])
             raise ConfigError(
                 f"{where}: policy_kwargs of {policy}: unknown key {key!r}{own} It is a preset key of its own: set it "
                 f"without policy_kwargs (valid in policy_kwargs: {', '.join(sorted(valid))})"
@@ -318,7 +321,8 @@ def resolve_preset(
         elif key == "per" and raw[key] is True and isinstance(values.get(key), Mapping):
             raw[key] = values[key]  # --per switches the preset's own PER settings on, not the defaults
     # Named as the user gave them: the CLI's --set, or make_plan's overrides.
-    given_as = "--set" if any(source == "--set" for _, source in overrides.values()) else "overrides"
+    labels = {source for _, source in overrides.values()}
+    given_as = next((label for label in ("--set", "search space") if label in labels), "overrides")
     values.update(validate_flat(algo, raw, given_as))
     check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], sources.get("policy_kwargs", entry_label))
     params = algo.params_class(**{f.name: values[f.name] for f in dataclasses.fields(algo.params_class)})

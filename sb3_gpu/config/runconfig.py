@@ -6,6 +6,7 @@ import importlib.util
 import os
 import site
 import sys
+import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,10 +71,15 @@ def config_env(config: RunConfig, env: Any, how: str, confirm: str) -> Any:
 
 
 def _installed_places() -> list[Path]:
-    """Where this Python's installed packages live (a virtual environment inside a project holding configs, say)."""
-    places = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()}
+    """The folders this Python's packages and standard library are installed in (a virtual environment inside a
+    project holding configs, say); not its prefix (``/usr`` holds far more than packages)."""
+    paths = sysconfig.get_paths()
+    places = {*site.getsitepackages(), site.getusersitepackages(), *(paths.get(k) for k in _LIBRARY_PATHS)}
     resolved = {Path(place).resolve() for place in places if place}
     return [place for place in resolved if place != Path(place.anchor)]  # never the whole file system
+
+
+_LIBRARY_PATHS = ("stdlib", "platstdlib", "purelib", "platlib")
 
 
 def _found_inside(module: str, folder: Path) -> str | None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import psutil
 import torch as th
@@ -295,7 +296,9 @@ def _check_same_spaces(path: Path, data: dict[str, Any], template: BaseAlgorithm
     in place of the run's own, say), read from what the zip records of them as text: their pickles are never loaded,
     and the template's own spaces stand in for them, so SB3's load would only fail at the weights' shapes."""
     for name in ("observation_space", "action_space"):
-        recorded, space = _space_text(data.get(name)), getattr(template, name)
+        if not isinstance(data.get(name), dict):  # not recorded: SB3's load says so itself
+            continue
+        recorded, space = _space_text(data[name]), getattr(template, name)
         if recorded is not None and recorded != _space_text(space):
             raise ConfigError(
                 f"{path} was trained on an env with {name.replace('_', ' ')} {recorded}; the env it is loaded with "
@@ -312,9 +315,11 @@ def _space_text(space: Any) -> str | None:
             return None
         name, shape = kind.group(1), space["_shape"]
         size, choices = space.get("n", space.get("nvec")), None
-    else:
+    elif isinstance(space, gym.spaces.Space):
         name, shape = type(space).__name__, space.shape
         size, choices = getattr(space, "n", getattr(space, "nvec", None)), None
+    else:
+        return None
     if size is not None:
         choices = " ".join(re.findall(r"\d+", str(size)))
     dims = None if shape is None else re.findall(r"\d+", str(shape))
@@ -369,7 +374,9 @@ def restore_vecnormalize(env: VecEnv, state: SavedState, run: RunDir) -> VecEnv:
     if not isinstance(env, VecNormalize):
         return env
     if state.vecnormalize is None:
-        raise ConfigError(f"--resume: {run} normalised observations but holds no statistics saved with {state.model.name}")
+        raise ConfigError(
+            f"cannot resume {run}: it normalised observations but holds no statistics saved with {state.model.name}"
+        )
     restored = load_vecnormalize(state.vecnormalize, env.venv)
     restored.training = True
     return restored

@@ -182,14 +182,14 @@ def resume_run(
     states = run.saved_states(on_skip=skipped.append)
     if not states:
         why = f" ({skipped[0]})" if skipped else ""
-        raise ConfigError(f"--resume: {run} holds no readable model.zip or checkpoint to continue from{why}")
+        raise ConfigError(f"cannot resume {run}: it holds no readable model.zip or checkpoint to continue from{why}")
     for message in skipped:
         output.warn(message)
     state = states[0]
     total = timesteps if timesteps is not None else int(config.hyperparameters.get("n_timesteps", 0))
     if state.timesteps >= total:
         raise ConfigError(
-            f"--resume: {run} already trained {state.timesteps:,} of {total:,} timesteps; "
+            f"cannot resume {run}: it already trained {state.timesteps:,} of {total:,} timesteps; "
             f"pass --timesteps (resume_run's timesteps=) with a larger total to train on"
         )
     seed = resumed_seed(config.seed, state.timesteps)
@@ -201,7 +201,7 @@ def resume_run(
             requested_device(config.device, detect_hardware())
         except ConfigError as e:  # a run moved to another machine: say how to go on here
             raise ConfigError(
-                f"--resume: {run}'s config.yaml: {e}; --resume takes --device (resume_run's device=) for where it trains now"
+                f"cannot resume {run}: its config.yaml: {e}; give --device (resume_run's device=) for where it trains now"
             ) from None
     plan = make_plan(
         config.algo,

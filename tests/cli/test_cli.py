@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -153,8 +154,8 @@ BAD_INPUTS = [
     (["--resume", "{done}", "--set", "n_steps=8"], "so --set cannot be given"),
     (["ppo", "--resume", "{done}"], "so the algorithm 'ppo' cannot be given"),
     # A run started on a GPU, resumed on a machine without one: --device says where it goes on.
-    (["--resume", "{on_gpu}", "--timesteps", "128"], "on_gpu's config.yaml: device 'cuda' asked for a CUDA GPU, but"),
-    (["--resume", "{on_gpu}", "--timesteps", "128"], "; --resume takes --device (resume_run's device=) for where it"),
+    (["--resume", "{on_gpu}", "--timesteps", "128"], "on_gpu: its config.yaml: device 'cuda' asked for a CUDA GPU, but"),
+    (["--resume", "{on_gpu}", "--timesteps", "128"], "; give --device (resume_run's device=) for where it"),
     (["--resume", "{done}", "--timesteps", "128", "--device", "cuda:1"], "device 'cuda:1' asked for a CUDA GPU, but"),
     (["--resume", "{done}", "--timesteps", "128", "--device", "tpu"], "unknown device 'tpu'; accepted: auto, cpu, cuda"),
     (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
@@ -489,6 +490,17 @@ def test_the_summary_says_what_span_the_current_speed_is_measured_over(window, s
         else f"500 env steps/s over the whole run, 900 env steps/s {span}"
     )
     assert f"{both}; 2.0 episodes/s" in console.export_text()
+
+
+def test_a_model_zip_that_records_no_spaces_is_left_to_sb3s_own_refusal():
+    import gymnasium as gym
+
+    from sb3_gpu.runs.saving import _check_same_spaces, _space_text
+
+    template = PPO("MlpPolicy", "CartPole-v1", _init_setup_model=False)
+    _check_same_spaces(Path("m.zip"), {}, template)  # nothing recorded: not compared (SB3's load refuses it)
+    _check_same_spaces(Path("m.zip"), {"observation_space": "Box(4,)"}, template)
+    assert _space_text(None) is None and _space_text([1, 2]) is None and _space_text(gym.spaces.Discrete(2)) == "Discrete(2)"
 
 
 def test_the_plan_names_the_flag_that_set_each_value():

@@ -313,7 +313,7 @@ def test_a_second_signal_before_any_save_removes_the_new_run_dir(tmp_path, monke
 
     monkeypatch.setattr("sb3_gpu.runs.training.train_run", stopped_while_building)
     run_dir = tmp_path / "run"
-    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress"]) == 130
+    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress", "--no-probe"]) == 130
     err = capsys.readouterr().err
     assert err == "error: stopped at once by a second signal before any model was saved; nothing was kept\n"
     assert not run_dir.exists()  # the same --run-dir works on the next try
@@ -326,7 +326,7 @@ def test_a_second_signal_with_only_a_best_model_names_it(tmp_path, monkeypatch, 
 
     monkeypatch.setattr("sb3_gpu.runs.training.train_run", stopped_after_an_evaluation)
     run_dir = tmp_path / "run"
-    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress"]) == 130
+    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress", "--no-probe"]) == 130
     assert capsys.readouterr().err.splitlines() == [
         f"error: stopped at once by a second signal; the best model so far is {run_dir / 'best_model.zip'}",
         f"error: to evaluate it: {command()} -m sb3_gpu.evaluate {run_dir}",
@@ -355,7 +355,7 @@ def test_a_second_signal_exits_with_its_own_status(tmp_path, monkeypatch, capsys
         raise StopNow(signal.SIGTERM)
 
     monkeypatch.setattr("sb3_gpu.runs.training.train_run", stopped_by_a_second_sigterm)
-    assert train_main(["ppo", "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 143
+    assert train_main(["ppo", "--run-dir", str(tmp_path / "run"), "--no-progress", "--no-probe"]) == 143
     assert "stopped at once by a second signal" in capsys.readouterr().err
 
 
@@ -369,7 +369,7 @@ def test_sigterm_before_training_began_removes_the_new_run_dir_and_exits_143(tmp
     monkeypatch.setattr("sb3_gpu.runs.training.train_run", terminated_while_building)
     before = signal.getsignal(signal.SIGTERM)
     run_dir = tmp_path / "run"
-    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress"]) == 143
+    assert train_main(["ppo", "--run-dir", str(run_dir), "--no-progress", "--no-probe"]) == 143
     assert capsys.readouterr().err == "error: stopped by SIGTERM before training began; nothing was saved\n"
     assert not run_dir.exists()  # not left behind with its lock
     assert signal.getsignal(signal.SIGTERM) is before
@@ -797,7 +797,7 @@ def test_a_device_buffer_larger_than_the_hosts_free_memory_is_not_copied_to_be_s
     model.learn(64)
     assert isinstance(model.replay_buffer, DeviceReplayBuffer)
     needed = model.replay_buffer._storage_bytes()
-    monkeypatch.setattr(DeviceReplayBuffer, "host_copy_bytes", lambda self: needed)  # as though on a GPU
+    monkeypatch.setattr(type(model.replay_buffer), "host_copy_bytes", lambda self: needed)  # as though on a GPU
     monkeypatch.setattr(saving, "_available_host_memory", lambda: needed)
     run = RunDir(tmp_path)
     lost = saving.save_state(model, run.final, replay_buffer=True)

@@ -133,7 +133,11 @@ def test_a_package_installed_in_a_virtual_environment_inside_the_configs_folder_
     config = runconfig.RunConfig("ppo", "installed_envs:MyEnv", "cpu", "auto", None, {}, str(tmp_path / "config.yaml"))
     with pytest.raises(ConfigError, match="whose module 'installed_envs' lies inside"):
         runconfig.config_env(config, None, "", "")
-    monkeypatch.setattr(runconfig.sys, "prefix", str(tmp_path / ".venv"))  # this Python's own environment
+    # A Python whose prefix holds the project (a distribution's /usr above /usr/src/app): the prefix is no package folder.
+    monkeypatch.setattr(runconfig.sys, "prefix", str(tmp_path))
+    with pytest.raises(ConfigError, match="whose module 'installed_envs' lies inside"):
+        runconfig.config_env(config, None, "", "")
+    monkeypatch.setattr(runconfig.site, "getsitepackages", lambda: [str(site_packages)])  # this Python's own packages
     assert runconfig.config_env(config, None, "", "") == "installed_envs:MyEnv"
 
 

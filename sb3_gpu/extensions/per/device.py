@@ -311,6 +311,13 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
             self._strata, self._beta = self._strata.to(device), self._beta.to(device)
             self.refused_updates = self.refused_updates.to(device)
 
+    def host_copy_bytes(self) -> int:
+        """The storage's bytes, as :class:`DeviceReplayBuffer`'s, and the trees' (their sums and minimums)."""
+        if self.device.type == "cpu":
+            return 0
+        tree = self.tree.sums.numel() * self.tree.sums.element_size() + self.tree.mins.numel() * self.tree.mins.element_size()
+        return super().host_copy_bytes() + tree
+
     def __getstate__(self) -> dict[str, Any]:
         self.last_max_weight  # noqa: B018 -- computes the pending figure, so the pickle holds it
         state = super().__getstate__()
