@@ -193,6 +193,10 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 f"--study-name {args.study_name!r}: it names a folder under tune/; accepted: letters, digits, '_', '.', '-' "
                 "(--study-dir chooses another folder)"
             )
+        # A database server is reached before the plan, so that a wrong address is said at once, not after the probe
+        # (a file storage is opened below, once the study dir it may lie in exists).
+        remote = args.storage is not None and not args.storage.startswith(("sqlite:", "journal:"))
+        given_storage = make_storage(args.storage, args.heartbeat) if remote else None
         threads = {} if args.threads is None else {"threads": args.threads}
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env, overrides=threads)
         budget = plan.preset.n_timesteps
@@ -218,7 +222,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         refuse_links(folder, "study dir", allowed=journal_lock(url))  # another worker may hold the journal's lock
         study = open_study(
             name,
-            make_storage(url, args.heartbeat),
+            given_storage if given_storage is not None else make_storage(url, args.heartbeat),
             sampler=args.sampler,
             pruner=args.pruner,
             timesteps=plan.preset.n_timesteps,
