@@ -197,7 +197,7 @@ class ThroughputCallback(BaseCallback):
         self._steps0, self._eval0 = 0, 0.0
         self._pace0: tuple[float, int] | None = None  # where the time left is measured from (time, steps)
         self._start = self._rollout_start = self._rollout_end = 0.0
-        self._grad_at_rollout_end = 0  # optimizer steps when the last rollout ended: did the gap after it train?
+        self._trained_at_rollout_end = (0, 0)  # optimizer steps and SB3's update count as the last rollout ended
         self._cpu: tuple[float, float | None] = (0.0, None)  # (since when, figure): CPU use, measured over >= 1 s
         self._next_report = 0.0
         self._process: Any = None
@@ -223,7 +223,7 @@ class ThroughputCallback(BaseCallback):
         self._eval0 = self.eval_callback.seconds if self.eval_callback is not None else 0.0
         self._start = time.perf_counter()
         self._rollout_end = self._start
-        self._grad_at_rollout_end = self._grad0
+        self._trained_at_rollout_end = self._trained()
         self._last = (self._start, self.counters.copy())
         self._next_report = self._start + (self.report_s or 0.0)
         self._cpu = (self._start, None)
@@ -241,10 +241,14 @@ class ThroughputCallback(BaseCallback):
         # One per gradient step: SAC's actor and critic each step once per gradient step (TD3's actor less often).
         return max((step.steps for step in self._optimizer_steps), default=0)
 
+    def _trained(self) -> tuple[int, int]:
+        # SB3's own count moves where every step of a training was skipped (fp16's first overflows), the steps do not.
+        return self._steps_taken(), int(getattr(self.model, "_n_updates", 0) or 0)
+
     def _count_gap(self, now: float) -> None:
-        # Training runs between one rollout and the next (with overlapped training, the wait for it); a gap that took
-        # no gradient step (before learning starts, say) is SB3's loop alone.
-        trained = self._steps_taken() > self._grad_at_rollout_end
+        # Training runs between one rollout and the next (with overlapped training, the wait for it); a gap that
+        # trained nothing (before learning starts, say) is SB3's loop alone.
+        trained = self._trained() != self._trained_at_rollout_end
         self.counters[self._TRAIN if trained else self._LOOP] += now - self._rollout_end
 
     def _on_rollout_start(self) -> None:
@@ -274,7 +278,7 @@ class ThroughputCallback(BaseCallback):
     def _on_rollout_end(self) -> None:
         now = time.perf_counter()
         self._rollout_end = now
-        self._grad_at_rollout_end = self._steps_taken()
+        self._trained_at_rollout_end = self._trained()
         self.counters[self._COLLECT] += now - self._rollout_start
         if now >= self._next_record:
             self._next_record = now + self.record_s
