@@ -9,6 +9,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -391,3 +392,29 @@ def measure_step_seconds(env: gym.Env, budget_s: float = 0.05, max_steps: int = 
         if terminated or truncated:
             env.reset()
     return float(np.median(times))
+
+
+def space_text(space: Any) -> str | None:
+    """A space's class and size as ``Box(17,)`` or ``Discrete(3)``, from the space or from SB3's JSON record of it
+    (None where the record says too little)."""
+    if isinstance(space, dict):  # the record: text fields beside the pickle
+        kind = re.search(r"\.(\w+)'>$", str(space.get(":type:", "")))
+        if kind is None or "_shape" not in space:
+            return None
+        name, shape = kind.group(1), space["_shape"]
+        size, choices = space.get("n", space.get("nvec")), None
+    elif isinstance(space, gym.spaces.Space):
+        name, shape = type(space).__name__, space.shape
+        size, choices = getattr(space, "n", getattr(space, "nvec", None)), None
+    else:
+        return None
+    if size is not None:
+        choices = " ".join(re.findall(r"\d+", str(size)))
+    dims = None if shape is None else re.findall(r"\d+", str(shape))
+    if choices is not None:
+        inside = choices
+    elif dims is None:
+        inside = ""
+    else:
+        inside = ",".join(dims) + ("," if len(dims) == 1 else "")
+    return f"{name}({inside})"

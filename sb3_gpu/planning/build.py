@@ -18,6 +18,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError, gist
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
+from sb3_gpu.envs.spec import space_text
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
@@ -202,18 +203,11 @@ class PresetModel(NamedTuple):
 def _check_env_fits(plan: Plan, env: VecEnv) -> None:
     """Refuse an env whose actions are not the plan's (one built for another env): its preset would not fit it."""
     space, planned = env.action_space, plan.action_space
-    if planned is not None and _action_kind(space) != _action_kind(planned):
+    if planned is not None and space_text(space) != space_text(planned):  # class, shape, choices: not a Box's bounds
         raise ConfigError(
             f"the env given to build_model has actions {space}, but the plan's env ({plan.env.name}) has {planned}: "
             "build the env with build_env(plan)"
         )
-
-
-def _action_kind(space: gym.spaces.Space) -> tuple[Any, ...]:
-    """What a preset's networks and noise depend on: the space's class, shape and choices, not a Box's bounds (SB3
-    rescales actions to them)."""
-    choices = getattr(space, "n", None) if isinstance(space, gym.spaces.Discrete) else getattr(space, "nvec", None)
-    return type(space).__name__, space.shape, None if choices is None else np.asarray(choices).tolist()
 
 
 def make_model(

@@ -3,13 +3,11 @@ models back without unpickling what is inside their zips."""
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 import psutil
 import torch as th
@@ -22,6 +20,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
+from sb3_gpu.envs.spec import space_text
 from sb3_gpu.extensions.replay import DeviceReplayBuffer, end_episodes_under_way, size_text
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
@@ -298,38 +297,12 @@ def _check_same_spaces(path: Path, data: dict[str, Any], template: BaseAlgorithm
     for name in ("observation_space", "action_space"):
         if not isinstance(data.get(name), dict):  # not recorded: SB3's load says so itself
             continue
-        recorded, space = _space_text(data[name]), getattr(template, name)
-        if recorded is not None and recorded != _space_text(space):
+        recorded, space = space_text(data[name]), getattr(template, name)
+        if recorded is not None and recorded != space_text(space):
             raise ConfigError(
                 f"{path} was trained on an env with {name.replace('_', ' ')} {recorded}; the env it is loaded with "
-                f"has {_space_text(space)}: evaluate or resume it on the env it trained on"
+                f"has {space_text(space)}: evaluate or resume it on the env it trained on"
             )
-
-
-def _space_text(space: Any) -> str | None:
-    """A space's class and size as ``Box(17,)`` or ``Discrete(3)``, from the space or from SB3's JSON record of it
-    (None where the record says too little)."""
-    if isinstance(space, dict):  # the record: text fields beside the pickle
-        kind = re.search(r"\.(\w+)'>$", str(space.get(":type:", "")))
-        if kind is None or "_shape" not in space:
-            return None
-        name, shape = kind.group(1), space["_shape"]
-        size, choices = space.get("n", space.get("nvec")), None
-    elif isinstance(space, gym.spaces.Space):
-        name, shape = type(space).__name__, space.shape
-        size, choices = getattr(space, "n", getattr(space, "nvec", None)), None
-    else:
-        return None
-    if size is not None:
-        choices = " ".join(re.findall(r"\d+", str(size)))
-    dims = None if shape is None else re.findall(r"\d+", str(shape))
-    if choices is not None:
-        inside = choices
-    elif dims is None:
-        inside = ""
-    else:
-        inside = ",".join(dims) + ("," if len(dims) == 1 else "")
-    return f"{name}({inside})"
 
 
 def _capturable_as_loaded(optimizer: th.optim.Optimizer, device: th.device) -> None:

@@ -495,12 +495,13 @@ def test_the_summary_says_what_span_the_current_speed_is_measured_over(window, s
 def test_a_model_zip_that_records_no_spaces_is_left_to_sb3s_own_refusal():
     import gymnasium as gym
 
-    from sb3_gpu.runs.saving import _check_same_spaces, _space_text
+    from sb3_gpu.envs.spec import space_text
+    from sb3_gpu.runs.saving import _check_same_spaces
 
     template = PPO("MlpPolicy", "CartPole-v1", _init_setup_model=False)
     _check_same_spaces(Path("m.zip"), {}, template)  # nothing recorded: not compared (SB3's load refuses it)
     _check_same_spaces(Path("m.zip"), {"observation_space": "Box(4,)"}, template)
-    assert _space_text(None) is None and _space_text([1, 2]) is None and _space_text(gym.spaces.Discrete(2)) == "Discrete(2)"
+    assert space_text(None) is None and space_text([1, 2]) is None and space_text(gym.spaces.Discrete(2)) == "Discrete(2)"
 
 
 def test_the_plan_names_the_flag_that_set_each_value():
