@@ -162,6 +162,8 @@ class ThroughputCallback(BaseCallback):
     # steps, in collection as a whole, in training, in periodic evaluation (which runs inside collection), and
     # between rollouts without a gradient step (SB3's loop before learning starts, or between off-policy updates).
     _STEPS, _EPISODES, _GRAD, _ENV, _COLLECT, _TRAIN, _EVAL, _LOOP = range(8)
+    # CPU use is measured over at least this many seconds (psutil measures since its previous call).
+    cpu_span_s = 1.0
 
     def __init__(
         self,
@@ -290,7 +292,7 @@ class ThroughputCallback(BaseCallback):
         self._count_gap(now)
         self._rollout_end = now
         self._sample(now)
-        self._record(now)
+        self._record(now, final=True)
         self.logger.dump(self.num_timesteps)
         self.close()
 
@@ -302,7 +304,7 @@ class ThroughputCallback(BaseCallback):
         self._optimizer_steps = []
 
     # ------------------------------------------------------------------ figures
-    def _record(self, now: float) -> None:
+    def _record(self, now: float, final: bool = False) -> None:
         figures: dict[str, float] = {}
         window = self.window.delta()
         last_t, last = self._last
@@ -331,9 +333,9 @@ class ThroughputCallback(BaseCallback):
             figures["buffer_fill"] = buffer.size() / buffer.buffer_size
         if self._process is not None:
             figures["rss_mib"] = self._process.memory_info().rss / 2**20
-            # psutil measures since its previous call: a record right after another (the last one) would measure
-            # a few milliseconds, so the figure is renewed once a second has passed.
-            if now - self._cpu[0] >= 1.0:
+            # A record right after another (the last one) would measure a few milliseconds, so the figure is
+            # renewed once cpu_span_s has passed; a run shorter than that is measured whole at its end.
+            if now - self._cpu[0] >= self.cpu_span_s or (final and self._cpu[1] is None):
                 self._cpu = (now, self._process.cpu_percent(None))
             if self._cpu[1] is not None:
                 figures["cpu_percent"] = self._cpu[1]

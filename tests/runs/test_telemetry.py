@@ -133,6 +133,16 @@ def test_time_before_learning_starts_is_not_training_and_the_last_cpu_figure_is_
     assert figures["cpu_percent"] > 10
 
 
+def test_a_run_shorter_than_the_cpu_span_is_measured_whole_at_its_end():
+    # CPU use is renewed once cpu_span_s has passed; a run that ends sooner (a short one on a fast machine) must still
+    # get its figure, measured over the whole run, or the dashboard's CPU chart stays empty.
+    model = DQN("MlpPolicy", "CartPole-v1", learning_starts=0, policy_kwargs={"net_arch": [16]})
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
+    callback.cpu_span_s = 1e9  # no record is a span apart: only the end measures
+    model.learn(500, callback=callback)
+    assert callback.latest["cpu_percent"] > 10  # the process was busy training the whole time
+
+
 def test_ppo_counts_optimizer_steps_of_every_minibatch(tmp_path):
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=128, batch_size=32, n_epochs=2, tensorboard_log=str(tmp_path))
     callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0)
