@@ -172,6 +172,13 @@ def _in_notebook() -> bool:
     return shell is not None and type(shell).__name__ in {"ZMQInteractiveShell", "Shell"}
 
 
+def host_available_bytes() -> int:
+    """The host memory available for new allocations without swapping (psutil's ``available``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def gpu_free_bytes(index: int) -> int | None:
     """The memory free for new tensors on CUDA device ``index``: the device's free memory and the blocks torch's
     allocator holds for this process but no tensor uses (asking makes this process's context there, on the device a

@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import numpy as np
-import psutil
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.buffers import BaseBuffer, ReplayBuffer
@@ -15,7 +14,7 @@ from stable_baselines3.common.utils import get_device
 from stable_baselines3.common.vec_env import VecNormalize
 
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.common.hardware import gpu_free_bytes
+from sb3_gpu.common.hardware import gpu_free_bytes, host_available_bytes
 from sb3_gpu.extensions.handoff import ObservationHandOff
 from sb3_gpu.extensions.hostcopy import copy_into, to_device
 
@@ -31,7 +30,7 @@ def _free_bytes(device: th.device) -> int | None:
     if device.type == "cuda":
         return gpu_free_bytes(device.index if device.index is not None else th.cuda.current_device())
     if device.type == "cpu":
-        return psutil.virtual_memory().available
+        return host_available_bytes()
     return None
 
 

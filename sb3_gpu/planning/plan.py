@@ -11,14 +11,13 @@ from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
-import psutil
 import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS, bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, closest, named
-from sb3_gpu.common.hardware import GPUInfo, HardwareProfile, detect_hardware, gpu_free_bytes
+from sb3_gpu.common.hardware import GPUInfo, HardwareProfile, detect_hardware, gpu_free_bytes, host_available_bytes
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
 from sb3_gpu.config.schema import ALGOS, PROFILES, get_algo
@@ -232,7 +231,7 @@ def make_plan(
         # A replay buffer on a GPU holds its transitions there (and checks the GPU's free memory as it allocates).
         on_gpu = buffers["buffers"] == "device" and chosen.device.device.startswith("cuda")
         # This machine's free memory; a what-if profile's RAM, where the hardware was given.
-        available = psutil.virtual_memory().available if hardware_detected else int(hardware.ram_gb * 2**30)
+        available = host_available_bytes() if hardware_detected else int(hardware.ram_gb * 2**30)
         memory_is = "available" if hardware_detected else "of RAM given"
         _check_sizes(resolved, facts, available if not on_gpu else None, memory_is, sb3_buffers=buffers["buffers"] == "host")
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import ReplayBuffer
@@ -18,6 +17,7 @@ from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.errors import ConfigError, named
+from sb3_gpu.common.hardware import host_available_bytes
 from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
 from sb3_gpu.envs.spec import space_text
@@ -145,15 +145,11 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
 _SAVE_SHARE = 0.8
 
 
-def _available_host_memory() -> int:
-    return int(psutil.virtual_memory().available)
-
-
 def host_memory_short(buffer: Any) -> str | None:
     """Why a device replay buffer cannot be copied to the host to be saved (its storage is larger than the host memory
     available to take it), or None where it can, or where nothing is copied (SB3's buffers, a buffer on the CPU)."""
     needed = buffer.host_copy_bytes() if isinstance(buffer, DeviceReplayBuffer) else 0
-    available = _available_host_memory()
+    available = host_available_bytes()
     if needed > _SAVE_SHARE * available:
         return (
             f"its {size_text(needed)} on {buffer.device} would be copied to host memory to be written, and only "

@@ -560,12 +560,13 @@ def test_bad_bench_input_is_refused_in_one_line_before_any_work(args, message, t
 def test_bench_step_counts_a_buffer_too_big_for_this_machine_with_a_smaller_one(tmp_path, capsys, monkeypatch):
     from types import SimpleNamespace
 
+    import psutil
+
     from sb3_gpu.benches import step
-    from sb3_gpu.planning import plan as plan_module
 
     # 100 KB free: DQN CartPole's 50,000 transitions do not fit, 64 do.
-    total = plan_module.psutil.virtual_memory().total
-    monkeypatch.setattr(plan_module.psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=100_000))
+    total = psutil.virtual_memory().total
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=total, available=100_000))
     args = ["step", "--cases", "dqn:CartPole-v1", "--out", str(tmp_path)]
     assert bench.main(args) == 2
     err = capsys.readouterr().err

@@ -201,10 +201,8 @@ def test_a_batch_larger_than_what_it_is_drawn_from_is_refused_or_flagged(cpu_mac
 def test_host_memory_bounds_a_replay_buffer_only_where_it_lives_on_the_host(cpu_machine, gpu_machine, monkeypatch):
     import psutil
 
-    from sb3_gpu.planning import plan as planning
-
     small = psutil.virtual_memory()._replace(available=2**20)  # 1 MiB free: a million CartPole transitions do not fit
-    monkeypatch.setattr(planning.psutil, "virtual_memory", lambda: small)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: small)
     big = {"buffer_size": 1_000_000}
     with pytest.raises(ConfigError, match=r"^buffer_size=1,000,000 needs 49.6 MiB of memory for its transitions"):
         make_plan("dqn", "CartPole-v1", "cpu", overrides={**big, "probe": False})  # this machine: its free memory

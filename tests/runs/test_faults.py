@@ -781,11 +781,11 @@ def test_a_device_buffer_larger_than_the_hosts_free_memory_is_not_copied_to_be_s
     elsewhere = DeviceReplayBuffer(1000, box, actions, "meta")
     assert elsewhere.host_copy_bytes() == 1000 * (2 * 250 + 2 + 3) * 4  # 2.0 MB
     assert DeviceReplayBuffer(1000, box, actions, "cpu").host_copy_bytes() == 0
-    monkeypatch.setattr(saving, "_available_host_memory", lambda: 2_000_000)
+    monkeypatch.setattr(saving, "host_available_bytes", lambda: 2_000_000)
     assert saving.host_memory_short(elsewhere) == (
         "its 1.9 MiB on meta would be copied to host memory to be written, and only 1.9 MiB is available"
     )
-    monkeypatch.setattr(saving, "_available_host_memory", lambda: 3_000_000)
+    monkeypatch.setattr(saving, "host_available_bytes", lambda: 3_000_000)
     assert saving.host_memory_short(elsewhere) is None  # 2.0 MB of 3.0: within the share a save may take
 
     # save_state keeps the model and says why the buffer is missing.
@@ -798,7 +798,7 @@ def test_a_device_buffer_larger_than_the_hosts_free_memory_is_not_copied_to_be_s
     assert isinstance(model.replay_buffer, DeviceReplayBuffer)
     needed = model.replay_buffer._storage_bytes()
     monkeypatch.setattr(type(model.replay_buffer), "host_copy_bytes", lambda self: needed)  # as though on a GPU
-    monkeypatch.setattr(saving, "_available_host_memory", lambda: needed)
+    monkeypatch.setattr(saving, "host_available_bytes", lambda: needed)
     run = RunDir(tmp_path)
     lost = saving.save_state(model, run.final, replay_buffer=True)
     assert lost is not None and lost.startswith("the replay buffer was not saved: its ") and "only" in lost
