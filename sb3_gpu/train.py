@@ -201,9 +201,13 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     table.add_column("", style="bold")
     table.add_column("")
     stopped = f" (stopped by {summary['stopped_by']})" if summary.get("stopped_by") else ""
+    # A resumed run's wall time and speeds are its last pass's, which the telemetry measured from the resume.
+    steps = summary.get("steps", summary["timesteps"])
+    resumed = steps < summary["timesteps"]
+    whole = "since the resume" if resumed else "over the whole run"
     rows = [
         ("timesteps", f"{summary['timesteps']:,}{stopped}"),
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("wall time", f"{summary['wall_time_s']:.1f} s" + (f" ({steps:,} steps since the resume)" if resumed else "")),
     ]
     if "final_eval_mean" in summary:
         rows.append(
@@ -216,16 +220,16 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     if summary.get("best") is not None:
         rows.append(("best eval", f"best_model.zip: {summary['best']['chosen']}"))
     tp = summary.get("throughput") or {}
-    speed = f"{summary['steps_per_s']:,.0f} env steps/s over the whole run" if summary.get("steps_per_s") else "-"
+    speed = f"{summary['steps_per_s']:,.0f} env steps/s {whole}" if summary.get("steps_per_s") else "-"
     if "env_steps_per_s" in tp:
         # The telemetry's window (30 s) leaves out the first seconds, and a short run is measured whole.
         if "window_s" in tp:
-            span = "over the whole run" if tp.get("window_whole") else f"over the last {tp['window_s']:,.0f} s"
+            span = whole if tp.get("window_whole") else f"over the last {tp['window_s']:,.0f} s"
         else:  # a summary written before the telemetry said its window
             wall = summary["wall_time_s"]
-            span = "over the last 30 s" if wall >= 35 else "after the first 5 s" if wall >= 10 else "over the whole run"
+            span = "over the last 30 s" if wall >= 35 else "after the first 5 s" if wall >= 10 else whole
         now = f"{tp['env_steps_per_s']:,.0f} env steps/s {span}"
-        speed = now if span == "over the whole run" or speed == "-" else f"{speed}, {now}"
+        speed = now if span == whole or speed == "-" else f"{speed}, {now}"
         speed += f"; {tp['episodes_per_s']:.1f} episodes/s"
     rows.append(("speed", speed))
     if "share_env" in tp:

@@ -409,6 +409,7 @@ def _summary(plan: Plan, model: BaseAlgorithm, outcome: Outcome) -> dict[str, An
         "device": plan.device.device,
         "vec_env": type(env.unwrapped).__name__ if env is not None else None,
         "timesteps": outcome.timesteps,
+        "steps": outcome.steps,  # this pass's: fewer than timesteps after a resume
         "wall_time_s": round(outcome.wall_s, 2),
         "steps_per_s": round(outcome.steps_per_s, 1) if outcome.steps_per_s is not None else None,
         "interrupted": outcome.interrupted,

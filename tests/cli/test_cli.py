@@ -492,6 +492,23 @@ def test_the_summary_says_what_span_the_current_speed_is_measured_over(window, s
     assert f"{both}; 2.0 episodes/s" in console.export_text()
 
 
+def test_a_resumed_runs_summary_says_its_time_and_speeds_are_since_the_resume(tmp_path):
+    from rich.console import Console
+
+    from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.train import summary_table
+
+    # 1M timesteps of which this pass trained 200,000 in 1,000 s: not "the whole run" (its first pass is not counted).
+    throughput = {"env_steps_per_s": 210.0, "episodes_per_s": 0.2, "window_s": 30.0, "window_whole": 0.0}
+    summary = {"timesteps": 1_000_000, "steps": 200_000, "wall_time_s": 1000.0, "steps_per_s": 200.0, "model": "m.zip"}
+    console = Console(record=True, width=200)
+    console.print(summary_table({**summary, "throughput": throughput}, RunDir(tmp_path)))
+    text = console.export_text()
+    assert "1000.0 s (200,000 steps since the resume)" in text
+    assert "200 env steps/s since the resume, 210 env steps/s over the last 30 s; 0.2 episodes/s" in text
+    assert "whole run" not in text
+
+
 def test_a_model_zip_that_records_no_spaces_is_left_to_sb3s_own_refusal():
     import gymnasium as gym
 
