@@ -113,7 +113,9 @@ class Launcher(CartPoleEnv):
         import subprocess
         import sys
 
-        program = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        time.sleep(0.5)  # under way
+        code = "import time; print('up', flush=True); time.sleep(60)"
+        program = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert program.stdout is not None and program.stdout.readline() == "up\n"  # under way: its own process
         program.terminate()
-        return program.wait(timeout=20)
+        with program.stdout:
+            return program.wait(timeout=20)

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import warnings
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -277,7 +278,8 @@ def test_no_worker_outlives_its_parent(tmp_path, how):
             proc.communicate()
 
 
-def _sleep() -> None:
+def _sleep(started: Any) -> None:
+    started.set()  # the target runs: the fork's hooks (SIGTERM's default back) have run
     time.sleep(60)
 
 
@@ -294,9 +296,11 @@ def test_sigterm_still_stops_the_programs_an_env_starts_and_others_processes_fro
     try:
         assert type(venv).__name__ == {"subproc": "SubprocVecEnv", "batched": "BatchedSubprocVecEnv"}[vec_env]
         assert venv.env_method("stop_a_program", indices=[1]) == [-signal.SIGTERM]
-        process = mp.get_context("forkserver").Process(target=_sleep, daemon=True)
+        context = mp.get_context("forkserver")
+        started = context.Event()
+        process = context.Process(target=_sleep, args=(started,), daemon=True)
         process.start()
-        time.sleep(0.5)
+        assert started.wait(60)  # a signal before then would test nothing of the process's own handling
         process.terminate()
         process.join(20)
         assert process.exitcode == -signal.SIGTERM
