@@ -384,7 +384,10 @@ def entropy_optimizer(model: BaseAlgorithm) -> th.optim.Optimizer | None:
 
 def optimizer_steps(model: BaseAlgorithm) -> list[OptimizerStep]:
     """The :class:`OptimizerStep` of every optimizer of ``model``'s policy, and of its entropy coefficient's."""
-    steps = [optimizer_step(o, model.policy) for o in policy_optimizers(model.policy)]
+    # The learner's policy: where training overlaps collection, ``model.policy`` is the actor copy during collection
+    # (SB3 writes its logs there), and the copy has no optimizers.
+    policy = model.__dict__.get("policy", model.policy)
+    steps = [optimizer_step(o, policy) for o in policy_optimizers(policy)]
     entropy = entropy_optimizer(model)
     if entropy is not None:
         steps.append(optimizer_step(entropy, names={id(model.log_ent_coef): "log_ent_coef"}))  # type: ignore[attr-defined]

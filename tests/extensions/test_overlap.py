@@ -346,3 +346,23 @@ def test_a_training_normalises_with_the_statistics_of_its_submission_while_the_e
     # but the last training, after which the envs stop).
     assert all(not is_live and before == after for is_live, before, after, _ in seen), seen[:3]
     assert all(now > after for _, _, after, now in seen[:-1]), seen[:3]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_skipped_on_the_device_for_a_nan_stops_the_run_at_a_log_write_overlapped_or_not(overlap):
+    # SB3 writes its logs from inside the collection, where the overlapped model's policy is the actor copy, which has
+    # no optimizers: the NaN guard's flags must still be read there (from the learner's), not at the end of learn.
+    from sb3_gpu.common.errors import TrainingDiverged
+    from sb3_gpu.extensions.stepping import optimizer_steps
+    from sb3_gpu.runs.callbacks import NanGuard
+    from tests.fault_envs import FaultyCartPoleV1
+
+    env = make_vec_env(FaultyCartPoleV1, n_envs=1, seed=0, env_kwargs={"nan_at": 600})
+    policy_kwargs = {**POLICY, "optimizer_kwargs": {"fused": True}}  # a fused Adam skips a NaN step on the device
+    model = PrioritizedDQN(
+        "MlpPolicy", env, **SMALL, overlap_training=overlap, seed=0, device="cpu", policy_kwargs=policy_kwargs
+    )
+    assert all(step.skips_on_device for step in optimizer_steps(model))
+    with pytest.raises(TrainingDiverged, match=r"NaN or inf at \d"):
+        model.learn(20_000, callback=NanGuard(), log_interval=1)  # a log write at the end of every episode
+    assert 600 <= model.num_timesteps < 1_500  # within a few episodes of the first NaN reward, not 20,000 steps on
