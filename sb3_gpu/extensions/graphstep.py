@@ -263,10 +263,13 @@ class Descent:
                 grads = [g * coef if g is not None else None for g in grads]
             applied, overflow = self.adam.apply(grads, self.lr, ok if gate is None else ok & gate)
             found = ~applied if gate is None else gate & ~applied
-            if scale is not None and self.scaler is not None:
-                # As the host's rule: above a scale of 1 a non-finite gradient is an overflow, the scale's to handle.
-                real = found & (scale <= 1.0)
-                self.scaler.update_on_device(found, taken=gate)
+            if scale is not None and self.scaler is not None and self.scaler.tensors is not None:
+                # As the host's rule: above a scale of 1 a non-finite gradient is an overflow, the scale's to handle
+                # (the scale itself, not the one multiplied for micro-batches). A finite gradient whose update made a
+                # weight non-finite is no overflow: the guard's, and the scale stays.
+                grad_inf = ~ok if gate is None else gate & ~ok
+                real = found & ~(grad_inf & (self.scaler.tensors[0] > 1.0))
+                self.scaler.update_on_device(grad_inf, taken=gate)
                 found = real
             # The first parameter whose gradient, else whose update, was not finite; past the names where only the
             # loss was not (compiled, its NaN can reach the gradients as zeros).

@@ -34,8 +34,9 @@ class PolicyNetworks:
     :ivar compute: modules with parameters whose forward passes do the policy's math
     :ivar loss_facing: those whose outputs feed the loss directly (the DQN family's Q-networks)
     :ivar loss_methods: policy methods whose outputs feed the loss (PPO's ``evaluate_actions``)
-    :ivar value_heads: the last linear layer of each Q-network (and of TD3's actor): its outputs are the values that
-        bootstrap targets and pick actions, so AMP keeps it in float32
+    :ivar value_heads: the last linear layer of each Q-network (and of TD3's actor), and PPO's value and action
+        heads: their outputs are the values that bootstrap targets and pick actions, or the distribution's
+        parameters, so AMP keeps them in float32
     """
 
     compute: list[th.nn.Module]
@@ -76,7 +77,10 @@ def policy_networks(model: BaseAlgorithm) -> PolicyNetworks:
     if hasattr(policy, "evaluate_actions") and hasattr(policy, "mlp_extractor"):
         found = {id(m): m for name in _ACTOR_CRITIC if isinstance(m := getattr(policy, name, None), th.nn.Module)}
         compute = [m for m in found.values() if any(True for _ in m.parameters())]
-        return PolicyNetworks(compute, [], ["evaluate_actions"])
+        # The value and the action distribution's parameters: a bf16 value of 80 moves in steps of 0.5 (noise in
+        # every advantage), and a bf16 Gaussian mean or logit makes the probability ratio jump in steps.
+        heads = [m for name in ("value_net", "action_net") if isinstance(m := getattr(policy, name, None), th.nn.Linear)]
+        return PolicyNetworks(compute, [], ["evaluate_actions"], heads)
     raise ConfigError(
         f"AMP and compile support actor-critic (PPO, A2C, SAC, TD3, TQC) and DQN-family policies, not {type(policy).__name__}"
     )

@@ -162,7 +162,8 @@ class ThroughputCallback(BaseCallback):
     # steps, in collection as a whole, in training, in periodic evaluation (which runs inside collection), and
     # between rollouts without a gradient step (SB3's loop before learning starts, or between off-policy updates).
     _STEPS, _EPISODES, _GRAD, _ENV, _COLLECT, _TRAIN, _EVAL, _LOOP = range(8)
-    # CPU use is measured over at least this many seconds (psutil measures since its previous call).
+    # CPU use is measured over at least this many seconds (psutil measures since its previous call), or over the
+    # whole of a run that ends sooner.
     cpu_span_s = 1.0
 
     def __init__(
@@ -200,7 +201,7 @@ class ThroughputCallback(BaseCallback):
         self._pace0: tuple[float, int] | None = None  # where the time left is measured from (time, steps)
         self._start = self._rollout_start = self._rollout_end = 0.0
         self._trained_at_rollout_end = (0, 0)  # optimizer steps and SB3's update count as the last rollout ended
-        self._cpu: tuple[float, float | None] = (0.0, None)  # (since when, figure): CPU use, measured over >= 1 s
+        self._cpu: tuple[float, float | None] = (0.0, None)  # (since when, figure): CPU use, see cpu_span_s
         self._next_report = 0.0
         self._process: Any = None
         self._last: tuple[float, np.ndarray] = (0.0, self.counters.copy())  # the latest sample, warm-up or not

@@ -220,6 +220,28 @@ def test_bf16_keeps_the_q_values_in_float32(cls, head):
     assert (values - plain(obs)).abs().max() < 0.5  # the same network, up to the hidden layer's bf16 rounding
 
 
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_bf16_keeps_ppos_value_and_action_heads_in_float32(env_id):
+    """The hidden layers run in bf16; the value and the distribution's parameters (logits, Gaussian mean) come out of
+    float32 layers: a bf16 value of 80 moves in steps of 0.5, noise in every advantage, and a bf16 mean makes the
+    probability ratio jump in steps."""
+    model = PPO("MlpPolicy", env_id, device="cpu", seed=0, **SMALL_PPO)
+    policy = model.policy
+    enable_amp(model, "bf16")
+    seen: dict[str, th.dtype] = {}
+    for name in ("value_net", "action_net"):
+        getattr(policy, name).register_forward_hook(lambda m, i, out, name=name: seen.__setitem__(name, out.dtype))
+    policy.mlp_extractor.value_net[0].register_forward_hook(lambda m, i, out: seen.__setitem__("hidden", out.dtype))
+    with th.no_grad():
+        policy.value_net.bias.fill_(80.0)
+    obs = th.as_tensor(np.random.default_rng(0).normal(size=(256, *model.observation_space.shape)), dtype=th.float32)
+    actions = th.as_tensor(np.stack([model.action_space.sample() for _ in range(256)]))
+    values, log_prob, _ = policy.evaluate_actions(obs, actions)
+    assert seen == {"hidden": th.bfloat16, "value_net": th.float32, "action_net": th.float32}
+    assert len(th.unique(values)) > 250  # in bf16: a handful, 0.5 apart
+    assert len(th.unique(log_prob)) > 100
+
+
 def test_a_deep_copy_of_an_amp_policy_runs_its_own_weights():
     model = DQN("MlpPolicy", "CartPole-v1", policy_kwargs={"net_arch": [16]}, device="cpu")  # bf16 autocast on the CPU
     enable_amp(model, "bf16")
@@ -417,7 +439,7 @@ def test_compile_failure_falls_back_with_the_reason(monkeypatch):
 def test_a_compile_failure_keeps_amps_forward(monkeypatch):
     # apply_speed enables AMP, then compiles: a fallback must leave the autocast wrapper, or the run trains in fp32
     # while its plan says bf16.
-    from sb3_gpu.extensions.amp import _amp_forward
+    from sb3_gpu.extensions.amp import _amp_forward, _full_precision_forward
 
     model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
     enable_amp(model, "bf16")
@@ -428,8 +450,8 @@ def test_a_compile_failure_keeps_amps_forward(monkeypatch):
     monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", broken)
     with pytest.warns(UserWarning, match="torch.compile failed"):
         compile_policy(model, "default", 32)
-    for module in (model.policy.mlp_extractor, model.policy.action_net):
-        assert module._compiled_call_impl is None and vars(module)["forward"].__func__ is _amp_forward
+    for module, forward in ((model.policy.mlp_extractor, _amp_forward), (model.policy.action_net, _full_precision_forward)):
+        assert module._compiled_call_impl is None and vars(module)["forward"].__func__ is forward
     model.learn(64)
 
 

@@ -639,6 +639,51 @@ def test_a_non_finite_gradient_names_its_parameter():
         settle_guards(types.SimpleNamespace(policy=net))
 
 
+def test_an_fp16_step_whose_update_overflows_a_weight_is_the_guards_not_the_loss_scales():
+    # Finite loss and gradients, a float32 weight made infinite by the update: a divergence, not an fp16 overflow. The
+    # scale must not back off (it would hide the divergence until it fell to 1) and the guard names the weight.
+    weight = th.nn.Parameter(th.full((1,), 3.0e38))
+    optimizer = th.optim.Adam([weight], lr=1e38)
+    guard = optimizer_step(optimizer, names={id(weight): "w"})
+    scale = LossScale(init_scale=2.0**16)
+    guard.scale_losses(scale)
+    guard.on_non_finite = lambda name: TrainingDiverged(f"[{name}]")
+    descent = Descent(optimizer, guard, max_grad_norm=None)
+    descent.prepare()
+    descent(-(weight.sum() * 1e-30))  # loss -3e8, gradient -1e-30 per unit: Adam's step of lr overflows the weight
+    descent.finish(stepped=True)
+    assert th.equal(weight.detach(), th.full((1,), 3.0e38))  # skipped
+    assert scale.scale == 2.0**16 and scale.skipped_steps == 0
+    with pytest.raises(TrainingDiverged, match=r"^\[update of w\]$"):
+        settle_guards(types.SimpleNamespace(policy=_holder(optimizer)))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_an_fp16_nan_at_a_scale_of_one_is_named_at_once_however_many_micro_batches_accumulate(micro_batches):
+    # At a scale of 1 a non-finite gradient is no overflow: the eager step's rule, which must not read the scale
+    # multiplied by the micro-batches (at 4, a real NaN went unnamed until the scale fell to a quarter).
+    weight = th.nn.Parameter(th.ones(3))
+    optimizer = th.optim.Adam([weight], lr=1e-3)
+    guard = optimizer_step(optimizer, names={id(weight): "w"})
+    if micro_batches > 1:
+        guard.accumulate(micro_batches)
+    guard.scale_losses(LossScale(init_scale=1.0))
+    guard.on_non_finite = lambda name: TrainingDiverged(f"[{name}]")
+    descent = Descent(optimizer, guard, None, accumulates=micro_batches > 1)
+    descent.prepare()
+    descent(weight.sum() * float("nan"))
+    descent.finish(stepped=True)
+    with pytest.raises(TrainingDiverged, match=r"^\[w\]$"):
+        settle_guards(types.SimpleNamespace(policy=_holder(optimizer)))
+
+
+def _holder(optimizer: th.optim.Optimizer) -> th.nn.Module:
+    """A module holding ``optimizer``, where settle_guards looks for a policy's optimizers."""
+    holder = th.nn.Module()
+    holder.optimizer = optimizer  # type: ignore[assignment]
+    return holder
+
+
 @pytest.mark.parametrize("poisoned_first", ["compiled", "fused"])
 def test_the_guard_names_the_right_parameter_when_a_run_switches_between_the_compiled_and_the_fused_step(poisoned_first):
     # A run can leave the compiled step for torch's fused one (accumulation switched on, a loss scale swapped) and come

@@ -738,9 +738,9 @@ def test_nan_rewards_stop_training_before_the_weights_turn_nan(tmp_path, algo, o
 @pytest.mark.heavy
 @pytest.mark.parametrize("algo", ["sac", "td3", "tqc"])
 def test_nan_rewards_stop_continuous_control_before_any_weight_turns_nan(tmp_path, algo):
-    # Eager: timed on a slower machine, the probe would compile the step (a minute on the CPU) and test that path.
+    # Eager and fp32: timed on a slower machine, the probe would compile the step (a minute on the CPU) or take bf16.
     overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "env_kwargs": {"nan_at": 300}}
-    overrides["compile"] = "false"
+    overrides.update(compile="false", amp="off")
     plan = make_plan(algo, "tests.fault_envs:NanPendulum", "cpu", n_timesteps=5_000, vec_env="dummy", overrides=overrides)
     with pytest.raises(TrainingDiverged, match=r"the gradient of critic.* is NaN or inf"):
         train_run(plan, tmp_path, eval_freq=100_000, checkpoint_freq=200, progress=False, report_s=None)
@@ -756,9 +756,9 @@ def test_nan_rewards_stop_continuous_control_before_any_weight_turns_nan(tmp_pat
 
 @pytest.mark.heavy
 def test_a_replay_buffer_holding_a_nan_reward_is_not_saved_for_a_resume_to_stop_on_again(tmp_path):
-    # Eager: timed on a slower machine, the probe would compile the step (a minute on the CPU) and test that path.
+    # Eager and fp32: timed on a slower machine, the probe would compile the step (a minute on the CPU) or take bf16.
     overrides = {"learning_starts": 100, "batch_size": 32, "net_arch": [32, 32], "env_kwargs": {"nan_at": 300}}
-    overrides["compile"] = "false"
+    overrides.update(compile="false", amp="off")
     plan = make_plan("sac", "tests.fault_envs:NanPendulum", "cpu", n_timesteps=5_000, vec_env="dummy", overrides=overrides)
     with pytest.raises(TrainingDiverged):
         train_run(

@@ -52,12 +52,12 @@ CASES = {
 def test_cartpole_preset_reaches_475(case, tmp_path):
     algo, amp, overrides = CASES[case]
     device = "cpu" if {"device_buffers", "overlap_training"} & set(overrides) else "auto"
-    # Eager unless the case is about compiling, and DummyVecEnv: the probe's choice and the vec env's follow the
-    # machine's speed and load (a loaded one times a slower eager step, and compiles; slower env steps take EnvPool),
-    # and the seed would not fix the trajectories.
-    overrides = {"amp": amp, "compile": "false", **overrides}
+    # Eager unless the case is about compiling, fp32 unless it is about bf16, and DummyVecEnv: the probe's choices and
+    # the vec env's follow the machine's speed and load (a loaded one times a slower eager step, and compiles; slower
+    # env steps take EnvPool), and the seed would not fix the trajectories. (On this CPU, auto takes fp32 and eager.)
+    overrides = {"amp": "off" if amp == "auto" else amp, "compile": "false", **overrides}
     plan = make_plan(algo, "CartPole-v1", device=device, seed=SEED, vec_env="dummy", overrides=overrides)
-    assert plan.speed is not None and (amp == "auto" or plan.speed.amp == amp)
+    assert plan.speed is not None and plan.speed.amp == overrides["amp"]
     if "device_buffers" in overrides:
         assert plan.buffers == "device"
     if "overlap_training" in overrides:
@@ -91,8 +91,8 @@ SHORT_RUNS = {"dqn": 6000, "qrdqn": 6000, "ppo": 8000}
 def test_evaluate_agrees_with_the_reported_best_before_the_env_is_solved(algo, tmp_path):
     gaps, variances, unsolved = [], [], 0
     for seed in range(SEED, SEED + 4):
-        # Eager and DummyVecEnv whatever the machine's speed (as above)
-        eager = {"compile": "false"}
+        # Eager, fp32 and DummyVecEnv whatever the machine's speed (as above)
+        eager = {"compile": "false", "amp": "off"}
         plan = make_plan(algo, "CartPole-v1", "cpu", seed=seed, n_timesteps=SHORT_RUNS[algo], vec_env="dummy", overrides=eager)
         summary = train_run(plan, tmp_path / str(seed), progress=False, report_s=None)
         fresh = evaluate_run(tmp_path / str(seed), episodes=EPISODES, seed=seed + FRESH_SEED_OFFSET)
