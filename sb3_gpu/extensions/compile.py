@@ -16,7 +16,7 @@ from stable_baselines3.common import preprocessing
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_gpu.common.errors import ConfigError, named
-from sb3_gpu.extensions.networks import policy_networks, steps_one_optimizer
+from sb3_gpu.extensions.networks import narrow_linears, policy_networks, steps_one_optimizer
 
 
 class CompileFallbackWarning(UserWarning):
@@ -95,6 +95,9 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
         )
     modules = policy_networks(model).compute
     python_int_spaces(model.policy)
+    # Narrow heads before the trial compiles: the compiled gradient step narrows them too (compile_step), and a class
+    # changed after the trial would fail every compiled network's type guard and compile it again (30-60 s on a CPU).
+    narrow_linears(model.policy)
     th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
     wrapped = {id(m): vars(m).get("forward") for m in modules}  # AMP's wrapper where enable_amp set one
     try:

@@ -22,6 +22,8 @@ from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.amp import amp_state, enable_amp
 from sb3_gpu.extensions.compile import compile_policy
 from sb3_gpu.extensions.hostreads import HostReads, no_argument_checks
+from sb3_gpu.extensions.networks import NarrowLinear, narrow_linears
+from sb3_gpu.extensions.per import PrioritizedDQN
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model, fused
@@ -463,6 +465,25 @@ def test_compile_for_real_keeps_state_dict_keys_and_trains():
     assert model.policy.mlp_extractor._compiled_call_impl is not None
     assert set(model.policy.state_dict()) == keys, "saved models load in plain SB3"
     model.learn(128)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("amp", [None, "bf16"])
+def test_the_networks_compiled_by_the_trial_are_the_ones_training_runs_not_compiled_again(amp):
+    # The compiled gradient step narrows the heads (NarrowLinear); done after the trial, the class change failed each
+    # compiled network's type guard and compiled it again on its first use.
+    model = PrioritizedDQN("MlpPolicy", "CartPole-v1", device="cpu", policy_kwargs={"net_arch": [16]}, learning_starts=0)
+    if amp:
+        enable_amp(model, amp)
+    assert compile_policy(model, "default", 32) is None
+    graphs = th._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    narrow_linears(model.policy)  # what compile_step does first: the heads are narrow already
+    with th.no_grad():
+        model.policy.q_net(th.zeros(1, 4))  # a rollout's forward, as the trial ran it
+    model.policy.q_net(th.zeros(32, 4)).sum().backward()  # a training batch's
+    assert graphs["unique_graphs"] == before
+    assert type(model.policy.q_net.q_net[-1]) is NarrowLinear
 
 
 @pytest.mark.heavy
