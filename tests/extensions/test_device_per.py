@@ -231,11 +231,21 @@ def test_setting_the_device_moves_the_trees():
     assert devices == {"meta"}
 
 
-def test_reset_empties_the_trees():
-    buffer = DevicePrioritizedReplayBuffer(8, OBS, ACT, "cpu")
-    fill(buffer, 5)
+@pytest.mark.parametrize("cls", [PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer])
+def test_reset_empties_the_priorities_and_samples_only_what_is_added_after(cls):
+    # SB3's reset only rewinds the position: the old priorities would draw the old transitions' slots, or slots past
+    # the new size.
+    buffer = cls(16, OBS, ACT, "cpu")
+    fill(buffer, 10)
+    buffer.update_priorities(np.arange(10), np.full(10, 50.0))
     buffer.reset()
     assert float(buffer.tree.total) == 0 and float(buffer.tree.min) == np.inf
+    assert float(buffer.max_priority) == 1.0  # the old transitions' largest TD error is not the new ones' start
+    fill(buffer, 2)
+    samples = buffer.sample(64)
+    assert set(np.asarray(samples.indices).tolist()) <= {0, 1}
+    assert set(samples.observations[:, 0].tolist()) <= {0.0, 1.0}
+    assert float(buffer.tree.total) == pytest.approx(2.0)  # two new leaves at max_priority ** alpha = 1
 
 
 def test_bad_per_values_are_the_host_buffers_errors():

@@ -91,6 +91,13 @@ class PrioritizedReplayBuffer(ReplayBuffer):
         self.max_priority = 1.0  # before alpha
         self.last_max_weight = 1.0
 
+    def reset(self) -> None:
+        """Empty the buffer: its priorities too, or it would sample the old transitions' slots."""
+        super().reset()
+        if getattr(self, "tree", None) is not None:  # SB3's __init__ resets before the tree exists
+            self.tree.clear()
+            self.max_priority, self.last_max_weight = 1.0, 1.0
+
     def add(
         self,
         obs: np.ndarray,

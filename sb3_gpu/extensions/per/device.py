@@ -342,6 +342,10 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
         super().reset()
         if getattr(self, "tree", None) is not None:
             self.tree.clear()
+            # In place: a compiled step holds these tensors' addresses.
+            self.max_priority.fill_(1.0)
+            self._new_leaf.copy_(self.max_priority**self.alpha)
+            self._last_max_weight.fill_(1.0)
 
     def add(
         self,

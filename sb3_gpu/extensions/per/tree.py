@@ -86,6 +86,11 @@ class SumMinTree:
         self._strict_lower = np.tril(np.ones((fanout, fanout)), -1)  # exclusive running sums as one small matmul
         self._make_views()
 
+    def clear(self) -> None:
+        """Empty every leaf (the views stay those of the same arrays)."""
+        self._sums.fill(0.0)
+        self._mins.fill(np.inf)
+
     def _make_views(self) -> None:
         self.sums = [self._sums[o : o + n] for o, n in zip(self._sum_offsets, self._sizes, strict=True)]
         self.mins = [self._mins[o : o + n] for o, n in zip(self._min_offsets, self._sizes[1:], strict=True)]
