@@ -106,6 +106,8 @@ def enable_amp(model: BaseAlgorithm, mode: str, *, init_scale: float = 2.0**16, 
             "would have to span the several optimizers a step takes; use bf16 or off"
         )
     scaler = LossScale(init_scale, growth_interval=growth_interval) if mode == "fp16" else None
+    if scaler is not None:  # a loaded model goes on from the scale its run reached (see record_loss_scale)
+        scaler.load_state(getattr(model, _SAVED_SCALE, None))
     state = AmpState(mode, device_type, scaler)
     for module in networks.compute:
         setattr(module, "_sb3_gpu_amp_module", state)  # noqa: B010 - plain attributes, not nn.Module state
@@ -140,6 +142,18 @@ def _scale_logger(model: BaseAlgorithm, scaler: LossScale) -> Any:
         algo.logger.record("amp/skipped_steps", scaler.skipped_steps)
 
     return log
+
+
+# A model attribute: SB3 saves a model's attributes in its zip, but of the policy only its weights.
+_SAVED_SCALE = "_sb3_gpu_loss_scale"
+
+
+def record_loss_scale(model: BaseAlgorithm) -> None:
+    """Before a save: keep fp16's loss scale where the zip keeps it, so that a resumed run goes on from the scale its
+    run had settled at (from the initial one, it would skip steps again until the scale fell back) and its count of
+    skipped steps. None where the model trains without a loss scale."""
+    state = amp_state(model)
+    setattr(model, _SAVED_SCALE, state.scaler.state() if state is not None and state.scaler is not None else None)
 
 
 def amp_state(model: BaseAlgorithm) -> AmpState | None:

@@ -103,6 +103,30 @@ class LossScale:
                 th.full((), self._skipped_steps, dtype=th.int64, device=device),
             )
 
+    def state(self) -> dict[str, float]:
+        """The scale, the good steps in a row and the skipped steps, as plain numbers (on the device: read back, a
+        wait), for a saved model to go on from."""
+        if self.tensors is not None:
+            scale, good, skipped = (t.item() for t in self.tensors)
+        else:
+            scale, good, skipped = self._scale, self._good_steps, self._skipped_steps
+        return {"scale": float(scale), "good_steps": int(good), "skipped_steps": int(skipped)}
+
+    def load_state(self, state: Any) -> bool:
+        """Go on from :meth:`state`'s figures; False (nothing changed) where they are not such figures."""
+        try:
+            scale, good, skipped = float(state["scale"]), state["good_steps"], state["skipped_steps"]
+        except (TypeError, KeyError, ValueError):
+            return False
+        counts = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (good, skipped))
+        if not (counts and math.isfinite(scale) and scale > 0):
+            return False
+        self._scale, self._good_steps, self._skipped_steps = scale, good % self.growth_interval, skipped
+        if self.tensors is not None:
+            for tensor, value in zip(self.tensors, (self._scale, self._good_steps, skipped), strict=True):
+                tensor.fill_(value)
+        return True
+
     def update(self, found_inf: bool) -> None:
         """Account for one optimizer step that overflowed (and was skipped) or did not."""
         if self.tensors is not None:  # torch's step after a compiled one: the scale stays where it lives

@@ -35,6 +35,7 @@ from sb3_gpu.common.io import (
 )
 from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.envs.spec import EnvSpec
+from sb3_gpu.extensions.amp import record_loss_scale
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, offset_seed
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.rundir import RunDir
@@ -231,6 +232,7 @@ class TimedEvalCallback(EvalCallback):
         try:
             go_on = self.on_new_best.on_step() if self.on_new_best is not None else True
             if self.run_dir is not None:
+                record_loss_scale(self.model)
                 save_model(self.model, self.run_dir.best_model)
         except BaseException:
             restore(True)

@@ -21,6 +21,7 @@ from sb3_gpu.common.hardware import host_available_bytes
 from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, save_model, save_pickle
 from sb3_gpu.config.schema import ALGOS, get_algo
 from sb3_gpu.envs.spec import space_text
+from sb3_gpu.extensions.amp import record_loss_scale
 from sb3_gpu.extensions.replay import DeviceReplayBuffer, end_episodes_under_way, size_text
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
@@ -117,6 +118,7 @@ def save_state(model: BaseAlgorithm, files: StateFiles, *, replay_buffer: bool) 
     try:
         if vec_normalize is not None:
             save_pickle(files.vecnormalize, vec_normalize)
+        record_loss_scale(model)
         save_model(model, files.model)
     except BaseException:
         if restore is not None:

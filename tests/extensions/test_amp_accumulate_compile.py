@@ -256,6 +256,48 @@ def test_a_deep_copy_of_an_amp_policy_runs_its_own_weights():
 
 
 # --------------------------------------------------------------------------- fp16 loss scaling, on the CPU
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_saved_fp16_model_goes_on_from_the_loss_scale_its_run_reached(tmp_path, on_device):
+    # From the initial scale again, a resumed run would skip steps until the scale fell back, and count from 0.
+    from sb3_gpu.common.io import save_model
+    from sb3_gpu.extensions.amp import record_loss_scale
+
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0, **SMALL_PPO)
+    scaler = enable_amp(model, "fp16", init_scale=2.0**40).scaler
+    if on_device:  # where a fused or compiled step keeps it
+        scaler.to_device(th.device("cpu"))
+    model.learn(128)
+    reached = scaler.state()
+    assert reached["skipped_steps"] > 0 and reached["scale"] < 2.0**40  # fp16 overflowed at 2**40 and backed off
+    record_loss_scale(model)
+    save_model(model, tmp_path / "model.zip")
+    loaded = PPO.load(tmp_path / "model.zip", device="cpu")
+    assert enable_amp(loaded, "fp16", init_scale=2.0**40).scaler.state() == reached
+    # A model saved without a loss scale (bf16, or none) starts from the initial one.
+    plain = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    record_loss_scale(plain)
+    save_model(plain, tmp_path / "plain.zip")
+    started = enable_amp(PPO.load(tmp_path / "plain.zip", device="cpu"), "fp16", init_scale=2.0**40).scaler.state()
+    assert started == {"scale": 2.0**40, "good_steps": 0, "skipped_steps": 0}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        None,
+        {},
+        {"scale": "big"},
+        {"scale": float("nan"), "good_steps": 0, "skipped_steps": 0},
+        {"scale": 8.0, "good_steps": -1, "skipped_steps": 0},
+        {"scale": 8.0, "good_steps": True, "skipped_steps": 0},
+    ],
+)
+def test_a_loss_scale_state_that_is_not_one_changes_nothing(state):
+    scaler = LossScale(init_scale=2.0**16)
+    assert scaler.load_state(state) is False
+    assert scaler.state() == {"scale": 2.0**16, "good_steps": 0, "skipped_steps": 0}
+
+
 def _ppo_batch(model, n=32):
     rng = np.random.default_rng(0)
     return th.as_tensor(rng.normal(size=(n, 4)), dtype=th.float32), th.as_tensor(rng.integers(0, 2, n))
