@@ -401,20 +401,16 @@ def space_text(space: Any) -> str | None:
         kind = re.search(r"\.(\w+)'>$", str(space.get(":type:", "")))
         if kind is None or "_shape" not in space:
             return None
-        name, shape = kind.group(1), space["_shape"]
-        size, choices = space.get("n", space.get("nvec")), None
+        name, shape, size = kind.group(1), space["_shape"], space.get("n", space.get("nvec"))
     elif isinstance(space, gym.spaces.Space):
-        name, shape = type(space).__name__, space.shape
-        size, choices = getattr(space, "n", getattr(space, "nvec", None)), None
+        name, shape, size = type(space).__name__, space.shape, getattr(space, "n", getattr(space, "nvec", None))
     else:
         return None
-    if size is not None:
-        choices = " ".join(re.findall(r"\d+", str(size)))
-    dims = None if shape is None else re.findall(r"\d+", str(shape))
-    if choices is not None:
-        inside = choices
-    elif dims is None:
+    if size is not None:  # the choices
+        inside = " ".join(re.findall(r"\d+", str(size)))
+    elif shape is None:
         inside = ""
     else:
+        dims = re.findall(r"\d+", str(shape))
         inside = ",".join(dims) + ("," if len(dims) == 1 else "")
     return f"{name}({inside})"

@@ -242,7 +242,8 @@ class Descent:
         """Step on ``loss``'s gradients; ``gate`` (a 0-dim bool tensor): where false the step is held back on the
         device, as a non-finite gradient holds it back, but not counted as one (PPO's ``target_kl`` early stop)."""
         params = self.adam.params
-        scale = self.scaler.tensors[0] if self.scaler is not None and self.scaler.tensors is not None else None
+        loss_scale = self.scaler.tensors[0] if self.scaler is not None and self.scaler.tensors is not None else None
+        scale = loss_scale
         if scale is not None and self.micro_batches > 1:
             # The loss is the micro-batches' mean: each one's backward pass runs at the full scale, as torch's step
             # runs it (its overflows are the same), and the sum comes out divided by the scale and their number.
@@ -263,12 +264,12 @@ class Descent:
                 grads = [g * coef if g is not None else None for g in grads]
             applied, overflow = self.adam.apply(grads, self.lr, ok if gate is None else ok & gate)
             found = ~applied if gate is None else gate & ~applied
-            if scale is not None and self.scaler is not None and self.scaler.tensors is not None:
+            if loss_scale is not None and self.scaler is not None:
                 # As the host's rule: above a scale of 1 a non-finite gradient is an overflow, the scale's to handle
                 # (the scale itself, not the one multiplied for micro-batches). A finite gradient whose update made a
                 # weight non-finite is no overflow: the guard's, and the scale stays.
                 grad_inf = ~ok if gate is None else gate & ~ok
-                real = found & ~(grad_inf & (self.scaler.tensors[0] > 1.0))
+                real = found & ~(grad_inf & (loss_scale > 1.0))
                 self.scaler.update_on_device(grad_inf, taken=gate)
                 found = real
             # The first parameter whose gradient, else whose update, was not finite; past the names where only the
