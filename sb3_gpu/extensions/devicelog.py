@@ -51,8 +51,13 @@ class DeviceLog:
         """Take what ``sums`` holds now (one copy, on the device): its figures' means since the last read are logged at
         the next. Call it after the compiled steps that add to it, from the thread that runs them."""
         state = sums.state.clone()
+        if sums.rebased:
+            # From zero again after each take, on the thread whose steps add to it (so no add falls in between): a
+            # float32 sum kept for the whole run would lose a figure's digits, and its count stop at 2**24.
+            sums.state.sub_(state)
         with self._lock:
-            self._taken[sums] = state
+            earlier = self._taken.get(sums) if sums.rebased else None
+            self._taken[sums] = state if earlier is None else earlier + state
 
     def latest(self, key: str, value: th.Tensor) -> None:
         """Log ``value`` (a 0-dim tensor) as ``key``, unless a later one replaces it before the write."""
@@ -75,7 +80,9 @@ class DeviceLog:
             # to is left out, as one never logged).
             counted: list[str] = []
             for sums, state in self._taken.items():
-                added, sums.read_state = state - sums.read_state, state
+                added = state - sums.read_state
+                if not sums.rebased:
+                    sums.read_state = state
                 keys += sums.keys
                 tensors += list((added[0] / added[1]).unbind())
                 counted += [f"{_COUNT}{key}" for key in sums.keys]
@@ -115,7 +122,8 @@ class GraphSums:
 
     The sums run for the whole training (float64: a difference of two sums a million steps apart keeps a float32
     figure's digits). The log reads differences, so that nothing has to reset them between the trainer's steps and
-    a read on another thread (overlapped training).
+    a read on another thread (overlapped training). On MPS, which has no float64, :meth:`DeviceLog.take` sets them
+    back to zero instead (``rebased``).
     """
 
     def __init__(self, keys: Sequence[str], device: th.device | str):
@@ -125,6 +133,7 @@ class GraphSums:
         self.state = th.zeros(2, len(self.keys), dtype=dtype, device=device)  # each key's sum, and its count
         th._dynamo.mark_static_address(self.state)  # a CUDA graph adds to it in place
         self.read_state = th.zeros_like(self.state)  # the state the log last read (its own, under its lock)
+        self.rebased = dtype != th.float64
 
     def add(self, figures: Mapping[str, th.Tensor]) -> None:
         """Add each figure (a 0-dim tensor) to its key's sum, and one to its count; keys not given are left alone."""

@@ -23,7 +23,6 @@ switches its part on there:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -55,6 +54,9 @@ def non_finite_name(named: Iterable[tuple[str, th.Tensor]]) -> str | None:
 def first_non_finite(module: th.nn.Module) -> str | None:
     """The name of the first parameter of ``module`` holding a NaN or inf, or None."""
     return non_finite_name(module.named_parameters())
+
+
+_FLOAT32_MAX = th.finfo(th.float32).max
 
 
 class LossScale:
@@ -119,7 +121,7 @@ class LossScale:
         except (TypeError, KeyError, ValueError):
             return False
         counts = all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (good, skipped))
-        if not (counts and math.isfinite(scale) and scale > 0):
+        if not (counts and 0 < scale <= _FLOAT32_MAX):
             return False
         self._scale, self._good_steps, self._skipped_steps = scale, good % self.growth_interval, skipped
         if self.tensors is not None:
@@ -140,7 +142,8 @@ class LossScale:
         self._good_steps += 1
         if self._good_steps == self.growth_interval:
             grown = self._scale * self.growth_factor
-            self._scale = grown if math.isfinite(grown) else self._scale
+            # Finite as float32, as GradScaler's scale is: past it the gradients it multiplies would all be inf.
+            self._scale = grown if grown <= _FLOAT32_MAX else self._scale
             self._good_steps = 0
 
     def update_on_device(self, found_inf: th.Tensor, taken: th.Tensor | None = None) -> None:

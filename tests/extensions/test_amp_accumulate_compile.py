@@ -288,6 +288,7 @@ def test_a_saved_fp16_model_goes_on_from_the_loss_scale_its_run_reached(tmp_path
         {},
         {"scale": "big"},
         {"scale": float("nan"), "good_steps": 0, "skipped_steps": 0},
+        {"scale": 2.0**128, "good_steps": 0, "skipped_steps": 0},  # inf as float32, the device scale's dtype
         {"scale": 8.0, "good_steps": -1, "skipped_steps": 0},
         {"scale": 8.0, "good_steps": True, "skipped_steps": 0},
     ],

@@ -12,7 +12,7 @@ from stable_baselines3.common import on_policy_algorithm, policies, utils
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
-from sb3_gpu.extensions import hostcopy
+from sb3_gpu.extensions import devicelog, hostcopy
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.continuous import SyncFreeSAC
 from sb3_gpu.extensions.devicelog import DeviceLog, GraphSums
@@ -131,6 +131,25 @@ def test_graph_sums_log_the_means_of_what_was_added_since_the_last_read_and_leav
     log.take(sums)
     # Running sums read as differences keep a small figure's digits after large ones.
     assert log.read() == {"train/critic_loss": 1e8, "train/actor_loss": pytest.approx(0.1, rel=1e-7)}
+
+
+def test_float32_graph_sums_as_on_mps_start_again_at_each_take_and_keep_their_digits_past_2_24_steps(monkeypatch):
+    monkeypatch.setattr(devicelog, "_wide", lambda device: th.float32)  # what MPS, which has no float64, gets
+    sums = GraphSums(("train/loss",), "cpu")
+    add = th.compile(sums.add, fullgraph=True)
+    log = DeviceLog()
+    sums.state.copy_(th.tensor([[2.0**24 * 0.5], [2.0**24]]))  # where 16.8M steps at a loss of 0.5 left it
+    log.take(sums)
+    assert log.read() == {"train/loss": 0.5}
+    assert sums.state.count_nonzero() == 0  # from zero again
+    for _ in range(1000):
+        add({"train/loss": th.tensor(0.01)})
+    log.take(sums)  # two takes before one read: both are logged
+    add({"train/loss": th.tensor(2.0)})
+    log.take(sums)
+    # The run-long float32 sums logged 0.009765625 here, and nothing at all once their count stopped at 2**24.
+    assert log.read() == {"train/loss": pytest.approx((10.0 + 2.0) / 1001, rel=1e-4)}  # float32 adds
+    assert log.read() == {}
 
 
 def _collect(model, vec_steps):

@@ -116,6 +116,26 @@ def test_the_loss_scale_follows_torch_gradscaler():
     assert ours.skipped_steps == sum(overflows)
 
 
+def test_the_loss_scale_stops_growing_where_float32_ends_as_gradscalers_and_the_device_scale_do():
+    # Near-zero gradients for millions of steps grow the scale every interval; past float32's largest value the
+    # factor would turn every float32 gradient into inf (and a zero one into NaN), and steps would be skipped.
+    top = 2.0**127
+    theirs = th.amp.GradScaler("cpu", init_scale=top / 4, growth_interval=1)
+    host, device = LossScale(init_scale=top / 4, growth_interval=1), LossScale(init_scale=top / 4, growth_interval=1)
+    device.to_device(th.device("cpu"))
+    param = th.nn.Parameter(th.zeros(1))
+    optimizer = th.optim.SGD([param], lr=0.0)
+    for _ in range(5):
+        optimizer.zero_grad()
+        theirs.scale(param.sum()).backward()
+        theirs.step(optimizer)
+        theirs.update()
+        host.update(found_inf=False)
+        device.update(found_inf=False)
+    assert host.scale == device.scale == theirs.get_scale() == top
+    assert th.isfinite(th.ones(1) * host.factor).all()
+
+
 def test_one_wrapper_per_optimizer_whoever_asks_first():
     layer = th.nn.Linear(2, 1)
     optimizer = th.optim.SGD(layer.parameters(), lr=LR)
