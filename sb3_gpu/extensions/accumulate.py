@@ -20,7 +20,13 @@ from sb3_gpu.extensions.hostcopy import queued_observation_copies
 from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
-from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_step, optimizer_steps, record_with_guards
+from sb3_gpu.extensions.stepping import (
+    OptimizerStep,
+    optimizer_step,
+    optimizer_steps,
+    record_at_each_dump,
+    record_with_guards,
+)
 
 
 def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
@@ -127,8 +133,16 @@ class GradAccumPPO(PPO):
             th._dynamo.mark_static_address(self._step_state)  # changed in place: a CUDA graph keeps it where it is
         return reason
 
-    def dump_logs(self, iteration: int = 0) -> None:
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        setup = super()._setup_learn(*args, **kwargs)
+        record_at_each_dump(self, self._device_log, self._record_device_figures)
+        return setup
+
+    def _record_device_figures(self) -> None:
         record_with_guards(self, self._device_log)
+
+    def dump_logs(self, iteration: int = 0) -> None:
+        self._record_device_figures()
         super().dump_logs(iteration)
 
     def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:

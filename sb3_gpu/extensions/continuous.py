@@ -48,7 +48,7 @@ from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.quantile import quantile_huber_mean
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_with_guards
+from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_at_each_dump, record_with_guards
 
 # A step's descent of one optimizer, by its position in ``_optimizers()``, on a loss.
 Descend = Callable[[int, th.Tensor], None]
@@ -403,9 +403,17 @@ class _ActorCriticTraining(StagedObservations):
         """The positions (in ``_optimizers()``) of the optimizers a step takes."""
         return list(range(len(self._optimizers())))
 
-    def dump_logs(self) -> None:
-        """Read the figures kept on the device, and the NaN guard's flags, with one wait; then write as SB3 does."""
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        setup = super()._setup_learn(*args, **kwargs)  # type: ignore[misc]
+        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
+        return setup
+
+    def _record_device_figures(self) -> None:
+        """Read the figures kept on the device, and the NaN guard's flags, with one wait, and record them."""
         record_with_guards(self, self._device_log)  # type: ignore[arg-type]
+
+    def dump_logs(self) -> None:
+        self._record_device_figures()
         super().dump_logs()  # type: ignore[misc]
 
 

@@ -64,6 +64,11 @@ class DeviceLog:
         with self._lock:
             self._latest[key] = value.detach()
 
+    def pending(self) -> bool:
+        """Whether a figure waits to be read."""
+        with self._lock:
+            return bool(self._sums or self._latest or self._taken)
+
     def read(self) -> dict[str, float]:
         """Every pending figure as a number, with one read from the device, and forget them."""
         with self._lock:

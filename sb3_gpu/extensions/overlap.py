@@ -38,6 +38,7 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.vec_env import VecNormalize
 
+from sb3_gpu.extensions.replay import gate_samples
 from sb3_gpu.extensions.stepping import policy_optimizers
 
 
@@ -229,6 +230,8 @@ class OverlappedTraining:
         assert s.env is not None, "You must set the environment before calling learn()"
         self.__dict__["_overlap"] = state = _Overlap(self.__dict__["policy"], s._logger)
         in_collection = _LearnerCallbacks(callback, self)
+        buffer = s.replay_buffer
+        gate_samples(buffer, self._sample_elsewhere)
         try:
             while s.num_timesteps < total_timesteps:
                 with self._as("acting"):
@@ -257,8 +260,16 @@ class OverlappedTraining:
             state.pool.shutdown(wait=True)
             self._drain(state)
             self.__dict__["_overlap"] = None
+            gate_samples(buffer, None)
         callback.on_training_end()
         return self
+
+    def _sample_elsewhere(self) -> None:
+        """Before a sample of the replay buffer from outside the training (a callback's): the running training done,
+        since a sample changes the draw state that it reads."""
+        state = self._state()
+        if state is not None and not state.role("training"):
+            self.sync_training()
 
     def _train_on_thread(self, gradient_steps: int) -> None:
         with self._as("training"):

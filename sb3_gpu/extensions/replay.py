@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,30 @@ def _free_bytes(device: th.device) -> int | None:
     if device.type == "cpu":
         return host_available_bytes()
     return None
+
+
+# Each buffer that an overlapped learn samples on a thread of its own: what a sample from any other thread (a user's
+# callback) waits for first. A sample changes the draw state (PER's strata and last draw, the buffer's generator) that
+# the running training reads.
+_SAMPLE_GATES: weakref.WeakKeyDictionary[BaseBuffer, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def gate_samples(buffer: BaseBuffer | None, wait: Callable[[], None] | None) -> None:
+    """Have :func:`ready_to_sample` call ``wait`` before each of ``buffer``'s samples (None: no longer)."""
+    if buffer is None:
+        return
+    if wait is None:
+        _SAMPLE_GATES.pop(buffer, None)
+    else:
+        _SAMPLE_GATES[buffer] = wait
+
+
+def ready_to_sample(buffer: BaseBuffer) -> None:
+    """Before a sample: wait where :func:`gate_samples` says, then refuse an empty buffer."""
+    wait = _SAMPLE_GATES.get(buffer)
+    if wait is not None:
+        wait()
+    refuse_empty(buffer)
 
 
 def refuse_empty(buffer: BaseBuffer) -> None:
@@ -347,7 +373,7 @@ class DeviceReplayBuffer(ObservationHandOff, ReplayBuffer):
 
         As SB3's, with ``optimize_memory_usage`` a full buffer never draws slot ``pos``, whose observation was replaced.
         """
-        refuse_empty(self)
+        ready_to_sample(self)
         if self.optimize_memory_usage and self.full:
             batch_inds = (self._randint(1, self.buffer_size, batch_size) + self.pos) % self.buffer_size
         else:

@@ -383,6 +383,25 @@ def record_with_guards(model: BaseAlgorithm, log: DeviceLog, hold: tuple[str, ..
     return held
 
 
+def record_at_each_dump(model: BaseAlgorithm, log: DeviceLog, record: Callable[[], object]) -> None:
+    """Have ``model``'s logger call ``record`` (which records ``log``'s figures) before each dump while figures wait,
+    whoever dumps: SB3's ``train()`` records its losses at once, so that an ``EvalCallback``'s rows, or the user's own
+    ``logger.dump()`` after ``learn``, carry them; kept on the device, they would reach only the model's own log
+    writes. Call it where ``learn`` has set the logger up."""
+    logger = model.logger
+    dump = logger.dump
+    if getattr(dump, "records_for", None) is log:
+        return
+
+    def dump_with_device_figures(step: int = 0) -> None:
+        if log.pending():
+            record()
+        dump(step)
+
+    dump_with_device_figures.records_for = log  # type: ignore[attr-defined]
+    logger.dump = dump_with_device_figures  # type: ignore[method-assign]
+
+
 def settle_guards(model: BaseAlgorithm) -> None:
     """Read the device-side NaN guard's flags now (one wait) and raise its error where a step was skipped."""
     flags = guard_flags(model)

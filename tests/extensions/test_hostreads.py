@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import csv
 import pickle
 
 import numpy as np
 import pytest
 import torch as th
 from stable_baselines3.common import on_policy_algorithm, policies, utils
+from stable_baselines3.common.callbacks import EvalCallback
 from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import configure
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
 from sb3_gpu.extensions import devicelog, hostcopy
@@ -150,6 +153,30 @@ def test_float32_graph_sums_as_on_mps_start_again_at_each_take_and_keep_their_di
     # The run-long float32 sums logged 0.009765625 here, and nothing at all once their count stopped at 2**24.
     assert log.read() == {"train/loss": pytest.approx((10.0 + 2.0) / 1001, rel=1e-4)}  # float32 adds
     assert log.read() == {}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, grad_accum_steps=2, device="cpu"),
+        lambda: PrioritizedDQN("MlpPolicy", "CartPole-v1", learning_starts=50, batch_size=16, device="cpu"),
+        lambda: SyncFreeSAC("MlpPolicy", "Pendulum-v1", learning_starts=50, batch_size=16, device="cpu"),
+    ],
+    ids=["ppo", "dqn", "sac"],
+)
+def test_the_losses_kept_on_the_device_reach_every_dump_not_only_the_models_own(make, tmp_path):
+    # SB3's train() records each loss at once: an EvalCallback's rows, and the user's own dump after learn, carry them.
+    model = make()
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    evaluation = EvalCallback(make_vec_env(model.env.envs[0].spec.id, 1, seed=1), eval_freq=200, n_eval_episodes=1)
+    model.learn(600, callback=evaluation, log_interval=10**6)  # the model's own log writes: none
+    model.logger.dump(model.num_timesteps)
+    rows = list(csv.DictReader((tmp_path / "progress.csv").read_text().splitlines()))
+    loss = next(k for k in rows[0] if k in ("train/loss", "train/critic_loss"))
+    assert len(rows) == 4 and all(row[loss] for row in rows), rows
+    with HostReads() as reads:
+        model.logger.dump(model.num_timesteps)  # nothing waits: no read
+    assert reads.total == 0
 
 
 def _collect(model, vec_steps):

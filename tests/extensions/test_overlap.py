@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import threading
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch as th
@@ -254,6 +255,27 @@ def test_qrdqn_overlapped_learns_as_its_plain_class_is_built():
     assert model._n_updates == (300 - 64) // 4
 
 
+class _DictObs(gym.ObservationWrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Dict({"state": env.observation_space, "flag": gym.spaces.Discrete(2)})
+
+    def observation(self, observation):
+        return {"state": observation, "flag": int(observation[0] > 0)}
+
+
+@pytest.mark.parametrize("cls", [PrioritizedDQN, PrioritizedQRDQN])
+def test_the_dqn_family_trains_on_dict_observations_in_sb3s_dict_buffer(cls):
+    # QR-DQN's loss took the batch size from the observations, which a Dict space gives as a dict.
+    env = make_vec_env(lambda: _DictObs(gym.make("CartPole-v1")), n_envs=1, seed=0)
+    model = cls("MultiInputPolicy", env, seed=0, device="cpu", overlap_training=True, **SMALL, policy_kwargs=POLICY)
+    before = [p.detach().clone() for p in model.policy.parameters()]
+    model.learn(200)
+    assert model._n_updates == (200 - 64) // 4
+    after = list(model.policy.parameters())
+    assert all(th.isfinite(p).all() for p in after) and not all(th.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 def test_a_checkpoint_during_learn_waits_for_the_training_and_keeps_every_transition(tmp_path):
     from sb3_gpu.runs.rundir import StateFiles
     from sb3_gpu.runs.saving import load_replay_buffer, save_state
@@ -275,6 +297,29 @@ def test_a_checkpoint_during_learn_waits_for_the_training_and_keeps_every_transi
     restored = dqn(replay_buffer_class=PrioritizedReplayBuffer)
     load_replay_buffer(restored, files.replay_buffer)
     assert restored.replay_buffer.size() == seen["stored"]  # the staged transitions were in the saved buffer
+
+
+@pytest.mark.parametrize("buffer_class", [DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer, DeviceReplayBuffer])
+def test_a_callbacks_sample_waits_for_the_running_training_whose_draw_state_it_would_change(buffer_class):
+    # A sample draws with the buffer's own state (PER's strata and last draw, its generator): taken while a training
+    # samples on its thread, a batch of 4 broke the training's batch of 16 (a size mismatch in the device PER buffer).
+    seen = []
+
+    class Sampling(BaseCallback):
+        def _on_step(self):
+            if self.num_timesteps > 100:  # trainings began at 64
+                state = self.model.__dict__["_overlap"]
+                running = state.pending is not None
+                self.model.replay_buffer.sample(4)
+                seen.append((running, state.pending is None))
+            return True
+
+    model = dqn(overlap_training=True, replay_buffer_class=buffer_class)
+    model.learn(400, callback=Sampling())
+    assert all(after for _, after in seen) and any(running for running, _ in seen)
+    if buffer_class is DevicePrioritizedReplayBuffer:
+        assert len(model.replay_buffer._strata) == SMALL["batch_size"]  # the training's, whose address a graph fixes
+    model.replay_buffer.sample(4)  # after learn: at once
 
 
 def test_a_signal_while_waiting_leaves_the_training_pending():

@@ -14,7 +14,7 @@ from stable_baselines3.common.vec_env import VecNormalize
 from sb3_gpu.common.checks import PER_CHECKS
 from sb3_gpu.common.errors import ConfigError, TrainingDiverged
 from sb3_gpu.extensions.per.tree import SumMinTree
-from sb3_gpu.extensions.replay import check_n_steps, refuse_empty
+from sb3_gpu.extensions.replay import check_n_steps, ready_to_sample
 
 
 def check_per_values(alpha: float, beta: float, eps: float) -> tuple[float, float, float]:
@@ -113,7 +113,7 @@ class PrioritizedReplayBuffer(ReplayBuffer):
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> PrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
-        refuse_empty(self)
+        ready_to_sample(self)
         total = self.tree.total
         prefix = (np.arange(batch_size) + np.random.random(batch_size)) * (total / batch_size)
         indices, priorities = self.tree.find(prefix)

@@ -14,7 +14,7 @@ from sb3_gpu.common.checks import PER_CHECKS
 from sb3_gpu.common.errors import ConfigError, TrainingDiverged, install_hint
 from sb3_gpu.extensions.per.buffer import check_per_values
 from sb3_gpu.extensions.per.tree import kernels, last_positive_before, level_offsets, level_sizes
-from sb3_gpu.extensions.replay import DeviceReplayBuffer, refuse_empty
+from sb3_gpu.extensions.replay import DeviceReplayBuffer, ready_to_sample
 
 
 class DeviceSumMinTree:
@@ -368,8 +368,9 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> DevicePrioritizedReplayBufferSamples:  # type: ignore[override]
         """Stratified sampling: one draw from each of ``batch_size`` equal slices of the priority total."""
-        refuse_empty(self)
-        self.size_strata(batch_size)
+        ready_to_sample(self)
+        if len(self._strata) == 0:
+            self.size_strata(batch_size)
         samples, smallest, total = self._prioritized(self._uniforms(batch_size), self.beta, env)
         self._last_draw = (smallest, total, self.size() * self.n_envs)
         return samples
@@ -379,7 +380,11 @@ class DevicePrioritizedReplayBuffer(DeviceReplayBuffer):
     ) -> tuple[DevicePrioritizedReplayBufferSamples, th.Tensor, th.Tensor]:
         """The samples that ``uniforms`` (one per stratum) pick, with the tree's minimum and total they were drawn at."""
         total = self.tree.total
-        indices, priorities = self.tree.find((self._strata + uniforms) * (total / len(uniforms)))
+        n = len(uniforms)
+        # A sample of another size (a user's) draws over strata of its own: the kept ones, whose address a compiled
+        # step has fixed, stay as they are.
+        strata = self._strata if len(self._strata) == n else th.arange(n, dtype=th.float64, device=self.device)
+        indices, priorities = self.tree.find((strata + uniforms) * (total / n))
         # w_i = (N * P(i)) ** -beta divided by the largest weight, that of the smallest priority: (p_i / p_min) ** -beta,
         # p_min the batch's or the buffer's (see normalize).
         smallest = self.tree.min

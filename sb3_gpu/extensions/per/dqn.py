@@ -21,7 +21,7 @@ from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
 from sb3_gpu.extensions.quantile import quantile_huber
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_with_guards
+from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_at_each_dump, record_with_guards
 
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
@@ -255,16 +255,23 @@ class _PrioritizedTraining(StagedObservations):
         logger.record("per/max_priority", float(per.max_priority**per.alpha))
         logger.record("per/max_weight_unnormalized", float(per.last_max_weight))
 
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        setup = super()._setup_learn(*args, **kwargs)  # type: ignore[misc]
+        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
+        return setup
+
     def dump_logs(self) -> None:
-        """Read the figures kept on the device with one wait (and refuse a diverged PER update), then write them as
-        SB3 does."""
+        self._record_device_figures()
+        super().dump_logs()  # type: ignore[misc]
+
+    def _record_device_figures(self) -> None:
+        """Read the figures kept on the device with one wait (and refuse a diverged PER update), and record them."""
         buffer = getattr(self, "replay_buffer", None)
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
             self._device_log.latest(REFUSED, buffer.refused_updates)
         held = record_with_guards(self, self._device_log, hold=(REFUSED,))  # type: ignore[arg-type]
         if isinstance(buffer, DevicePrioritizedReplayBuffer):
             buffer.check(held.get(REFUSED))
-        super().dump_logs()  # type: ignore[misc]
 
 
 REFUSED = "per/refused_updates"
@@ -298,7 +305,7 @@ class PrioritizedQRDQN(_PrioritizedTraining, OverlappedTraining, QRDQN):
     """sb3-contrib's QR-DQN with PrioritizedDQN's extensions (each may be off)."""
 
     def _per_sample_loss(self, data: Any, discounts: th.Tensor | float) -> tuple[th.Tensor, th.Tensor]:
-        batch = data.observations.shape[0]
+        batch = data.actions.shape[0]  # observations may be a dict
         with th.no_grad():
             next_quantiles = self.quantile_net_target(data.next_observations)
             greedy = next_quantiles.mean(dim=1, keepdim=True).argmax(dim=2, keepdim=True)
