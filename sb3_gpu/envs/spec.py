@@ -395,17 +395,56 @@ def measure_step_seconds(env: gym.Env, budget_s: float = 0.05, max_steps: int = 
 
 
 def space_text(space: Any) -> str | None:
-    """A space's class and size as ``Box(17,)`` or ``Discrete(3)``, from the space or from SB3's JSON record of it
-    (None where the record says too little)."""
+    """A space's class and size as ``Box(17,)``, ``Discrete(3)`` or ``Dict(image: Box(3,64,64,), speed: Box(1,))``,
+    from the space or from SB3's JSON record of it (None where the record says too little)."""
     if isinstance(space, dict):  # the record: text fields beside the pickle
         kind = re.search(r"\.(\w+)'>$", str(space.get(":type:", "")))
+        if kind is not None and kind.group(1) == "Dict" and isinstance(space.get("spaces"), str):
+            return _recorded_dict_text(space["spaces"])
         if kind is None or "_shape" not in space:
             return None
         name, shape, size = kind.group(1), space["_shape"], space.get("n", space.get("nvec"))
+    elif isinstance(space, gym.spaces.Dict):
+        members = {str(key): space_text(member) for key, member in space.spaces.items()}
+        return _dict_text(members)
     elif isinstance(space, gym.spaces.Space):
         name, shape, size = type(space).__name__, space.shape, getattr(space, "n", getattr(space, "nvec", None))
     else:
         return None
+    return _text(name, shape, size)
+
+
+def _dict_text(members: dict[str, str | None]) -> str | None:
+    if any(text is None for text in members.values()):
+        return None
+    return "Dict(" + ", ".join(f"{key}: {members[key]}" for key in sorted(members)) + ")"
+
+
+def _recorded_dict_text(spaces_repr: str) -> str | None:
+    """:func:`space_text` of a Dict from the repr of its members that SB3's JSON record keeps, as
+    ``{'image': Box(0, 255, (3, 64, 64), uint8), 'speed': Discrete(3)}``; None where a member cannot be read there."""
+    members: dict[str, str | None] = {}
+    end = 0
+    for found in re.finditer(r"""(['"])(.*?)\1: (\w+)\(""", spaces_repr):
+        if found.start() < end:  # inside a member already read
+            continue
+        depth, end = 1, found.end()
+        while end < len(spaces_repr) and depth:
+            depth += {"(": 1, ")": -1}.get(spaces_repr[end], 0)
+            end += 1
+        name, inside = found.group(3), spaces_repr[found.end() : end - 1]
+        if name == "Box":  # Box(low, high, shape, dtype): the shape is its last tuple (the bounds print as arrays)
+            shapes = re.findall(r"\(([\d,\s]*)\)", inside)
+            members[found.group(2)] = _text(name, shapes[-1], None) if shapes else None
+        elif name in ("Discrete", "MultiDiscrete", "MultiBinary"):  # the choices come first: 3, [2 3], 4 or [2 2]
+            choices = re.match(r"\s*(\[[^\]]*\]|\d+)", inside)
+            members[found.group(2)] = _text(name, None, choices.group(1)) if choices else None
+        else:
+            members[found.group(2)] = None
+    return _dict_text(members) if members else None
+
+
+def _text(name: str, shape: Any, size: Any) -> str:
     if size is not None:  # the choices
         inside = " ".join(re.findall(r"\d+", str(size)))
     elif shape is None:

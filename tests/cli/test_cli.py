@@ -3,16 +3,19 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from stable_baselines3 import PPO
 
+from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.evaluate import main as evaluate_main
 from sb3_gpu.train import build_parser, run_options
 from sb3_gpu.train import main as train_main
@@ -519,6 +522,35 @@ def test_a_model_zip_that_records_no_spaces_is_left_to_sb3s_own_refusal():
     _check_same_spaces(Path("m.zip"), {}, template)  # nothing recorded: not compared (SB3's load refuses it)
     _check_same_spaces(Path("m.zip"), {"observation_space": "Box(4,)"}, template)
     assert space_text(None) is None and space_text([1, 2]) is None and space_text(gym.spaces.Discrete(2)) == "Discrete(2)"
+
+
+def test_a_model_trained_on_one_dict_space_is_refused_on_a_dict_of_other_keys_or_shapes(tmp_path):
+    import gymnasium as gym
+
+    from sb3_gpu.envs.spec import space_text
+    from sb3_gpu.runs.saving import _check_same_spaces, read_zip_data
+
+    def dict_space(**members):
+        return gym.spaces.Dict(
+            {"level": gym.spaces.Discrete(3, start=1), "steer": gym.spaces.MultiDiscrete([2, 3]), **members}
+        )
+
+    class Env(gym.Env):
+        observation_space = dict_space(a=gym.spaces.Box(-1, 1, (3,)), img=gym.spaces.Box(0, 255, (3, 40, 40), np.uint8))
+        action_space = gym.spaces.Discrete(2)
+
+    PPO("MultiInputPolicy", Env(), n_steps=16, batch_size=16, device="cpu").save(tmp_path / "m.zip")
+    data = read_zip_data(tmp_path / "m.zip")
+    recorded = "Dict(a: Box(3,), img: Box(3,40,40), level: Discrete(3), steer: MultiDiscrete(2 3))"
+    assert space_text(data["observation_space"]) == space_text(Env.observation_space) == recorded
+    for other in (
+        dict_space(x=gym.spaces.Box(-1, 1, (3,)), img=gym.spaces.Box(0, 255, (3, 40, 40), np.uint8)),  # another key
+        dict_space(a=gym.spaces.Box(-1, 1, (3,)), img=gym.spaces.Box(0, 255, (3, 36, 36), np.uint8)),  # another shape
+    ):
+        Env.observation_space = other
+        template = PPO("MultiInputPolicy", Env(), _init_setup_model=False)
+        with pytest.raises(ConfigError, match=rf"observation space {re.escape(recorded)}; the env it is loaded with has Dict"):
+            _check_same_spaces(tmp_path / "m.zip", data, template)
 
 
 def test_the_plan_names_the_flag_that_set_each_value():
