@@ -15,7 +15,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
-from sb3_gpu.common.errors import ConfigError, gist
+from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.envs.spec import space_text
@@ -187,7 +187,7 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
                 **model_kwargs(plan),
             )
     except (ValueError, AssertionError, TypeError, NotImplementedError) as e:  # SB3's own checks we do not repeat
-        raise ConfigError(f"{cls.__name__} refused the plan's hyperparameters: {gist(e)}") from None
+        raise ConfigError(f"{cls.__name__} refused the plan's settings or the env's spaces: {named(e)}") from None
     if plan.speed is not None:
         apply_speed(model, plan.speed, preset.params.batch_size)
     return model

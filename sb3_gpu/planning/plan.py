@@ -164,12 +164,15 @@ def make_plan(
             f"{algo_.name} needs a {needed.__name__} action space; {spec.name} has {facts.action_space} (for it: {fits})"
         )
     _check_observation_space(spec.name, facts.observation_space, provisional.frame_stack)
+    _check_action_space(spec.name, facts.action_space)
     box = facts.action_space
     if isinstance(box, spaces.Box) and not (np.isfinite(box.low).all() and np.isfinite(box.high).all()):
         # SB3 squashes or clips actions into the bounds, and asserts them finite only when the model is built.
         raise ConfigError(f"SB3 needs finite action bounds; {spec.name} has {box}: give its Box a finite low and high")
 
-    policy = provisional.policy if provisional.policy != "auto" else _policy_for(facts.observation_space)
+    policy, policy_reason = provisional.policy, ""
+    if policy == "auto":
+        policy, policy_reason = _policy_for(facts.observation_space, provisional.policy_kwargs)
     kind = _policy_kind(policy, facts.observation_space)
 
     def variant(choice: DeviceChoice) -> _Variant:
@@ -179,7 +182,7 @@ def make_plan(
             sources = {k: config.sources.get(k, s) if s == entry_label else s for k, s in resolved.sources.items()}
             resolved = dataclasses.replace(resolved, sources=sources)
         if resolved.policy == "auto":
-            sources = {**resolved.sources, "policy": "auto (observation space)"}
+            sources = {**resolved.sources, "policy": policy_reason}
             resolved = dataclasses.replace(resolved, policy=policy, sources=sources)
         # Timing the batched VecEnv's overhead (where its choice is in doubt) is a probe of this machine.
         measure = hardware_detected and resolved.probe
@@ -512,10 +515,30 @@ def _check_observation_space(env: str, space: spaces.Space, frame_stack: int | N
         )
     if frame_stack and not isinstance(space, (spaces.Box, spaces.Dict)):
         raise ConfigError(f"frame_stack stacks Box or Dict observations; {env} has {space}: leave frame_stack unset")
+    for key, member in (space.spaces if isinstance(space, spaces.Dict) else {"": space}).items():
+        if isinstance(member, spaces.Box) and (not member.shape or 0 in member.shape):
+            where = f"the Dict's {key!r}" if key else "its observations"
+            raise ConfigError(
+                f"SB3's policies take a Box of one dimension or more, none of size 0; {env} has {where} of shape "
+                f"{member.shape}: give it a shape such as (1,)"
+            )
+
+
+def _check_action_space(env: str, space: spaces.Space) -> None:
+    """SB3's policies take MultiDiscrete and MultiBinary actions of one dimension only (its refusal comes as the model
+    is built)."""
+    if isinstance(space, (spaces.MultiDiscrete, spaces.MultiBinary)) and len(space.shape) > 1:
+        raise ConfigError(
+            f"SB3's policies take {type(space).__name__} actions of one dimension; {env} has {space}: flatten them "
+            "(a gymnasium.ActionWrapper that reshapes the action)"
+        )
 
 
 def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
-    """The observation space the policy sees: frames stacked, images channel-first (as SB3 transposes them)."""
+    """The observation space the policy sees: frames stacked, images channel-first (as SB3 transposes them, a Dict's
+    too)."""
+    if isinstance(space, spaces.Dict):
+        return spaces.Dict({key: _policy_space(member, frame_stack) for key, member in space.spaces.items()})
     if not isinstance(space, spaces.Box):
         return space
     low, high = space.low, space.high
@@ -671,10 +694,31 @@ def _profile(requested: str, choice: DeviceChoice, entry: Mapping[str, Any], ent
     return requested, "asked for"
 
 
-def _policy_for(obs_space: spaces.Space) -> str:
+def _policy_for(obs_space: spaces.Space, policy_kwargs: Mapping[str, Any]) -> tuple[str, str]:
+    """The policy for ``obs_space``, and why."""
     if isinstance(obs_space, spaces.Dict):
-        return "MultiInputPolicy"
-    return "CnnPolicy" if is_image_space(obs_space, check_channels=False) else "MlpPolicy"
+        return "MultiInputPolicy", "auto (observation space)"
+    if not is_image_space(obs_space, check_channels=False):
+        return "MlpPolicy", "auto (observation space)"
+    small = _too_small_for_nature_cnn(obs_space, policy_kwargs)
+    if small:
+        return "MlpPolicy", f"auto (observation space: {small} images, too small for CnnPolicy's NatureCNN)"
+    return "CnnPolicy", "auto (observation space)"
+
+
+# NatureCNN's convolutions (8 pixels wide at a stride of 4, 4 at 2, 3 at 1) leave nothing of a smaller image side.
+_NATURE_CNN_SIDE = 36
+
+
+def _too_small_for_nature_cnn(space: spaces.Space, policy_kwargs: Mapping[str, Any]) -> str:
+    """``"HxW"`` where SB3 would run NatureCNN on an image ``space`` that it cannot take ("" where it can, or the
+    policy has an extractor of the user's own)."""
+    if "features_extractor_class" in policy_kwargs or not isinstance(space, spaces.Box):
+        return ""
+    if not is_image_space(space, check_channels=False):
+        return ""
+    height, width = space.shape[1:] if is_image_space_channels_first(space) else space.shape[:2]
+    return f"{height}x{width}" if min(height, width) < _NATURE_CNN_SIDE else ""
 
 
 def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
@@ -774,6 +818,19 @@ def _check_policy_fits(preset: Preset, obs_space: spaces.Space) -> None:
             f"policy=CnnPolicy ({source}) takes images, a Box of shape (height, width, channels) or (channels, height, "
             f"width); the observations are {_shown(obs_space)}: use MlpPolicy, or leave policy auto"
         )
+    need = f"NatureCNN, which needs images of at least {_NATURE_CNN_SIDE}x{_NATURE_CNN_SIDE} pixels"
+    if policy == "CnnPolicy" and (small := _too_small_for_nature_cnn(obs_space, preset.policy_kwargs)):
+        raise ConfigError(
+            f"policy=CnnPolicy ({source}) runs {need}; the observations are {small}: use MlpPolicy, leave policy auto, "
+            "or pass policy_kwargs features_extractor_class (an extractor of your own, in Python)"
+        )
+    if isinstance(obs_space, spaces.Dict):
+        for key, member in obs_space.spaces.items():
+            if small := _too_small_for_nature_cnn(member, preset.policy_kwargs):
+                raise ConfigError(
+                    f"MultiInputPolicy runs {need}, on the Dict's image {key!r}, which is {small}: make that key's "
+                    "dtype float (SB3 then flattens it), or pass policy_kwargs features_extractor_class (in Python)"
+                )
 
 
 def _shown(space: spaces.Space) -> str:
@@ -822,3 +879,23 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
         )
     if getattr(params, "per", False) and isinstance(obs_space, spaces.Dict):
         raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")
+    _check_normalize(preset, obs_space)
+
+
+def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
+    """VecNormalize's refusals, said in the plan rather than as the envs are built."""
+    options = preset.normalize if isinstance(preset.normalize, dict) else {}
+    if not preset.normalize or not options.get("norm_obs", True):
+        return
+    source = preset.sources.get("normalize", "preset")
+    instead = "set normalize.norm_obs=false (rewards only), or normalize=false"
+    members = obs_space.spaces if isinstance(obs_space, spaces.Dict) else {"": obs_space}
+    for key, member in members.items():
+        if not isinstance(member, spaces.Box):
+            where = f"the Dict's {key!r} is" if key else "the observations are"
+            raise ConfigError(f"normalize ({source}) scales Box observations; {where} {_shown(member)}: {instead}")
+    if preset.policy == "CnnPolicy":
+        raise ConfigError(
+            f"normalize ({source}) would turn the images into floats, which CnnPolicy's NatureCNN refuses as images: "
+            f"{instead}"
+        )

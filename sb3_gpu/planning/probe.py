@@ -321,7 +321,11 @@ def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]
     target's, or an off-policy actor-critic's entropy coefficient (SAC, TQC), critics against their targets, and actor
     against the critics, with the targets' update."""
     if w.algo == "ppo":
-        actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device)
+        # As SB3's rollout buffer keeps them: float32, one row of get_action_dim() per sample; Discrete's as indices.
+        sampled = _batch(w.action_space, w.batch_size).reshape(w.batch_size, get_action_dim(w.action_space))
+        actions = th.as_tensor(sampled, dtype=th.float32, device=device)
+        if isinstance(w.action_space, spaces.Discrete):
+            actions = actions.long().flatten()
 
         def loss() -> th.Tensor:
             values, log_prob, entropy = policy.evaluate_actions(obs, actions)

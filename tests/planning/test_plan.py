@@ -14,7 +14,7 @@ from sb3_gpu import make_model, make_plan
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import write_yaml
 from sb3_gpu.config.runconfig import load_config
-from sb3_gpu.planning.build import build_env
+from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.table import plan_table
 from tests.envs.test_envs import cartpole
 
@@ -115,6 +115,93 @@ def test_dqn_refuses_continuous_actions(cpu_machine):
 def test_observations_sb3_cannot_take_are_refused_by_the_plan(cpu_machine, algo, env, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         make_plan(algo, env, hardware=cpu_machine, overrides=overrides)
+
+
+class _Spaces(gym.Env):
+    """An env of the observation space it is given (and two actions)."""
+
+    def __init__(self, observation_space: gym.spaces.Space, action_space: gym.spaces.Space | None = None):
+        self.observation_space, self.action_space = observation_space, action_space or gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, False, False, {}
+
+
+SMALL_IMAGE = gym.spaces.Box(0, 255, (16, 16, 3), np.uint8)
+
+
+def test_images_too_small_for_nature_cnn_get_mlp_policy_and_train(cpu_machine):
+    plan = make_plan(
+        "ppo", lambda: _Spaces(SMALL_IMAGE), hardware=cpu_machine, overrides={"n_steps": 32, "n_envs": 1, "batch_size": 32}
+    )
+    assert plan.preset.policy == "MlpPolicy"  # SB3's NatureCNN: "Kernel size can't be greater than actual input size"
+    assert plan.preset.sources["policy"] == "auto (observation space: 16x16 images, too small for CnnPolicy's NatureCNN)"
+    build_model(plan, build_env(plan)).learn(64)
+    big = gym.spaces.Box(0, 255, (3, 36, 36), np.uint8)  # channels first, and as small as NatureCNN takes
+    assert make_plan("ppo", lambda: _Spaces(big), hardware=cpu_machine).preset.policy == "CnnPolicy"
+
+
+@pytest.mark.parametrize(
+    "observations, actions, message",
+    [
+        (gym.spaces.Box(-1, 1, ()), None, "SB3's policies take a Box of one dimension or more, none of size 0; "),
+        (gym.spaces.Dict({"x": gym.spaces.Box(-1, 1, (0,))}), None, "has the Dict's 'x' of shape (0,): give it a shape"),
+        (
+            gym.spaces.Box(-1, 1, (2,)),
+            gym.spaces.MultiBinary([2, 2]),
+            "SB3's policies take MultiBinary actions of one dimension; <lambda> has MultiBinary((2, 2)): flatten them",
+        ),
+        (gym.spaces.Box(-1, 1, (2,)), gym.spaces.MultiDiscrete([[2, 3], [2, 2]]), "take MultiDiscrete actions of one"),
+    ],
+)
+def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_machine, observations, actions, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_plan("ppo", lambda: _Spaces(observations, actions), hardware=cpu_machine)
+
+
+@pytest.mark.parametrize(
+    "space, overrides, message",
+    [
+        (
+            SMALL_IMAGE,
+            {"policy": "CnnPolicy"},
+            "policy=CnnPolicy (override) runs NatureCNN, which needs images of at "
+            "least 36x36 pixels; the observations are 16x16: use MlpPolicy, leave policy auto, or pass policy_kwargs",
+        ),
+        (
+            gym.spaces.Dict({"img": SMALL_IMAGE}),
+            None,
+            "MultiInputPolicy runs NatureCNN, which needs images of at least "
+            "36x36 pixels, on the Dict's image 'img', which is 16x16: make that key's dtype float",
+        ),
+        (
+            gym.spaces.Discrete(5),
+            {"normalize": True},
+            "normalize (override) scales Box observations; the observations "
+            "are Discrete(5): set normalize.norm_obs=false (rewards only), or normalize=false",
+        ),
+        (
+            gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,)), "b": gym.spaces.Discrete(4)}),
+            {"normalize": True},
+            "normalize (override) scales Box observations; the Dict's 'b' is Discrete(4)",
+        ),
+        (
+            gym.spaces.Box(0, 255, (40, 40, 3), np.uint8),
+            {"normalize": {"clip_obs": 5.0}},
+            "normalize (override) would turn the images into floats, which CnnPolicy's NatureCNN refuses as images",
+        ),
+    ],
+)
+def test_what_sb3_refuses_only_as_it_builds_the_envs_or_model_the_plan_refuses(cpu_machine, space, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides=overrides)
+    if overrides and "normalize" in overrides:  # its observations kept as they are, the rewards still normalised
+        rewards_only = {**overrides, "normalize": {"norm_obs": False}}
+        make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides=rewards_only)
 
 
 def test_unknown_algorithm_suggests_one():

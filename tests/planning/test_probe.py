@@ -237,6 +237,18 @@ def test_measuring_runs_the_real_train_step_and_inference(algo, policy_class, sp
     assert timing.train_s > 0 and timing.infer_s > 0 and th.get_num_threads() == threads
 
 
+@pytest.mark.parametrize(
+    "actions",
+    [spaces.MultiBinary(3), spaces.Box(-1, 1, (2, 2), np.float32), spaces.MultiDiscrete([2, 3])],
+    ids=["multibinary", "box-2x2", "multidiscrete"],
+)
+def test_ppo_is_timed_on_actions_of_any_space_its_rollout_buffer_keeps(actions):
+    # As SB3's buffer keeps them (float32, one row of action_dim each): MultiBinary's int8 and a 2x2 Box's shape failed.
+    workload = Workload("ppo", ActorCriticPolicy, spaces.Box(-1, 1, (4,), np.float32), actions, {"net_arch": [8]}, 8, 2, 0.5)
+    timing = measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01)
+    assert timing.train_s > 0 and timing.infer_s > 0
+
+
 def test_ppo_inference_is_timed_as_its_rollout_runs_it_values_and_log_probabilities_too(monkeypatch):
     # SB3's collect_rollouts calls the policy itself (actor, critic, log-probabilities), not predict's actor alone.
     rollout_shapes = []
@@ -322,6 +334,9 @@ def test_the_policy_sees_stacked_channel_first_frames():
     frames = _policy_space(spaces.Box(0, 255, (84, 84, 1), np.uint8), 4)
     assert frames.shape == (4, 84, 84) and frames.dtype == np.uint8
     assert _policy_space(spaces.Box(-1, 1, (4,), np.float32), 3).shape == (12,)
+    # A Dict's images too, as SB3's VecTransposeImage turns them (NatureCNN took the height for the channels)
+    members = _policy_space(spaces.Dict({"img": spaces.Box(0, 255, (40, 40, 3), np.uint8), "v": spaces.Discrete(2)}), 1)
+    assert members["img"].shape == (3, 40, 40) and members["v"] == spaces.Discrete(2)
 
 
 def test_no_probe_on_the_command_line_keeps_the_rules(call_main):
