@@ -119,10 +119,22 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
         assert plan.action_shape is not None, "a continuous algorithm's plan records its action shape"
         zeros = np.zeros(plan.action_shape, dtype=np.float32)
         kwargs["action_noise"] = NormalActionNoise(mean=zeros, sigma=np.full_like(zeros, std))
+    if preset.algo == "qrdqn":
+        kwargs["policy_kwargs"] = qrdqn_optimizer(kwargs.get("policy_kwargs") or {}, kwargs["batch_size"])
     algo = get_algo(preset.algo)
     if plan.device.device.startswith("cuda") and algo.extended_class is not None:
         kwargs["policy_kwargs"] = fused(kwargs.get("policy_kwargs") or {}, on_policy=algo.on_policy)
     return kwargs
+
+
+def qrdqn_optimizer(policy_kwargs: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """``policy_kwargs`` with QR-DQN's optimizer named. Where none is named, sb3-contrib's QR-DQN takes Adam with the
+    paper's ``eps=0.01 / batch_size`` and replaces whatever ``optimizer_kwargs`` were given (a fused Adam's too);
+    named, they are kept, on top of that eps."""
+    if "optimizer_class" in policy_kwargs:
+        return policy_kwargs
+    given = policy_kwargs.get("optimizer_kwargs") or {}
+    return {**policy_kwargs, "optimizer_class": th.optim.Adam, "optimizer_kwargs": {"eps": 0.01 / batch_size, **given}}
 
 
 # Optimizers whose fused kernels take a found_inf flag: the NaN guard then skips a step on the device, with no wait.

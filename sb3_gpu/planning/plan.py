@@ -896,6 +896,5 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
             raise ConfigError(f"normalize ({source}) scales Box observations; {where} {_shown(member)}: {instead}")
     if preset.policy == "CnnPolicy":
         raise ConfigError(
-            f"normalize ({source}) would turn the images into floats, which CnnPolicy's NatureCNN refuses as images: "
-            f"{instead}"
+            f"normalize ({source}) would turn the images into floats, which CnnPolicy's NatureCNN refuses as images: {instead}"
         )

@@ -26,7 +26,7 @@ from sb3_gpu.extensions.networks import NarrowLinear, narrow_linears
 from sb3_gpu.extensions.per import PrioritizedDQN
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
-from sb3_gpu.planning.build import build_env, build_model, fused
+from sb3_gpu.planning.build import build_env, build_model, fused, model_kwargs
 from sb3_gpu.planning.plan import make_plan
 
 SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
@@ -98,6 +98,21 @@ def test_a_fused_optimizer_what_gpu_plans_take_updates_as_sb3s_does():
     assert ours.policy.optimizer.defaults["fused"] and not plain.policy.optimizer.defaults["fused"]
     for a, b in zip(_params(ours), _params(plain), strict=True):
         th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_qrdqn_keeps_the_optimizer_kwargs_given_and_a_gpu_plans_fused_adam(gpu_machine):
+    # sb3-contrib's QR-DQN replaced any optimizer_kwargs by its eps=0.01/batch_size where no optimizer_class was named.
+    small = {"batch_size": 32, "net_arch": [16], "learning_starts": 10, "per": False}
+    defaults = build_model(plan := make_plan("qrdqn", "CartPole-v1", "cpu", overrides=small), build_env(plan))
+    assert defaults.policy.optimizer.defaults["eps"] == 0.01 / 32  # the paper's, as sb3-contrib gives it
+    given = {**small, "policy_kwargs": {"optimizer_kwargs": {"eps": 1e-3, "weight_decay": 1e-4}}}
+    model = build_model(plan := make_plan("qrdqn", "CartPole-v1", "cpu", overrides=given), build_env(plan))
+    assert (model.policy.optimizer.defaults["eps"], model.policy.optimizer.defaults["weight_decay"]) == (1e-3, 1e-4)
+    gpu = make_plan("qrdqn", "CartPole-v1", "cuda", hardware=gpu_machine, overrides=small)
+    kwargs = model_kwargs(gpu)
+    assert kwargs["policy_kwargs"]["optimizer_kwargs"] == {"eps": 0.01 / 32, "fused": True}
+    built = QRDQN("MlpPolicy", "CartPole-v1", device="cpu", **{k: v for k, v in kwargs.items() if k != "overlap_training"})
+    assert built.policy.optimizer.defaults["fused"]  # what sb3-contrib builds from them (the class on the GPU is ours)
 
 
 def test_ppo_with_target_kl_reads_each_minibatchs_kl_as_sb3_does_and_stops_where_it_stops():

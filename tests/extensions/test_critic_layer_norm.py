@@ -86,6 +86,27 @@ def test_a_saved_model_loads_with_sb3s_own_load(case, tmp_path):
     loaded.learn(20)  # and SB3's own train() goes on with them
 
 
+@pytest.mark.parametrize("case", list(PAIRS))
+def test_a_run_loads_its_own_saved_model_as_evaluate_and_resume_do(case, tmp_path):
+    # The loader's template is not set up, so its policy class was SB3's, and the twin's module was taken for another
+    # algorithm: a run's best-model check, evaluate and --resume all refused the run's own models.
+    from sb3_gpu.runs.saving import load_plan_model
+
+    small = {"learning_starts": 40, "batch_size": 16, "net_arch": [16, 8], "probe": False}
+    plan = make_plan(case, "Pendulum-v1", "cpu", overrides={**small, "critic_layer_norm": True})
+    model = build_model(plan, build_env(plan))
+    model.save(tmp_path / "model")
+    loaded = load_plan_model(plan, tmp_path / "model.zip", build_env(plan))
+    assert isinstance(loaded.policy, NormedCritics)
+    for a, b in zip(_weights(model), _weights(loaded), strict=True):
+        assert th.equal(a, b)
+    plain = make_plan(case, "Pendulum-v1", "cpu", overrides=small)  # a config without the norms
+    with pytest.raises(
+        ConfigError, match="holds a model with layer-normed critics, and this run's config has critic_layer_norm false"
+    ):
+        load_plan_model(plain, tmp_path / "model.zip", build_env(plain))
+
+
 @pytest.mark.parametrize("alias", ["MlpPolicy", "CnnPolicy", "MultiInputPolicy"])
 @pytest.mark.parametrize("case", list(PAIRS))
 def test_each_of_sb3s_policies_has_a_twin_and_other_policies_are_refused(case, alias):
