@@ -142,7 +142,8 @@ class GradAccumPPO(PPO):
         record_with_guards(self, self._device_log)
 
     def dump_logs(self, iteration: int = 0) -> None:
-        self._record_device_figures()
+        # The logger's dump reads the figures, once: see record_at_each_dump.
+        record_at_each_dump(self, self._device_log, self._record_device_figures)
         super().dump_logs(iteration)
 
     def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:

@@ -413,7 +413,8 @@ class _ActorCriticTraining(StagedObservations):
         record_with_guards(self, self._device_log)  # type: ignore[arg-type]
 
     def dump_logs(self) -> None:
-        self._record_device_figures()
+        # The logger's dump reads the figures, once: see record_at_each_dump.
+        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
         super().dump_logs()  # type: ignore[misc]
 
 

@@ -37,8 +37,8 @@ def _free_bytes(device: th.device) -> int | None:
 
 
 # Each buffer that an overlapped learn samples on a thread of its own: what a sample from any other thread (a user's
-# callback) waits for first. A sample changes the draw state (PER's strata and last draw, the buffer's generator) that
-# the running training reads.
+# callback) waits for first. A sample of sb3_gpu's buffers changes the draw state (PER's strata and last draw, the
+# buffer's generator) that the running training reads; SB3's own buffers keep none but NumPy's global generator.
 _SAMPLE_GATES: weakref.WeakKeyDictionary[BaseBuffer, Callable[[], None]] = weakref.WeakKeyDictionary()
 
 

@@ -387,7 +387,9 @@ def record_at_each_dump(model: BaseAlgorithm, log: DeviceLog, record: Callable[[
     """Have ``model``'s logger call ``record`` (which records ``log``'s figures) before each dump while figures wait,
     whoever dumps: SB3's ``train()`` records its losses at once, so that an ``EvalCallback``'s rows, or the user's own
     ``logger.dump()`` after ``learn``, carry them; kept on the device, they would reach only the model's own log
-    writes. Call it where ``learn`` has set the logger up."""
+    writes. Call it where ``learn`` has set the logger up, and again in the model's ``dump_logs`` (in case the logger
+    was replaced since), which then leaves the reading to the dump: a read of its own before it would have the dump
+    read again whatever an overlapped training added in between, and replace this row's figures by those."""
     logger = model.logger
     dump = logger.dump
     if getattr(dump, "records_for", None) is log:

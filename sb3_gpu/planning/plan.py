@@ -824,7 +824,7 @@ def _check_policy_fits(preset: Preset, obs_space: spaces.Space) -> None:
             f"policy=CnnPolicy ({source}) runs {need}; the observations are {small}: use MlpPolicy, leave policy auto, "
             "or pass policy_kwargs features_extractor_class (an extractor of your own, in Python)"
         )
-    if isinstance(obs_space, spaces.Dict):
+    if isinstance(obs_space, spaces.Dict) and not _normalizes_observations(preset):  # floats: flattened, no CNN
         for key, member in obs_space.spaces.items():
             if small := _too_small_for_nature_cnn(member, preset.policy_kwargs):
                 raise ConfigError(
@@ -882,10 +882,16 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
     _check_normalize(preset, obs_space)
 
 
-def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
-    """VecNormalize's refusals, said in the plan rather than as the envs are built."""
+def _normalizes_observations(preset: Preset) -> bool:
+    """Whether the plan's VecNormalize scales the observations (into float32, whatever they were)."""
     options = preset.normalize if isinstance(preset.normalize, dict) else {}
-    if not preset.normalize or not options.get("norm_obs", True):
+    return bool(preset.normalize) and options.get("norm_obs", True)
+
+
+def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
+    """VecNormalize's refusals, and NatureCNN's of what it leaves, said in the plan rather than as the model is
+    built."""
+    if not _normalizes_observations(preset):
         return
     source = preset.sources.get("normalize", "preset")
     instead = "set normalize.norm_obs=false (rewards only), or normalize=false"
@@ -894,7 +900,18 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
         if not isinstance(member, spaces.Box):
             where = f"the Dict's {key!r} is" if key else "the observations are"
             raise ConfigError(f"normalize ({source}) scales Box observations; {where} {_shown(member)}: {instead}")
-    if preset.policy == "CnnPolicy":
+    kwargs = preset.policy_kwargs
+    if preset.policy != "CnnPolicy" or "features_extractor_class" in kwargs:
+        return
+    # NatureCNN takes float images only as already normalised ones, channel-first: SB3 moves channels first only
+    # while they are still uint8 images.
+    if not (isinstance(obs_space, spaces.Box) and is_image_space_channels_first(obs_space)):
         raise ConfigError(
-            f"normalize ({source}) would turn the images into floats, which CnnPolicy's NatureCNN refuses as images: {instead}"
+            f"normalize ({source}) would turn the channel-last images into floats, which SB3 then no longer moves "
+            f"channels first for CnnPolicy's NatureCNN: {instead}"
+        )
+    if kwargs.get("normalize_images", True) is not False:
+        raise ConfigError(
+            f"normalize ({source}) would turn the images into floats, which CnnPolicy's NatureCNN takes only with "
+            f"policy_kwargs normalize_images=false: set it, or {instead}"
         )

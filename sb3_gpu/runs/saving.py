@@ -22,7 +22,7 @@ from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, sa
 from sb3_gpu.config.schema import ALGOS, get_algo
 from sb3_gpu.envs.spec import space_text
 from sb3_gpu.extensions.amp import record_loss_scale
-from sb3_gpu.extensions.continuous import NormedCritics, normed_critics_policy
+from sb3_gpu.extensions.continuous import NormedCritics
 from sb3_gpu.extensions.replay import DeviceReplayBuffer, end_episodes_under_way, size_text
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
@@ -323,27 +323,31 @@ def _check_same_algorithm(path: Path, data: dict[str, Any], template: BaseAlgori
     stored = data.get("policy_class")
     module = stored.get("__module__") if isinstance(stored, dict) else None
     expected = template.policy_class.__module__
-    # Layer-normed critics: the policy's twin class, which the template takes only as its model is set up.
-    twin = normed_critics_policy(template.policy_class) if getattr(template, "critic_layer_norm", False) else None
-    if not isinstance(module, str) or module in (expected, twin.__module__ if twin is not None else expected):
+    if not isinstance(module, str) or module == expected:
         return
-    if twin is None and module == NormedCritics.__module__ and _has_normed_twin(template.policy_class):
-        raise ConfigError(
-            f"{path} holds a model with layer-normed critics, and this run's config has critic_layer_norm false; "
-            "evaluate it with its own run dir"
-        )
     by_module = {algo.model_class.policy_aliases["MlpPolicy"].__module__: name for name, algo in ALGOS.items()}
-    holds = f"a {by_module[module]} model" if module in by_module else f"a model whose policy is from {module}"
     want = by_module.get(expected, type(template).__name__)
+    held = by_module.get(module)
+    if module == NormedCritics.__module__:  # layer-normed critics: SAC's, TD3's and TQC's twin policies share it
+        held = _normed_algorithm(data)
+        if held == want:
+            # The template takes the twin class only as its model is set up.
+            if getattr(template, "critic_layer_norm", False):
+                return
+            raise ConfigError(
+                f"{path} holds a {held} model with layer-normed critics, and this run's config has critic_layer_norm "
+                "false; evaluate it with its own run dir"
+            )
+    holds = f"a {held} model" if held is not None else f"a model whose policy is from {module}"
     raise ConfigError(f"{path} holds {holds}, and this run's config is for {want}; evaluate it with its own run dir")
 
 
-def _has_normed_twin(policy_class: type) -> bool:
-    try:
-        normed_critics_policy(policy_class)
-    except ConfigError:  # not SAC's, TD3's or TQC's
-        return False
-    return True
+def _normed_algorithm(data: dict[str, Any]) -> str | None:
+    """Which of SAC, TD3 and TQC saved a model of layer-normed critics, told by an attribute that only it saves."""
+    for key, algo in (("top_quantiles_to_drop_per_net", "tqc"), ("policy_delay", "td3"), ("target_entropy", "sac")):
+        if key in data:
+            return algo
+    return None
 
 
 def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:

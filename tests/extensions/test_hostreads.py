@@ -179,6 +179,26 @@ def test_the_losses_kept_on_the_device_reach_every_dump_not_only_the_models_own(
     assert reads.total == 0
 
 
+def test_a_figure_an_overlapped_training_adds_while_the_log_writes_joins_the_row_and_replaces_nothing(tmp_path):
+    model = PrioritizedDQN("MlpPolicy", "CartPole-v1", learning_starts=50, batch_size=16, device="cpu")
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    model._setup_learn(100, None)
+    log, record = model._device_log, model.logger.record
+    log.mean("train/loss", th.tensor(1.0))
+
+    def record_meanwhile(key, value, exclude=None):
+        record(key, value, exclude)
+        if key == "time/fps":  # SB3's dump_logs at work: the trainer thread adds a step's figure meanwhile
+            log.mean("train/loss", th.tensor(5.0))
+
+    model.logger.record = record_meanwhile
+    model.dump_logs()
+    model.logger.dump(2)
+    rows = list(csv.DictReader((tmp_path / "progress.csv").read_text().splitlines()))
+    # Read twice (by dump_logs, then by the dump), the row had 5.0 alone and the window's 1.0 was never written.
+    assert [row["train/loss"] for row in rows] == ["3.0", ""]
+
+
 def _collect(model, vec_steps):
     """``vec_steps`` steps of the model's own collection (SB3's ``collect_rollouts``), as ``learn`` runs it."""
     _, callback = model._setup_learn(vec_steps * model.n_envs, None)

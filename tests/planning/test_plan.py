@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch as th
 from stable_baselines3 import DQN, PPO
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
 from sb3_gpu import make_model, make_plan
 from sb3_gpu.common.errors import ConfigError
@@ -192,7 +193,13 @@ def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_m
         (
             gym.spaces.Box(0, 255, (40, 40, 3), np.uint8),
             {"normalize": {"clip_obs": 5.0}},
-            "normalize (override) would turn the images into floats, which CnnPolicy's NatureCNN refuses as images",
+            "normalize (override) would turn the channel-last images into floats, which SB3 then no longer moves",
+        ),
+        (
+            gym.spaces.Box(0, 255, (3, 40, 40), np.uint8),
+            {"normalize": True},
+            "normalize (override) would turn the images into floats, which CnnPolicy's NatureCNN takes only with "
+            "policy_kwargs normalize_images=false: set it, or set normalize.norm_obs=false",
         ),
     ],
 )
@@ -202,6 +209,31 @@ def test_what_sb3_refuses_only_as_it_builds_the_envs_or_model_the_plan_refuses(c
     if overrides and "normalize" in overrides:  # its observations kept as they are, the rewards still normalised
         rewards_only = {**overrides, "normalize": {"norm_obs": False}}
         make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides=rewards_only)
+
+
+class _Extractor(BaseFeaturesExtractor):
+    def __init__(self, observation_space):
+        super().__init__(observation_space, features_dim=8)
+        self.linear = th.nn.Linear(int(np.prod(observation_space.shape)), 8)
+
+    def forward(self, observations):
+        return self.linear(observations.flatten(1).float())
+
+
+@pytest.mark.parametrize(
+    "space, overrides",
+    [
+        (gym.spaces.Box(0, 255, (3, 40, 40), np.uint8), {"policy_kwargs": {"normalize_images": False}}),  # SB3's advice
+        (gym.spaces.Box(0, 255, (40, 40, 3), np.uint8), {"policy_kwargs": {"features_extractor_class": _Extractor}}),
+        (gym.spaces.Dict({"img": SMALL_IMAGE}), {}),  # floats once normalised: flattened, no NatureCNN
+    ],
+    ids=["channels-first-normalised", "own-extractor", "dict-small-image"],
+)
+def test_normalised_images_that_sb3_trains_on_are_planned_built_and_trained(cpu_machine, space, overrides):
+    small = {"n_steps": 16, "batch_size": 16, "n_envs": 1, "normalize": True, **overrides}
+    policy = "MultiInputPolicy" if isinstance(space, gym.spaces.Dict) else "CnnPolicy"
+    plan = make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides={**small, "policy": policy})
+    build_model(plan, build_env(plan)).learn(32)
 
 
 def test_unknown_algorithm_suggests_one():
