@@ -98,6 +98,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
     # Narrow heads before the trial compiles: the compiled gradient step narrows them too (compile_step), and a class
     # changed after the trial would fail every compiled network's type guard and compile it again (30-60 s on a CPU).
     narrow_linears(model.policy)
+    previous = th._dynamo.config.suppress_errors  # the process's own, put back after the trial
     th._dynamo.config.suppress_errors = False  # the trial must see a failure, not a silent eager fallback
     wrapped = {id(m): vars(m).get("forward") for m in modules}  # AMP's wrapper where enable_amp set one
     try:
@@ -118,9 +119,10 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
         reason = f"torch.compile failed ({named(e, 200)}); training uncompiled"
         warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
         return reason
-    # A shape seen only later (a last short minibatch, say) recompiles during training; if that fails, dynamo
-    # then runs the frame uncompiled instead of stopping the run.
-    th._dynamo.config.suppress_errors = True
+    finally:
+        # A shape seen only later (a last short minibatch, say) recompiles during training. A run of sb3_gpu's
+        # (Session.learn) runs a frame whose recompile fails uncompiled; elsewhere dynamo's own setting decides.
+        th._dynamo.config.suppress_errors = previous
     return None
 
 

@@ -282,11 +282,17 @@ def _batch(space: spaces.Space, n: int) -> Any:
     return np.stack([space.sample() for _ in range(n)])
 
 
+def _own_rng(device: th.device) -> contextlib.AbstractContextManager[Any]:
+    """torch's generators put back after a timing: the draws of a seeded user after a plan must not depend on whether
+    its probe timed anything or found the figures in its cache."""
+    return th.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
+
+
 def measure_option(option: Option, seconds: float) -> Timing:
     """Time ``option`` for about ``seconds``: the policy built at the preset's sizes on the candidate's device."""
     w, c = option.workload, option.candidate
     device = th.device(c.device)
-    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32):
+    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32), _own_rng(device):
         policy = w.policy(device)
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
         rollout_obs = _batch(w.observation_space, w.n_envs)
@@ -445,7 +451,12 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
     device = th.device(c.device)
     # Argument checks off, as the run's compiled step has them: dynamo turns them off only at a process's first
     # compile, and a distribution checked inside the graph would not compile.
-    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32), no_argument_checks():
+    with (
+        _threads(c.threads),
+        _cuda_flags(device, option.cudnn_benchmark, option.tf32),
+        no_argument_checks(),
+        _own_rng(device),
+    ):
         policy = w.policy(device)
         python_int_spaces(policy)  # as the run's networks have them: QR-DQN's reshape by a NumPy int broke the graph
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))

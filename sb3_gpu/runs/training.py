@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable
@@ -267,6 +268,7 @@ def _train(
             run.set_monitor_files_aside()
         env: VecEnv = build_env(plan, monitor_dir=str(run.monitor))
         eval_env: VecEnv | None = None
+        model: BaseAlgorithm | None = None
         try:
             eval_env = build_env(plan, evaluation=True, n_envs=eval_envs(options.eval_episodes))
             if state is None:
@@ -279,6 +281,12 @@ def _train(
             return _learn(plan, run, options, state, model, eval_env, output)
         finally:
             close_vec_envs(env, eval_env)
+            # The run's model goes no further: its TensorBoard writer (a thread of its own) is closed, not left to
+            # pile up with each run of a notebook.
+            logger = getattr(model, "_logger", None)
+            if logger is not None:
+                with contextlib.suppress(OSError):  # a last flush to a full disk: the run's outcome is reported
+                    logger.close()
 
 
 def _write_config(plan: Plan, run: RunDir, options: RunOptions, env: VecEnv, seed: int | None) -> None:

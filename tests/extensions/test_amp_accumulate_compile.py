@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -513,6 +514,22 @@ def test_a_compile_failure_keeps_amps_forward(monkeypatch):
     for module, forward in ((model.policy.mlp_extractor, _amp_forward), (model.policy.action_net, _full_precision_forward)):
         assert module._compiled_call_impl is None and vars(module)["forward"].__func__ is forward
     model.learn(64)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+@pytest.mark.parametrize("users", [False, True])
+def test_compiling_leaves_dynamos_suppress_errors_as_the_process_had_it(monkeypatch, fails, users):
+    # It was left True for the whole process after a compile (a user's own failing compile then ran eager without an
+    # error), and False after a failed one.
+    def trial(*args):
+        if fails:
+            raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", trial)
+    with th._dynamo.config.patch(suppress_errors=users), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_policy(PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO), "default", 32)
+        assert th._dynamo.config.suppress_errors is users
 
 
 @pytest.mark.heavy

@@ -249,6 +249,17 @@ def test_ppo_is_timed_on_actions_of_any_space_its_rollout_buffer_keeps(actions):
     assert timing.train_s > 0 and timing.infer_s > 0
 
 
+def test_timing_leaves_torchs_generator_where_it_was():
+    # A seeded user's draws after a plan depended on whether its probe timed (building and sampling a policy) or
+    # found the figures in its cache.
+    workload = Workload("ppo", ActorCriticPolicy, spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), {}, 8, 2, 0.5)
+    th.manual_seed(0)
+    expected = th.rand(3)
+    th.manual_seed(0)
+    measure_option(Option(probe_module.Candidate("cpu", "off", 1), workload), 0.01)
+    assert th.equal(th.rand(3), expected)
+
+
 def test_ppo_inference_is_timed_as_its_rollout_runs_it_values_and_log_probabilities_too(monkeypatch):
     # SB3's collect_rollouts calls the policy itself (actor, critic, log-probabilities), not predict's actor alone.
     rollout_shapes = []

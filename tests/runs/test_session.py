@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import gymnasium as gym
 import numpy as np
+import torch as th
 from stable_baselines3.common.vec_env import VecTransposeImage
 
 from sb3_gpu.planning.build import build_env, build_model
@@ -40,3 +42,40 @@ def test_an_image_run_with_stacked_frames_ends_with_its_final_evaluation(tmp_pat
     assert 0 <= summary["final_eval_mean"] <= 8, "a return of 8 steps' rewards of 0 or 1"
     assert summary["best"]["checked_mean"] is not None, "the check after training rebuilds an env given as a class"
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["eval_episodes"] == 2
+
+
+def test_a_run_leaves_no_tensorboard_writer_thread_behind(tmp_path):
+    # train_run's model goes no further; its writer's thread, left open, piled up with each run of a notebook.
+    def writers():
+        return sum(
+            "EventFileWriter" in type(t).__qualname__ or "AsyncWriter" in type(t).__name__ for t in threading.enumerate()
+        )
+
+    before = writers()
+    small = {"n_steps": 32, "batch_size": 32, "n_envs": 1, "n_timesteps": 64, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy", overrides=small)
+    for i in range(2):
+        train_run(plan, tmp_path / f"run{i}", eval_freq=32, eval_episodes=1, progress=False, report_s=None)
+    assert list((tmp_path / "run1").rglob("events.out.tfevents.*")), "it did write to TensorBoard"
+    assert writers() == before
+
+
+def test_a_run_forgives_a_failed_recompile_and_leaves_the_process_as_it_was():
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from sb3_gpu.runs.session import Session
+
+    seen = []
+
+    class Look(BaseCallback):
+        def _on_step(self):
+            seen.append(th._dynamo.config.suppress_errors)
+            return True
+
+    small = {"n_steps": 32, "batch_size": 32, "n_envs": 1, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy", overrides=small)
+    with th._dynamo.config.patch(suppress_errors=False):
+        with Session(build_model(plan, build_env(plan)), callbacks=[Look()]) as session:
+            session.learn(32)
+        assert seen and all(seen)  # during the run: a frame whose recompile fails runs uncompiled
+        assert th._dynamo.config.suppress_errors is False
