@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
-import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
@@ -22,6 +21,7 @@ from sb3_gpu.envs.spec import space_text
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
+from sb3_gpu.planning.optimizers import planned_policy_kwargs
 from sb3_gpu.planning.plan import Plan, make_plan
 from sb3_gpu.planning.speed import apply_speed
 
@@ -119,41 +119,10 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
         assert plan.action_shape is not None, "a continuous algorithm's plan records its action shape"
         zeros = np.zeros(plan.action_shape, dtype=np.float32)
         kwargs["action_noise"] = NormalActionNoise(mean=zeros, sigma=np.full_like(zeros, std))
-    if preset.algo == "qrdqn":
-        kwargs["policy_kwargs"] = qrdqn_optimizer(kwargs.get("policy_kwargs") or {}, kwargs["batch_size"])
-    algo = get_algo(preset.algo)
-    if plan.device.device.startswith("cuda") and algo.extended_class is not None:
-        kwargs["policy_kwargs"] = fused(kwargs.get("policy_kwargs") or {}, on_policy=algo.on_policy)
-    return kwargs
-
-
-def qrdqn_optimizer(policy_kwargs: dict[str, Any], batch_size: int) -> dict[str, Any]:
-    """``policy_kwargs`` with QR-DQN's optimizer named. Where none is named, sb3-contrib's QR-DQN takes Adam with the
-    paper's ``eps=0.01 / batch_size`` and replaces whatever ``optimizer_kwargs`` were given (a fused Adam's too);
-    named, they are kept, on top of that eps."""
-    if "optimizer_class" in policy_kwargs:
-        return policy_kwargs
-    given = policy_kwargs.get("optimizer_kwargs") or {}
-    return {**policy_kwargs, "optimizer_class": th.optim.Adam, "optimizer_kwargs": {"eps": 0.01 / batch_size, **given}}
-
-
-# Optimizers whose fused kernels take a found_inf flag: the NaN guard then skips a step on the device, with no wait.
-FUSED_OPTIMIZERS = (th.optim.Adam, th.optim.AdamW, th.optim.SGD)
-
-
-def fused(policy_kwargs: dict[str, Any], on_policy: bool) -> dict[str, Any]:
-    """``policy_kwargs`` with a fused optimizer, unless its optimizer has none or the user chose an implementation.
-
-    :param on_policy: an actor-critic policy, whose Adam SB3 gives ``eps=1e-5`` where no ``optimizer_kwargs`` are given
-    """
-    optimizer_class = policy_kwargs.get("optimizer_class", th.optim.Adam)
-    given = policy_kwargs.get("optimizer_kwargs")
-    if optimizer_class not in FUSED_OPTIMIZERS or {"fused", "foreach"} & set(given or {}):
-        return policy_kwargs
-    optimizer_kwargs = (
-        dict(given) if given is not None else {"eps": 1e-5} if on_policy and optimizer_class is th.optim.Adam else {}
+    kwargs["policy_kwargs"] = planned_policy_kwargs(
+        preset.algo, kwargs.get("policy_kwargs") or {}, kwargs["batch_size"], plan.device.device
     )
-    return {**policy_kwargs, "optimizer_kwargs": {**optimizer_kwargs, "fused": True}}
+    return kwargs
 
 
 def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:

@@ -28,6 +28,7 @@ from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.extensions.replay import size_text
 from sb3_gpu.planning.buffers import HOST_MEMORY_SHARE, choose_buffers, choose_overlap
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device, requested_device
+from sb3_gpu.planning.optimizers import planned_policy_kwargs
 from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto, free_cores
 
@@ -482,7 +483,8 @@ def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:
             return None
         steps = params.gradient_steps if params.gradient_steps >= 0 else per_rollout
         grads = steps * getattr(params, "grad_accum_steps", 1) / per_rollout
-    kwargs = preset.policy_kwargs_for_sb3()
+    # The optimizer the run will have on this device (fused on a GPU), which the probe times.
+    kwargs = planned_policy_kwargs(preset.algo, preset.policy_kwargs_for_sb3(), params.batch_size, v.device.device)
     obs_space = _policy_space(facts.observation_space, preset.frame_stack or 1)
     overlapped = choose_overlap(preset, v.device.device).kind == "overlapped"
     return Workload(

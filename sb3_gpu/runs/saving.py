@@ -26,6 +26,7 @@ from sb3_gpu.extensions.continuous import NormedCritics
 from sb3_gpu.extensions.replay import DeviceReplayBuffer, end_episodes_under_way, size_text
 from sb3_gpu.extensions.stepping import entropy_optimizer, policy_optimizers, settle_guards
 from sb3_gpu.planning.build import model_class, model_kwargs
+from sb3_gpu.planning.optimizers import fuse_loaded
 from sb3_gpu.planning.plan import Plan
 from sb3_gpu.planning.speed import apply_speed
 from sb3_gpu.runs.rundir import RunDir, SavedState, StateFiles, read_zip_data
@@ -284,7 +285,11 @@ def load_model(
             first = "its weights (a .pth member) are damaged, or hold more than plain tensors"
         raise ConfigError(f"{path} is not a loadable {model_class.__name__} model ({type(e).__name__}: {first})") from None
     entropy = entropy_optimizer(model)
+    # A plan's fused optimizers: the zip's own policy_kwargs, and the saved groups' flags, are what SB3 and torch load.
+    fuse = ((model_kwargs.get("policy_kwargs") or {}).get("optimizer_kwargs") or {}).get("fused")
     for optimizer in [*policy_optimizers(model.policy), *([entropy] if entropy is not None else [])]:
+        if fuse:
+            fuse_loaded(optimizer)
         _capturable_as_loaded(optimizer, model.device)
     return model
 

@@ -27,7 +27,8 @@ from sb3_gpu.extensions.networks import NarrowLinear, narrow_linears
 from sb3_gpu.extensions.per import PrioritizedDQN
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
-from sb3_gpu.planning.build import build_env, build_model, fused, model_kwargs
+from sb3_gpu.planning.build import build_env, build_model, model_class, model_kwargs
+from sb3_gpu.planning.optimizers import fused
 from sb3_gpu.planning.plan import make_plan
 
 SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
@@ -114,6 +115,40 @@ def test_qrdqn_keeps_the_optimizer_kwargs_given_and_a_gpu_plans_fused_adam(gpu_m
     assert kwargs["policy_kwargs"]["optimizer_kwargs"] == {"eps": 0.01 / 32, "fused": True}
     built = QRDQN("MlpPolicy", "CartPole-v1", device="cpu", **{k: v for k, v in kwargs.items() if k != "overlap_training"})
     assert built.policy.optimizer.defaults["fused"]  # what sb3-contrib builds from them (the class on the GPU is ours)
+
+
+@pytest.mark.parametrize("algo, env", [("ppo", "CartPole-v1"), ("sac", "Pendulum-v1"), ("qrdqn", "CartPole-v1")])
+def test_a_cpu_run_resumed_under_a_gpu_plan_trains_with_its_fused_optimizers_from_where_it_was(
+    gpu_machine, tmp_path, algo, env
+):
+    # The zip's policy_kwargs, and the saved groups' flags, came back unfused: the NaN guard read the gradients on
+    # the host at every step of a GPU run resumed from a CPU one.
+    from sb3_gpu.extensions.stepping import entropy_optimizer, optimizer_steps, policy_optimizers
+    from sb3_gpu.runs.saving import load_model
+
+    small = {"n_envs": 1, "probe": False, "batch_size": 16, "net_arch": [16], "learning_rate": 1e-3}  # no schedule to 0
+    small |= {"n_steps": 32} if algo == "ppo" else {"learning_starts": 20}
+    small |= {"per": False} if algo == "qrdqn" else {}
+    plans = {d: make_plan(algo, env, d, seed=3, hardware=gpu_machine, profile="gpu", overrides=small) for d in ("cpu", "cuda")}
+    saved = build_model(plans["cpu"], build_env(plans["cpu"]))
+    saved.learn(64)
+    saved.save(tmp_path / "model.zip")
+
+    def optimizers(model):
+        return [*policy_optimizers(model.policy), *filter(None, [entropy_optimizer(model)])]
+
+    plan = plans["cuda"]
+    kwargs = {"policy": plan.preset.policy, "model_kwargs": model_kwargs(plan), "env": build_env(plan), "device": "cpu"}
+    resumed = load_model(model_class(plan), tmp_path / "model.zip", **kwargs)
+    assert all(g["fused"] for o in optimizers(resumed) for g in o.param_groups)
+    assert all(step.skips_on_device for step in optimizer_steps(resumed))
+    for theirs, ours in zip(optimizers(saved), optimizers(resumed), strict=True):  # Adam's moments and counts go on
+        for a, b in zip(theirs.state.values(), ours.state.values(), strict=True):
+            assert a.keys() == b.keys() and all(th.equal(a[k].float(), b[k].float()) for k in a)
+    before = [p.detach().clone() for p in resumed.policy.parameters()]
+    resumed.learn(32, reset_num_timesteps=False)
+    after = list(resumed.policy.parameters())
+    assert all(th.isfinite(p).all() for p in after) and any(not th.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_ppo_with_target_kl_reads_each_minibatchs_kl_as_sb3_does_and_stops_where_it_stops():

@@ -28,7 +28,7 @@ from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.networks import steps_one_optimizer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, settle_guards
-from sb3_gpu.planning.build import fused
+from sb3_gpu.planning.optimizers import fused
 from tests.conftest import DEVICES, compiled_mode, no_syncs
 
 PAIRS = {"sac": (SAC, SyncFreeSAC), "td3": (TD3, SyncFreeTD3), "tqc": (TQC, SyncFreeTQC)}

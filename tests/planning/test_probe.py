@@ -104,6 +104,23 @@ def test_a_gpu_slower_than_the_cpu_loses_the_rules_choice(gpu_machine):
     assert any(line.startswith("cuda:0 fp32: ") and "ms/env step (train 2 ms x " in line for line in config["probe"])
 
 
+@pytest.mark.parametrize("algo, env", [("ppo", "CartPole-v1"), ("qrdqn", "CartPole-v1"), ("sac", "Pendulum-v1")])
+def test_each_device_is_timed_with_the_optimizer_the_run_would_get_there(gpu_machine, algo, env):
+    # The GPU candidate was timed with an unfused (foreach) Adam where its run steps a fused one.
+    workloads = {}
+
+    def record(option: Option, seconds: float) -> Timing:
+        workloads[option.candidate.device] = option.workload
+        return Timing(1e-3, 1e-4)
+
+    overrides = {"per": False} if algo == "qrdqn" else {}
+    make_plan(algo, env, hardware=gpu_machine, prober=fake_prober(record), overrides=overrides)
+    optimizers = {device: w.policy_kwargs.get("optimizer_kwargs", {}) for device, w in workloads.items()}
+    assert optimizers["cuda:0"].get("fused") is True and not optimizers["cpu"].get("fused")
+    if algo == "qrdqn":  # sb3-contrib's eps, as the run's
+        assert optimizers["cpu"]["eps"] == optimizers["cuda:0"]["eps"] < 1e-3
+
+
 def test_amp_slower_than_fp32_is_not_taken_and_faster_amp_is(gpu_machine):
     # The rules give a CNN bf16 on an A100; a bf16 step slower than fp32 is refused, a much faster one taken.
     slower = FakeTimes({"cuda:0 fp32": (2.8, 0.7), "cuda:0 bf16": (3.7, 0.8), "cuda:0 fp16": (3.9, 0.8)})
