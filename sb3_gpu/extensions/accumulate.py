@@ -13,7 +13,7 @@ from stable_baselines3 import PPO
 
 from sb3_gpu.common.checks import POS_INT
 from sb3_gpu.common.errors import ConfigError
-from sb3_gpu.extensions.compile import python_int_spaces
+from sb3_gpu.extensions.compile import forgiving_recompiles, python_int_spaces
 from sb3_gpu.extensions.devicelog import DeviceLog
 from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate, Descent, refusal
 from sb3_gpu.extensions.hostcopy import queued_observation_copies
@@ -106,7 +106,8 @@ class GradAccumPPO(PPO):
 
     def learn(self, *args: Any, **kwargs: Any) -> Any:
         self._check_accumulation()
-        return super().learn(*args, **kwargs)
+        with forgiving_recompiles(self):
+            return super().learn(*args, **kwargs)
 
     def _excluded_save_params(self) -> list[str]:
         excluded = ["_accumulator", "_device_log", "_compiled_step", "_compiled_act", "_descent", "_step_state"]

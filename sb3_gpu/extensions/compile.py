@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import types
@@ -120,10 +121,20 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
         warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
         return reason
     finally:
-        # A shape seen only later (a last short minibatch, say) recompiles during training. A run of sb3_gpu's
-        # (Session.learn) runs a frame whose recompile fails uncompiled; elsewhere dynamo's own setting decides.
         th._dynamo.config.suppress_errors = previous
+    policy: Any = model.policy
+    policy._sb3_gpu_compiled = True  # see forgiving_recompiles
     return None
+
+
+def forgiving_recompiles(model: BaseAlgorithm) -> contextlib.AbstractContextManager[Any]:
+    """dynamo's ``suppress_errors`` on the calling thread while ``model`` trains, where :func:`compile_policy`
+    compiled its networks: a shape seen only later (a last short minibatch, say) recompiles during training, and a
+    recompile that fails then runs that frame uncompiled rather than ending the run. dynamo keeps its settings per
+    thread, and puts this one back after: the user's own compiles keep the process's setting."""
+    if getattr(model.__dict__.get("policy"), "_sb3_gpu_compiled", False):
+        return th._dynamo.config.patch(suppress_errors=True)
+    return contextlib.nullcontext()
 
 
 def _trial_step(model: BaseAlgorithm, batch_size: int) -> None:

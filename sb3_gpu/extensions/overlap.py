@@ -38,6 +38,7 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.vec_env import VecNormalize
 
+from sb3_gpu.extensions.compile import forgiving_recompiles
 from sb3_gpu.extensions.replay import gate_samples
 from sb3_gpu.extensions.stepping import policy_optimizers
 
@@ -218,6 +219,18 @@ class OverlappedTraining:
         reset_num_timesteps: bool = True,
         progress_bar: bool = False,
     ) -> Any:
+        with forgiving_recompiles(self):  # type: ignore[arg-type]
+            return self._learn(total_timesteps, callback, log_interval, tb_log_name, reset_num_timesteps, progress_bar)
+
+    def _learn(
+        self,
+        total_timesteps: int,
+        callback: Any,
+        log_interval: int,
+        tb_log_name: str | None,
+        reset_num_timesteps: bool,
+        progress_bar: bool,
+    ) -> Any:
         sup: Any = super()
         if tb_log_name is None:  # the algorithm's own name, as SB3 gives it ("DQN", "QRDQN")
             tb_log_name = inspect.signature(sup.learn).parameters["tb_log_name"].default
@@ -272,7 +285,7 @@ class OverlappedTraining:
             self.sync_training()
 
     def _train_on_thread(self, gradient_steps: int) -> None:
-        with self._as("training"):
+        with self._as("training"), forgiving_recompiles(self):  # type: ignore[arg-type]  # dynamo's settings: per thread
             self.train(batch_size=self.batch_size, gradient_steps=gradient_steps)  # type: ignore[attr-defined]
 
     def sync_training(self) -> None:

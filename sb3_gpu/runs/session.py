@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch as th
 from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
@@ -128,10 +127,7 @@ class Session:
         error: BaseException | None = None
         start = time.perf_counter()
         try:
-            # A compiled network whose recompile fails mid-run (a shape seen only later) runs uncompiled, with
-            # dynamo's warning, rather than ending the run; the setting is the process's own again after it.
-            with th._dynamo.config.patch(suppress_errors=True):
-                model.learn(timesteps, callback=callbacks, tb_log_name=tb_log_name, reset_num_timesteps=reset_num_timesteps)
+            model.learn(timesteps, callback=callbacks, tb_log_name=tb_log_name, reset_num_timesteps=reset_num_timesteps)
         except StopNow:  # the second signal: quit at once, writing nothing more
             raise
         except KeyboardInterrupt:

@@ -30,6 +30,7 @@ from sb3_gpu.extensions.stepping import LossScale, optimizer_step, settle_guards
 from sb3_gpu.planning.build import build_env, build_model, model_class, model_kwargs
 from sb3_gpu.planning.optimizers import fused
 from sb3_gpu.planning.plan import make_plan
+from tests.conftest import DEVICES
 
 SMALL_PPO = {"n_steps": 64, "batch_size": 32, "n_epochs": 2, "policy_kwargs": {"net_arch": [32, 32]}}
 
@@ -149,6 +150,42 @@ def test_a_cpu_run_resumed_under_a_gpu_plan_trains_with_its_fused_optimizers_fro
     resumed.learn(32, reset_num_timesteps=False)
     after = list(resumed.policy.parameters())
     assert all(th.isfinite(p).all() for p in after) and any(not th.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("optimizer_class", [th.optim.Adam, th.optim.AdamW, th.optim.SGD])
+def test_fusing_a_loaded_optimizer_moves_its_step_counts_where_the_fused_kernels_read_them(device, optimizer_class):
+    # torch loads a plain optimizer's step counts as saved: on the host, where a fused kernel on a GPU cannot group
+    # them with their parameters.
+    from sb3_gpu.planning.optimizers import fuse_loaded
+
+    layer = th.nn.Linear(3, 2).to(device)
+    extra = {"momentum": 0.9} if optimizer_class is th.optim.SGD else {}
+    plain = optimizer_class(layer.parameters(), lr=0.01, **extra)
+    layer(th.ones(1, 3, device=device)).sum().backward()
+    plain.step()
+    state = copy.deepcopy(plain.state_dict())
+    for saved in state["state"].values():
+        if "step" in saved:
+            saved["step"] = saved["step"].cpu().double()  # as a foreign save may hold it
+    loaded = optimizer_class(layer.parameters(), lr=0.01, **extra)
+    loaded.load_state_dict(state)
+    fuse_loaded(loaded)
+    assert all(group["fused"] and not group["foreach"] for group in loaded.param_groups)
+    for param, kept in loaded.state.items():
+        if "step" in kept:
+            assert kept["step"].device == param.device and kept["step"].dtype == th.float32
+    reference = optimizer_class(layer.parameters(), lr=0.01, **extra)
+    reference.load_state_dict(copy.deepcopy(plain.state_dict()))
+    before = [p.detach().clone() for p in layer.parameters()]
+    loaded.step()  # the fused kernel takes the moved counts
+    fused_after = [p.detach().clone() for p in layer.parameters()]
+    with th.no_grad():
+        for p, b in zip(layer.parameters(), before, strict=True):
+            p.copy_(b)
+    reference.step()
+    for a, b in zip(fused_after, layer.parameters(), strict=True):
+        th.testing.assert_close(a, b)
 
 
 def test_ppo_with_target_kl_reads_each_minibatchs_kl_as_sb3_does_and_stops_where_it_stops():

@@ -18,6 +18,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
 from stable_baselines3.common.utils import get_linear_fn
 
+from sb3_gpu.extensions.networks import policy_networks
 from sb3_gpu.extensions.per import DevicePrioritizedReplayBuffer, PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
 
@@ -411,3 +412,32 @@ def test_a_step_skipped_on_the_device_for_a_nan_stops_the_run_at_a_log_write_ove
     with pytest.raises(TrainingDiverged, match=r"NaN or inf at \d"):
         model.learn(20_000, callback=NanGuard(), log_interval=1)  # a log write at the end of every episode
     assert 600 <= model.num_timesteps < 1_500  # within a few episodes of the first NaN reward, not 20,000 steps on
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_model_forgives_a_failed_recompile_on_each_thread_that_trains_it_and_only_while_it_does(
+    monkeypatch, overlap, compiled
+):
+    # dynamo keeps its settings per thread: the trainer thread of an overlapped run needs its own, and a user's own
+    # compile outside learn keeps the process's (compile_policy once left it on for good).
+    from sb3_gpu.extensions.compile import compile_policy
+
+    model, seen = dqn(overlap_training=overlap), []
+    if compiled:
+        monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", lambda *args: None)
+        assert compile_policy(model, "default", SMALL["batch_size"]) is None
+        for module in policy_networks(model).compute:  # the trial's marks stay; the networks run uncompiled here
+            module._compiled_call_impl = None
+    train = model.train
+
+    def watched(*args, **kwargs):
+        seen.append((threading.current_thread().name, th._dynamo.config.suppress_errors))
+        return train(*args, **kwargs)
+
+    model.train = watched
+    with th._dynamo.config.patch(suppress_errors=False):
+        model.learn(200)
+        assert th._dynamo.config.suppress_errors is False
+    assert seen and all(flag is compiled for _, flag in seen)
+    assert all(name.startswith("sb3_gpu-trainer") for name, _ in seen) == overlap

@@ -7,7 +7,6 @@ import threading
 
 import gymnasium as gym
 import numpy as np
-import torch as th
 from stable_baselines3.common.vec_env import VecTransposeImage
 
 from sb3_gpu.planning.build import build_env, build_model
@@ -58,24 +57,3 @@ def test_a_run_leaves_no_tensorboard_writer_thread_behind(tmp_path):
         train_run(plan, tmp_path / f"run{i}", eval_freq=32, eval_episodes=1, progress=False, report_s=None)
     assert list((tmp_path / "run1").rglob("events.out.tfevents.*")), "it did write to TensorBoard"
     assert writers() == before
-
-
-def test_a_run_forgives_a_failed_recompile_and_leaves_the_process_as_it_was():
-    from stable_baselines3.common.callbacks import BaseCallback
-
-    from sb3_gpu.runs.session import Session
-
-    seen = []
-
-    class Look(BaseCallback):
-        def _on_step(self):
-            seen.append(th._dynamo.config.suppress_errors)
-            return True
-
-    small = {"n_steps": 32, "batch_size": 32, "n_envs": 1, "probe": False}
-    plan = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy", overrides=small)
-    with th._dynamo.config.patch(suppress_errors=False):
-        with Session(build_model(plan, build_env(plan)), callbacks=[Look()]) as session:
-            session.learn(32)
-        assert seen and all(seen)  # during the run: a frame whose recompile fails runs uncompiled
-        assert th._dynamo.config.suppress_errors is False
