@@ -130,8 +130,9 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
 def forgiving_recompiles(model: BaseAlgorithm) -> contextlib.AbstractContextManager[Any]:
     """dynamo's ``suppress_errors`` on the calling thread while ``model`` trains, where :func:`compile_policy`
     compiled its networks: a shape seen only later (a last short minibatch, say) recompiles during training, and a
-    recompile that fails then runs that frame uncompiled rather than ending the run. dynamo keeps its settings per
-    thread, and puts this one back after: the user's own compiles keep the process's setting."""
+    recompile that fails then runs that frame uncompiled rather than ending the run. Put back after, so the user's own
+    compiles keep the process's setting. torch 2.13's dynamo keeps its settings per thread (older ones, for the
+    process): each thread that trains the model patches its own."""
     if getattr(model.__dict__.get("policy"), "_sb3_gpu_compiled", False):
         return th._dynamo.config.patch(suppress_errors=True)
     return contextlib.nullcontext()

@@ -285,7 +285,7 @@ class OverlappedTraining:
             self.sync_training()
 
     def _train_on_thread(self, gradient_steps: int) -> None:
-        with self._as("training"), forgiving_recompiles(self):  # type: ignore[arg-type]  # dynamo's settings: per thread
+        with self._as("training"), forgiving_recompiles(self):  # type: ignore[arg-type]  # dynamo's: per thread in 2.13
             self.train(batch_size=self.batch_size, gradient_steps=gradient_steps)  # type: ignore[attr-defined]
 
     def sync_training(self) -> None:

@@ -20,6 +20,7 @@ from stable_baselines3.common.vec_env import unwrap_vec_normalize
 from sb3_gpu.common.cli import shell_line
 from sb3_gpu.common.errors import StopNow
 from sb3_gpu.envs.build import explain_env_error
+from sb3_gpu.extensions.compile import forgiving_recompiles
 from sb3_gpu.extensions.stepping import first_non_finite
 from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, ReturnFreeMemory, StopOnSignal
 from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, evaluate
@@ -127,7 +128,8 @@ class Session:
         error: BaseException | None = None
         start = time.perf_counter()
         try:
-            model.learn(timesteps, callback=callbacks, tb_log_name=tb_log_name, reset_num_timesteps=reset_num_timesteps)
+            with forgiving_recompiles(model):  # sb3_gpu's classes set it themselves; a plain SB3 model compiled too
+                model.learn(timesteps, callback=callbacks, tb_log_name=tb_log_name, reset_num_timesteps=reset_num_timesteps)
         except StopNow:  # the second signal: quit at once, writing nothing more
             raise
         except KeyboardInterrupt:

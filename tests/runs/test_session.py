@@ -7,6 +7,7 @@ import threading
 
 import gymnasium as gym
 import numpy as np
+import torch as th
 from stable_baselines3.common.vec_env import VecTransposeImage
 
 from sb3_gpu.planning.build import build_env, build_model
@@ -57,3 +58,29 @@ def test_a_run_leaves_no_tensorboard_writer_thread_behind(tmp_path):
         train_run(plan, tmp_path / f"run{i}", eval_freq=32, eval_episodes=1, progress=False, report_s=None)
     assert list((tmp_path / "run1").rglob("events.out.tfevents.*")), "it did write to TensorBoard"
     assert writers() == before
+
+
+def test_a_session_forgives_a_failed_recompile_for_a_plain_sb3_model_compiled_by_hand(monkeypatch):
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from sb3_gpu.extensions.compile import compile_policy
+    from sb3_gpu.extensions.networks import policy_networks
+    from sb3_gpu.runs.session import Session
+
+    seen = []
+
+    class Look(BaseCallback):
+        def _on_step(self):
+            seen.append(th._dynamo.config.suppress_errors)
+            return True
+
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=32, batch_size=32, device="cpu")
+    monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", lambda *args: None)
+    assert compile_policy(model, "default", 32) is None
+    for module in policy_networks(model).compute:  # marked as compiled; run uncompiled here
+        module._compiled_call_impl = None
+    with th._dynamo.config.patch(suppress_errors=False):
+        with Session(model, callbacks=[Look()]) as session:
+            session.learn(32)
+        assert seen and all(seen) and th._dynamo.config.suppress_errors is False
