@@ -21,11 +21,10 @@ from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.extensions.stepping import (
+    DeviceFigures,
     OptimizerStep,
     optimizer_step,
     optimizer_steps,
-    record_at_each_dump,
-    record_with_guards,
 )
 
 
@@ -68,7 +67,7 @@ class _StagingCallback:
         return getattr(self._callback, name)
 
 
-class GradAccumPPO(PPO):
+class GradAccumPPO(DeviceFigures, PPO):
     """SB3's PPO whose optimizer steps on the mean gradient of ``grad_accum_steps`` minibatches of ``batch_size``.
 
     With ``grad_accum_steps=1`` it computes what plain PPO computes (a test pins this). Its ``train()`` follows SB3's
@@ -133,19 +132,6 @@ class GradAccumPPO(PPO):
             self._step_state = th.zeros(6, device=self.device)
             th._dynamo.mark_static_address(self._step_state)  # changed in place: a CUDA graph keeps it where it is
         return reason
-
-    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
-        setup = super()._setup_learn(*args, **kwargs)
-        record_at_each_dump(self, self._device_log, self._record_device_figures)
-        return setup
-
-    def _record_device_figures(self) -> None:
-        record_with_guards(self, self._device_log)
-
-    def dump_logs(self, iteration: int = 0) -> None:
-        # The logger's dump reads the figures, once: see record_at_each_dump.
-        record_at_each_dump(self, self._device_log, self._record_device_figures)
-        super().dump_logs(iteration)
 
     def collect_rollouts(self, env: Any, callback: Any, rollout_buffer: Any, n_rollout_steps: int) -> bool:
         if isinstance(rollout_buffer, DeviceRolloutBuffer):

@@ -48,7 +48,7 @@ from sb3_gpu.extensions.hostreads import no_argument_checks
 from sb3_gpu.extensions.networks import narrow_linears
 from sb3_gpu.extensions.quantile import quantile_huber_mean
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_at_each_dump, record_with_guards
+from sb3_gpu.extensions.stepping import DeviceFigures, optimizer_step, optimizer_steps
 
 # A step's descent of one optimizer, by its position in ``_optimizers()``, on a loss.
 Descend = Callable[[int, th.Tensor], None]
@@ -194,7 +194,7 @@ def polyak(params: Sequence[th.Tensor], targets: Sequence[th.Tensor], tau: float
             target.add_(param, alpha=tau)
 
 
-class _ActorCriticTraining(StagedObservations):
+class _ActorCriticTraining(DeviceFigures, StagedObservations):
     """``train()`` for SB3's off-policy actor-critics: SB3's updates step for step, with nothing read back from the
     device to log. Subclasses supply the optimizers, the random draws and the update of one gradient step."""
 
@@ -402,20 +402,6 @@ class _ActorCriticTraining(StagedObservations):
     def _stepping(self, due: bool) -> list[int]:
         """The positions (in ``_optimizers()``) of the optimizers a step takes."""
         return list(range(len(self._optimizers())))
-
-    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
-        setup = super()._setup_learn(*args, **kwargs)  # type: ignore[misc]
-        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
-        return setup
-
-    def _record_device_figures(self) -> None:
-        """Read the figures kept on the device, and the NaN guard's flags, with one wait, and record them."""
-        record_with_guards(self, self._device_log)  # type: ignore[arg-type]
-
-    def dump_logs(self) -> None:
-        # The logger's dump reads the figures, once: see record_at_each_dump.
-        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
-        super().dump_logs()  # type: ignore[misc]
 
 
 class _EntropyRegularised(_ActorCriticTraining):

@@ -404,6 +404,27 @@ def record_at_each_dump(model: BaseAlgorithm, log: DeviceLog, record: Callable[[
     logger.dump = dump_with_device_figures  # type: ignore[method-assign]
 
 
+class DeviceFigures:
+    """Mixin for sb3_gpu's SB3 subclasses whose ``train()`` keeps its logged figures in ``_device_log``: every dump of
+    the model's logger reads them (:func:`record_at_each_dump`)."""
+
+    _device_log: DeviceLog
+
+    def _record_device_figures(self) -> None:
+        """Read the figures kept on the device, and the NaN guard's flags, with one wait, and record them."""
+        record_with_guards(self, self._device_log)  # type: ignore[arg-type]
+
+    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
+        setup = super()._setup_learn(*args, **kwargs)  # type: ignore[misc]
+        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
+        return setup
+
+    def dump_logs(self, *args: Any) -> None:
+        # Again, in case the logger was replaced since learn began; the dump itself reads the figures, once.
+        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
+        super().dump_logs(*args)  # type: ignore[misc]
+
+
 def settle_guards(model: BaseAlgorithm) -> None:
     """Read the device-side NaN guard's flags now (one wait) and raise its error where a step was skipped."""
     flags = guard_flags(model)

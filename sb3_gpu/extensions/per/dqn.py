@@ -21,12 +21,12 @@ from sb3_gpu.extensions.per.buffer import PrioritizedReplayBuffer
 from sb3_gpu.extensions.per.device import DevicePrioritizedReplayBuffer
 from sb3_gpu.extensions.quantile import quantile_huber
 from sb3_gpu.extensions.replay import DeviceReplayBuffer
-from sb3_gpu.extensions.stepping import optimizer_step, optimizer_steps, record_at_each_dump, record_with_guards
+from sb3_gpu.extensions.stepping import DeviceFigures, optimizer_step, optimizer_steps, record_with_guards
 
 _PRIORITIZED = (PrioritizedReplayBuffer, DevicePrioritizedReplayBuffer)  # the host's trees, and the device's
 
 
-class _PrioritizedTraining(StagedObservations):
+class _PrioritizedTraining(DeviceFigures, StagedObservations):
     """``train()`` for the DQN family with importance-weighted losses and priority updates.
 
     It follows SB3's ``DQN.train`` step for step; subclasses supply only ``_per_sample_loss``. Each gradient step
@@ -254,16 +254,6 @@ class _PrioritizedTraining(StagedObservations):
         logger.record("per/mean_priority", float(per.tree.total) / (per.size() * per.n_envs))
         logger.record("per/max_priority", float(per.max_priority**per.alpha))
         logger.record("per/max_weight_unnormalized", float(per.last_max_weight))
-
-    def _setup_learn(self, *args: Any, **kwargs: Any) -> Any:
-        setup = super()._setup_learn(*args, **kwargs)  # type: ignore[misc]
-        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
-        return setup
-
-    def dump_logs(self) -> None:
-        # The logger's dump reads the figures, once: see record_at_each_dump.
-        record_at_each_dump(self, self._device_log, self._record_device_figures)  # type: ignore[arg-type]
-        super().dump_logs()  # type: ignore[misc]
 
     def _record_device_figures(self) -> None:
         """Read the figures kept on the device with one wait (and refuse a diverged PER update), and record them."""
