@@ -117,6 +117,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
                 vars(module).pop("forward", None)  # the class's forward again
             else:
                 module.forward = amp_forward
+        vars(model.policy).pop("_sb3_gpu_compiled", None)  # an earlier compile's mark: its networks are eager again
         reason = f"torch.compile failed ({named(e, 200)}); training uncompiled"
         warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
         return reason

@@ -604,6 +604,32 @@ def test_compiling_leaves_dynamos_suppress_errors_as_the_process_had_it(monkeypa
         assert th._dynamo.config.suppress_errors is users
 
 
+def test_a_failed_compile_after_a_good_one_leaves_training_unforgiving(monkeypatch):
+    # The first compile marked the policy; the second failed and put its networks back to eager, but the mark stayed,
+    # so training went on with dynamo's errors suppressed for networks that were no longer compiled.
+    from sb3_gpu.extensions.compile import forgiving_recompiles
+
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", lambda *args: None)
+    with monkeypatch.context() as m:
+        m.setattr(th.nn.Module, "compile", lambda self, **kwargs: None)  # a compile that "succeeds" at once
+        assert compile_policy(model, "default", 32) is None
+    assert _forgiven(model, forgiving_recompiles) is True
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr("sb3_gpu.extensions.compile._trial_step", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed"):
+        compile_policy(model, "default", 32)
+    assert _forgiven(model, forgiving_recompiles) is False
+
+
+def _forgiven(model, forgiving_recompiles) -> bool:
+    with th._dynamo.config.patch(suppress_errors=False), forgiving_recompiles(model):
+        return th._dynamo.config.suppress_errors
+
+
 @pytest.mark.heavy
 def test_compile_for_real_keeps_state_dict_keys_and_trains():
     model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
