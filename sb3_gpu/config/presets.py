@@ -312,9 +312,20 @@ def resolve_preset(
                 value, label = {**shared, **value}, f"{entry_label} and {label}"  # as --set adds to them
             values[key], sources[key] = value, label
     raw: dict[str, Any] = {}
-    for key, (value, source) in overrides.items():
+    given: dict[str, list[str]] = {}  # each key's override sources, in order
+    # A whole mapping first, then the dotted keys that refine it, whatever order they came in; one value given by
+    # both is refused (which should win would be a guess).
+    for key, (value, source) in sorted(overrides.items(), key=lambda item: "." in item[0]):
+        head, _, inner = key.partition(".")
+        whole = overrides.get(head, (None, ""))[0]
+        if head in _OPTION_MAPPINGS and isinstance(whole, Mapping) and inner in whole:
+            raise ConfigError(f"{head} gives {inner}={whole[inner]!r} and {key} gives {value!r}; give one")
         apply_override(raw, key, value)
-        sources[key.partition(".")[0]] = source
+        given.setdefault(head, []).extend([source] if source not in given.get(head, ()) else [])
+    for key, labels in given.items():
+        if isinstance(raw.get(key), dict) and isinstance(values.get(key), Mapping) and set(values[key]) - set(raw[key]):
+            labels = [sources[key], *labels]  # the preset's own options stay beside the given ones
+        sources[key] = " and ".join(labels)
     for key in raw:
         if isinstance(raw[key], dict) and isinstance(values.get(key), Mapping):
             raw[key] = {**values[key], **raw[key]}

@@ -206,6 +206,22 @@ EXTENSION_KEYS = ("per", "grad_accum_steps", "overlap_training", "critic_layer_n
 # Not an SB3 argument: the plan builds SB3's NormalActionNoise from it (SB3 takes the noise object, `action_noise`).
 CONVERTED_KEYS = ("action_noise_std",)
 OFF_POLICY_ONLY = ("per", "buffer_size", "train_freq", "target_update_interval", "overlap_training")
+_OWN_BUFFER = "for a buffer class of your own, build the SB3 model yourself, on build_env(plan)'s env"
+# SB3 arguments that are no preset key, each with where it is set instead: "unknown key" would read as a typo.
+SET_ELSEWHERE = {
+    "replay_buffer_class": f"sb3_gpu chooses the replay buffer from per, n_steps and device_buffers; {_OWN_BUFFER}",
+    "replay_buffer_kwargs": f"sb3_gpu chooses the replay buffer from per, n_steps and device_buffers; {_OWN_BUFFER}",
+    "rollout_buffer_class": f"sb3_gpu chooses the rollout buffer from device_buffers; {_OWN_BUFFER}",
+    "rollout_buffer_kwargs": f"sb3_gpu chooses the rollout buffer from device_buffers; {_OWN_BUFFER}",
+    "handle_timeout_termination": "sb3_gpu's replay buffers always bootstrap from truncated episodes, as SB3's default",
+    "action_noise": "set action_noise_std, the standard deviation of Gaussian noise on the actions",
+    "stats_window_size": "sb3_gpu keeps SB3's window of 100 episodes for the rollout/ep_* figures",
+    "device": "pass device to make_model or make_plan (the CLI's --device)",
+    "seed": "pass seed to make_model or make_plan (the CLI's --seed)",
+    "env": "the env is make_model's and make_plan's second argument (the CLI's --env)",
+    "tensorboard_log": "pass it to make_model or build_model (a CLI run logs to its run dir's tb/)",
+    "verbose": "pass it to make_model or build_model",
+}
 
 
 def get_algo(name: str) -> Algo:
@@ -331,6 +347,8 @@ def _refuse_other_algorithms_keys(algo: Algo, mapping: Mapping[str, Any], where:
     for key in mapping:
         if key in checks:
             continue
+        if key in SET_ELSEWHERE:
+            raise ConfigError(f"{where}: {key!r} is SB3's but no preset key: {SET_ELSEWHERE[key]}")
         others = ", ".join(a.name for a in ALGOS.values() if key in _param_checks(a))
         if algo.on_policy and key in OFF_POLICY_ONLY:
             raise ConfigError(f"{where}: {key!r} is for off-policy algorithms ({others}); {algo.name} is on-policy")

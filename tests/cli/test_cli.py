@@ -565,9 +565,10 @@ def test_the_plan_names_the_flag_that_set_each_value():
         "--per",
         "--set",
     ]
-    # A --set refines --per's mapping, and is named; one that sets a flag's own key is refused (tested with bad input).
+    # A --set refines --per's mapping (the preset's), and each is named; one that sets a flag's own key is refused
+    # (tested with bad input).
     sources = plan_from_args(build_parser().parse_args([*args, "--set", "per.alpha=0.5"])).preset.sources
-    assert sources["per"] == "--set"
+    assert sources["per"] == "dqn.yaml:CartPole-v1 and --per and --set"
     assert plan_from_args(build_parser().parse_args(["dqn", "--no-per", "--plan"])).preset.sources["per"] == "--no-per"
 
 

@@ -100,6 +100,45 @@ def test_overrides_win_and_are_validated():
         resolve_preset(PPO_, entry, "f:e", "cpu", {"batch_size": ("big", "--set")})
 
 
+def test_an_override_that_adds_to_a_presets_mapping_credits_both():
+    # The preset's own option was credited to the override in the plan table.
+    entry = validate_entry(PPO_, {"policy_kwargs": {"ortho_init": False}}, "t")
+    added = resolve_preset(PPO_, entry, "f:e", "cpu", {"policy_kwargs.log_std_init": (-1.0, "--set")})
+    assert added.policy_kwargs == {"ortho_init": False, "log_std_init": -1.0}
+    assert added.sources["policy_kwargs"] == "f:e and --set"
+    replaced = resolve_preset(PPO_, entry, "f:e", "cpu", {"policy_kwargs": ({"ortho_init": True}, "overrides")})
+    assert replaced.policy_kwargs == {"ortho_init": True} and replaced.sources["policy_kwargs"] == "overrides"
+
+
+@pytest.mark.parametrize("dotted_first", [False, True])
+def test_a_whole_mapping_and_a_dotted_key_merge_in_any_order_and_may_not_both_set_one_value(dotted_first):
+    # A whole mapping given after a dotted key replaced it; both giving one value: the last one won without a word.
+    entry = validate_entry(PPO_, {}, "t")
+    items = [("policy_kwargs", ({"log_std_init": -1.0}, "overrides")), ("policy_kwargs.ortho_init", (False, "overrides"))]
+    merged = resolve_preset(PPO_, entry, "f:e", "cpu", dict(items[::-1] if dotted_first else items))
+    assert merged.policy_kwargs == {"log_std_init": -1.0, "ortho_init": False}
+    items = [("policy_kwargs", ({"ortho_init": True}, "--set")), ("policy_kwargs.ortho_init", (False, "--set"))]
+    with pytest.raises(ConfigError, match=r"^policy_kwargs gives ortho_init=True and policy_kwargs.ortho_init gives False"):
+        resolve_preset(PPO_, entry, "f:e", "cpu", dict(items[::-1] if dotted_first else items))
+
+
+@pytest.mark.parametrize(
+    ("algo", "key", "says"),
+    [
+        ("dqn", "replay_buffer_class", "sb3_gpu chooses the replay buffer from per, n_steps and device_buffers"),
+        ("ppo", "rollout_buffer_kwargs", "sb3_gpu chooses the rollout buffer from device_buffers"),
+        ("td3", "action_noise", "set action_noise_std"),
+        ("sac", "handle_timeout_termination", "always bootstrap from truncated episodes"),
+        ("qrdqn", "seed", "pass seed to make_model or make_plan"),
+    ],
+)
+def test_an_sb3_argument_that_is_no_preset_key_says_where_it_is_set(algo, key, says):
+    # "unknown key" read as a typo of a real SB3 argument.
+    with pytest.raises(ConfigError, match=rf"^--set: '{key}' is SB3's but no preset key: .*{says}") as refused:
+        validate_flat(ALGOS[algo], {key: None}, "--set")
+    assert "unknown key" not in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
