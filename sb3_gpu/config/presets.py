@@ -322,10 +322,10 @@ def resolve_preset(
             raise ConfigError(f"{head} gives {inner}={whole[inner]!r} and {key} gives {value!r}; give one")
         apply_override(raw, key, value)
         given.setdefault(head, []).extend([source] if source not in given.get(head, ()) else [])
-    for key, labels in given.items():
+    for key, named in given.items():
         if isinstance(raw.get(key), dict) and isinstance(values.get(key), Mapping) and set(values[key]) - set(raw[key]):
-            labels = [sources[key], *labels]  # the preset's own options stay beside the given ones
-        sources[key] = " and ".join(labels)
+            named = [sources[key], *named]  # the preset's own options stay beside the given ones
+        sources[key] = " and ".join(named)
     for key in raw:
         if isinstance(raw[key], dict) and isinstance(values.get(key), Mapping):
             raw[key] = {**values[key], **raw[key]}
