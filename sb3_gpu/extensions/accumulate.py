@@ -124,7 +124,7 @@ class GradAccumPPO(DeviceFigures, PPO):
         guard = optimizer_step(optimizer, self.policy)
         reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])
         if reason is None:
-            self._descent = Descent(optimizer, guard, self.max_grad_norm)
+            self._descent = Descent(optimizer, guard, lambda: self.max_grad_norm)  # read at each train(), as SB3's
             self._compiled_step = CompiledUpdate(self._graph_step, [self._descent], mode)
             # The clip ranges and the KL limit as tensors (a schedule's new float each train() would compile the step
             # anew), and target_kl's stop: [clip range, clip range vf, 1.5 * target_kl, stopped, KL at the stop, steps

@@ -14,6 +14,7 @@ The same function runs uncompiled where compilation fails: it reads nothing back
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -175,12 +176,18 @@ class Descent:
     update, traced into the caller's graph by calling it with the loss. Its flags are the ones the NaN guard reads.
 
     Call :meth:`prepare` before and :meth:`finish` after each (compiled) call of the function that calls it.
+    ``max_grad_norm`` reads the norm to clip the gradients to (the model's attribute, read at each :meth:`prepare`, as
+    SB3 reads it at each step; its None clips nothing), or is None where the algorithm never clips.
     ``accumulates``: the caller takes the guard's whole accumulation window in one call, and its loss is the mean of
     the micro-batches' losses, whose gradient is the mean of theirs, as the accumulating torch step takes it.
     """
 
     def __init__(
-        self, optimizer: th.optim.Optimizer, guard: OptimizerStep, max_grad_norm: float | None, accumulates: bool = False
+        self,
+        optimizer: th.optim.Optimizer,
+        guard: OptimizerStep,
+        max_grad_norm: Callable[[], float | None] | None,
+        accumulates: bool = False,
     ):
         self.optimizer, self.guard, self.max_grad_norm = optimizer, guard, max_grad_norm
         self.micro_batches = guard.micro_batches if accumulates else 1
@@ -191,6 +198,9 @@ class Descent:
         device = self.adam.params[0].device
         self.lr = th.zeros((), device=device)
         self._lr_set: float | None = None  # the value self.lr holds
+        # A tensor, as the learning rate: a float would be a constant of the graph, and a changed one ignored.
+        self.max_norm = th.full((), math.inf, device=device)
+        self._max_norm_set = math.inf
         self.skipped = th.zeros((), dtype=th.long, device=device)  # steps skipped for a non-finite gradient
         self.first_bad = th.full((), -1, dtype=th.long, device=device)  # the first one's parameter, by position
         # By position: a parameter's non-finite gradient, then its update that overflowed (the gradient finite); the
@@ -203,7 +213,14 @@ class Descent:
             self.scaler.to_device(device)
         scale_state = self.scaler.tensors if self.scaler is not None and self.scaler.tensors is not None else ()
         # Fixed addresses: a CUDA graph replays them in place instead of copying them in and out at every step.
-        for t in (self.lr, self.skipped, self.first_bad, *scale_state, *(t for state in self.adam.state for t in state)):
+        for t in (
+            self.lr,
+            self.max_norm,
+            self.skipped,
+            self.first_bad,
+            *scale_state,
+            *(t for state in self.adam.state for t in state),
+        ):
             th._dynamo.mark_static_address(t)
         for p in self.adam.params:  # a plain tensor stepped in place (SAC's log_ent_coef), as parameters are
             if not isinstance(p, th.nn.Parameter):
@@ -219,6 +236,12 @@ class Descent:
         if lr != self._lr_set:  # a fill is a kernel of its own: once per new value, not per step
             self.lr.fill_(lr)
             self._lr_set = lr
+        if self.max_grad_norm is not None:
+            norm = self.max_grad_norm()
+            norm = math.inf if norm is None else float(norm)  # clipped to no bound: the gradient as it is
+            if norm != self._max_norm_set:
+                self.max_norm.fill_(norm)
+                self._max_norm_set = norm
         self._share_flags()
         if self.scaler is not None:
             self.scaler.hooks_off = True
@@ -260,7 +283,7 @@ class Descent:
             # zero (smooth L1's backward takes its sign, and inductor's sign of NaN is 0).
             ok = total.isfinite() & loss.isfinite()
             if self.max_grad_norm is not None:  # as clip_grad_norm_
-                coef = th.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+                coef = th.clamp(self.max_norm / (total + 1e-6), max=1.0)
                 grads = [g * coef if g is not None else None for g in grads]
             applied, overflow = self.adam.apply(grads, self.lr, ok if gate is None else ok & gate)
             found = ~applied if gate is None else gate & ~applied
@@ -368,7 +391,7 @@ class CompiledStep(CompiledUpdate):
         loss_fn: LossFn,
         optimizer: th.optim.Optimizer,
         guard: OptimizerStep,
-        max_grad_norm: float | None,
+        max_grad_norm: Callable[[], float | None] | None,
         mode: str = "default",
         accumulates: bool = False,
     ):

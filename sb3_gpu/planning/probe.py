@@ -367,6 +367,10 @@ def _parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]
     return [(policy.optimizer, q_loss, w.max_grad_norm)]
 
 
+def _reads(value: float | None) -> Callable[[], float | None]:
+    return lambda: value
+
+
 def _actor_critic_parts(policy: Any, w: Workload, obs: Any, device: th.device) -> list[_Part]:
     actions = th.as_tensor(_batch(w.action_space, w.batch_size), device=device, dtype=th.float32)
     actions = actions.reshape(w.batch_size, -1)  # flat, as SB3's actors and buffers keep a Box of several dimensions
@@ -470,7 +474,9 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
             train()
         parts = _parts(policy, w, obs, device)
         names = {id(p): name for name, p in policy.named_parameters()}
-        descents = [Descent(opt, OptimizerStep(opt, names), max_grad_norm) for opt, _, max_grad_norm in parts]
+        # As the run's steps: the DQN family and PPO read their clipping norm (None: no bound), SAC's kind never clips.
+        clipping = [None if w.algo in CONTINUOUS_ALGOS else _reads(norm) for _, _, norm in parts]
+        descents = [Descent(opt, OptimizerStep(opt, names), clip) for (opt, _, _), clip in zip(parts, clipping, strict=True)]
 
         def update() -> tuple[th.Tensor, ...]:
             losses = []

@@ -104,9 +104,13 @@ def test_the_compiled_step_updates_as_sb3s_train(algo, compiled, device):
     assert ours.compile_step(compiled_mode(device) if compiled else "eager") is None
     _fill(plain, ours)
     losses = []
+    # The clipping norm changed after compile_step, as SB3 reads it at each step: the compiled step kept 0.05. QR-DQN
+    # takes None (no clipping; SB3's DQN refuses it).
+    norms = {3: 0.01, 5: None if algo == "qrdqn" else 1e3}
     for i in range(6):
         for m in (plain, ours):
             m._current_progress_remaining = 1.0 - i / 10
+            m.max_grad_norm = norms.get(i, m.max_grad_norm)
             _train(m, seed=i)
         losses.append(plain.logger.name_to_value["train/loss"])
     assert ours._compiled_step.fallback is None  # compiled with fullgraph=True: no graph breaks
@@ -315,6 +319,22 @@ def test_ppos_compiled_step_updates_and_logs_as_sb3s_train(clip_range_vf, device
     plain = PPO("MlpPolicy", "CartPole-v1", **kwargs).learn(64)
     assert ours._compiled_step.fallback is None and ours._n_updates == plain._n_updates == 2
     _assert_ppo_updated_and_logged_as(ours, plain, **TOLERANCE[device], log_rel=1e-4)
+
+
+def test_ppos_graph_step_clips_to_the_norm_the_model_has_at_each_train():
+    # Its Descent kept the norm it was built with: a max_grad_norm changed later clipped to the old one, where SB3's
+    # train() reads the attribute at each step. The graph step run eagerly is the compiled one's function.
+    def learn(model):
+        model.learn(64)
+        model.max_grad_norm = 1e-4  # every minibatch's gradient clipped far below the default 0.5's
+        return model.learn(64, reset_num_timesteps=False)
+
+    kwargs = dict(SMALL_PPO, seed=1, device="cpu")
+    ours = GradAccumPPO("MlpPolicy", "CartPole-v1", **kwargs)
+    assert ours.compile_step("eager") is None
+    learn(ours)
+    plain = learn(PPO("MlpPolicy", "CartPole-v1", **kwargs))  # built after: its seed sets torch's generator anew
+    _assert_ppo_updated_and_logged_as(ours, plain, **TOLERANCE["cpu"], log_rel=1e-4)
 
 
 def _assert_ppo_updated_and_logged_as(ours, plain, rtol, atol, log_rel):

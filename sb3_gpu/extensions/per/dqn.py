@@ -91,7 +91,11 @@ class _PrioritizedTraining(DeviceFigures, StagedObservations):
         obs = self.policy.obs_to_tensor(self.observation_space.sample())[0]  # type: ignore[attr-defined]
         reason = refusal(optimizer, guard, obs, accumulates=True) or self._host_trees_refusal(self.replay_buffer)  # type: ignore[attr-defined]
         if reason is None:
-            self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, self.max_grad_norm, mode, accumulates=True)  # type: ignore[attr-defined]
+
+            def clip() -> float | None:  # read at each train(), as SB3 reads it at each step
+                return self.max_grad_norm  # type: ignore[attr-defined]
+
+            self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, clip, mode, accumulates=True)
             self._graph_sums = GraphSums(("train/loss",), self.device)  # type: ignore[attr-defined]
             self._position = th.zeros(2, dtype=th.long, device=self.device)  # type: ignore[attr-defined]
             th._dynamo.mark_static_address(self._position)
