@@ -518,12 +518,24 @@ def _check_observation_space(env: str, space: spaces.Space, frame_stack: int | N
     if frame_stack and not isinstance(space, (spaces.Box, spaces.Dict)):
         raise ConfigError(f"frame_stack stacks Box or Dict observations; {env} has {space}: leave frame_stack unset")
     for key, member in (space.spaces if isinstance(space, spaces.Dict) else {"": space}).items():
+        where = f"the Dict's {key!r}" if key else "its observations"
         if isinstance(member, spaces.Box) and (not member.shape or 0 in member.shape):
-            where = f"the Dict's {key!r}" if key else "its observations"
             raise ConfigError(
                 f"SB3's policies take a Box of one dimension or more, none of size 0; {env} has {where} of shape "
                 f"{member.shape}: give it a shape such as (1,)"
             )
+        _check_from_zero(env, member, f"{where} of {member}", "ObservationWrapper")
+
+
+def _check_from_zero(env: str, space: spaces.Space, what: str, wrapper: str) -> None:
+    """SB3 numbers Discrete and MultiDiscrete choices from 0: its one-hot encoding of an observation fails past ``n``,
+    and a policy's actions run 0..n-1 whatever the space's ``start`` (a DQN's loss fails once its buffer holds a
+    warm-up sample of ``n``)."""
+    if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete)) and np.any(space.start != 0):
+        raise ConfigError(
+            f"SB3 numbers Discrete and MultiDiscrete choices from 0; {env} has {what}: shift them to start at 0 "
+            f"(a gymnasium.{wrapper})"
+        )
 
 
 def _check_action_space(env: str, space: spaces.Space) -> None:
@@ -534,6 +546,7 @@ def _check_action_space(env: str, space: spaces.Space) -> None:
             f"SB3's policies take {type(space).__name__} actions of one dimension; {env} has {space}: flatten them "
             "(a gymnasium.ActionWrapper that reshapes the action)"
         )
+    _check_from_zero(env, space, f"actions {space}", "ActionWrapper")
 
 
 def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:

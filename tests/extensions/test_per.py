@@ -500,3 +500,22 @@ def test_per_switch_keeps_the_presets_own_settings(cpu_machine):
     assert plan.preset.params.per["alpha"] == 0.4  # dqn.yaml:CartPole-v1, not the 0.6 default
     plan = make_plan("dqn", "Acrobot-v1", overrides={"per": True}, hardware=cpu_machine)
     assert plan.preset.params.per["alpha"] == 0.6
+
+
+class _ShiftedActions(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (2,))
+    action_space = gym.spaces.Discrete(3, start=1)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("cls", [PrioritizedDQN, PrioritizedQRDQN])
+def test_discrete_actions_not_numbered_from_zero_are_refused(cls):
+    # SB3's DQN fails (gather past n) once a warm-up action of n is sampled; the masked loss took its Q-value as 0
+    # and trained on without a word.
+    with pytest.raises(ValueError, match=r"takes Discrete actions numbered from 0; the env has Discrete\(3, start=1\)"):
+        cls("MlpPolicy", _ShiftedActions(), device="cpu")

@@ -157,6 +157,16 @@ def test_images_too_small_for_nature_cnn_get_mlp_policy_and_train(cpu_machine):
             "SB3's policies take MultiBinary actions of one dimension; <lambda> has MultiBinary((2, 2)): flatten them",
         ),
         (gym.spaces.Box(-1, 1, (2,)), gym.spaces.MultiDiscrete([[2, 3], [2, 2]]), "take MultiDiscrete actions of one"),
+        # SB3's policies act 0..n-1 whatever the start: the env got actions outside its space, and a DQN trained on
+        # without a word where SB3's own failed (sb3_gpu's loss matches actions by mask, not by index).
+        (
+            gym.spaces.Box(-1, 1, (2,)),
+            gym.spaces.Discrete(3, start=1),
+            "SB3 numbers Discrete and MultiDiscrete choices from 0; <lambda> has actions Discrete(3, start=1): shift them "
+            "to start at 0 (a gymnasium.ActionWrapper)",
+        ),
+        (gym.spaces.Discrete(4, start=-2), None, "has its observations of Discrete(4, start=-2): shift them to start at 0"),
+        (gym.spaces.Dict({"x": gym.spaces.MultiDiscrete([2, 3], start=[0, 1])}), None, "has the Dict's 'x' of MultiDisc"),
     ],
 )
 def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_machine, observations, actions, message):

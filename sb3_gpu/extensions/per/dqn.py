@@ -6,6 +6,7 @@ from typing import Any
 
 import torch as th
 import torch.nn.functional as F
+from gymnasium import spaces
 from sb3_contrib import QRDQN
 from stable_baselines3 import DQN
 
@@ -58,6 +59,11 @@ class _PrioritizedTraining(DeviceFigures, StagedObservations):
         super().__init__(*args, **kwargs)
 
     def _setup_model(self) -> None:
+        actions = self.action_space  # type: ignore[attr-defined]
+        if isinstance(actions, spaces.Discrete) and actions.start != 0:
+            # SB3's loss fails on such actions only once a warm-up sample of n is drawn; the mask of _at_actions
+            # would take its Q-value as 0 and train on without a word.
+            raise ValueError(f"{type(self).__name__} takes Discrete actions numbered from 0; the env has {actions}")
         super()._setup_model()  # type: ignore[misc]
         self._accumulator = accumulating_step(self, self.grad_accum_steps)
         self._device_log = DeviceLog()
