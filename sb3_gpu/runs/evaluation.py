@@ -426,9 +426,11 @@ def evaluate_run(
         # would be the training env's first ones, whatever seed was asked for: seed them again, as the evaluation asks
         # (the process's generators too, as SB3's load did); asked for none, the env alone, from the OS.
         if plan.seed is not None:
-            model.set_random_seed(offset_seed(plan.seed, EVAL_SEED_OFFSET))
+            first_seed = offset_seed(plan.seed, EVAL_SEED_OFFSET)
+            model.set_random_seed(first_seed)
         else:
-            venv.seed(secrets.randbits(31))
+            first_seed = secrets.randbits(31)
+            venv.seed(first_seed)
         result["mean"], result["std"] = evaluate(model, venv, episodes, deterministic, should_stop)
         if video:
             recorded = record_video(
@@ -437,7 +439,7 @@ def evaluate_run(
                 run.video_for(model_path),
                 video_length=video_length,
                 deterministic=deterministic,
-                seed=offset_seed(plan.seed, EVAL_SEED_OFFSET),
+                seed=first_seed,  # the first evaluated episode's (unseeded, the video was another episode)
                 frame_stack=plan.preset.frame_stack,
                 max_episode_steps=plan.eval_step_cap,
                 normalization=venv if isinstance(venv, VecNormalize) else None,

@@ -197,3 +197,27 @@ def test_an_env_other_than_the_models_is_refused_before_its_first_frame(tmp_path
         "it trained on"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unseeded_evaluations_video_plays_its_first_episode(tmp_path, monkeypatch):
+    # Asked for no seed, the evaluation envs took one from the OS and the video env none: the video was another
+    # episode than the first one evaluated. Seeded, both take the evaluation's seed.
+    from types import SimpleNamespace
+
+    from sb3_gpu import make_plan
+    from sb3_gpu.runs import evaluation
+    from sb3_gpu.runs.training import train_run
+
+    overrides = {"n_envs": 1, "n_steps": 64, "batch_size": 64, "n_timesteps": 64, "probe": False}
+    train_run(make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy", overrides=overrides), tmp_path / "run", progress=False)
+    seeds: list[tuple[str, int | None]] = []
+
+    def recorded(model, env, path, seed=None, **kwargs):
+        seeds.append(("video", seed))
+        return SimpleNamespace(path=path, frames=1, fps=50)
+
+    monkeypatch.setattr(evaluation, "record_video", recorded)
+    monkeypatch.setattr(evaluation.secrets, "randbits", lambda bits: 4321)
+    evaluation.evaluate_run(tmp_path / "run", episodes=1, video=True)
+    evaluation.evaluate_run(tmp_path / "run", episodes=1, video=True, seed=7)
+    assert seeds == [("video", 4321), ("video", evaluation.offset_seed(7, evaluation.EVAL_SEED_OFFSET))]
