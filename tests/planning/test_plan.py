@@ -507,6 +507,20 @@ def test_normalized_envs_are_wrapped_and_eval_env_is_frozen(cpu_machine):
     assert train_env.gamma == plan.preset.params.gamma
 
 
+@pytest.mark.parametrize("normalize", [{}, "{}", "dict()"])
+def test_normalize_with_no_options_is_vecnormalize_with_its_defaults(cpu_machine, tmp_path, normalize):
+    # As rl-zoo3 reads an empty mapping; the plan showed normalize {} and built no VecNormalize.
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    if isinstance(normalize, dict):
+        plan = make_plan("ppo", "Pendulum-v1", hardware=cpu_machine, overrides={"normalize": normalize})
+    else:  # an rl-zoo3 file's string
+        (tmp_path / "ppo.yml").write_text(f'Pendulum-v1:\n  n_timesteps: 10000\n  normalize: "{normalize}"\n')
+        plan = make_plan("ppo", "Pendulum-v1", hardware=cpu_machine, preset=f"zoo:{tmp_path / 'ppo.yml'}")
+    assert plan.preset.normalize is True
+    assert isinstance(build_env(plan), VecNormalize)
+
+
 def test_config_with_unknown_keys_is_refused(tmp_path):
     (tmp_path / "config.yaml").write_text("algo: ppo\nenv: CartPole-v1\nhyperparameters: {}\nextra: 1\n")
     with pytest.raises(ConfigError, match="unknown key 'extra'"):
