@@ -18,6 +18,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -69,8 +70,24 @@ def _start_forkserver(forkserver: Any) -> None:
     # The shield mark is read and removed by the server as it imports this module. Libraries that size their thread
     # pools at import (OpenBLAS, MKL) do so in the server, for every worker it forks: one thread each, whoever starts
     # it (a build, a plan timing the workers' overhead).
-    with temporary_environ(**{_SHIELD: "1", "OMP_NUM_THREADS": "1"}):
+    with temporary_environ(**{_SHIELD: "1", "OMP_NUM_THREADS": "1"}), _stop_signals_ignored():
         forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _stop_signals_ignored() -> Any:
+    """SIGINT and SIGTERM ignored while this process starts the forkserver: the server inherits that through its exec,
+    so a Ctrl-C during its imports (seconds: torch) cannot end it with a traceback; it takes its own handlers once it
+    shields itself. Only the main thread can set handlers; the start takes milliseconds here."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _shield_server() -> None:
@@ -81,6 +98,9 @@ def _shield_server() -> None:
     exits with the training process still (its pipe closes)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    # Started with SIGINT ignored (_stop_signals_ignored), as its imports ran: the processes it forks get Python's
+    # Ctrl-C handler, as from a server started without (it ignores SIGINT itself, and gives them what it had).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _SHIELD = "SB3_GPU_SHIELD_FORKSERVER"

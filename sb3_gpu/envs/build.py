@@ -260,15 +260,25 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
                 # We are a worker re-running a script that lacks the __main__ guard: die, as multiprocessing
                 # intends, rather than fall back and run the user's whole script inside the worker.
                 raise
-            # Workers may be dead or waiting on a pipe; a polite close() would raise on the dead ones.
-            for proc in set(mp.active_children()) - before:
-                proc.kill()  # workers let SIGTERM pass
-                proc.join(timeout=5)
+            _kill_workers(before)
             raise _WorkersFailed(_failure_cause(e, sorted(Path(tmp).glob("*.err")))) from None
+        except BaseException:
+            # Ctrl-C or SIGTERM while they start: the VecEnv was never returned, so no one else can close its workers,
+            # which would go on writing their monitor files into a run dir being removed.
+            _kill_workers(before)
+            raise
         finally:
             for factory in factories:  # the fallback DummyVecEnv calls these in this process: no worker settings
                 factory.report, factory.worker = None, False
     return venv
+
+
+def _kill_workers(before: set[Any]) -> None:
+    """The worker processes started since ``before``. They may be dead or waiting on a pipe, where a polite close()
+    would raise on the dead ones; they let SIGTERM pass."""
+    for proc in set(mp.active_children()) - before:
+        proc.kill()
+        proc.join(timeout=5)
 
 
 def _failure_cause(error: BaseException, reports: list[Path]) -> str:

@@ -477,3 +477,61 @@ def test_envpool_reseeding_restarts_the_same_episodes():
     venv.seed(5)
     assert np.array_equal(venv.reset(), first)
     venv.close()
+
+
+@pytest.mark.parametrize("vec_env", ["subproc", "batched"])
+def test_a_stop_while_the_workers_start_leaves_none_running(monkeypatch, vec_env):
+    # The VecEnv is never returned, so nothing else could close its workers: they ran on, writing their monitor files
+    # into the run dir that the stopped run was removing.
+    import multiprocessing as mp
+
+    from sb3_gpu.envs import build
+
+    def stopped(venv, seed):
+        raise KeyboardInterrupt
+
+    before = set(mp.active_children())
+    monkeypatch.setattr(build, "_seed", stopped)  # after the workers started, before the first reset
+    with pytest.raises(KeyboardInterrupt):
+        make_vec_env("CartPole-v1", 2, vec_env=vec_env, seed=0)
+    assert not [p for p in set(mp.active_children()) - before if p.is_alive()]
+
+
+_FORKSERVER_STOPPED_AS_IT_STARTS = """
+import multiprocessing as mp, os, signal, time
+from multiprocessing import forkserver
+from sb3_gpu.envs.batched import worker_start_method
+
+def handler(queue):
+    queue.put(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+def sigint_set(pid):  # the server's SIGINT caught (Python's handler: its imports run) or ignored
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+    return bool((int(status["SigCgt"], 16) | int(status["SigIgn"], 16)) & 1 << (signal.SIGINT - 1))
+
+if __name__ == "__main__":
+    worker_start_method("forkserver")
+    server = forkserver._forkserver._forkserver_pid
+    while not sigint_set(server):
+        time.sleep(0.001)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C, a job's stop, as it imports torch (seconds)
+        os.kill(server, signum)
+    context = mp.get_context("forkserver")
+    queue = context.Queue()
+    context.Process(target=handler, args=(queue,)).start()  # a dead server would be started anew here
+    print(queue.get(timeout=60), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    print(forkserver._forkserver._forkserver_pid == server)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's signal masks in /proc")
+def test_the_forkserver_outlives_a_stop_signal_as_it_imports_and_its_workers_get_python_s_ctrl_c_handler(tmp_path):
+    # It took Python's SIGINT handler as it started, so a Ctrl-C during its imports ended it with a traceback (and a
+    # SIGTERM without one): the workers could not start. Processes it forks must still stop on Ctrl-C, as from any
+    # forkserver, and the starting process gets its own handlers back.
+    script = tmp_path / "stopped.py"  # a file: the worker imports its __main__ for the target
+    script.write_text(_FORKSERVER_STOPPED_AS_IT_STARTS)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stdout.split() == ["True", "True", "True"], result.stderr
+    assert "Traceback" not in result.stderr
