@@ -313,13 +313,20 @@ def resolve_preset(
             values[key], sources[key] = value, label
     raw: dict[str, Any] = {}
     given: dict[str, list[str]] = {}  # each key's override sources, in order
-    # A whole mapping first, then the dotted keys that refine it, whatever order they came in; one value given by
-    # both is refused (which should win would be a guess).
+    # Named as the user gave them: the CLI's --set, or make_plan's overrides.
+    labels = {source for _, source in overrides.values()}
+    given_as = next((label for label in ("--set", "search space") if label in labels), "overrides")
+    # A whole mapping first, then the dotted keys that refine it, whatever order they came in (true, as --per gives,
+    # takes the preset's mapping); a value given by both, or a whole that is no mapping, is refused (which should win
+    # would be a guess).
     for key, (value, source) in sorted(overrides.items(), key=lambda item: "." in item[0]):
-        head, _, inner = key.partition(".")
-        whole = overrides.get(head, (None, ""))[0]
-        if head in _OPTION_MAPPINGS and isinstance(whole, Mapping) and inner in whole:
-            raise ConfigError(f"{head} gives {inner}={whole[inner]!r} and {key} gives {value!r}; give one")
+        head, dot, inner = key.partition(".")
+        if dot and head in _OPTION_MAPPINGS and head in overrides:
+            whole = overrides[head][0]
+            if isinstance(whole, Mapping) and inner in whole:
+                raise ConfigError(f"{given_as}: {head} gives {inner}={whole[inner]!r} and {key} gives {value!r}; give one")
+            if not isinstance(whole, Mapping) and whole is not True:
+                raise ConfigError(f"{given_as}: {head}={whole!r} and {key}={value!r} both set {head}; give one")
         apply_override(raw, key, value)
         given.setdefault(head, []).extend([source] if source not in given.get(head, ()) else [])
     for key, named in given.items():
@@ -331,9 +338,6 @@ def resolve_preset(
             raw[key] = {**values[key], **raw[key]}
         elif key == "per" and raw[key] is True and isinstance(values.get(key), Mapping):
             raw[key] = values[key]  # --per switches the preset's own PER settings on, not the defaults
-    # Named as the user gave them: the CLI's --set, or make_plan's overrides.
-    labels = {source for _, source in overrides.values()}
-    given_as = next((label for label in ("--set", "search space") if label in labels), "overrides")
     values.update(validate_flat(algo, raw, given_as))
     check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], sources.get("policy_kwargs", entry_label))
     params = algo.params_class(**{f.name: values[f.name] for f in dataclasses.fields(algo.params_class)})

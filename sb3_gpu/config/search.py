@@ -26,6 +26,10 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     check_key_names(algo_, [str(key) for key in data], str(path), excluded=("n_timesteps",))
     if "n_timesteps" in data:  # every trial trains tune's --timesteps, whatever a preset key says
         raise ConfigError(f"{path}: n_timesteps cannot be searched: each trial trains --timesteps (tune's budget per seed)")
+    for key in data:  # each trial's plan would refuse the pair: refused once, here
+        head = str(key).partition(".")[0]
+        if head != key and head in data:
+            raise ConfigError(f"{path}: {head} and {key} both search {head}; search either the whole or its keys")
     space: dict[str, dict[str, Any]] = {}
     for key, spec in data.items():
         where = f"{path}, key {key}"

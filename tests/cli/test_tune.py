@@ -499,6 +499,11 @@ def test_a_worker_that_starts_while_another_holds_the_journal_lock_waits_for_it(
         ("learning_rat: 3.0e-4", "unknown key 'learning_rat'.*did you mean 'learning_rate'"),
         ("per.alpha: {low: 0.4, high: 0.8}", "'per' is for off-policy algorithms"),
         ("n_timesteps: {choices: [100, 200]}", "n_timesteps cannot be searched: each trial trains --timesteps"),
+        # Each trial's plan refuses the pair: every trial was pruned.
+        (
+            "policy_kwargs: {choices: [{ortho_init: true}]}\npolicy_kwargs.ortho_init: {choices: [false]}",
+            "policy_kwargs and policy_kwargs.ortho_init both search policy_kwargs; search either the whole or its keys",
+        ),
     ],
 )
 def test_search_space_keys_and_values_are_checked_like_presets(tmp_path, text, message):

@@ -118,7 +118,11 @@ def test_a_whole_mapping_and_a_dotted_key_merge_in_any_order_and_may_not_both_se
     merged = resolve_preset(PPO_, entry, "f:e", "cpu", dict(items[::-1] if dotted_first else items))
     assert merged.policy_kwargs == {"log_std_init": -1.0, "ortho_init": False}
     items = [("policy_kwargs", ({"ortho_init": True}, "--set")), ("policy_kwargs.ortho_init", (False, "--set"))]
-    with pytest.raises(ConfigError, match=r"^policy_kwargs gives ortho_init=True and policy_kwargs.ortho_init gives False"):
+    with pytest.raises(ConfigError, match=r"^--set: policy_kwargs gives ortho_init=True and policy_kwargs.ortho_init gives"):
+        resolve_preset(PPO_, entry, "f:e", "cpu", dict(items[::-1] if dotted_first else items))
+    # A whole that is no mapping (off) beside one of its values: the order decided before, without a word.
+    items = [("normalize", (False, "overrides")), ("normalize.norm_reward", (False, "overrides"))]
+    with pytest.raises(ConfigError, match=r"^overrides: normalize=False and normalize.norm_reward=False both set normalize"):
         resolve_preset(PPO_, entry, "f:e", "cpu", dict(items[::-1] if dotted_first else items))
 
 
