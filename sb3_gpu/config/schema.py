@@ -4,6 +4,7 @@ keys every entry may hold, and the validation of flat mappings and of entries wi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -347,13 +348,20 @@ def _refuse_other_algorithms_keys(algo: Algo, mapping: Mapping[str, Any], where:
     for key in mapping:
         if key in checks:
             continue
-        if key in SET_ELSEWHERE:
+        if key in SET_ELSEWHERE and _sb3_takes(algo, key):
             raise ConfigError(f"{where}: {key!r} is SB3's but no preset key: {SET_ELSEWHERE[key]}")
         others = ", ".join(a.name for a in ALGOS.values() if key in _param_checks(a))
         if algo.on_policy and key in OFF_POLICY_ONLY:
             raise ConfigError(f"{where}: {key!r} is for off-policy algorithms ({others}); {algo.name} is on-policy")
         if others:
             raise ConfigError(f"{where}: {key!r} is for {others}, not {algo.name}")
+
+
+def _sb3_takes(algo: Algo, key: str) -> bool:
+    """Whether ``algo``'s SB3 class takes ``key`` (its replay buffer's, for ``handle_timeout_termination``)."""
+    if key == "handle_timeout_termination":
+        return not algo.on_policy
+    return key in inspect.signature(algo.model_class.__init__).parameters
 
 
 def validate_entry(algo: Algo, entry: Any, where: str) -> dict[str, Any]:

@@ -144,6 +144,15 @@ def test_an_sb3_argument_that_is_no_preset_key_says_where_it_is_set(algo, key, s
 
 
 @pytest.mark.parametrize(
+    ("algo", "key"), [("ppo", "action_noise"), ("ppo", "replay_buffer_class"), ("dqn", "rollout_buffer_kwargs")]
+)
+def test_an_sb3_argument_of_another_algorithm_is_an_unknown_key(algo, key):
+    # PPO was told to set action_noise_std, which it then refused as a key of sac, td3 and tqc.
+    with pytest.raises(ConfigError, match=rf"^--set: unknown key '{key}'"):
+        validate_flat(ALGOS[algo], {key: None}, "--set")
+
+
+@pytest.mark.parametrize(
     ("key", "value", "message"),
     [
         ("net_arch", [32], "policy_kwargs.net_arch is a preset key of its own; set net_arch instead"),
