@@ -295,8 +295,9 @@ def normalize(value: Any, where: str) -> bool | dict[str, Any]:
         raise ConfigError(f"{where}: expected true, false or a mapping of VecNormalize's options ({keys}), got {value!r}")
     options = mapping(value, where)
     check_keys(options, set(NORMALIZE_KEYS), where)
-    # No options is VecNormalize with its defaults, as rl-zoo3 reads `normalize: "{}"`; an empty mapping would be off.
-    return {k: NORMALIZE_KEYS[k](v, f"{where}.{k}") for k, v in options.items()} or True
+    # An empty mapping stays one (a profile's adds nothing to its entry's); the resolved preset's is VecNormalize
+    # with its defaults (resolve_preset).
+    return {k: NORMALIZE_KEYS[k](v, f"{where}.{k}") for k, v in options.items()}
 
 
 def train_freq(value: Any, where: str) -> int | tuple[int, str]:

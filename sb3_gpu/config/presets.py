@@ -339,6 +339,8 @@ def resolve_preset(
         elif key == "per" and raw[key] is True and isinstance(values.get(key), Mapping):
             raw[key] = values[key]  # --per switches the preset's own PER settings on, not the defaults
     values.update(validate_flat(algo, raw, given_as))
+    if values["normalize"] == {}:  # no options: VecNormalize with its defaults, as rl-zoo3 reads `normalize: "{}"`
+        values["normalize"] = True
     check_policy_kwargs(algo, values["policy"], values["policy_kwargs"], sources.get("policy_kwargs", entry_label))
     params = algo.params_class(**{f.name: values[f.name] for f in dataclasses.fields(algo.params_class)})
     common = {k: values[k] for k in COMMON_KEYS}

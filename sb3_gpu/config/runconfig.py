@@ -134,6 +134,10 @@ def load_config(path: str | Path) -> RunConfig:
         # Written before PER's weights could be normalised by the batch: those runs normalised by the buffer, and a
         # resumed or repeated run goes on as it began.
         hyper["per"] = {**hyper["per"], "normalize": "buffer"}
+    if hyper.get("normalize") == {}:
+        # Written before an empty mapping meant VecNormalize with its defaults (a run writes that as true now): such
+        # runs trained without it, and a resumed or repeated run goes on as it began.
+        hyper["normalize"] = False
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
         raise ConfigError(f"{path}: seed must be an integer in [0, 2**32) or null, got {seed!r}")

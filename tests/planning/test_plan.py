@@ -14,7 +14,9 @@ from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from sb3_gpu import make_model, make_plan
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import write_yaml
+from sb3_gpu.config.presets import resolve_preset
 from sb3_gpu.config.runconfig import load_config
+from sb3_gpu.config.schema import get_algo, validate_entry
 from sb3_gpu.planning.build import build_env, build_model
 from sb3_gpu.planning.table import plan_table
 from tests.envs.test_envs import cartpole
@@ -519,6 +521,22 @@ def test_normalize_with_no_options_is_vecnormalize_with_its_defaults(cpu_machine
         plan = make_plan("ppo", "Pendulum-v1", hardware=cpu_machine, preset=f"zoo:{tmp_path / 'ppo.yml'}")
     assert plan.preset.normalize is True
     assert isinstance(build_env(plan), VecNormalize)
+
+
+def test_an_empty_normalize_adds_nothing_to_its_entrys_options_and_an_old_runs_empty_one_stays_off(tmp_path, cpu_machine):
+    # A profile's empty mapping replaced the entry's options with VecNormalize's defaults; a run written while an
+    # empty mapping meant off trained without VecNormalize, and must resume and evaluate so.
+    algo = get_algo("ppo")
+    entry = validate_entry(algo, {"normalize": {"norm_reward": False}, "cpu": {"normalize": {}}}, "t")
+    assert resolve_preset(algo, entry, "f:e", "cpu").normalize == {"norm_reward": False}
+    plan = make_plan("ppo", "Pendulum-v1", hardware=cpu_machine, overrides={"normalize": {}})
+    written = plan.to_config()
+    assert written["hyperparameters"]["normalize"] is True
+    written["hyperparameters"]["normalize"] = {}  # as sb3_gpu wrote it then
+    write_yaml(tmp_path / "config.yaml", written)
+    config = load_config(tmp_path)
+    assert config.hyperparameters["normalize"] is False
+    assert make_plan("ppo", "Pendulum-v1", hardware=cpu_machine, config=config).preset.normalize is False
 
 
 def test_config_with_unknown_keys_is_refused(tmp_path):
