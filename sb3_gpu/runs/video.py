@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +77,13 @@ def record_video(
     if path.suffix != ".mp4":
         raise ConfigError(f"a video is written as mp4: give a path ending in .mp4, got {path}")
     spec = recordable(env)
-    scratch = path.parent / f".{path.name}.recording"
+    make_dir(path.parent, "video folder")
+    # A folder of this recording's own: two recordings of one model at once (evaluations of several seeds) each
+    # write their own, and the last rename wins.
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.recording-", dir=path.parent))
     # From the first reset on: the first episode, or (a length given) that many frames across episodes.
     recorder_kwargs: dict[str, Any] = {
-        "video_folder": str(scratch),
+        "video_folder": str(scratch / "video"),  # a folder RecordVideo makes: one already there, it warns of
         "name_prefix": "video",
         "disable_logger": True,
         "episode_trigger": lambda episode: episode == 0,
@@ -94,8 +98,6 @@ def record_video(
         recorders.append(recorder)
         return recorder
 
-    make_dir(path.parent, "video folder")
-    shutil.rmtree(scratch, ignore_errors=True)  # what an earlier, interrupted recording left
     with _headless():
         try:
             venv: VecEnv = make_vec_env(
@@ -114,7 +116,7 @@ def record_video(
                 raise
             finally:
                 venv.close()  # writes the video where the recording was still open
-            written = list(scratch.glob("*.mp4"))
+            written = list((scratch / "video").glob("*.mp4"))
             if len(written) != 1:
                 raise ConfigError(f"env {spec.name} rendered no frames to record (render() returned no image)")
             replace(written[0], path)  # the complete file, renamed over any earlier one

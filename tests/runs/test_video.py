@@ -221,3 +221,18 @@ def test_an_unseeded_evaluations_video_plays_its_first_episode(tmp_path, monkeyp
     evaluation.evaluate_run(tmp_path / "run", episodes=1, video=True)
     evaluation.evaluate_run(tmp_path / "run", episodes=1, video=True, seed=7)
     assert seeds == [("video", 4321), ("video", evaluation.offset_seed(7, evaluation.EVAL_SEED_OFFSET))]
+
+
+def test_a_recording_writes_in_a_folder_of_its_own_and_removes_no_other(tmp_path):
+    # Its scratch folder had a fixed name, removed first as an interrupted recording's: two evaluations of one model
+    # at once (several seeds) removed each other's recording, and the second one failed with a traceback.
+    other = tmp_path / ".v.mp4.recording"  # another recording's, under way
+    other.mkdir()
+    (other / "video-episode-0.mp4").write_bytes(b"frames")
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Overwriting existing videos")  # gymnasium's, of a folder there
+        video = record_video(model, "CartPole-v1", tmp_path / "v.mp4", video_length=5, seed=0)
+    assert read_back(video.path)[0] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".v.mp4.recording", "v.mp4"]
+    assert (other / "video-episode-0.mp4").read_bytes() == b"frames"
