@@ -265,6 +265,10 @@ def _train(
     # seed: the run's own, which config.yaml keeps; a resumed plan's is derived from it and the timesteps.
     with run.locked():
         if state is not None:
+            # Read before the lock: a process that trained the run may have saved and finished since.
+            newest = run.saved_states()
+            if not newest or (newest[0].model, newest[0].timesteps) != (state.model, state.timesteps):
+                raise ConfigError(f"{run} was saved by another sb3_gpu process as this resume began; run it again")
             run.set_monitor_files_aside()
         env: VecEnv = build_env(plan, monitor_dir=str(run.monitor))
         eval_env: VecEnv | None = None

@@ -1456,3 +1456,27 @@ def test_an_unexpected_error_mid_run_prints_its_traceback_its_name_and_the_save_
     assert tail[0] == "error: RuntimeError: kaput", result.stderr
     assert tail[1].startswith(f"error: model saved to {run_dir / 'model.zip'} at 64 timesteps"), result.stderr
     assert result.stderr.count("model saved to") == 1, result.stderr
+
+
+def test_a_resume_that_another_process_saves_past_before_it_takes_the_lock_is_refused(tmp_path, monkeypatch):
+    # It read the newest model, then took the lock the other run had just released: it trained on from an older state
+    # and wrote over the newer model.zip.
+    from sb3_gpu import make_plan
+    from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.runs.training import resume_run, train_run
+
+    overrides = {"probe": False, "threads": 1, "n_steps": 64, "batch_size": 64, "n_epochs": 1}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=0, n_envs=1, vec_env="dummy", n_timesteps=128, overrides=overrides)
+    run = tmp_path / "run"
+    train_run(plan, run, eval_episodes=1, progress=False, report_s=None)
+    locked = RunDir.locked
+
+    def saved_meanwhile(self):
+        model = PPO.load(self.final.model, device="cpu")
+        model.num_timesteps += 64
+        model.save(self.final.model)  # the other process's last save, as it finished
+        return locked(self)
+
+    monkeypatch.setattr(RunDir, "locked", saved_meanwhile)
+    with pytest.raises(ConfigError, match="run was saved by another sb3_gpu process as this resume began; run it again"):
+        resume_run(run, timesteps=512, progress=False, report_s=None)
