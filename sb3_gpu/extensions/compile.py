@@ -94,6 +94,12 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
             f"compile_policy is for PPO and the DQN family; {type(model).__name__} compiles its whole gradient step "
             "(sb3_gpu's SyncFree classes, compile_step)"
         )
+    if not hasattr(th.nn.Module, "_compiled_call_impl"):
+        # What Module.compile sets, and the fallback (and overlap's acting copy) clears: a torch that keeps it under
+        # another name could not be run uncompiled again.
+        reason = f"torch {th.__version__}'s Module.compile cannot be undone here; training uncompiled"
+        warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
+        return reason
     modules = policy_networks(model).compute
     python_int_spaces(model.policy)
     # Narrow heads before the trial compiles: the compiled gradient step narrows them too (compile_step), and a class

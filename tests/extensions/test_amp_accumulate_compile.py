@@ -717,3 +717,13 @@ def test_a_compiled_fp16_step_logs_its_scale():
     model.learn(192)
     assert model._compiled_step.fallback is None
     assert 2.0**40 > kept.rows[-1]["amp/scale"] >= state.scaler.scale and kept.rows[-1]["amp/skipped_steps"] >= 1
+
+
+def test_a_torch_whose_module_compile_cannot_be_undone_trains_uncompiled(monkeypatch):
+    # The fallback (and overlap's acting copy) clears Module.compile's _compiled_call_impl: under another name, a
+    # failed trial would have left the networks compiled while the warning said "training uncompiled".
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    monkeypatch.delattr(th.nn.Module, "_compiled_call_impl")
+    with pytest.warns(UserWarning, match=r"Module.compile cannot be undone here; training uncompiled"):
+        assert compile_policy(model, "default", 32) is not None
+    assert "_sb3_gpu_compiled" not in vars(model.policy)
