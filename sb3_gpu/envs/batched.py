@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import cloudpickle
@@ -220,8 +221,28 @@ class _Worker:
             self._close()
             conn.send(("ok", None))
             return False
-        conn.send(("ok", self.handlers[cmd](data)))
+        reply = self.handlers[cmd](data)
+        try:
+            conn.send(("ok", reply))  # pickled whole before a byte is sent
+        except Exception:
+            self.current = self._unsendable(cmd, data, reply)
+            raise
         return True
+
+    def _unsendable(self, cmd: str, data: Any, reply: Any) -> int:
+        """The env whose part of ``reply`` cannot be pickled (a lambda in its info, say): the reply is sent once all
+        the worker's envs have run, so ``current`` is the last one's."""
+        if cmd == "step":
+            infos, reset_infos = reply
+            parts = [(j, (info, reset_infos.get(j))) for j, info in enumerate(infos)]
+        else:  # reset: one info per env; call: one result per env asked, in ``local``'s order
+            parts = list(enumerate(reply)) if cmd == "reset" else list(zip(data[1], reply, strict=True))
+        for j, part in parts:
+            try:
+                ForkingPickler.dumps(part)
+            except Exception:
+                return self.first + j
+        return self.current
 
     def _each(self, indices: Any) -> Any:
         for j in indices:
@@ -261,10 +282,18 @@ class _Worker:
         return [_call(env, kind, args) for _, env in self._each(local)]
 
     def _close(self) -> None:
-        for _, env in self._each(range(len(self.envs))):
-            env.close()
+        """Close every env, as SB3's SubprocVecEnv does, even where one raises; the first error is raised after."""
+        failed: tuple[int, BaseException] | None = None
+        for j, env in self._each(range(len(self.envs))):
+            try:
+                env.close()
+            except Exception as e:
+                failed = failed or (j, e)
         del self.obs, self.rewards, self.dones
         self.shm.close()
+        if failed is not None:
+            self.current = self.first + failed[0]
+            raise failed[1]
 
 
 def _call(env: gym.Env, kind: str, args: tuple[Any, ...]) -> Any:
@@ -444,7 +473,10 @@ class BatchedSubprocVecEnv(VecEnv):
                 self._send(w, ("close", None))
             for w in range(len(self.conns)):
                 if self.conns[w].poll(30):
-                    self._recv(w)
+                    try:
+                        self._recv(w)
+                    except EnvWorkerError as e:  # an env's own close() raised: its data may not be flushed
+                        warnings.warn(f"{e} while closing (its worker closed its other envs)", stacklevel=2)
         except (EnvWorkerError, OSError):
             pass  # a dead worker: nothing left to close politely
         finally:

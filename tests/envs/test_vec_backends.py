@@ -76,6 +76,39 @@ class LockInInfo(gym.Wrapper):
         return obs, reward, terminated, truncated, {**info, "lock": threading.Lock()}  # SB3 deep-copies the infos
 
 
+class InfoFactory:
+    """CartPole whose info holds a lock (which cannot be pickled) where ``lock``."""
+
+    def __init__(self, lock: bool):
+        self.lock = lock
+
+    def __call__(self) -> gym.Env:
+        env = gym.make("CartPole-v1")
+        return LockInInfo(env) if self.lock else env
+
+
+class ClosesNoted(gym.Wrapper):
+    """Writes ``path`` as it closes; raises after that where ``raises``."""
+
+    def __init__(self, env: gym.Env, path: str, raises: bool):
+        super().__init__(env)
+        self.path, self.raises = path, raises
+
+    def close(self):
+        with open(self.path, "w") as f:
+            f.write("closed")
+        if self.raises:
+            raise RuntimeError("could not flush its log")
+
+
+class CloseFactory:
+    def __init__(self, path: str, raises: bool):
+        self.path, self.raises = path, raises
+
+    def __call__(self) -> gym.Env:
+        return ClosesNoted(gym.make("CartPole-v1"), self.path, self.raises)
+
+
 class WrongShape(gym.ObservationWrapper):
     def observation(self, observation):
         return np.zeros(7, dtype=np.float32)  # the space says 4: SB3's DummyVecEnv fails storing it, not the env
@@ -535,3 +568,23 @@ def test_the_forkserver_outlives_a_stop_signal_as_it_imports_and_its_workers_get
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0 and result.stdout.split() == ["True", "True", "True"], result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_info_that_cannot_be_sent_names_its_own_env():
+    # The reply is pickled once the worker's envs have all run: the error named the worker's last env, not env 0.
+    venv = BatchedSubprocVecEnv([InfoFactory(i == 0) for i in range(4)], n_workers=1)
+    venv.reset()
+    with pytest.raises(EnvWorkerError, match=r"env 0 \(worker 0\) raised TypeError: cannot pickle '_thread.lock'") as info:
+        venv.step(np.zeros(4, dtype=int))
+    assert info.value.env_index == 0
+    venv.close()
+
+
+def test_an_env_whose_close_raises_is_named_and_the_others_are_still_closed(tmp_path):
+    # The worker stopped at the first env whose close() raised, and the error was dropped without a word: the envs
+    # after it never closed (their files unflushed), as SB3's SubprocVecEnv closes them.
+    venv = BatchedSubprocVecEnv([CloseFactory(str(tmp_path / f"{i}"), i == 0) for i in range(4)], n_workers=2)
+    venv.reset()
+    with pytest.warns(UserWarning, match=r"env 0 \(worker 0\) raised RuntimeError: could not flush its log while closing"):
+        venv.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]
