@@ -26,10 +26,12 @@ def load_space(algo: str, path: str | Path | None = None) -> dict[str, dict[str,
     check_key_names(algo_, [str(key) for key in data], str(path), excluded=("n_timesteps",))
     if "n_timesteps" in data:  # every trial trains tune's --timesteps, whatever a preset key says
         raise ConfigError(f"{path}: n_timesteps cannot be searched: each trial trains --timesteps (tune's budget per seed)")
-    for key in data:  # each trial's plan would refuse the pair: refused once, here
-        head = str(key).partition(".")[0]
-        if head != key and head in data:
-            raise ConfigError(f"{path}: {head} and {key} both search {head}; search either the whole or its keys")
+    for key in data:  # each trial's plan would refuse the pair (a mapping and its own key): refused once, here
+        head, _, inner = str(key).partition(".")
+        if inner and isinstance(data.get(head), dict):
+            choices = data[head].get("choices")
+            if isinstance(choices, list) and any(isinstance(c, dict) and inner in c for c in choices):
+                raise ConfigError(f"{path}: {key} and a choice of {head} both set {key}; search it in one place")
     space: dict[str, dict[str, Any]] = {}
     for key, spec in data.items():
         where = f"{path}, key {key}"

@@ -502,7 +502,7 @@ def test_a_worker_that_starts_while_another_holds_the_journal_lock_waits_for_it(
         # Each trial's plan refuses the pair: every trial was pruned.
         (
             "policy_kwargs: {choices: [{ortho_init: true}]}\npolicy_kwargs.ortho_init: {choices: [false]}",
-            "policy_kwargs and policy_kwargs.ortho_init both search policy_kwargs; search either the whole or its keys",
+            "policy_kwargs.ortho_init and a choice of policy_kwargs both set policy_kwargs.ortho_init; search it in one place",
         ),
     ],
 )
