@@ -123,8 +123,13 @@ class EnvTimer:
 
     _METHODS = ("step_async", "step_wait", "reset")
 
-    def __init__(self, venv: VecEnv):
-        self.venv, self.seconds = venv, 0.0
+    def __init__(self, venv: VecEnv, learn: object = None):
+        """``learn``: what tells one ``learn`` call from another (SB3's ``start_time``). A timer an earlier call left
+        on the env (its ``learn`` interrupted, so its callback never ended) is removed first: each interrupted cell
+        of a notebook would add one more."""
+        while (stale := getattr(venv.__dict__.get("step_wait"), "timer", None)) is not None and stale.learn != learn:
+            stale.remove()
+        self.venv, self.seconds, self.learn = venv, 0.0, learn
         self._saved = {name: venv.__dict__.get(name) for name in self._METHODS}
         for name in self._METHODS:
             setattr(venv, name, self._timed(getattr(venv, name)))
@@ -137,6 +142,7 @@ class EnvTimer:
             finally:
                 self.seconds += time.perf_counter() - start
 
+        timed.timer = self  # type: ignore[attr-defined]
         return timed
 
     def remove(self) -> None:
@@ -215,7 +221,7 @@ class ThroughputCallback(BaseCallback):
             write_dashboard(self.model)
         assert self.model.env is not None
         # The innermost VecEnv: wrappers such as VecNormalize pickle their own attributes (checkpoints do that).
-        self._timer = EnvTimer(self.model.env.unwrapped)
+        self._timer = EnvTimer(self.model.env.unwrapped, learn=getattr(self.model, "start_time", None))
         import psutil
 
         self._process = psutil.Process()

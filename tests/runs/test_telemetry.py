@@ -488,3 +488,23 @@ def test_curves_count_agent_steps_where_the_monitor_counts_emulator_frames(tmp_p
     # On Atari the Monitor sits below SB3's frame skip: its episode lengths are emulator frames, 4 to an agent step.
     (monitor / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n-21,800,1.0\n-20,1200,2.0\n')
     assert load_curves(tmp_path / "run")["steps"].tolist() == [800 / per_step, 2000 / per_step]
+
+
+def test_a_learn_interrupted_in_a_notebook_leaves_no_timer_on_the_env_for_the_next_one(tmp_path):
+    # SB3 skips _on_training_end when learn raises: each interrupted cell left one more timing layer on the env's
+    # methods, which no later callback removed.
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class Interrupt(BaseCallback):
+        def _on_step(self) -> bool:
+            if self.n_calls == 20:
+                raise KeyboardInterrupt  # Jupyter's interrupt, raised in the main thread
+            return True
+
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=32, batch_size=32, n_epochs=1, device="cpu")
+    venv = model.env.unwrapped
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            model.learn(10_000, callback=[ThroughputCallback(dashboard=False), Interrupt()])
+    model.learn(64, callback=ThroughputCallback(dashboard=False))
+    assert not {"step_async", "step_wait", "reset"} & set(vars(venv))
