@@ -216,6 +216,9 @@ def make_model(
     :param device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps``
     :param profile: ``auto`` (by device), ``cpu``, ``gpu`` or ``large`` (a big workstation; DQN family)
     :param overrides: preset keys that win over the preset, e.g. ``batch_size=128, net_arch=[64, 64]``
+
+    As :func:`build_model`, it sets the process's torch threads to the plan's (``torch.set_num_threads``, for the
+    whole process: a notebook's other torch work too); ``threads=N`` chooses them.
     """
     _check_model_args(tensorboard_log, verbose)
     plan = make_plan(
