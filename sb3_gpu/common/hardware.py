@@ -103,22 +103,84 @@ def _allowed_cpus() -> set[int] | None:
         return None
 
 
-def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> int | None:
-    """The CPUs a cgroup's quota allows (rounded up), or None where it sets none: v2's ``cpu.max``, v1's CFS files."""
+_CGROUP_ROOT, _OWN_CGROUP = "/sys/fs/cgroup", "/proc/self/cgroup"
+
+
+def _cgroup_dirs(controller: str, root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> list[str]:
+    """The folders of this process's cgroup for ``controller`` and of every cgroup above it, where a limit on any of
+    them holds (a systemd or Slurm scope, a container without a cgroup namespace): v2's unified tree and v1's tree of
+    the controller, as ``own`` (``/proc/self/cgroup``) places the process in them; and the roots themselves."""
+    found: list[str] = []
     try:
-        with open(f"{root}/cpu.max", encoding="utf-8") as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError):
-        pass
+        with open(own, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        controllers, path = fields[1], fields[2]
+        if controllers == "":  # v2: the root itself, or /unified beside v1's trees
+            base = root if os.path.exists(f"{root}/cgroup.controllers") else f"{root}/unified"
+        elif controller in controllers.split(","):
+            base = f"{root}/{controller}"  # v1 mounts each tree at its name (cpu: a link to cpu,cpuacct)
+        else:
+            continue
+        names = [name for name in path.split("/") if name and name != ".."]
+        found += [os.path.join(base, *names[:depth]) for depth in range(len(names), -1, -1)]
+    return list(dict.fromkeys([*found, root, f"{root}/{controller}"]))
+
+
+def _read(path: str) -> str | None:
     try:
-        with open(f"{root}/cpu/cpu.cfs_quota_us", encoding="utf-8") as f:
-            quota_us = int(f.read())
-        with open(f"{root}/cpu/cpu.cfs_period_us", encoding="utf-8") as f:
-            period_us = int(f.read())
-    except (OSError, ValueError):
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
         return None
-    return None if quota_us <= 0 or period_us <= 0 else max(1, math.ceil(quota_us / period_us))
+
+
+def _cgroup_cpu_quota(root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> int | None:
+    """The CPUs the tightest cgroup quota on this process allows (rounded up), or None where none sets one: v2's
+    ``cpu.max``, v1's CFS files."""
+    quotas = []
+    for folder in _cgroup_dirs("cpu", root, own):
+        try:
+            if (v2 := _read(f"{folder}/cpu.max")) is not None:
+                quota, period = v2.split()[:2]
+                if quota != "max":
+                    quotas.append(max(1, math.ceil(int(quota) / int(period))))
+            quota_us, period_us = _read(f"{folder}/cpu.cfs_quota_us"), _read(f"{folder}/cpu.cfs_period_us")
+            if quota_us is not None and period_us is not None and int(quota_us) > 0 and int(period_us) > 0:
+                quotas.append(max(1, math.ceil(int(quota_us) / int(period_us))))
+        except ValueError:
+            continue
+    return min(quotas, default=None)
+
+
+def _cgroup_memory(root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> tuple[int, int] | None:
+    """The tightest cgroup memory limit on this process and what its cgroup holds against it (less the page cache
+    the kernel would drop first), in bytes; None where none is set. psutil reports the host's memory inside a
+    container, whose limit ends a process that passes it."""
+    tightest: tuple[int, int] | None = None
+    files = (
+        ("memory.max", "memory.current", "inactive_file"),
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    )
+    for folder in _cgroup_dirs("memory", root, own):
+        for limit_file, usage_file, cache_key in files:
+            try:
+                text = _read(f"{folder}/{limit_file}")
+                if text is None or text == "max" or int(text) >= 2**60:  # v1 writes "no limit" as a page-rounded 2**63
+                    continue
+                limit, usage = int(text), int(_read(f"{folder}/{usage_file}") or 0)
+                stat = dict(line.split()[:2] for line in (_read(f"{folder}/memory.stat") or "").splitlines() if " " in line)
+                held = max(0, usage - int(stat.get(cache_key, 0)))
+            except ValueError:
+                continue
+            if tightest is None or limit - held < tightest[0] - tightest[1]:
+                tightest = (limit, held)
+    return tightest
 
 
 def _cpu_info() -> tuple[str, set[str]]:
@@ -162,9 +224,12 @@ def _physical_cores(logical: int, sysfs: str = "/sys/devices/system/cpu") -> int
 
 
 def _ram_gb() -> float:
+    """The host's memory, or a cgroup's limit below it."""
     import psutil
 
-    return psutil.virtual_memory().total / 2**30
+    limit = _cgroup_memory()
+    total = psutil.virtual_memory().total
+    return (total if limit is None else min(total, limit[0])) / 2**30
 
 
 def _in_notebook() -> bool:
@@ -173,10 +238,13 @@ def _in_notebook() -> bool:
 
 
 def host_available_bytes() -> int:
-    """The host memory available for new allocations without swapping (psutil's ``available``)."""
+    """The host memory available for new allocations without swapping (psutil's ``available``), or what a cgroup's
+    limit leaves this process's cgroup where that is less."""
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    available = int(psutil.virtual_memory().available)
+    limit = _cgroup_memory()
+    return available if limit is None else max(0, min(available, limit[0] - limit[1]))
 
 
 def gpu_free_bytes(index: int) -> int | None:

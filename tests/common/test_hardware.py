@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch as th
 
@@ -84,7 +85,65 @@ def test_a_cgroup_cpu_quota_is_read_from_either_version(tmp_path, files, cpus):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert _cgroup_cpu_quota(str(tmp_path)) == cpus
+    assert _cgroup_cpu_quota(str(tmp_path), own=str(tmp_path / "no-proc")) == cpus
+
+
+def _cgroup_tree(root, own: str, files: dict[str, str]) -> str:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "self").write_text(own)
+    return str(root / "self")
+
+
+def test_a_cgroup_limit_on_the_processs_own_cgroup_or_one_above_it_is_found(tmp_path):
+    # Only the root's files were read: a limit on a systemd or Slurm scope, or in a container sharing the host's
+    # cgroup tree, was missed, and the plan used every core and the host's whole memory.
+    from sb3_gpu.common.hardware import _cgroup_cpu_quota, _cgroup_memory
+
+    v2 = tmp_path / "v2"
+    own = _cgroup_tree(
+        v2,
+        "0::/system.slice/job.scope\n",
+        {
+            "cgroup.controllers": "cpu memory\n",
+            "system.slice/cpu.max": "400000 100000\n",  # 4 CPUs on the slice, 2 on the job's scope
+            "system.slice/job.scope/cpu.max": "200000 100000\n",
+            "system.slice/job.scope/memory.max": str(4 * 2**30),
+            "system.slice/job.scope/memory.current": str(3 * 2**30),
+            "system.slice/job.scope/memory.stat": f"anon 1\ninactive_file {2**30}\n",  # page cache, dropped first
+        },
+    )
+    assert _cgroup_cpu_quota(str(v2), own) == 2
+    assert _cgroup_memory(str(v2), own) == (4 * 2**30, 2 * 2**30)
+    v1 = tmp_path / "v1"
+    own = _cgroup_tree(
+        v1,
+        "4:memory:/docker/abc\n1:cpu,cpuacct:/docker/abc\n0::/\n",
+        {
+            "cpu/docker/abc/cpu.cfs_quota_us": "300000\n",
+            "cpu/docker/abc/cpu.cfs_period_us": "100000\n",
+            "memory/docker/memory.limit_in_bytes": str(8 * 2**30),  # the tighter: on the parent
+            "memory/docker/memory.usage_in_bytes": str(2**30),
+            "memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+        },
+    )
+    assert _cgroup_cpu_quota(str(v1), own) == 3
+    assert _cgroup_memory(str(v1), own) == (8 * 2**30, 2**30)
+    assert _cgroup_memory(str(tmp_path / "none"), own) is None
+
+
+def test_memory_figures_take_a_cgroup_limit_below_the_hosts(monkeypatch):
+    # psutil reports the host's memory inside a container: a buffer that fit the host passed the plan's check, and
+    # the container's limit ended the run.
+    from sb3_gpu.common import hardware
+
+    host = SimpleNamespace(total=256 * 2**30, available=200 * 2**30)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: host)
+    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: (4 * 2**30, 2**30))
+    assert hardware._ram_gb() == 4.0 and hardware.host_available_bytes() == 3 * 2**30
+    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: None)
+    assert hardware._ram_gb() == 256.0 and hardware.host_available_bytes() == 200 * 2**30
 
 
 def test_detect_hardware_reports_each_gpu_from_torch_queries(monkeypatch):
