@@ -72,7 +72,8 @@ def encode_choice(value: Any) -> Any:
 def sample(trial: Any, space: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Draw one set of overrides; ``X.y`` keys are skipped when ``X`` was drawn false (``per.alpha`` without PER)."""
     params: dict[str, Any] = {}
-    for key, spec in space.items():
+    # Whole keys first, whatever the file's order: a dotted one is skipped by what its whole drew.
+    for key, spec in sorted(space.items(), key=lambda item: "." in item[0]):
         head = key.partition(".")[0]
         if "." in key and params.get(head) is False:
             continue

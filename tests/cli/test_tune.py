@@ -525,6 +525,18 @@ def test_the_search_spaces_behind_the_tuning_records_still_load(path):
     assert load_space(algo, path)
 
 
+def test_a_dotted_key_listed_before_its_whole_is_still_skipped_where_the_whole_draws_false(tmp_path):
+    # Drawn in the file's order, per.alpha came before per: a trial drawing per=false kept per.alpha, and its plan
+    # refused the pair.
+    path = tmp_path / "space.yaml"
+    path.write_text("per.alpha: {low: 0.4, high: 0.8}\nper: {choices: [true, false]}\n")
+    space = load_space("dqn", path)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    drawn = [tuning.sample(study.ask(), space) for _ in range(20)]
+    assert {d["per"] for d in drawn} == {True, False}
+    assert all(("per.alpha" in d) == d["per"] for d in drawn)
+
+
 def test_a_range_draws_values_of_its_keys_type_however_its_bounds_are_written(tmp_path):
     # YAML reads 1.0e+6 as a float and 0 as an int: the key decides, or every trial would be refused (a buffer size of
     # 52345.6) or a coefficient drawn only at 0 and 1.
