@@ -471,13 +471,16 @@ class BatchedSubprocVecEnv(VecEnv):
                 self._recv(w)
             for w in range(len(self.conns)):
                 self._send(w, ("close", None))
+            failed = []
             for w in range(len(self.conns)):
+                # Read here, not by _recv, which would end every worker at the first error while others still close.
                 if self.conns[w].poll(30):
-                    try:
-                        self._recv(w)
-                    except EnvWorkerError as e:  # an env's own close() raised: its data may not be flushed
-                        warnings.warn(f"{e} while closing (its worker closed its other envs)", stacklevel=2)
-        except (EnvWorkerError, OSError):
+                    status, payload = self.conns[w].recv()
+                    if status == "error":  # an env's own close() raised: its data may not be flushed
+                        failed.append(f"env {payload[0]} (worker {w}) raised {payload[1]}")
+            for failure in failed:
+                warnings.warn(f"{failure} while closing (the other envs were closed)", stacklevel=2)
+        except (EnvWorkerError, EOFError, OSError):
             pass  # a dead worker: nothing left to close politely
         finally:
             self._abort()  # joins the workers (terminating any that did not exit) and unlinks the shared block

@@ -90,11 +90,13 @@ class InfoFactory:
 class ClosesNoted(gym.Wrapper):
     """Writes ``path`` as it closes; raises after that where ``raises``."""
 
-    def __init__(self, env: gym.Env, path: str, raises: bool):
+    def __init__(self, env: gym.Env, path: str, raises: bool, slow: bool):
         super().__init__(env)
-        self.path, self.raises = path, raises
+        self.path, self.raises, self.slow = path, raises, slow
 
     def close(self):
+        if self.slow:
+            time.sleep(1)  # still closing as another worker's env fails
         with open(self.path, "w") as f:
             f.write("closed")
         if self.raises:
@@ -102,11 +104,11 @@ class ClosesNoted(gym.Wrapper):
 
 
 class CloseFactory:
-    def __init__(self, path: str, raises: bool):
-        self.path, self.raises = path, raises
+    def __init__(self, path: str, raises: bool, slow: bool = False):
+        self.path, self.raises, self.slow = path, raises, slow
 
     def __call__(self) -> gym.Env:
-        return ClosesNoted(gym.make("CartPole-v1"), self.path, self.raises)
+        return ClosesNoted(gym.make("CartPole-v1"), self.path, self.raises, self.slow)
 
 
 class WrongShape(gym.ObservationWrapper):
@@ -583,7 +585,7 @@ def test_an_info_that_cannot_be_sent_names_its_own_env():
 def test_an_env_whose_close_raises_is_named_and_the_others_are_still_closed(tmp_path):
     # The worker stopped at the first env whose close() raised, and the error was dropped without a word: the envs
     # after it never closed (their files unflushed), as SB3's SubprocVecEnv closes them.
-    venv = BatchedSubprocVecEnv([CloseFactory(str(tmp_path / f"{i}"), i == 0) for i in range(4)], n_workers=2)
+    venv = BatchedSubprocVecEnv([CloseFactory(str(tmp_path / f"{i}"), i == 0, slow=i >= 2) for i in range(4)], n_workers=2)
     venv.reset()
     with pytest.warns(UserWarning, match=r"env 0 \(worker 0\) raised RuntimeError: could not flush its log while closing"):
         venv.close()
