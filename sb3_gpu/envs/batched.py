@@ -71,7 +71,9 @@ def _start_forkserver(forkserver: Any) -> None:
     # The shield mark is read and removed by the server as it imports this module. Libraries that size their thread
     # pools at import (OpenBLAS, MKL) do so in the server, for every worker it forks: one thread each, whoever starts
     # it (a build, a plan timing the workers' overhead).
-    with temporary_environ(**{_SHIELD: "1", "OMP_NUM_THREADS": "1"}), _stop_signals_ignored():
+    # The server's children get Ctrl-C as this process has it: ignored where it ignores it (a job started with &).
+    mark = _IGNORES_INT if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else "1"
+    with temporary_environ(**{_SHIELD: mark, "OMP_NUM_THREADS": "1"}), _stop_signals_ignored():
         forkserver.ensure_running()
 
 
@@ -91,7 +93,7 @@ def _stop_signals_ignored() -> Any:
             signal.signal(signum, handler)
 
 
-def _shield_server() -> None:
+def _shield_server(mark: str) -> None:
     """In the forkserver, which imports this module as it starts: ignore SIGTERM, as the workers do. It reaches a whole
     process group or job; a server that died of it would take its workers with it (they die with their parent) and
     leave the run unable to read how they ended, a clean stop turned into an env crash. The processes it forks get
@@ -99,14 +101,14 @@ def _shield_server() -> None:
     exits with the training process still (its pipe closes)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-    # Started with SIGINT ignored (_stop_signals_ignored), as its imports ran: the processes it forks get Python's
-    # Ctrl-C handler, as from a server started without (it ignores SIGINT itself, and gives them what it had).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Started with SIGINT ignored (_stop_signals_ignored), as its imports ran: the processes it forks get what a
+    # server started without would give them (it ignores SIGINT itself, and gives them what it had).
+    signal.signal(signal.SIGINT, signal.SIG_IGN if mark == _IGNORES_INT else signal.default_int_handler)
 
 
-_SHIELD = "SB3_GPU_SHIELD_FORKSERVER"
-if os.environ.pop(_SHIELD, None) == "1":
-    _shield_server()
+_SHIELD, _IGNORES_INT = "SB3_GPU_SHIELD_FORKSERVER", "1-sigint-ignored"
+if (_mark := os.environ.pop(_SHIELD, None)) in ("1", _IGNORES_INT):
+    _shield_server(_mark)
 
 
 def batched_workers(n_envs: int, limit: int | None = None) -> int:

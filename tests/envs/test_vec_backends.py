@@ -533,18 +533,21 @@ def test_a_stop_while_the_workers_start_leaves_none_running(monkeypatch, vec_env
 
 
 _FORKSERVER_STOPPED_AS_IT_STARTS = """
-import multiprocessing as mp, os, signal, time
+import multiprocessing as mp, os, signal, sys, time
 from multiprocessing import forkserver
 from sb3_gpu.envs.batched import worker_start_method
 
 def handler(queue):
-    queue.put(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    queue.put({signal.default_int_handler: "python", signal.SIG_IGN: "ignored"}.get(signal.getsignal(signal.SIGINT)))
 
 def sigint_set(pid):  # the server's SIGINT caught (Python's handler: its imports run) or ignored
     status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
     return bool((int(status["SigCgt"], 16) | int(status["SigIgn"], 16)) & 1 << (signal.SIGINT - 1))
 
 if __name__ == "__main__":
+    if sys.argv[1] == "ignored":  # as a job started with & from a script
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    started_with = signal.getsignal(signal.SIGINT)
     worker_start_method("forkserver")
     server = forkserver._forkserver._forkserver_pid
     while not sigint_set(server):
@@ -554,21 +557,24 @@ if __name__ == "__main__":
     context = mp.get_context("forkserver")
     queue = context.Queue()
     context.Process(target=handler, args=(queue,)).start()  # a dead server would be started anew here
-    print(queue.get(timeout=60), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    print(queue.get(timeout=60), signal.getsignal(signal.SIGINT) is started_with)
     print(forkserver._forkserver._forkserver_pid == server)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's signal masks in /proc")
-def test_the_forkserver_outlives_a_stop_signal_as_it_imports_and_its_workers_get_python_s_ctrl_c_handler(tmp_path):
+@pytest.mark.parametrize("sigint", ["python", "ignored"])
+def test_the_forkserver_outlives_a_stop_signal_as_it_imports_and_its_workers_get_ctrl_c_as_the_process_had_it(
+    tmp_path, sigint
+):
     # It took Python's SIGINT handler as it started, so a Ctrl-C during its imports ended it with a traceback (and a
     # SIGTERM without one): the workers could not start. Processes it forks must still stop on Ctrl-C, as from any
-    # forkserver, and the starting process gets its own handlers back.
+    # forkserver (ignored, where the process ignored it), and the starting process gets its own handlers back.
     script = tmp_path / "stopped.py"  # a file: the worker imports its __main__ for the target
     script.write_text(_FORKSERVER_STOPPED_AS_IT_STARTS)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0 and result.stdout.split() == ["True", "True", "True"], result.stderr
+    result = subprocess.run([sys.executable, str(script), sigint], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and result.stdout.split() == [sigint, "True", "True"], result.stderr
     assert "Traceback" not in result.stderr
 
 
