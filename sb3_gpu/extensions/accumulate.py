@@ -31,6 +31,12 @@ from sb3_gpu.extensions.stepping import (
 def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
     """``grad_accum_steps`` as an int; PPO's minibatches per epoch must be a whole number of accumulation windows."""
     grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
+    if grad_accum_steps > 1 and n_steps * n_envs % batch_size:
+        # The step takes the micro-batches' mean gradient: a short last one would weigh as much as a full one.
+        raise ConfigError(
+            f"grad_accum_steps={grad_accum_steps} needs minibatches of one size: batch_size={batch_size} must divide "
+            f"n_steps * n_envs = {n_steps} * {n_envs} = {n_steps * n_envs:,}"
+        )
     minibatches = -(-n_steps * n_envs // batch_size)
     if minibatches % grad_accum_steps:
         raise ConfigError(

@@ -228,6 +228,11 @@ def test_ppo_accumulating_two_half_batches_equals_one_full_batch(max_grad_norm):
 def test_ppo_grad_accum_must_divide_the_minibatches():
     with pytest.raises(ConfigError, match="must divide the 2 minibatches"):
         GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, grad_accum_steps=3)
+    # 48 samples in minibatches of 32 and 16: the step's mean gave the 16 as much weight as the 32 (SB3's one batch
+    # of 48 weighs each sample alike).
+    with pytest.raises(ConfigError, match=r"needs minibatches of one size: batch_size=32 must divide n_steps \* n_envs"):
+        GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=48, batch_size=32, grad_accum_steps=2)
+    GradAccumPPO("MlpPolicy", "CartPole-v1", n_steps=48, batch_size=32, grad_accum_steps=1)  # no mean to weigh: SB3's
 
 
 def test_grad_accum_ppo_saves_and_loads(tmp_path):
