@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +80,7 @@ def record_video(
         raise ConfigError(f"a video is written as mp4: give a path ending in .mp4, got {path}")
     spec = recordable(env)
     make_dir(path.parent, "video folder")
+    _remove_abandoned(path)
     # A folder of this recording's own: two recordings of one model at once (evaluations of several seeds) each
     # write their own, and the last rename wins.
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.recording-", dir=path.parent))
@@ -123,6 +126,17 @@ def record_video(
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return Video(path, recorders[0].captured, recorders[0].frames_per_sec)
+
+
+ABANDONED_S = 86_400.0  # a recording's scratch folder this old was left by a killed process: none takes a day
+
+
+def _remove_abandoned(path: Path) -> None:
+    """The scratch folders of ``path``'s recordings that a killed process left (a half-written mp4 in each)."""
+    for folder in path.parent.glob(f".{glob.escape(path.name)}.recording*"):
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and not folder.is_symlink() and time.time() - folder.stat().st_mtime > ABANDONED_S:
+                shutil.rmtree(folder)
 
 
 def _check_fits(model: BaseAlgorithm, venv: VecEnv, env: str, frame_stack: int | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 import warnings
 
 import cv2
@@ -236,3 +237,8 @@ def test_a_recording_writes_in_a_folder_of_its_own_and_removes_no_other(tmp_path
     assert read_back(video.path)[0] == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == [".v.mp4.recording", "v.mp4"]
     assert (other / "video-episode-0.mp4").read_bytes() == b"frames"
+    # One a killed recording left a day ago goes, its half-written mp4 with it.
+    day_old = time.time() - 86_401
+    os.utime(other, (day_old, day_old))
+    record_video(model, "CartPole-v1", tmp_path / "v.mp4", video_length=5, seed=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"]
