@@ -105,6 +105,13 @@ def _probe_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _no_users_thread_cap(monkeypatch):
+    """A shell's OMP_NUM_THREADS caps the automatic thread count (planning.speed.thread_cap): tests plan without one,
+    whoever runs them; the tests of the cap set their own."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _batched_costs_of_a_slow_vm(monkeypatch):
     """A plan in doubt between dummy and batched times the batched VecEnv's overhead on this machine; tests keep the
     model's defaults, so that a choice does not depend on the machine that runs them (tests/envs times it for real)."""

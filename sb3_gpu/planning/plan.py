@@ -30,7 +30,7 @@ from sb3_gpu.planning.buffers import HOST_MEMORY_SHARE, choose_buffers, choose_o
 from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device, requested_device
 from sb3_gpu.planning.optimizers import planned_policy_kwargs
 from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
-from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto, free_cores
+from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto, free_cores, thread_cap
 
 
 @dataclass(frozen=True)
@@ -465,7 +465,8 @@ def _thread_candidates(v: _Variant, hardware: HardwareProfile) -> list[int]:
     over (a small MLP's one thread against two, where two cores are free)."""
     if v.resolved.threads != "auto" or v.device.device != "cpu":
         return [v.speed.threads]
-    return sorted({v.speed.threads, 1, free_cores(hardware, v.vec.workers)}, key=lambda n: (n != v.speed.threads, n))
+    most = min(free_cores(hardware, v.vec.workers), thread_cap() or hardware.physical_cores)
+    return sorted({v.speed.threads, 1, most}, key=lambda n: (n != v.speed.threads, n))
 
 
 def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:

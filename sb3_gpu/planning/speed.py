@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -126,6 +127,13 @@ def free_cores(hardware: HardwareProfile, env_workers: int) -> int:
     return max(1, hardware.physical_cores - env_workers - hardware.busy_physical_cores)
 
 
+def thread_cap() -> int | None:
+    """The user's ``OMP_NUM_THREADS`` (a positive count), which the automatic thread count stays within: a cluster job
+    or a shared machine sets it to leave the other cores to others."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
 def choose_threads(
     request: int | str,
     device: str,
@@ -148,10 +156,15 @@ def choose_threads(
     left = f"{hardware.physical_cores} physical cores" + (f" minus {env_workers} env workers" if env_workers else "")
     left += f" minus {busy} busy with other work" if busy else ""
     if device.startswith(("cuda", "mps")):
-        return min(free, 4), f"the GPU does the math; {left}, at most 4 to feed it"
-    if policy == "mlp" and width < LARGE_MLP_WIDTH:
+        threads, reason = min(free, 4), f"the GPU does the math; {left}, at most 4 to feed it"
+    elif policy == "mlp" and width < LARGE_MLP_WIDTH:
         return 1, f"MLP {width} wide: one thread is as fast as several on ops this small"
-    return free, f"{'CNN' if policy == 'cnn' else f'MLP {width} wide, batch {batch_size}'}: {left}"
+    else:
+        threads, reason = free, f"{'CNN' if policy == 'cnn' else f'MLP {width} wide, batch {batch_size}'}: {left}"
+    cap = thread_cap()
+    if cap is not None and threads > cap:
+        return cap, f"{reason}; at most OMP_NUM_THREADS={cap}"
+    return threads, reason
 
 
 def choose_speed(

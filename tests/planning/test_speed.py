@@ -74,6 +74,18 @@ def test_threads_follow_the_policy_size_and_the_env_workers():
     assert _speed(machine(), threads=3).threads == 3
 
 
+def test_a_users_omp_num_threads_caps_the_automatic_thread_count(monkeypatch):
+    # A cluster job's OMP_NUM_THREADS=2 was replaced by every free core: torch then took the cores left to others.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    capped = _speed(machine(cores=8), policy="cnn", workers=3)
+    assert capped.threads == 2 and capped.threads_reason.endswith("; at most OMP_NUM_THREADS=2")
+    assert _speed(machine(cores=16, gpus=1), "cuda:0", policy="cnn").threads == 2
+    assert _speed(machine(cores=8), threads=6).threads == 6  # a count asked for is the user's own word
+    assert _speed(machine(cores=8)).threads == 1  # below the cap: as without one
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")  # not a count: no cap
+    assert _speed(machine(cores=8), policy="cnn", workers=3).threads == 5
+
+
 def test_cuda_math_flags_follow_the_gpu():
     a100 = _speed(machine(gpus=1), "cuda:0", "cnn")
     assert a100.cudnn_benchmark and a100.tf32 and "TF32" in a100.cuda_reason
