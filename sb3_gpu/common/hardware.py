@@ -159,10 +159,11 @@ def _cgroup_cpu_quota(root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> int |
 
 
 def _cgroup_memory(root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> tuple[int, int] | None:
-    """The tightest cgroup memory limit on this process and what its cgroup holds against it (less the page cache
-    the kernel would drop first), in bytes; None where none is set. psutil reports the host's memory inside a
-    container, whose limit ends a process that passes it."""
-    tightest: tuple[int, int] | None = None
+    """The smallest cgroup memory limit on this process and the least room any limit leaves it (a limit less what
+    its cgroup holds, less the page cache the kernel would drop first), in bytes; None where none is set. psutil
+    reports the host's memory inside a container, whose limit ends a process that passes it."""
+    smallest: int | None = None
+    room: int | None = None
     files = (
         ("memory.max", "memory.current", "inactive_file"),
         ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
@@ -178,9 +179,9 @@ def _cgroup_memory(root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> tuple[in
                 held = max(0, usage - int(stat.get(cache_key, 0)))
             except ValueError:
                 continue
-            if tightest is None or limit - held < tightest[0] - tightest[1]:
-                tightest = (limit, held)
-    return tightest
+            smallest = limit if smallest is None else min(smallest, limit)
+            room = limit - held if room is None else min(room, limit - held)
+    return None if smallest is None or room is None else (smallest, room)
 
 
 def _cpu_info() -> tuple[str, set[str]]:
@@ -244,7 +245,7 @@ def host_available_bytes() -> int:
 
     available = int(psutil.virtual_memory().available)
     limit = _cgroup_memory()
-    return available if limit is None else max(0, min(available, limit[0] - limit[1]))
+    return available if limit is None else max(0, min(available, limit[1]))
 
 
 def gpu_free_bytes(index: int) -> int | None:

@@ -473,19 +473,25 @@ class BatchedSubprocVecEnv(VecEnv):
                 self._recv(w)
             for w in range(len(self.conns)):
                 self._send(w, ("close", None))
-            failed = []
+        except (EnvWorkerError, OSError):
+            self._abort()  # a dead worker: nothing left to close politely
+            return
+        failed = []
+        try:
             for w in range(len(self.conns)):
-                # Read here, not by _recv, which would end every worker at the first error while others still close.
-                if self.conns[w].poll(30):
-                    status, payload = self.conns[w].recv()
-                    if status == "error":  # an env's own close() raised: its data may not be flushed
-                        failed.append(f"env {payload[0]} (worker {w}) raised {payload[1]}")
-            for failure in failed:
-                warnings.warn(f"{failure} while closing (the other envs were closed)", stacklevel=2)
-        except (EnvWorkerError, EOFError, OSError):
-            pass  # a dead worker: nothing left to close politely
+                # Each worker's answer read here, not by _recv, which would end every worker at the first error or
+                # death while others still close theirs.
+                try:
+                    if self.conns[w].poll(30):
+                        status, payload = self.conns[w].recv()
+                        if status == "error":  # an env's own close() raised: its data may not be flushed
+                            failed.append(f"env {payload[0]} (worker {w}) raised {payload[1]} while closing")
+                except (EOFError, OSError):
+                    continue  # a worker that died: the others still close
         finally:
             self._abort()  # joins the workers (terminating any that did not exit) and unlinks the shared block
+            for failure in failed:
+                warnings.warn(failure, stacklevel=2)
 
     def _call(self, kind: str, indices: VecEnvIndices, *args: Any) -> list[Any]:
         self._check_open()

@@ -325,7 +325,8 @@ def _probed(
     if threads_vs is not None:
         n_busy = hardware.busy_physical_cores
         busy = f"; {n_busy} cores busy with other work" if n_busy else ""
-        speed = dataclasses.replace(speed, threads_reason=threads_vs + busy)
+        cap = f"; at most OMP_NUM_THREADS={thread_cap()}" if thread_cap() is not None else ""
+        speed = dataclasses.replace(speed, threads_reason=threads_vs + busy + cap)
     device_vs = result.versus(lambda c: c.device != pick.device)
     choice = winner.device if device_vs is None else DeviceChoice(pick.device, device_vs)
     return dataclasses.replace(winner, device=choice, speed=speed), result

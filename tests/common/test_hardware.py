@@ -115,7 +115,7 @@ def test_a_cgroup_limit_on_the_processs_own_cgroup_or_one_above_it_is_found(tmp_
         },
     )
     assert _cgroup_cpu_quota(str(v2), own) == 2
-    assert _cgroup_memory(str(v2), own) == (4 * 2**30, 2 * 2**30)
+    assert _cgroup_memory(str(v2), own) == (4 * 2**30, 2 * 2**30)  # (the smallest limit, the least room left)
     v1 = tmp_path / "v1"
     own = _cgroup_tree(
         v1,
@@ -123,13 +123,15 @@ def test_a_cgroup_limit_on_the_processs_own_cgroup_or_one_above_it_is_found(tmp_
         {
             "cpu/docker/abc/cpu.cfs_quota_us": "300000\n",
             "cpu/docker/abc/cpu.cfs_period_us": "100000\n",
-            "memory/docker/memory.limit_in_bytes": str(8 * 2**30),  # the tighter: on the parent
-            "memory/docker/memory.usage_in_bytes": str(2**30),
-            "memory/docker/abc/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+            "memory/docker/memory.limit_in_bytes": str(8 * 2**30),  # a busy parent's: the least room
+            "memory/docker/memory.usage_in_bytes": str(int(7.5 * 2**30)),
+            "memory/docker/abc/memory.limit_in_bytes": str(4 * 2**30),  # the smallest: the job's own
+            "memory/docker/abc/memory.usage_in_bytes": str(2**30),
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
         },
     )
     assert _cgroup_cpu_quota(str(v1), own) == 3
-    assert _cgroup_memory(str(v1), own) == (8 * 2**30, 2**30)
+    assert _cgroup_memory(str(v1), own) == (4 * 2**30, 2**29)
     assert _cgroup_memory(str(tmp_path / "none"), own) is None
 
 
@@ -140,7 +142,7 @@ def test_memory_figures_take_a_cgroup_limit_below_the_hosts(monkeypatch):
 
     host = SimpleNamespace(total=256 * 2**30, available=200 * 2**30)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: host)
-    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: (4 * 2**30, 2**30))
+    monkeypatch.setattr(hardware, "_cgroup_memory", lambda: (4 * 2**30, 3 * 2**30))
     assert hardware._ram_gb() == 4.0 and hardware.host_available_bytes() == 3 * 2**30
     monkeypatch.setattr(hardware, "_cgroup_memory", lambda: None)
     assert hardware._ram_gb() == 256.0 and hardware.host_available_bytes() == 200 * 2**30

@@ -90,11 +90,13 @@ class InfoFactory:
 class ClosesNoted(gym.Wrapper):
     """Writes ``path`` as it closes; raises after that where ``raises``."""
 
-    def __init__(self, env: gym.Env, path: str, raises: bool, slow: bool):
+    def __init__(self, env: gym.Env, path: str, raises: bool, slow: bool, exits: bool = False):
         super().__init__(env)
-        self.path, self.raises, self.slow = path, raises, slow
+        self.path, self.raises, self.slow, self.exits = path, raises, slow, exits
 
     def close(self):
+        if self.exits:
+            os._exit(3)  # its worker dies as it closes
         if self.slow:
             time.sleep(1)  # still closing as another worker's env fails
         with open(self.path, "w") as f:
@@ -104,11 +106,11 @@ class ClosesNoted(gym.Wrapper):
 
 
 class CloseFactory:
-    def __init__(self, path: str, raises: bool, slow: bool = False):
-        self.path, self.raises, self.slow = path, raises, slow
+    def __init__(self, path: str, raises: bool, slow: bool = False, exits: bool = False):
+        self.path, self.raises, self.slow, self.exits = path, raises, slow, exits
 
     def __call__(self) -> gym.Env:
-        return ClosesNoted(gym.make("CartPole-v1"), self.path, self.raises, self.slow)
+        return ClosesNoted(gym.make("CartPole-v1"), self.path, self.raises, self.slow, self.exits)
 
 
 class WrongShape(gym.ObservationWrapper):
@@ -593,6 +595,17 @@ def test_an_env_whose_close_raises_is_named_and_the_others_are_still_closed(tmp_
     # after it never closed (their files unflushed), as SB3's SubprocVecEnv closes them.
     venv = BatchedSubprocVecEnv([CloseFactory(str(tmp_path / f"{i}"), i == 0, slow=i >= 2) for i in range(4)], n_workers=2)
     venv.reset()
-    with pytest.warns(UserWarning, match=r"env 0 \(worker 0\) raised RuntimeError: could not flush its log while closing"):
+    with pytest.warns(UserWarning, match=r"^env 0 \(worker 0\) raised RuntimeError: could not flush its log while closing$"):
         venv.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]
+
+
+def test_a_worker_that_dies_as_it_closes_cuts_short_no_other_and_drops_no_warning(tmp_path):
+    # Its closed pipe ended the reading of answers: the errors read so far were dropped, and the workers still
+    # closing theirs were killed.
+    factories = [CloseFactory(str(tmp_path / f"{i}"), i == 0, slow=i >= 4, exits=i == 2) for i in range(6)]
+    venv = BatchedSubprocVecEnv(factories, n_workers=3)
+    venv.reset()
+    with pytest.warns(UserWarning, match=r"^env 0 \(worker 0\) raised RuntimeError: could not flush its log while closing$"):
+        venv.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "4", "5"]

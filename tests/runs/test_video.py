@@ -237,8 +237,12 @@ def test_a_recording_writes_in_a_folder_of_its_own_and_removes_no_other(tmp_path
     assert read_back(video.path)[0] == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == [".v.mp4.recording", "v.mp4"]
     assert (other / "video-episode-0.mp4").read_bytes() == b"frames"
-    # One a killed recording left a day ago goes, its half-written mp4 with it.
+    # One a killed recording left a day ago goes, its half-written mp4 with it; a folder of another name stays.
+    abandoned = tmp_path / ".v.mp4.recording-k1ll3d"
+    abandoned.mkdir()
+    (abandoned / "video-episode-0.mp4").write_bytes(b"half")
     day_old = time.time() - 86_401
-    os.utime(other, (day_old, day_old))
+    for folder in (other, abandoned):
+        os.utime(folder, (day_old, day_old))
     record_video(model, "CartPole-v1", tmp_path / "v.mp4", video_length=5, seed=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".v.mp4.recording", "v.mp4"]
