@@ -525,14 +525,19 @@ def test_the_search_spaces_behind_the_tuning_records_still_load(path):
     assert load_space(algo, path)
 
 
+def _draws(tmp_path, text: str) -> list[dict]:
+    """Twenty draws of a DQN search space written as ``text``, by a seeded random sampler."""
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    space = load_space("dqn", path)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    return [tuning.sample(study.ask(), space) for _ in range(20)]
+
+
 def test_a_dotted_key_listed_before_its_whole_is_still_skipped_where_the_whole_draws_false(tmp_path):
     # Drawn in the file's order, per.alpha came before per: a trial drawing per=false kept per.alpha, and its plan
     # refused the pair.
-    path = tmp_path / "space.yaml"
-    path.write_text("per.alpha: {low: 0.4, high: 0.8}\nper: {choices: [true, false]}\n")
-    space = load_space("dqn", path)
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    drawn = [tuning.sample(study.ask(), space) for _ in range(20)]
+    drawn = _draws(tmp_path, "per.alpha: {low: 0.4, high: 0.8}\nper: {choices: [true, false]}\n")
     assert {d["per"] for d in drawn} == {True, False}
     assert all(("per.alpha" in d) == d["per"] for d in drawn)
 
@@ -540,11 +545,8 @@ def test_a_dotted_key_listed_before_its_whole_is_still_skipped_where_the_whole_d
 def test_a_range_draws_values_of_its_keys_type_however_its_bounds_are_written(tmp_path):
     # YAML reads 1.0e+6 as a float and 0 as an int: the key decides, or every trial would be refused (a buffer size of
     # 52345.6) or a coefficient drawn only at 0 and 1.
+    drawn = _draws(tmp_path, "buffer_size: {low: 10000, high: 1.0e+6, log: true}\nexploration_fraction: {low: 0, high: 1}\n")
     path = tmp_path / "space.yaml"
-    path.write_text("buffer_size: {low: 10000, high: 1.0e+6, log: true}\nexploration_fraction: {low: 0, high: 1}\n")
-    space = load_space("dqn", path)
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    drawn = [tuning.sample(study.ask(), space) for _ in range(20)]
     assert all(type(d["buffer_size"]) is int and 10_000 <= d["buffer_size"] <= 1_000_000 for d in drawn)
     assert all(type(d["exploration_fraction"]) is float for d in drawn)
     assert len({d["exploration_fraction"] for d in drawn}) == 20
