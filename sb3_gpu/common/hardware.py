@@ -160,7 +160,7 @@ def _cgroup_cpu_quota(root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> int |
 
 def _cgroup_memory(root: str = _CGROUP_ROOT, own: str = _OWN_CGROUP) -> tuple[int, int] | None:
     """The smallest cgroup memory limit on this process and the least room any limit leaves it (a limit less what
-    its cgroup holds, less the page cache the kernel would drop first), in bytes; None where none is set. psutil
+    its cgroup holds beyond the inactive page cache, which the kernel drops first), in bytes; None where none is set. psutil
     reports the host's memory inside a container, whose limit ends a process that passes it."""
     smallest: int | None = None
     room: int | None = None
@@ -239,8 +239,8 @@ def _in_notebook() -> bool:
 
 
 def host_available_bytes() -> int:
-    """The host memory available for new allocations without swapping (psutil's ``available``), or what a cgroup's
-    limit leaves this process's cgroup where that is less."""
+    """The host memory available for new allocations without swapping (psutil's ``available``), or, where less, the
+    least room a cgroup limit on this process (its own cgroup's or one above it) leaves."""
     import psutil
 
     available = int(psutil.virtual_memory().available)

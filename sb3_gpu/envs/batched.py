@@ -469,13 +469,16 @@ class BatchedSubprocVecEnv(VecEnv):
             # Workers still owing an answer (a step cut short by Ctrl-C) finish it first; they ignore SIGINT.
             for w in sorted(self._owed):
                 if not self.conns[w].poll(30):
-                    return  # a worker stuck in its env: the finally below terminates it
+                    self._abort()  # a worker stuck in its env: terminated
+                    return
                 self._recv(w)
             for w in range(len(self.conns)):
                 self._send(w, ("close", None))
-        except (EnvWorkerError, OSError):
-            self._abort()  # a dead worker: nothing left to close politely
-            return
+        except BaseException as e:
+            self._abort()  # joins the workers (terminating any that did not exit) and unlinks the shared block
+            if isinstance(e, (EnvWorkerError, OSError)):
+                return  # a dead worker: nothing left to close politely
+            raise
         failed = []
         try:
             for w in range(len(self.conns)):

@@ -274,8 +274,8 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
 
 
 def _kill_workers(before: set[Any]) -> None:
-    """The worker processes started since ``before``. They may be dead or waiting on a pipe, where a polite close()
-    would raise on the dead ones; they let SIGTERM pass."""
+    """Kill the worker processes started since ``before``: they may be dead or waiting on a pipe, where a polite
+    close() would raise on the dead ones, and they let SIGTERM pass."""
     for proc in set(mp.active_children()) - before:
         proc.kill()
         proc.join(timeout=5)

@@ -29,7 +29,8 @@ from sb3_gpu.extensions.stepping import (
 
 
 def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
-    """``grad_accum_steps`` as an int; PPO's minibatches per epoch must be a whole number of accumulation windows."""
+    """``grad_accum_steps`` as an int; with more than one, PPO's minibatches must be of one size (``batch_size``
+    divides ``n_steps * n_envs``) and a whole number of accumulation windows per epoch."""
     grad_accum_steps = POS_INT(grad_accum_steps, "grad_accum_steps")
     if grad_accum_steps > 1 and n_steps * n_envs % batch_size:
         # The step takes the micro-batches' mean gradient: a short last one would weigh as much as a full one.
@@ -130,7 +131,7 @@ class GradAccumPPO(DeviceFigures, PPO):
         guard = optimizer_step(optimizer, self.policy)
         reason = refusal(optimizer, guard, self.policy.obs_to_tensor(self.observation_space.sample())[0])
         if reason is None:
-            self._descent = Descent(optimizer, guard, lambda: self.max_grad_norm)  # read at each train(), as SB3's
+            self._descent = Descent(optimizer, guard, lambda: self.max_grad_norm)  # read at each step, as SB3's
             self._compiled_step = CompiledUpdate(self._graph_step, [self._descent], mode)
             # The clip ranges and the KL limit as tensors (a schedule's new float each train() would compile the step
             # anew), and target_kl's stop: [clip range, clip range vf, 1.5 * target_kl, stopped, KL at the stop, steps

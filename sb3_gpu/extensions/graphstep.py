@@ -227,8 +227,9 @@ class Descent:
                 th._dynamo.mark_static_address(p)
 
     def prepare(self) -> bool:
-        """Ready the next call (the learning rate, the guard's flags); True where the optimizer's state was replaced
-        (a load) and the descent now steps on the new one, so that a compiled caller must compile anew."""
+        """Ready the next call (the learning rate, the clipping norm, the guard's flags); True where the optimizer's
+        state was replaced (a load) and the descent now steps on the new one, so that a compiled caller must compile
+        anew."""
         rebuilt = not self.adam.current(self.optimizer)
         if rebuilt:
             self._build()

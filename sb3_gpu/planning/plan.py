@@ -462,8 +462,8 @@ def _amp_candidates(v: _Variant, hardware: HardwareProfile) -> list[str]:
 
 
 def _thread_candidates(v: _Variant, hardware: HardwareProfile) -> list[int]:
-    """The rules' thread count first, then one thread and every free core: a choice is timed against what it passes
-    over (a small MLP's one thread against two, where two cores are free)."""
+    """The rules' thread count first, then one thread and every free core (at most OMP_NUM_THREADS): a choice is
+    timed against what it passes over (a small MLP's one thread against two, where two cores are free)."""
     if v.resolved.threads != "auto" or v.device.device != "cpu":
         return [v.speed.threads]
     most = min(free_cores(hardware, v.vec.workers), thread_cap() or hardware.physical_cores)
@@ -530,7 +530,7 @@ def _check_observation_space(env: str, space: spaces.Space, frame_stack: int | N
 
 
 def _check_from_zero(env: str, space: spaces.Space, what: str, wrapper: str) -> None:
-    """SB3 numbers Discrete and MultiDiscrete choices from 0: its one-hot encoding of an observation fails past ``n``,
+    """SB3 numbers Discrete and MultiDiscrete choices from 0: its one-hot encoding of an observation fails outside 0..n-1,
     and a policy's actions run 0..n-1 whatever the space's ``start`` (a DQN's loss fails once its buffer holds a
     warm-up sample of ``n``)."""
     if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete)) and np.any(space.start != 0):

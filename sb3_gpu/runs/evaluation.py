@@ -439,7 +439,7 @@ def evaluate_run(
                 run.video_for(model_path),
                 video_length=video_length,
                 deterministic=deterministic,
-                seed=first_seed,  # the first evaluated episode's (unseeded, the video was another episode)
+                seed=first_seed,  # the first evaluated episode's seed, seeded or not: the video plays that episode
                 frame_stack=plan.preset.frame_stack,
                 max_episode_steps=plan.eval_step_cap,
                 normalization=venv if isinstance(venv, VecNormalize) else None,

@@ -132,7 +132,8 @@ ABANDONED_S = 86_400.0  # a recording's scratch folder this old was left by a ki
 
 
 def _remove_abandoned(path: Path) -> None:
-    """The scratch folders of ``path``'s recordings that a killed process left (a half-written mp4 in each)."""
+    """Remove the scratch folders of ``path``'s recordings that a killed process left (older than ABANDONED_S; a
+    half-written mp4 in each)."""
     for folder in path.parent.glob(f".{glob.escape(path.name)}.recording-*"):
         with contextlib.suppress(OSError):
             if folder.is_dir() and not folder.is_symlink() and time.time() - folder.stat().st_mtime > ABANDONED_S:

@@ -609,3 +609,14 @@ def test_a_worker_that_dies_as_it_closes_cuts_short_no_other_and_drops_no_warnin
     with pytest.warns(UserWarning, match=r"^env 0 \(worker 0\) raised RuntimeError: could not flush its log while closing$"):
         venv.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "4", "5"]
+
+
+def test_a_worker_stuck_in_its_env_at_close_is_terminated_with_the_others():
+    # A worker that owed a step's answer and gave none within the wait: close() returned with every worker running.
+    venv = BatchedSubprocVecEnv([FailingFactory(False) for _ in range(4)], n_workers=2)
+    pids = venv.pids
+    venv.reset()
+    venv.step_async(np.zeros(4, dtype=int))  # a step cut short by Ctrl-C: both workers owe its answer
+    venv.conns[0].poll = lambda timeout=0.0: False  # as a worker still stuck in its env after the wait
+    venv.close()
+    assert venv.closed and _gone(pids)

@@ -98,7 +98,7 @@ class _PrioritizedTraining(DeviceFigures, StagedObservations):
         reason = refusal(optimizer, guard, obs, accumulates=True) or self._host_trees_refusal(self.replay_buffer)  # type: ignore[attr-defined]
         if reason is None:
 
-            def clip() -> float | None:  # read at each train(), as SB3 reads it at each step
+            def clip() -> float | None:  # read at each step, as SB3 reads it
                 return self.max_grad_norm  # type: ignore[attr-defined]
 
             self._compiled_step = CompiledStep(self._graph_loss, optimizer, guard, clip, mode, accumulates=True)
