@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sb3_gpu.benches.base import machine_key, preset_sha256, save_json
+from sb3_gpu.common.cli import keep_stops
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.planning.build import offset_seed
@@ -196,6 +197,7 @@ def _worker_signal(signum: int, frame: Any) -> None:
 
 
 def _worker_start() -> None:
+    keep_stops()  # for the worker's life: a stop its handler raised inside a finalizer must still stop it
     signal.signal(signal.SIGTERM, _worker_signal)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # a bench started in the background keeps ignoring it
         signal.signal(signal.SIGINT, _worker_signal)  # Ctrl-C in a terminal reaches the workers too

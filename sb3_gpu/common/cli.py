@@ -117,6 +117,52 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
+def _signal_of(stop: KeyboardInterrupt) -> signal.Signals:
+    """The signal a stop came from: SIGTERM for :class:`Terminated` or one named so (a bench worker's), else what its
+    first argument names (StopNow's number), else Ctrl-C."""
+    first = stop.args[0] if stop.args else None
+    if isinstance(stop, Terminated) or first == "SIGTERM":
+        return signal.SIGTERM
+    return signal.Signals(first) if first in (signal.SIGINT, signal.SIGTERM) else signal.SIGINT
+
+
+def keep_stops() -> Any:
+    """From now on a stop that a signal handler raised inside a finalizer (a weakref callback, a ``__del__``: the
+    garbage collector runs them anywhere), where Python only prints it and runs on, is raised again where the main
+    thread runs next, as the same signal would be. Returns the hook it replaced."""
+    import _thread
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # The same signal again, to the main thread, from another thread a moment later: sent now, its handler
+            # would run at once, inside this hook, and be swallowed for good; a real signal (not interrupt_main's)
+            # also ends a wait the main thread is in. Should it land in a finalizer again, this hook sends it again.
+            signum, main = _signal_of(unraisable.exc_value), threading.main_thread().ident
+            if hasattr(signal, "pthread_kill") and main is not None:
+                later = threading.Timer(0.01, signal.pthread_kill, args=(main, signum))
+            else:  # Windows
+                later = threading.Timer(0.01, _thread.interrupt_main, args=(signum,))
+            later.daemon = True
+            later.start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    return previous
+
+
+@contextlib.contextmanager
+def stops_not_swallowed() -> Iterator[None]:
+    """:func:`keep_stops` inside the block."""
+    previous = keep_stops()
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM raises ``Terminated`` inside the block (the main thread only: elsewhere signals cannot be set).
@@ -127,7 +173,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
-        yield
+        with stops_not_swallowed():
+            yield
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -7,6 +7,7 @@ import importlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,34 @@ def test_a_library_warning_is_printed_as_one_plain_line(monkeypatch):
     out = io.StringIO()
     warnings.showwarning("\x1b[33mWARN: The environment CartPole-v0 is out of date.\x1b[0m", UserWarning, "x.py", 1, out)
     assert out.getvalue() == "warning: The environment CartPole-v0 is out of date.\n"
+
+
+class _Held:
+    pass
+
+
+def test_a_stop_raised_inside_a_finalizer_is_raised_again_where_the_main_thread_runs_on(monkeypatch):
+    # A signal handler's KeyboardInterrupt that lands in a weakref callback (the garbage collector runs them anywhere)
+    # was only printed as "Exception ignored in ...", and the process ran on: a bench worker stopped by SIGTERM
+    # printed a traceback, and a command's SIGTERM before training was lost.
+    import weakref
+
+    from sb3_gpu.common.cli import stops_not_swallowed
+
+    def stopped(_):
+        raise KeyboardInterrupt  # as Ctrl-C's handler raises it, wherever the main thread is
+
+    with stops_not_swallowed(), pytest.raises(KeyboardInterrupt):
+        held = _Held()
+        ref = weakref.ref(held, stopped)
+        del held  # the callback runs here, and its exception cannot leave it
+        time.sleep(30)  # the main thread runs on: the stop ends this at once (30 s is a guard, not a limit)
+    assert ref() is None
+    # Any other exception in a finalizer goes to the hook there was.
+    seen: list = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    with stops_not_swallowed():
+        held = _Held()
+        ref = weakref.ref(held, lambda _: 1 / 0)
+        del held
+    assert len(seen) == 1 and isinstance(seen[0].exc_value, ZeroDivisionError) and sys.unraisablehook == seen.append
