@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -126,7 +126,7 @@ def _signal_of(stop: KeyboardInterrupt) -> signal.Signals:
     return signal.Signals(first) if first in (signal.SIGINT, signal.SIGTERM) else signal.SIGINT
 
 
-def keep_stops() -> Any:
+def keep_stops() -> Callable[[sys.UnraisableHookArgs], Any]:
     """From now on a stop that a signal handler raised inside a finalizer (a weakref callback, a ``__del__``: the
     garbage collector runs them anywhere), where Python only prints it and runs on, is raised again where the main
     thread runs next, as the same signal would be. Returns the hook it replaced."""
@@ -134,7 +134,7 @@ def keep_stops() -> Any:
 
     previous = sys.unraisablehook
 
-    def hook(unraisable: Any) -> None:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
             # The same signal again, to the main thread, from another thread a moment later: sent now, its handler
             # would run at once, inside this hook, and be swallowed for good; a real signal (not interrupt_main's)
