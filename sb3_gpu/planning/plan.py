@@ -872,6 +872,8 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
             _check_count_kwarg("n_critics", preset.policy_kwargs["n_critics"], f"{preset.algo.upper()}'s default: 2")
         if preset.algo == "tqc":
             _check_quantiles(params.top_quantiles_to_drop_per_net, preset.policy_kwargs.get("n_quantiles", 25))
+    elif preset.algo == "qrdqn" and "n_quantiles" in preset.policy_kwargs:
+        _check_count_kwarg("n_quantiles", preset.policy_kwargs["n_quantiles"], "QR-DQN's default: 200")
     # Keys that SB3 takes and then ignores: refused, so that no run is believed to have used them (a run saved before
     # they were refused still evaluates).
     if training and not getattr(params, "use_sde", False):

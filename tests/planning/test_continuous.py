@@ -150,6 +150,8 @@ def test_td3s_action_noise_is_sb3s_gaussian_noise_of_the_action_shape():
         ("sac", "Pendulum-v1", {"use_sde": True, "grad_accum_steps": 2}, "grad_accum_steps=2 is not supported with use_sde"),
         ("tqc", "Pendulum-v1", {"top_quantiles_to_drop_per_net": 25}, r"drops every one of each critic's n_quant"),
         ("tqc", "Pendulum-v1", {"policy_kwargs": {"n_quantiles": 0}}, r"policy_kwargs.n_quantiles must be an int >= 1"),
+        ("qrdqn", "CartPole-v1", {"policy_kwargs": {"n_quantiles": 0}}, r"n_quantiles must be an int >= 1 \(QR-DQN's"),
+        ("qrdqn", "CartPole-v1", {"policy_kwargs.n_quantiles": -3}, r"policy_kwargs.n_quantiles must be an int >= 1"),
         ("sac", "Pendulum-v1", {"policy_kwargs": {"n_critics": 0}}, r"policy_kwargs.n_critics must be an int >= 1 \(SAC's"),
         ("td3", "Pendulum-v1", {"policy_kwargs.n_critics": -1}, r"policy_kwargs.n_critics must be an int >= 1 \(TD3's"),
         # Taken by SB3 and then ignored:
