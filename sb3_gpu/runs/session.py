@@ -214,5 +214,7 @@ class Session:
                 outcome.error = outcome.error or e
         if outcome.interrupted and complete:  # a stop during the last update: nothing is left to resume
             outcome.saved += f"; training was complete (to evaluate: {shell_line('-m', 'sb3_gpu.evaluate', run)})"
-        elif outcome.interrupted:
+        elif outcome.interrupted and run.saved_states():
             outcome.saved += f"; continue with: {shell_line('-m', 'sb3_gpu.train', '--resume', run)}"
+        elif outcome.interrupted:  # --resume would refuse it: no model.zip, no checkpoint
+            outcome.saved += "; nothing to resume from"

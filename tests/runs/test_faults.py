@@ -1387,6 +1387,25 @@ def test_a_full_disk_at_the_final_save_says_so_and_names_the_last_complete_model
     assert not model.exists()
 
 
+def test_a_run_whose_every_save_failed_gives_no_resume_command_that_would_be_refused(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "model.zip")
+
+    monkeypatch.setattr("sb3_gpu.runs.evaluation.save_model", full)
+    monkeypatch.setattr("sb3_gpu.runs.session.save_state", full)
+    run = tmp_path / "run"
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "64", "--n-envs", "1", "--set", "n_steps=32"]
+    args += ["--set", "batch_size=32", "--eval-freq", "32", "--eval-episodes", "1", "--confirm-episodes", "0"]
+    args += ["--checkpoint-freq", "1000"]  # none: every save the run makes fails
+    assert train_main([*args, "--run-dir", str(run), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "no complete model was saved; nothing to resume from" in err and "--resume" not in err
+    assert train_main(["--resume", str(run)]) == 2  # what it would have said to run
+    assert "holds no readable model.zip or checkpoint" in capsys.readouterr().err
+
+
 def test_a_disk_too_full_for_the_summary_too_still_says_what_failed_and_where_the_model_is(tmp_path, monkeypatch, capsys):
     import errno
 
