@@ -143,9 +143,24 @@ def check_dir_creatable(path: str | Path, what: str) -> Path:
     """Refuse, in one line, a folder that :func:`make_dir` could not make later: checked before long work, without
     making it (the work may yet stop on bad input)."""
     path = Path(path)
+    try:  # TensorBoard, YAML and the printed commands name it in UTF-8: undecodable bytes fail hours later
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"cannot create {what} {str(path)!r}: its name is not valid UTF-8; choose another") from None
     for folder in (path, *path.parents):
-        if folder.exists() or folder.is_symlink():
-            break
+        try:
+            if folder.exists() or folder.is_symlink():
+                break
+        except OSError as e:  # a name too long is said below, with the limit; others here (a folder that denies a look)
+            if e.errno != errno.ENAMETOOLONG:
+                raise ConfigError(f"cannot create {what} {path}: {e.strerror or e}") from None
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX") if folder.is_dir() and hasattr(os, "pathconf") else 255
+    except OSError:
+        name_max = 255
+    new = path.relative_to(folder).parts if folder != path else ()
+    if (longest := max((len(os.fsencode(part)) for part in new), default=0)) > name_max:
+        raise ConfigError(f"cannot create {what} {path}: a name in it is {longest} bytes, over the {name_max} its disk takes")
     if not folder.is_dir():
         raise ConfigError(f"cannot create {what} {path}: {folder} is in the way (not a folder)")
     if not os.access(folder, os.W_OK | os.X_OK):

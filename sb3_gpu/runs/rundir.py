@@ -270,7 +270,11 @@ class RunDir:
         if not isinstance(requested, (str, os.PathLike)):
             raise ConfigError(f"run dir: expected a folder path, got {requested!r}")
         path = Path(requested)
-        if path.exists() or path.is_symlink():
+        try:
+            taken = path.exists() or path.is_symlink()
+        except OSError:  # a name too long, say: check_dir_creatable says so in its words
+            taken = False
+        if taken:
             raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
         return check_dir_creatable(path, "run dir")
 

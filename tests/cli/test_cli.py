@@ -128,6 +128,7 @@ BAD_INPUTS = [
     (["ppo", "--run-dir", "{a_file}/run"], "is in the way (not a folder)"),
     # Before the plan is printed; os.access lets root write anywhere, /proc included.
     (["ppo", "--run-dir", "/proc/nope/x"], "cannot create run dir /proc/nope/x: /proc "),
+    (["ppo", "--run-dir", "{existing}/" + "b" * 256], "a name in it is 256 bytes, over the 255 its disk takes"),
     ([], "give an algorithm"),
     (["ppo", "--per"], "'per' is for off-policy algorithms (dqn, qrdqn); ppo is on-policy"),
     (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
