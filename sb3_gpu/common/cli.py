@@ -223,8 +223,11 @@ def command(program: str = "python") -> str:
 
 def shell_line(*words: object, program: str = "python") -> str:
     """``python -m sb3_gpu.evaluate 'my run'``: ``program`` as :func:`command` finds it, then each word quoted for
-    the shell, so that a printed command runs as pasted whatever its paths hold (spaces, quotes, a newline)."""
-    return " ".join([command(program), _quoted([str(word) for word in words])])
+    the shell, so that a printed command runs as pasted whatever its paths hold (spaces, quotes, a newline). A path
+    (any word that is no ``str``) that starts with ``-`` is written ``./-...``, which no parser takes for a flag."""
+    texts = [str(word) for word in words]
+    texts = [os.path.join(os.curdir, t) if t.startswith("-") and not isinstance(w, str) else t for w, t in zip(words, texts)]
+    return " ".join([command(program), _quoted(texts)])
 
 
 def _quoted(words: list[str]) -> str:

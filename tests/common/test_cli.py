@@ -139,3 +139,15 @@ def test_a_stop_raised_inside_a_finalizer_is_raised_again_where_the_main_thread_
         ref = weakref.ref(held, lambda _: 1 / 0)
         del held
     assert len(seen) == 1 and isinstance(seen[0].exc_value, ZeroDivisionError) and sys.unraisablehook == seen.append
+
+
+def test_a_printed_path_that_starts_with_a_dash_is_not_read_as_a_flag():
+    from pathlib import Path
+
+    from sb3_gpu.common.cli import shell_line
+    from sb3_gpu.runs.rundir import RunDir
+
+    line = shell_line("-m", "sb3_gpu.evaluate", RunDir(Path("-dash")), "--video")
+    assert line.endswith(" -m sb3_gpu.evaluate ./-dash --video"), line  # words the program gives stay as they are
+    assert shell_line("--resume", Path("-a b/-c")).endswith(" --resume './-a b/-c'")
+    assert shell_line("--resume", Path("/abs/-c")).endswith(" --resume /abs/-c")
