@@ -359,6 +359,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 if args.run_dir is not None:  # before the plan, whose probe may take a minute
                     RunDir.check_new(args.run_dir)
+                elif not args.plan:
+                    try:
+                        RunDir.check_default()
+                    except ConfigError as e:
+                        raise ConfigError(f"{e}; give --run-dir for another place") from None
                 options = run_options(args)  # first: the plan's probe may compile for a minute
                 plan = plan_from_args(args)
                 console.print(plan_table(plan, console.width))

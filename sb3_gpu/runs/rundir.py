@@ -142,6 +142,7 @@ def zip_saved_at(path: Path) -> float | None:
 class RunDir:
     """A run directory written by ``sb3_gpu.train``; every file name in it is spelled here and nowhere else."""
 
+    DEFAULT_PARENT = Path("runs")  # where a run dir goes when none is named
     # The names SB3's EvalCallback gives these two.
     BEST_MODEL = "best_model.zip"
     EVALUATIONS = "evaluations.npz"
@@ -254,7 +255,7 @@ class RunDir:
         if requested is not None:
             return cls(make_dir(cls.check_new(requested), "run dir", exist_ok=False))
         env = re.sub(r"[^A-Za-z0-9_.-]+", "_", env_name)
-        base = Path("runs") / f"{algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
+        base = cls.DEFAULT_PARENT / f"{algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
         for i in range(1, 1000):
             path = base if i == 1 else base.with_name(f"{base.name}-{i}")
             try:
@@ -262,6 +263,11 @@ class RunDir:
             except FileExistsError:
                 continue
         raise ConfigError(f"could not find a free run dir name beside {base}")  # pragma: no cover
+
+    @classmethod
+    def check_default(cls) -> None:
+        """Refuse, before any planning, a working folder where :meth:`create` could make no run dir of its own."""
+        check_dir_creatable(cls.DEFAULT_PARENT, "the runs folder")
 
     @staticmethod
     def check_new(requested: str | Path) -> Path:

@@ -299,6 +299,17 @@ def test_a_run_dir_that_cannot_be_the_new_runs_is_refused_before_the_plan(tmp_pa
     result = call_main(train_main, "ppo", "--run-dir", str(tmp_path))
     assert result.returncode == 2 and result.stdout == "", result.stdout
     assert result.stderr == f"error: run dir {tmp_path} already exists; choose a new --run-dir (runs are never overwritten)\n"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("")  # where a run dir goes when none is named
+    result = call_main(train_main, "ppo")
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert (
+        result.stderr == "error: cannot create the runs folder runs: runs is in the way (not a folder); give --run-dir for "
+        "another place\n"
+    )
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert call_main(train_main, "ppo", "--plan", "--no-probe").returncode == 0  # --plan writes nothing
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) or "no-args" for a, _ in BAD_INPUTS])
