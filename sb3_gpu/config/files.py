@@ -53,9 +53,11 @@ def read_yaml(path: Path | str, what: str = "preset file") -> Any:
         raise ConfigError(f"{what}: expected a file path, got {path!r}")
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_YAML_BYTES:
+        with path.open("rb") as f:  # read up to the cap: a device (/dev/zero) or a pipe has no size to stat
+            data = f.read(MAX_YAML_BYTES + 1)
+        if len(data) > MAX_YAML_BYTES:
             raise ConfigError(f"{path}: {what} is larger than {MAX_YAML_BYTES // 1024} KiB")
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:

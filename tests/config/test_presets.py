@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 
 import pytest
 import torch as th
@@ -293,6 +294,9 @@ def test_oversized_preset_file_is_refused(tmp_path):
     path = write(tmp_path, "default:\n  n_steps: 1\n" + "#" * (2 << 20))
     with pytest.raises(ConfigError, match="larger than 1024 KiB"):
         load_preset_file(PPO_, path)
+    if os.path.exists("/dev/zero"):  # endless, and of size 0 to stat: read up to the cap, not to the end
+        with pytest.raises(ConfigError, match="^/dev/zero: preset file is larger than 1024 KiB"):
+            load_preset_file(PPO_, "/dev/zero")
 
 
 def test_numbers_written_as_1e5_are_accepted():
