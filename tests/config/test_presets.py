@@ -295,7 +295,7 @@ def test_oversized_preset_file_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="larger than 1024 KiB"):
         load_preset_file(PPO_, path)
     if os.path.exists("/dev/zero"):  # endless, and of size 0 to stat: read up to the cap, not to the end
-        with pytest.raises(ConfigError, match="^/dev/zero: preset file is larger than 1024 KiB"):
+        with pytest.raises(ConfigError, match=r"^/dev/zero: preset file is larger than 1024 KiB"):
             load_preset_file(PPO_, "/dev/zero")
 
 
