@@ -78,11 +78,14 @@ class EnvWorkerError(RuntimeError):
 
     :ivar env_index: the failing env's index in the vec env (the worker's first env when the worker died)
     :ivar worker_traceback: the worker's formatted traceback, when it raised
+    :ivar exit_code: the worker's exit code, when it died
     """
 
-    def __init__(self, message: str, env_index: int | None = None, worker_traceback: str | None = None):
+    def __init__(
+        self, message: str, env_index: int | None = None, worker_traceback: str | None = None, exit_code: int | None = None
+    ):
         super().__init__(message)
-        self.env_index, self.worker_traceback = env_index, worker_traceback
+        self.env_index, self.worker_traceback, self.exit_code = env_index, worker_traceback, exit_code
 
 
 class TrainingDiverged(RuntimeError):

@@ -404,7 +404,10 @@ class BatchedSubprocVecEnv(VecEnv):
         lo, hi = self.slices[w]
         cause = _exit_cause(self.processes[w])
         self._abort()
-        return EnvWorkerError(f"env worker {w} (envs {lo}-{hi - 1}, pid {self.processes[w].pid}) {cause}", env_index=lo)
+        process = self.processes[w]
+        return EnvWorkerError(
+            f"env worker {w} (envs {lo}-{hi - 1}, pid {process.pid}) {cause}", env_index=lo, exit_code=process.exitcode
+        )
 
     def _send(self, w: int, message: Any) -> None:
         try:

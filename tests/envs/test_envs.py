@@ -328,7 +328,8 @@ def test_n_envs_must_be_a_positive_int(n_envs):
 
 
 @pytest.mark.heavy
-def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path):
+@pytest.mark.parametrize("kind", ["subproc", "batched"])
+def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path, kind):
     import subprocess
     import sys
 
@@ -338,7 +339,7 @@ def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path):
         "from sb3_gpu import make_vec_env\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
-        "    venv = make_vec_env('CartPole-v1', 2, vec_env='subproc')\n"
+        f"    venv = make_vec_env('CartPole-v1', 4, vec_env={kind!r})\n"
         "print('KIND', type(venv).__name__)\n"
         "print('WARN', *[str(w.message) for w in caught])\n"
     )
