@@ -226,7 +226,10 @@ def shell_line(*words: object, program: str = "python") -> str:
     the shell, so that a printed command runs as pasted whatever its paths hold (spaces, quotes, a newline). A path
     (any word that is no ``str``) that starts with ``-`` is written ``./-...``, which no parser takes for a flag."""
     texts = [str(word) for word in words]
-    texts = [os.path.join(os.curdir, t) if t.startswith("-") and not isinstance(w, str) else t for w, t in zip(words, texts)]
+    texts = [
+        os.path.join(os.curdir, t) if t.startswith("-") and not isinstance(w, str) else t
+        for w, t in zip(words, texts, strict=True)
+    ]
     return " ".join([command(program), _quoted(texts)])
 
 

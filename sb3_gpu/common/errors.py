@@ -8,6 +8,8 @@ import importlib.metadata
 import re
 import shlex
 import signal
+import sys
+import warnings
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -71,6 +73,21 @@ def cause_of(e: BaseException, kind: type[_E]) -> _E | None:
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+# Frames of these packages are passed over when a warning looks for the line to name: SB3's learn() calls sb3_gpu's
+# steps, torch calls its compiled ones, Gymnasium its envs.
+_LIBRARIES = frozenset({"sb3_gpu", "stable_baselines3", "sb3_contrib", "gymnasium", "torch"})
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn``, attributed to the caller's own line (``make_model(...)``, ``model.learn(...)``), the first
+    frame outside sb3_gpu and the libraries it runs inside, so that a filter by module and Python's once per line
+    work as for a direct call."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class EnvWorkerError(RuntimeError):

@@ -12,7 +12,6 @@ import signal
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import gymnasium as gym
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv, VecFrameStack
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
-from sb3_gpu.common.errors import ConfigError, EnvWorkerError, named
+from sb3_gpu.common.errors import ConfigError, EnvWorkerError, named, warn
 from sb3_gpu.common.io import make_dir, temporary_environ
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
@@ -208,7 +207,7 @@ def _build(
     except _WorkersFailed as e:
         venv = _dummy(fns, name)  # an env that fails here too is the env's fault, not the workers': no fallback to name
         cls = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
-        warnings.warn(f"{cls} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning, stacklevel=3)
+        warn(f"{cls} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning)
         return venv
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import functools
 import inspect
 import multiprocessing as mp
-import warnings
 from dataclasses import dataclass
 
 from sb3_gpu.common.checks import VEC_ENV_KINDS
-from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.errors import ConfigError, closest, warn
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.envs.batched import batched_workers, measure_overhead
 from sb3_gpu.envs.envpool_vec import envpool_available, envpool_failure, envpool_task, no_twin
@@ -211,7 +210,7 @@ def vec_env_choice(
         failure = envpool_failure(spec.env_id, spec.is_atari)
         if failure is not None:
             message = f"EnvPool cannot make {spec.name} here ({failure}); choosing another vec env"
-            warnings.warn(message, VecEnvFallbackWarning, stacklevel=2)
+            warn(message, VecEnvFallbackWarning)
             pool, takes_pool, suffix = False, False, f"; EnvPool could not make the env ({failure})"
     costs = None
     if measure and requested == "auto" and not takes_pool and n_envs > 1 and cores > 1:

@@ -6,7 +6,6 @@ import contextlib
 import copy
 import functools
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ from gymnasium import spaces
 from stable_baselines3.common import preprocessing
 from stable_baselines3.common.base_class import BaseAlgorithm
 
-from sb3_gpu.common.errors import ConfigError, named
+from sb3_gpu.common.errors import ConfigError, named, warn
 from sb3_gpu.extensions.networks import narrow_linears, policy_networks, steps_one_optimizer
 
 
@@ -98,7 +97,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
         # What Module.compile sets, and the fallback (and overlap's acting copy) clears: a torch that keeps it under
         # another name could not be run uncompiled again.
         reason = f"torch {th.__version__}'s Module.compile cannot be undone here; training uncompiled"
-        warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
+        warn(reason, CompileFallbackWarning)
         return reason
     modules = policy_networks(model).compute
     python_int_spaces(model.policy)
@@ -125,7 +124,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
                 module.forward = amp_forward
         vars(model.policy).pop("_sb3_gpu_compiled", None)  # an earlier compile's mark: its networks are eager again
         reason = f"torch.compile failed ({named(e, 200)}); training uncompiled"
-        warnings.warn(reason, CompileFallbackWarning, stacklevel=2)
+        warn(reason, CompileFallbackWarning)
         return reason
     finally:
         th._dynamo.config.suppress_errors = previous

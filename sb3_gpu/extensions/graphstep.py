@@ -15,13 +15,12 @@ The same function runs uncompiled where compilation fails: it reads nothing back
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch as th
 
-from sb3_gpu.common.errors import named
+from sb3_gpu.common.errors import named, warn
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.stepping import OptimizerStep
 
@@ -165,7 +164,7 @@ class CompiledFunction:
                 out = self._compiled(*inputs)
         except Exception as e:  # as CompiledStep: any failure means "run it uncompiled"
             self.fallback = f"the compiled {self.what} failed ({named(e, 200)}); it runs uncompiled"
-            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=2)
+            warn(self.fallback, CompileFallbackWarning)
             self._compiled = None
             return self.fn(*inputs)
         return tuple(t.clone() for t in out) if self.mode in _CUDA_GRAPH_MODES else out
@@ -371,7 +370,7 @@ class CompiledUpdate:
             raise
         except Exception as e:  # compilers fail in many ways; all mean "run the same step uncompiled"
             self.fallback = f"the compiled gradient step failed ({named(e, 200)}); it runs uncompiled"
-            warnings.warn(self.fallback, CompileFallbackWarning, stacklevel=4)
+            warn(self.fallback, CompileFallbackWarning)
             self._compiled = self._run
             return self._run(*inputs)
 

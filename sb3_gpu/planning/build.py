@@ -14,7 +14,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
-from sb3_gpu.common.errors import ConfigError, named
+from sb3_gpu.common.errors import ConfigError, named, warn
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
 from sb3_gpu.envs.spec import space_text
@@ -142,18 +142,16 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
     rollout = params.n_steps * env.num_envs if plan.algo == "ppo" else None
     if rollout is not None and params.batch_size > rollout:  # the plan table flags it; a caller of the API sees this
         source = preset.sources.get("batch_size", "preset")
-        warnings.warn(
+        warn(
             f"batch_size {params.batch_size} ({source}) is more than one rollout (n_steps * n_envs = {params.n_steps} * "
             f"{env.num_envs} = {rollout}): each minibatch is the whole rollout; give batch_size={rollout} or less",
             UserWarning,
-            stacklevel=2,
         )
     elif rollout is not None and rollout % params.batch_size:
-        warnings.warn(
+        warn(
             f"batch_size {params.batch_size} ({preset.sources.get('batch_size', 'preset')}) is not a factor of the rollout "
             f"(n_steps * n_envs = {rollout}): each epoch ends on a minibatch of {rollout % params.batch_size}",
             UserWarning,
-            stacklevel=2,
         )
     try:
         with warnings.catch_warnings():

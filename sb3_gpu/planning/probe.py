@@ -42,7 +42,7 @@ from gymnasium import spaces
 from stable_baselines3.common.preprocessing import get_action_dim
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
-from sb3_gpu.common.errors import cause_of, named
+from sb3_gpu.common.errors import cause_of, named, warn
 from sb3_gpu.common.io import atomic_write_text
 from sb3_gpu.common.torch_settings import TorchSettings, synchronize
 from sb3_gpu.common.version import __version__
@@ -617,7 +617,7 @@ class ProbeCache:
             except FileNotFoundError:
                 pass
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                warnings.warn(f"ignoring the probe cache {self.path} ({e}); probing again", ProbeCacheWarning, stacklevel=3)
+                warn(f"ignoring the probe cache {self.path} ({e}); probing again", ProbeCacheWarning)
         return self._entries
 
     def get(self, key: str) -> Timing | None:
@@ -661,7 +661,7 @@ class ProbeCache:
         try:
             atomic_write_text(self.path, json.dumps({"version": CACHE_VERSION, "entries": self._entries}))
         except OSError as e:  # a read-only home, say: the figures still serve this plan
-            warnings.warn(f"could not write the probe cache {self.path} ({e})", ProbeCacheWarning, stacklevel=3)
+            warn(f"could not write the probe cache {self.path} ({e})", ProbeCacheWarning)
 
 
 # compile_s was the step's and the forward pass's together before act_compile_s: such entries are timed again.

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from stable_baselines3.common.base_class import BaseAlgorithm
 
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, warn
 from sb3_gpu.common.hardware import HardwareProfile
 from sb3_gpu.common.torch_settings import TorchSettings
 from sb3_gpu.extensions.amp import enable_amp
@@ -224,5 +223,5 @@ def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str 
         refused = compile_step(speed.compile, collect=speed.compile_collect)
         if refused:  # the step stays torch's, and the user is told why
             rest = "" if speed.compile_collect else "; collection stays eager too, so nothing is compiled"
-            warnings.warn(f"the gradient step is not compiled whole: {refused}{rest}", CompileFallbackWarning, stacklevel=2)
+            warn(f"the gradient step is not compiled whole: {refused}{rest}", CompileFallbackWarning)
     return failed

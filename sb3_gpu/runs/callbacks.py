@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -20,7 +19,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.utils import safe_mean
 
 from sb3_gpu.common.checks import duration_arg
-from sb3_gpu.common.errors import ConfigError, StopNow, TrainingDiverged
+from sb3_gpu.common.errors import ConfigError, StopNow, TrainingDiverged, warn
 from sb3_gpu.common.io import save_pickle
 from sb3_gpu.common.memory import return_free_memory
 from sb3_gpu.extensions.stepping import UPDATE_OF, OptimizerStep, first_non_finite, optimizer_steps, settle_guards
@@ -164,7 +163,7 @@ class AtomicCheckpointCallback(BaseCallback):
             files = self.run_dir.checkpoint(self.num_timesteps)
             lost = save_state(self.model, files, replay_buffer=self.save_replay_buffer)
             if lost is not None:  # the model is saved; the next checkpoint tries the buffer again
-                warnings.warn(f"checkpoint {files.model}: {lost}", RuntimeWarning, stacklevel=2)
+                warn(f"checkpoint {files.model}: {lost}", RuntimeWarning)
             elif files.replay_buffer.is_file():  # written whole: the older checkpoints' copies are not needed
                 removed = self.run_dir.drop_older_checkpoint_buffers(self.num_timesteps)
                 if self.verbose >= 2:

@@ -10,7 +10,6 @@ import io
 import json
 import math
 import re
-import warnings
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sb3_gpu.common.errors import ConfigError, install_hint, named
+from sb3_gpu.common.errors import ConfigError, install_hint, named, warn
 from sb3_gpu.common.io import atomic_write_bytes, check_dir_creatable
 from sb3_gpu.config.files import read_yaml
 from sb3_gpu.envs.spec import ATARI_FRAME_SKIP, looks_atari, register_ale
@@ -77,7 +76,7 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
                 curves["eval_steps"], curves["eval_returns"] = ev["timesteps"], ev["results"].mean(axis=1)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
             # Runs write it whole (renamed into place), so a file that cannot be read is damaged: the curves go on.
-            warnings.warn(f"cannot read {evaluations} ({named(e)}); the evaluations are left out", stacklevel=2)
+            warn(f"cannot read {evaluations} ({named(e)}); the evaluations are left out")
     return curves
 
 

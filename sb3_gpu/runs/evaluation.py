@@ -23,7 +23,7 @@ from stable_baselines3.common.evaluation import evaluate_policy
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, warn
 from sb3_gpu.common.io import (
     check_dir_creatable,
     keep_previous,
@@ -308,11 +308,10 @@ class TimedEvalCallback(EvalCallback):
                 timesteps, results, lengths = data["timesteps"], data["results"], data["ep_lengths"]
                 successes = data["successes"] if "successes" in data.files else None  # envs that report is_success
         except Exception as e:  # damaged outside sb3_gpu's writes: the history is lost, the run is not
-            warnings.warn(
+            warn(
                 f"{self.run_dir.evaluations} is not readable ({type(e).__name__}), so the resumed run's evaluation "
                 "history starts empty (its best model and best.json are kept)",
                 RuntimeWarning,
-                stacklevel=2,
             )
             return
         if len(results) and self.best is None:  # a run from before best records: its best periodic figure

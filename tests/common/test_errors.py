@@ -60,3 +60,24 @@ def test_an_env_missing_its_dependency_names_the_extra_that_brings_it(missing, e
 
     with pytest.raises(errors.ConfigError, match=rf"needs a missing dependency .*\(sb3_gpu's \[{extra}\] extra\)"):
         probe_env(EnvSpec("Fake-v0", make))
+
+
+def test_a_warning_names_the_callers_line_not_sb3_gpus(tmp_path):
+    import warnings
+
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from sb3_gpu import make_model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = make_model("ppo", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", probe=False, n_steps=64, batch_size=48)
+    assert isinstance(model.get_env(), DummyVecEnv)
+    mine = [w for w in caught if "is not a factor of the rollout" in str(w.message)]
+    assert len(mine) == 1 and mine[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from sb3_gpu.common.errors import warn
+
+        warn("from a caller", RuntimeWarning)  # a direct call: this line too
+    assert caught[0].filename == __file__ and caught[0].category is RuntimeWarning
