@@ -176,7 +176,7 @@ def check_dir_creatable(path: str | Path, what: str) -> Path:
     return path
 
 
-def make_dir(path: str | Path, what: str, *, exist_ok: bool = True) -> Path:
+def make_dir(path: str | os.PathLike[str], what: str, *, exist_ok: bool = True) -> Path:
     """``mkdir -p``, with a one-line error naming the folder and the cause (a file in the way, a read-only disk)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"{what}: expected a folder path, got {path!r}")

@@ -45,7 +45,7 @@ def make_vec_env(
     n_envs: int = 1,
     seed: int | None = None,
     start_index: int = 0,
-    monitor_dir: str | None = None,
+    monitor_dir: str | os.PathLike[str] | None = None,
     wrapper_class: Callable[..., gym.Env] | None = None,
     env_kwargs: dict[str, Any] | None = None,
     vec_env_cls: type[VecEnv] | None = None,
@@ -118,7 +118,7 @@ def make_vec_env(
         kind = vec_env_choice("auto", spec, n_envs, envpool_allowed=plain).kind
     check_env_resources(kind, n_envs, monitor=monitor_dir is not None)
     if monitor_dir is not None:
-        make_dir(monitor_dir, "monitor_dir")
+        monitor_dir = os.fspath(make_dir(monitor_dir, "monitor_dir"))
     stack_order: str | None = None  # VecFrameStack's own guess: channel-last for SB3's AtariWrapper frames
     if kind == "envpool":
         if wrapper_class is not None or monitor_kwargs:

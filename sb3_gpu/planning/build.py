@@ -41,7 +41,9 @@ def resumed_seed(seed: int | None, timesteps: int) -> int | None:
     return None if seed is None else int(np.random.SeedSequence([seed, timesteps]).generate_state(1)[0])
 
 
-def build_env(plan: Plan, *, n_envs: int | None = None, monitor_dir: str | None = None, evaluation: bool = False) -> VecEnv:
+def build_env(
+    plan: Plan, *, n_envs: int | None = None, monitor_dir: str | os.PathLike[str] | None = None, evaluation: bool = False
+) -> VecEnv:
     """The plan's VecEnv (``evaluation=True``: dummy envs, one unless ``n_envs`` says, seeded apart, with frozen
     normalisation)."""
     _check_plan(plan, "build_env")
@@ -125,7 +127,9 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
     return kwargs
 
 
-def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, verbose: int = 0) -> BaseAlgorithm:
+def build_model(
+    plan: Plan, env: VecEnv, *, tensorboard_log: str | os.PathLike[str] | None = None, verbose: int = 0
+) -> BaseAlgorithm:
     """An SB3 model for the plan (sb3_gpu's subclass where :func:`model_class` says: PER, gradient accumulation,
     a critic LayerNorm, overlap, compile, a GPU, and TQC always), with the plan's speed settings applied (AMP,
     compile, torch threads; ``torch.set_num_threads`` is process-wide).
@@ -161,7 +165,7 @@ def build_model(plan: Plan, env: VecEnv, *, tensorboard_log: str | None = None, 
                 env,
                 device=plan.device.device,
                 seed=plan.seed,
-                tensorboard_log=tensorboard_log,
+                tensorboard_log=None if tensorboard_log is None else os.fspath(tensorboard_log),
                 verbose=verbose,
                 **model_kwargs(plan),
             )
@@ -199,7 +203,7 @@ def make_model(
     seed: int | None = None,
     preset: str | Path | None = None,
     profile: str = "auto",
-    tensorboard_log: str | None = None,
+    tensorboard_log: str | os.PathLike[str] | None = None,
     verbose: int = 0,
     **overrides: Any,
 ) -> PresetModel:

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ class Video:
 
 def record_video(
     model: BaseAlgorithm,
-    env: str | EnvSpec,
+    env: str | Callable[[], gym.Env] | EnvSpec,
     path: str | Path,
     *,
     video_length: int = 0,
@@ -171,7 +171,7 @@ def _headless() -> Iterator[None]:
         yield
 
 
-def recordable(env: str | EnvSpec) -> EnvSpec:
+def recordable(env: str | Callable[[], gym.Env] | EnvSpec) -> EnvSpec:
     """``env`` made to render ``rgb_array`` frames; the one-line ConfigError a recording would meet, before anything
     else runs: moviepy missing, or an env that cannot render."""
     for package in ("moviepy", "imageio_ffmpeg"):  # RecordVideo needs the first; the mp4 is written with the second
