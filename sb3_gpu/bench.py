@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -161,7 +162,7 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = "python -m sb3_gpu.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m sb3_gpu.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
         if getattr(args, "out", None) is not None:
             check_dir_creatable(args.out, "--out folder")  # before the work: an hour's results must have a place

@@ -247,6 +247,13 @@ def test_train_run_refuses_a_run_dir_that_holds_files(tmp_path):
     assert (run / "model.zip").read_bytes() == b"PK" and sorted(p.name for p in run.iterdir()) == ["config.yaml", "model.zip"]
 
 
+def test_train_run_refuses_a_run_dir_tensorboard_cannot_name_before_training(tmp_path):
+    run = tmp_path / b"run\xff".decode("utf-8", "surrogateescape")  # bytes that are no UTF-8, as Linux's argv gives them
+    with pytest.raises(ConfigError, match=r"^cannot use run dir '.*run\\udcff': its name is not valid UTF-8"):
+        train_run(_plan(), run, progress=False, report_s=None)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_ppo_batch_over_one_rollout_is_said_in_the_plans_words_once():
     """The plan table flags it; a caller of make_model, who sees no table, gets it as a warning (not SB3's garbled
     "after every 0 untruncated mini-batches")."""

@@ -139,28 +139,33 @@ def put_back_cut_short(companion: Path, main: Path) -> None:
         replace(_kept(companion), companion)
 
 
-def check_dir_creatable(path: str | Path, what: str) -> Path:
+def check_dir_creatable(path: str | Path, what: str, *, utf8: bool = False) -> Path:
     """Refuse, in one line, a folder that :func:`make_dir` could not make later: checked before long work, without
-    making it (the work may yet stop on bad input)."""
+    making it (the work may yet stop on bad input).
+
+    :param utf8: refuse a path that is not valid UTF-8 (a run dir: TensorBoard fails on it once training has begun)
+    """
     path = Path(path)
-    try:  # TensorBoard, YAML and the printed commands name it in UTF-8: undecodable bytes fail hours later
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError(f"cannot create {what} {str(path)!r}: its name is not valid UTF-8; choose another") from None
+    if utf8:
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"cannot use {what} {str(path)!r}: its name is not valid UTF-8; choose another") from None
+    too_long = False
     for folder in (path, *path.parents):
         try:
             if folder.exists() or folder.is_symlink():
                 break
-        except OSError as e:  # a name too long is said below, with the limit; others here (a folder that denies a look)
+        except OSError as e:  # a name or path too long is said below; others here (a folder that denies a look)
             if e.errno != errno.ENAMETOOLONG:
                 raise ConfigError(f"cannot create {what} {path}: {e.strerror or e}") from None
-    try:
-        name_max = os.pathconf(folder, "PC_NAME_MAX") if folder.is_dir() and hasattr(os, "pathconf") else 255
-    except OSError:
-        name_max = 255
+            too_long = True
     new = path.relative_to(folder).parts if folder != path else ()
-    if (longest := max((len(os.fsencode(part)) for part in new), default=0)) > name_max:
-        raise ConfigError(f"cannot create {what} {path}: a name in it is {longest} bytes, over the {name_max} its disk takes")
+    if (longest := max((_name_length(part) for part in new), default=0)) > (name_max := _name_max(folder)):
+        unit = "UTF-16 units" if os.name == "nt" else "bytes"
+        raise ConfigError(f"cannot create {what} {path}: a name in it is {longest} {unit}, over the {name_max} its disk takes")
+    if too_long:
+        raise ConfigError(f"cannot create {what} {path}: the path is too long for the file system")
     if not folder.is_dir():
         raise ConfigError(f"cannot create {what} {path}: {folder} is in the way (not a folder)")
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -174,6 +179,20 @@ def check_dir_creatable(path: str | Path, what: str) -> Path:
     with contextlib.suppress(OSError):  # an append-only folder keeps it: harmless, and no reason to refuse
         os.rmdir(probe)
     return path
+
+
+def _name_length(name: str) -> int:
+    """A file name's length as its file system counts it: UTF-16 units on Windows, bytes elsewhere."""
+    return len(name.encode("utf-16-le", "surrogatepass")) // 2 if os.name == "nt" else len(os.fsencode(name))
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name ``folder``'s file system takes (255 where it does not say, as most do)."""
+    try:
+        found = os.pathconf(folder, "PC_NAME_MAX") if hasattr(os, "pathconf") and folder.is_dir() else -1
+    except (OSError, ValueError):
+        found = -1
+    return found if found > 0 else 255
 
 
 def make_dir(path: str | os.PathLike[str], what: str, *, exist_ok: bool = True) -> Path:

@@ -38,7 +38,7 @@ from stable_baselines3.common.vec_env.patch_gym import _patch_env
 from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 
 from sb3_gpu.common.cli import ignore_stop_signals
-from sb3_gpu.common.errors import EnvWorkerError
+from sb3_gpu.common.errors import EnvWorkerError, warn
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.common.io import temporary_environ
 
@@ -497,7 +497,7 @@ class BatchedSubprocVecEnv(VecEnv):
         finally:
             self._abort()  # joins the workers (terminating any that did not exit) and unlinks the shared block
             for failure in failed:
-                warnings.warn(failure, stacklevel=2)
+                warn(failure)
 
     def _call(self, kind: str, indices: VecEnvIndices, *args: Any) -> list[Any]:
         self._check_open()

@@ -323,7 +323,9 @@ def explain_env_error(error: BaseException, venv: VecEnv, what: str = "env") -> 
                 cause = f"exited with code {code} (its traceback is above)"
                 if code < 0:
                     cause = f"was killed by {signal.Signals(-code).name}"
-                return EnvWorkerError(f"{what} {index} (SubprocVecEnv worker, pid {process.pid}) {cause}", env_index=index)
+                return EnvWorkerError(
+                    f"{what} {index} (SubprocVecEnv worker, pid {process.pid}) {cause}", env_index=index, exit_code=code
+                )
         if time.monotonic() > deadline:
             return error
         time.sleep(0.05)

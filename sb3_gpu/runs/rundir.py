@@ -282,7 +282,7 @@ class RunDir:
             taken = False
         if taken:
             raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
-        return check_dir_creatable(path, "run dir")
+        return check_dir_creatable(path, "run dir", utf8=True)
 
     def check_resumable(self) -> None:
         """Refuse, in one line, a ``--resume`` target that is no run dir: missing, a file, or without its config."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from sb3_gpu.common.checks import bool_arg, count_arg, seconds_arg
 from sb3_gpu.common.cli import shell_line
 from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import detect_hardware
-from sb3_gpu.common.io import make_dir, write_json, write_yaml
+from sb3_gpu.common.io import check_dir_creatable, make_dir, write_json, write_yaml
 from sb3_gpu.config.presets import Preset
 from sb3_gpu.config.runconfig import config_env, load_config
 from sb3_gpu.config.schema import get_algo
@@ -135,6 +136,8 @@ def train_run(
     options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer, confirm_episodes)
     options.check(plan.algo)
     output = _Output(progress, console, report_s)
+    if isinstance(run_dir, (str, os.PathLike)):  # make_dir refuses the rest
+        check_dir_creatable(run_dir, "run dir", utf8=True)
     run = RunDir(make_dir(run_dir, "run dir"))
     # An empty folder may be made first (the CLI makes it, to claim its name); one that holds files is another run's.
     if held := sorted(p.name for p in run.path.iterdir()):

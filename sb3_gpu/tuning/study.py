@@ -256,10 +256,11 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
         if isinstance(value, float) and value.is_integer() and key in checks:
             checked = checks[key](value, key)
             entry[key] = checked if isinstance(checked, int) and not isinstance(checked, bool) else value
+    env_word, preset_word = shlex.quote(env), shlex.quote(str(path.resolve()))
     header = (
-        f"# Tuned by python -m sb3_gpu.tune {algo} --env {env}: trial {best.number} of study {study.study_name!r},\n"
+        f"# Tuned by python -m sb3_gpu.tune {algo} --env {env_word}: trial {best.number} of study {study.study_name!r},\n"
         f"# mean score {best.value:.2f} over {len(best.user_attrs.get('seed_scores', [])) or 1} seed(s) at {timesteps} "
-        f"timesteps each. Train it: python -m sb3_gpu.train {algo} --env {env} --preset {shlex.quote(str(path.resolve()))}\n"
+        f"timesteps each. Train it: python -m sb3_gpu.train {algo} --env {env_word} --preset {preset_word}\n"
     )
     atomic_write_text(path, header + "".join(notes) + yaml.safe_dump({spec.name: entry}, sort_keys=False))
     load_preset_file(algo_, path)  # what we wrote must load as a preset

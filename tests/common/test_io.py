@@ -38,13 +38,19 @@ def test_a_folder_that_is_there_is_not_probed_and_a_probe_that_stays_is_no_refus
     assert check_dir_creatable(tmp_path / "new", "run dir") == tmp_path / "new"
 
 
-def test_a_name_too_long_or_not_utf8_is_refused_before_any_work(tmp_path):
+def test_a_name_or_path_too_long_or_not_utf8_is_refused_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^cannot create run dir .*: a name in it is 256 bytes, over the 255 its disk"):
         check_dir_creatable(tmp_path / "a" / ("b" * 256), "run dir")
     with pytest.raises(ConfigError, match=r"a name in it is 256 bytes"):
         check_dir_creatable(tmp_path / ("é" * 128), "run dir")  # bytes, not characters
     assert check_dir_creatable(tmp_path / ("b" * 255), "run dir")
+    with pytest.raises(ConfigError, match=r"^cannot create run dir .*: the path is too long for the file system$"):
+        check_dir_creatable(tmp_path.joinpath(*["d" * 250] * 20), "run dir")  # each name fits, the whole does not
     undecodable = tmp_path / b"bad\xffbyte".decode("utf-8", "surrogateescape")  # what Linux's argv gives Python
-    with pytest.raises(ConfigError, match=r"^cannot create run dir '.*bad\\udcffbyte': its name is not valid UTF-8"):
-        check_dir_creatable(undecodable, "run dir")
+    with pytest.raises(ConfigError, match=r"^cannot use run dir '.*bad\\udcffbyte': its name is not valid UTF-8"):
+        check_dir_creatable(undecodable, "run dir", utf8=True)
     assert list(tmp_path.iterdir()) == []
+    undecodable.mkdir()  # where only a file is written (a plot, a video), such a folder serves
+    assert check_dir_creatable(undecodable, "the plot's folder") == undecodable
+    monkeypatch.setattr(io.os, "pathconf", lambda path, name: -1, raising=False)  # "no limit": not a limit of -1
+    assert check_dir_creatable(tmp_path / "new", "run dir") == tmp_path / "new"
