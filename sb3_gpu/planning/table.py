@@ -64,6 +64,8 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
             why = f"{why}; trains {trained:,}: SB3 completes each rollout of n_steps * n_envs"
         elif key == "n_timesteps" and (freq := values.get("train_freq")) and isinstance(freq, list) and freq[1] == "episode":
             why = f"{why}; may train past it: SB3 completes the episodes of each train_freq"
+        if key == "eval_freq" and value is None:  # what RunOptions.frequencies takes then
+            shown, why = f"{max(plan.preset.n_timesteps // 10, 1):,}", f"a tenth of n_timesteps ({why})"
         _row(table, key, shown, why, style=style)
     return table
 

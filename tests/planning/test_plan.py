@@ -265,6 +265,16 @@ def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
     assert {"hardware", "device", "vec_env", "batch_size", "target_update_interval", "n_timesteps"} <= set(settings)
 
 
+def test_the_table_shows_the_evaluation_interval_a_run_takes_not_none(cpu_machine):
+    def eval_freq_row(overrides: dict) -> tuple[str, str]:
+        table = plan_table(make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides=overrides))
+        i = [str(cell) for cell in table.columns[0].cells].index("eval_freq")
+        return str(list(table.columns[1].cells)[i]), str(list(table.columns[2].cells)[i])
+
+    assert eval_freq_row({"n_timesteps": 2000}) == ("200", "a tenth of n_timesteps (sb3_gpu default)")
+    assert eval_freq_row({"n_timesteps": 2000, "eval_freq": 500}) == ("500", "override")
+
+
 def test_on_a_narrow_console_the_reasons_take_the_room_and_no_setting_name_wraps(cpu_machine):
     from rich.console import Console
 
