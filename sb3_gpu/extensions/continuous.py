@@ -290,7 +290,8 @@ class _ActorCriticTraining(DeviceFigures, StagedObservations):
             if reason is not None:
                 return reason
         descents = [Descent(optimizer, guard, None) for optimizer, guard in guards]
-        self._compiled = CompiledUpdate(self._graph_update, descents, mode)
+        siblings = [self._compiled_act] if self._compiled_act is not None else []
+        self._compiled = CompiledUpdate(self._graph_update, descents, mode, siblings=siblings)
         self._graph_sums = GraphSums(self._log_keys(True), s.device)
         self._position = th.zeros(2, dtype=th.long, device=s.device)
         th._dynamo.mark_static_address(self._position)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch as th
 
-from sb3_gpu.common.errors import named, warn
+from sb3_gpu.common.errors import cause_of, named, warn
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code
 from sb3_gpu.extensions.stepping import OptimizerStep
 
@@ -140,6 +140,13 @@ class _Adam:
         return ok, overflow
 
 
+def _no_compiler(e: BaseException) -> bool:
+    """Whether a compile failed for want of a C++ compiler (inductor's InvalidCxxCompiler, however wrapped)."""
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    return cause_of(e, InvalidCxxCompiler) is not None or "InvalidCxxCompiler" in str(e)
+
+
 class CompiledFunction:
     """A function of tensors compiled whole (``fullgraph=True``); where compiling fails, the function itself, with a
     ``CompileFallbackWarning``. Under CUDA-graph modes its outputs are cloned, since the next replay overwrites them.
@@ -152,6 +159,7 @@ class CompiledFunction:
     def __init__(self, fn: Callable[..., tuple[th.Tensor, ...]], mode: str, what: str):
         self.fn, self.mode, self.what = fn, mode, what
         self.fallback: str | None = None
+        self.no_compiler = False  # it failed for want of a C++ compiler, as every other compile here would
         self._compiled: Callable[..., tuple[th.Tensor, ...]] | None = None  # None: run fn itself (mode "eager")
         if mode != "eager":
             self._compiled = th.compile(own_code(fn), fullgraph=True, mode=None if mode == "default" else mode)
@@ -164,6 +172,7 @@ class CompiledFunction:
                 out = self._compiled(*inputs)
         except Exception as e:  # as CompiledStep: any failure means "run it uncompiled"
             self.fallback = f"the compiled {self.what} failed ({named(e, 200)}); it runs uncompiled"
+            self.no_compiler = _no_compiler(e)
             warn(self.fallback, CompileFallbackWarning)
             self._compiled = None
             return self.fn(*inputs)
@@ -320,10 +329,18 @@ class CompiledUpdate:
 
     :param mode: torch.compile's mode (``default``, ``reduce-overhead`` for CUDA graphs, ``max-autotune``), or
         ``eager`` to run the same function uncompiled
+    :param siblings: the model's other compiled functions: where one found no C++ compiler, this is not tried (a
+        minute of tracing, on SAC's step, to fail the same way)
     """
 
-    def __init__(self, update_fn: Callable[..., tuple[th.Tensor, ...]], descents: Sequence[Descent], mode: str):
-        self.update_fn, self.descents, self.mode = update_fn, list(descents), mode
+    def __init__(
+        self,
+        update_fn: Callable[..., tuple[th.Tensor, ...]],
+        descents: Sequence[Descent],
+        mode: str,
+        siblings: Sequence[CompiledFunction] = (),
+    ):
+        self.update_fn, self.descents, self.mode, self.siblings = update_fn, list(descents), mode, list(siblings)
         self.fallback: str | None = None
         self._compile()
 
@@ -359,6 +376,10 @@ class CompiledUpdate:
         return all(d.usable() for d in self.descents)
 
     def _guarded_call(self, *inputs: Any) -> tuple[th.Tensor, ...]:
+        if self._compiled != self._run and (failed := next((f for f in self.siblings if f.no_compiler), None)):
+            self.fallback = f"the gradient step runs uncompiled too: the {failed.what} found no C++ compiler"
+            warn(self.fallback, CompileFallbackWarning)
+            self._compiled = self._run
         if self._compiled == self._run:
             return self._run(*inputs)
         try:  # a failure shows while tracing or compiling (the first call, a recompile), before anything changes

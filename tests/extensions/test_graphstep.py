@@ -882,3 +882,34 @@ def test_a_discrete_observation_space_compiles_its_step_whole_and_updates_as_sb3
     assert ours._compiled_step.fallback is None and not isinstance(ours.observation_space.n, int)
     for a, b in zip(plain.policy.parameters(), ours.policy.parameters(), strict=True):
         th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_missing_cxx_compiler_found_by_one_graph_is_not_looked_for_again_by_the_step():
+    """SAC traced its gradient step for most of a minute, to fail on the compiler its action pass had not found."""
+    from torch._inductor.exc import InductorError, InvalidCxxCompiler
+
+    from sb3_gpu.extensions.graphstep import CompiledFunction, CompiledUpdate
+
+    def no_compiler(*inputs):
+        inner = InvalidCxxCompiler()
+        raise InductorError(inner, None) from inner
+
+    def never(*inputs):
+        raise AssertionError("the step was compiled")
+
+    act = CompiledFunction(lambda x: (x + 1,), "default", "action forward pass")
+    act._compiled = no_compiler
+    step = CompiledUpdate(lambda x: (x * 2,), [], "default", siblings=[act])
+    step._compiled = never
+    with pytest.warns(CompileFallbackWarning) as caught:
+        assert act(th.ones(1))[0].item() == 2.0 and act.no_compiler
+        assert step(th.ones(1))[0].item() == 2.0
+    assert [str(w.message) for w in caught][1] == (
+        "the gradient step runs uncompiled too: the action forward pass found no C++ compiler"
+    )
+    assert step(th.ones(1))[0].item() == 2.0  # uncompiled from then on, with no warning more
+    other = CompiledFunction(lambda x: (x,), "default", "action forward pass")
+    other._compiled = lambda x: (_ for _ in ()).throw(RuntimeError("an op inductor does not know"))
+    with pytest.warns(CompileFallbackWarning):
+        other(th.ones(1))
+    assert not other.no_compiler  # another failure of one graph says nothing of the others
