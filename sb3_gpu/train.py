@@ -28,6 +28,7 @@ from sb3_gpu.common.cli import (
     shell_line,
     sigterm_as_interrupt,
     threads_arg,
+    watched,
 )
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged, named
@@ -243,7 +244,8 @@ def summary_table(summary: dict[str, Any], run: RunDir) -> Table:
     if summary.get("curves"):
         rows.append(("curves", summary["curves"]))
     for row in rows:
-        table.add_row(*(Text(cell) for cell in row))  # plain text: rich would read "[plot]" in a value as markup
+        # Plain text (rich would read "[plot]" in a value as markup), folded rather than cut: paths are to be copied.
+        table.add_row(*(Text(cell, overflow="fold") for cell in row))
     return table
 
 
@@ -400,7 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except OSError as e:  # a full or read-only disk while saving: the atomic writes kept the earlier files whole
         _remove_if_never_trained(run, new=args.resume is None, started=started)
-        print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
+        if isinstance(e, BrokenPipeError) and e.filename is None:  # `| head`, a pager that quit: its reader is gone
+            print_error("the output's reader closed it (head, a pager that quit), so training stopped")
+        else:
+            print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
         notes = getattr(e, "__notes__", None)  # what the save said, where summary.json could not say it
         print_error(notes[-1] if notes else _saved_note(run, started))
         return 1
@@ -428,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _progress_bar(args: argparse.Namespace, console: Console) -> bool:
     """A live progress bar where a person watches (a terminal, a notebook); in a log file (CI, nohup, a cluster's job
     log) its redraws would be cut and repeated, so there the run prints plain status lines instead."""
-    return not args.no_progress and (console.is_terminal or console.is_jupyter)
+    return not args.no_progress and watched(console)
 
 
 def _check_resume_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, run: RunDir) -> None:

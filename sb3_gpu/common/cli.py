@@ -33,6 +33,7 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         if args is None:  # the command line of a program run, not a call from Python: its warnings read as its messages
             plain_warnings()
+            forgiving_output()
         return super().parse_args(args, namespace)
 
     def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
@@ -43,6 +44,14 @@ class Parser(argparse.ArgumentParser):
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def forgiving_output() -> None:
+    """stdout writes what its encoding cannot show as escapes (``r\\xfc``), as stderr does, rather than failing a
+    finished run on its folder's name (an ASCII locale, ``PYTHONIOENCODING=ascii``)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # replaced by a caller, or closed
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
 
 
 def plain_warnings() -> None:
@@ -247,12 +256,24 @@ def _windows_word(word: str) -> str:
     return '"' + re.sub(r"(\\+)$", r"\1\1", quoted) + '"'  # backslashes before the closing quote are doubled
 
 
+_MIN_COLUMNS = 20  # below it no table reads: a COLUMNS under it is taken for none
+
+
 def console() -> Console:
     """A rich console for the CLIs' output: its own width in a terminal or a notebook; in a log file (CI, nohup, a
     cluster's job log), which has none, 160 columns rather than rich's 80, so that tables are not folded."""
     from rich.console import Console
 
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and columns.isdigit() and int(columns) >= _MIN_COLUMNS:
+        return Console()  # the width the user gave
     out = Console()
-    if not (out.is_terminal or out.is_jupyter) and "COLUMNS" not in os.environ:
-        out = Console(width=160)
-    return out
+    if watched(out):  # a COLUMNS that is no width (fish's 0, a word) is passed over: rich would print at 0
+        return out if columns is None else Console(width=shutil.get_terminal_size().columns)
+    return Console(width=160)
+
+
+def watched(out: Console) -> bool:
+    """Whether a person watches ``out``: a terminal (not a file that FORCE_COLOR makes rich call one) or a notebook."""
+    isatty = getattr(out.file, "isatty", None)
+    return out.is_jupyter or (out.is_terminal and callable(isatty) and bool(isatty()))

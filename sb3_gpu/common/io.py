@@ -10,6 +10,7 @@ import os
 import pickle
 import secrets
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -139,6 +140,24 @@ def put_back_cut_short(companion: Path, main: Path) -> None:
         replace(_kept(companion), companion)
 
 
+def check_utf8(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse a path that cannot be written as UTF-8 text (TensorBoard names its files so, and fails on it once a run
+    has begun): bytes that are no UTF-8, or UTF-8 that Python here reads as another encoding (a C locale without
+    UTF-8 mode)."""
+    text = os.fspath(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            os.fsencode(text).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"cannot use {what} {text!r}: its name is not valid UTF-8; choose another") from None
+        raise ConfigError(
+            f"cannot use {what} {text!r}: Python here reads file names as {sys.getfilesystemencoding()}, not UTF-8 "
+            "(a C locale): set PYTHONUTF8=1, or choose an ASCII name"
+        ) from None
+
+
 def check_dir_creatable(path: str | Path, what: str, *, utf8: bool = False) -> Path:
     """Refuse, in one line, a folder that :func:`make_dir` could not make later: checked before long work, without
     making it (the work may yet stop on bad input).
@@ -147,10 +166,7 @@ def check_dir_creatable(path: str | Path, what: str, *, utf8: bool = False) -> P
     """
     path = Path(path)
     if utf8:
-        try:
-            str(path).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"cannot use {what} {str(path)!r}: its name is not valid UTF-8; choose another") from None
+        check_utf8(path, what)
     too_long = False
     for folder in (path, *path.parents):
         try:

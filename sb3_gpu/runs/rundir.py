@@ -18,6 +18,7 @@ from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.io import (
     atomic_write_text,
     check_dir_creatable,
+    check_utf8,
     companion_of,
     make_dir,
     open_no_follow,
@@ -292,6 +293,7 @@ class RunDir:
             raise ConfigError(f"cannot resume {self}: no such run dir")
         if not self.config.is_file():
             raise ConfigError(f"cannot resume {self}: it holds no config.yaml; is it a run dir written by sb3_gpu.train?")
+        check_utf8(self.path, "run dir")  # before its model is built: TensorBoard would fail on it once training began
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

@@ -312,6 +312,19 @@ def test_a_run_dir_that_cannot_be_the_new_runs_is_refused_before_the_plan(tmp_pa
     assert call_main(train_main, "ppo", "--plan", "--no-probe").returncode == 0  # --plan writes nothing
 
 
+def test_an_output_pipe_whose_reader_quit_is_said_as_such_not_as_a_file(tmp_path, monkeypatch, call_main):
+    import errno
+
+    def reader_gone(*args, **kwargs):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")  # print() to a `| head` that has exited
+
+    monkeypatch.setattr("sb3_gpu.train._train_new", reader_gone)
+    result = call_main(train_main, "ppo", "--run-dir", str(tmp_path / "run"), "--no-probe", "--timesteps", "512")
+    assert result.returncode == 1
+    assert "error: the output's reader closed it (head, a pager that quit), so training stopped" in result.stderr
+    assert "could not write" not in result.stderr
+
+
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) or "no-args" for a, _ in BAD_INPUTS])
 def test_bad_input_exits_2_with_one_line(args, message, bad_files, tmp_path, monkeypatch, call_main):
     monkeypatch.chdir(tmp_path)
@@ -477,6 +490,20 @@ def test_the_summary_shows_values_with_brackets_as_written(tmp_path):
     console = Console(record=True, width=200)
     console.print(summary_table(summary, RunDir(tmp_path)))
     assert "(sb3_gpu's [plot] extra)" in console.export_text()  # rich markup would have eaten "[plot]"
+
+
+def test_the_summary_folds_a_long_path_on_a_narrow_terminal_rather_than_cutting_it(tmp_path):
+    from rich.console import Console
+
+    from sb3_gpu.runs.rundir import RunDir
+    from sb3_gpu.train import summary_table
+
+    model = "/tmp/experiments/cartpole/ppo-baseline-seed0-lr1e-3-a-long-name-to-copy/model.zip"
+    summary = {"timesteps": 64, "wall_time_s": 1.0, "steps_per_s": 64.0, "model": model}
+    console = Console(record=True, width=80)
+    console.print(summary_table(summary, RunDir(tmp_path)))
+    cells = "".join(line.split("│")[2].strip() for line in console.export_text().splitlines() if line.count("│") == 3)
+    assert model in cells and "…" not in console.export_text()
 
 
 @pytest.mark.parametrize(

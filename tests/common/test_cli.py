@@ -151,3 +151,43 @@ def test_a_printed_path_that_starts_with_a_dash_is_not_read_as_a_flag():
     assert line.endswith(" -m sb3_gpu.evaluate ./-dash --video"), line  # words the program gives stay as they are
     assert shell_line("--resume", Path("-a b/-c")).endswith(" --resume './-a b/-c'")
     assert shell_line("--resume", Path("/abs/-c")).endswith(" --resume /abs/-c")
+
+
+def test_a_command_writes_what_its_output_cannot_encode_as_escapes_not_a_traceback():
+    import os
+    import subprocess
+    import sys
+
+    # A finished run printed its summary (the run dir's name) and failed there, under an ASCII locale.
+    code = "from sb3_gpu.evaluate import build_parser\nbuild_parser().parse_args()\nprint('r\\u00fc1')"
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, "runs/x"], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert done.returncode == 0 and done.stdout == "r\\xfc1\n", done.stderr
+
+
+@pytest.mark.parametrize("columns, width", [(None, 160), ("0", 160), ("abc", 160), ("5", 160), ("100", 100), ("300", 300)])
+def test_a_log_file_gets_160_columns_unless_columns_gives_a_real_width(monkeypatch, columns, width):
+    from sb3_gpu.common.cli import console
+
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)  # fish exports 0; rich took it as a width of 0 and printed nothing
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    assert console().width == width
+
+
+def test_force_color_in_a_log_file_is_no_person_watching(monkeypatch, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from sb3_gpu.common.cli import watched
+
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    with open(tmp_path / "log", "w") as log:
+        forced = Console(file=log)
+        assert forced.is_terminal and not watched(forced)  # no live bar's redraws in the log
+    assert not watched(Console(file=io.StringIO()))

@@ -54,3 +54,12 @@ def test_a_name_or_path_too_long_or_not_utf8_is_refused_before_any_work(tmp_path
     assert check_dir_creatable(undecodable, "the plot's folder") == undecodable
     monkeypatch.setattr(io.os, "pathconf", lambda path, name: -1, raising=False)  # "no limit": not a limit of -1
     assert check_dir_creatable(tmp_path / "new", "run dir") == tmp_path / "new"
+
+
+def test_a_utf8_name_that_python_reads_in_another_encoding_is_told_how_to_read_it(tmp_path):
+    from sb3_gpu.common.io import check_utf8
+
+    # What a C locale without UTF-8 mode makes of "rü": the UTF-8 bytes, each escaped.
+    with pytest.raises(ConfigError, match=r"reads file names as .*, not UTF-8 \(a C locale\): set PYTHONUTF8=1"):
+        check_utf8(tmp_path / "r\udcc3\udcbc", "run dir")
+    check_utf8(tmp_path / "rü", "run dir")
