@@ -279,11 +279,22 @@ def kwargs_mapping(value: Any, where: str) -> dict[str, Any]:
     return plain_numbers(mapping(value, where))
 
 
+def names(value: Any, where: str) -> list[str]:
+    """A non-empty list of distinct names (``[position, velocity]``)."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: expected a non-empty list of names, got {value!r}")
+    if len(set(value)) < len(value):
+        raise ConfigError(f"{where}: {value!r} names a key twice")
+    return list(value)
+
+
 NORMALIZE_KEYS = {
     "norm_obs": boolean,
     "norm_reward": boolean,
     "clip_obs": number(0, math.inf, "a positive number", True),
     "clip_reward": number(0, math.inf, "a positive number", True),
+    "epsilon": number(0, 1, "a number in (0, 1]", True),
+    "norm_obs_keys": names,  # a Dict observation's keys to scale (VecNormalize's default: all of them)
 }
 
 

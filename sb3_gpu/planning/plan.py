@@ -841,9 +841,10 @@ def _check_policy_fits(preset: Preset, obs_space: spaces.Space) -> None:
             f"policy=CnnPolicy ({source}) runs {need}; the observations are {small}: use MlpPolicy, leave policy auto, "
             "or pass policy_kwargs features_extractor_class (an extractor of your own, in Python)"
         )
-    if isinstance(obs_space, spaces.Dict) and not _normalizes_observations(preset):  # floats: flattened, no CNN
+    if isinstance(obs_space, spaces.Dict):  # the keys VecNormalize scales are floats then: flattened, no CNN
+        scaled = _normalized_keys(preset, obs_space)
         for key, member in obs_space.spaces.items():
-            if small := _too_small_for_nature_cnn(member, preset.policy_kwargs):
+            if key not in scaled and (small := _too_small_for_nature_cnn(member, preset.policy_kwargs)):
                 raise ConfigError(
                     f"MultiInputPolicy runs {need}, on the Dict's image {key!r}, which is {small}: make that key's "
                     "dtype float (SB3 then flattens it), or pass policy_kwargs features_extractor_class (in Python)"
@@ -907,14 +908,37 @@ def _normalizes_observations(preset: Preset) -> bool:
     return bool(preset.normalize) and options.get("norm_obs", True)
 
 
+def _normalized_keys(preset: Preset, obs_space: spaces.Dict) -> set[str]:
+    """The keys of a Dict observation that the plan's VecNormalize scales."""
+    if not _normalizes_observations(preset):
+        return set()
+    options = preset.normalize if isinstance(preset.normalize, dict) else {}
+    return set(options.get("norm_obs_keys") or obs_space.spaces)
+
+
 def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
     """VecNormalize's refusals, and NatureCNN's of what it leaves, said in the plan rather than as the model is
     built."""
     if not _normalizes_observations(preset):
         return
     source = preset.sources.get("normalize", "preset")
+    asked = (preset.normalize if isinstance(preset.normalize, dict) else {}).get("norm_obs_keys")
     instead = "set normalize.norm_obs=false (rewards only), or normalize=false"
-    members = obs_space.spaces if isinstance(obs_space, spaces.Dict) else {"": obs_space}
+    if isinstance(obs_space, spaces.Dict):
+        boxes = [key for key, member in obs_space.spaces.items() if isinstance(member, spaces.Box)]
+        if boxes and asked is None:
+            instead = f"set normalize.norm_obs_keys={boxes} (its Box keys), or normalize.norm_obs=false (rewards only)"
+        for key in asked or ():
+            if key not in obs_space.spaces:
+                raise ConfigError(
+                    f"normalize.norm_obs_keys ({source}): the observations have no key {key!r}"
+                    f"{closest(key, obs_space.spaces)} (keys: {', '.join(obs_space.spaces)})"
+                )
+        members = {key: obs_space.spaces[key] for key in _normalized_keys(preset, obs_space)}
+    elif asked is not None:
+        raise ConfigError(f"normalize.norm_obs_keys ({source}) picks keys of Dict observations; these are {_shown(obs_space)}")
+    else:
+        members = {"": obs_space}
     for key, member in members.items():
         if not isinstance(member, spaces.Box):
             where = f"the Dict's {key!r} is" if key else "the observations are"

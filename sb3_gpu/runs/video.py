@@ -194,6 +194,7 @@ def _normalized(venv: VecEnv, normalization: VecNormalize | None) -> VecEnv:
         norm_reward=False,
         clip_obs=normalization.clip_obs,
         epsilon=normalization.epsilon,
+        norm_obs_keys=normalization.norm_obs_keys,
     )
     frozen.obs_rms = normalization.obs_rms  # read, never updated (training=False)
     return frozen

@@ -200,7 +200,23 @@ def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_m
         (
             gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,)), "b": gym.spaces.Discrete(4)}),
             {"normalize": True},
-            "normalize (override) scales Box observations; the Dict's 'b' is Discrete(4)",
+            "normalize (override) scales Box observations; the Dict's 'b' is Discrete(4): set "
+            "normalize.norm_obs_keys=['a'] (its Box keys), or normalize.norm_obs=false (rewards only)",
+        ),
+        (
+            gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,)), "b": gym.spaces.Discrete(4)}),
+            {"normalize": {"norm_obs_keys": ["po"]}},
+            "normalize.norm_obs_keys (override): the observations have no key 'po'; did you mean 'pos'? (keys: b, pos)",
+        ),
+        (
+            gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,)), "b": gym.spaces.Discrete(4)}),
+            {"normalize": {"norm_obs_keys": ["a", "b"]}},
+            "normalize (override) scales Box observations; the Dict's 'b' is Discrete(4): set normalize.norm_obs=false",
+        ),
+        (
+            gym.spaces.Box(-1, 1, (2,)),
+            {"normalize": {"norm_obs_keys": ["a"]}},
+            "normalize.norm_obs_keys (override) picks keys of Dict observations; these are a Box of shape (2,), float32",
         ),
         (
             gym.spaces.Box(0, 255, (40, 40, 3), np.uint8),
@@ -246,6 +262,23 @@ def test_normalised_images_that_sb3_trains_on_are_planned_built_and_trained(cpu_
     policy = "MultiInputPolicy" if isinstance(space, gym.spaces.Dict) else "CnnPolicy"
     plan = make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides={**small, "policy": policy})
     build_model(plan, build_env(plan)).learn(32)
+
+
+def test_a_dict_whose_box_keys_are_named_is_normalised_there_only_as_vecnormalize_does(cpu_machine, tmp_path):
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from sb3_gpu.runs.video import _normalized
+
+    space = gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,)), "mode": gym.spaces.Discrete(3)})
+    overrides = {"n_steps": 16, "batch_size": 16, "n_envs": 1, "normalize": {"norm_obs_keys": ["pos"], "epsilon": 1e-6}}
+    plan = make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides=overrides)
+    model = build_model(plan, build_env(plan))
+    model.learn(32)
+    norm = model.get_vec_normalize_env()
+    assert isinstance(norm, VecNormalize) and norm.norm_obs_keys == ["pos"] and norm.epsilon == 1e-6
+    assert set(norm.obs_rms) == {"pos"}
+    frozen = _normalized(build_env(plan, evaluation=True), norm)  # a video's env: the same keys, frozen
+    assert frozen.norm_obs_keys == ["pos"] and frozen.obs_rms is norm.obs_rms
 
 
 def test_unknown_algorithm_suggests_one():
