@@ -9,6 +9,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch as th
 from stable_baselines3.common.vec_env import SubprocVecEnv
 
 from sb3_gpu import (
@@ -252,6 +253,26 @@ def test_train_run_refuses_a_run_dir_tensorboard_cannot_name_before_training(tmp
     with pytest.raises(ConfigError, match=r"^cannot use run dir '.*run\\udcff': its name is not valid UTF-8"):
         train_run(_plan(), run, progress=False, report_s=None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_train_run_refuses_a_python_object_its_config_cannot_hold_before_making_anything(tmp_path):
+    plan = make_plan(
+        "ppo",
+        "CartPole-v1",
+        "cpu",
+        n_envs=1,
+        n_timesteps=64,
+        overrides={
+            "probe": False,
+            "n_steps": 32,
+            "batch_size": 32,
+            "policy_kwargs": {"optimizer_class": th.optim.RMSprop, "optimizer_kwargs": {"alpha": 0.9}},
+        },
+    )
+    message = r"^train_run writes the plan to config.yaml, which holds plain data only .*: policy_kwargs.optimizer_class is "
+    with pytest.raises(ConfigError, match=message + r"<class 'torch.optim.rmsprop.RMSprop'>; train this plan with build_"):
+        train_run(plan, tmp_path / "run", progress=False, report_s=None)
+    assert list(tmp_path.iterdir()) == []  # it wrote monitor files, then failed on the config: a dir nothing could resume
 
 
 def test_a_ppo_batch_over_one_rollout_is_said_in_the_plans_words_once():

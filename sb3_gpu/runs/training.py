@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+import yaml
 from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv
@@ -136,6 +137,11 @@ def train_run(
     options = RunOptions(eval_freq, eval_episodes, checkpoint_freq, save_replay_buffer, confirm_episodes)
     options.check(plan.algo)
     output = _Output(progress, console, report_s)
+    if (found := _python_object(plan.to_config()["hyperparameters"])) is not None:
+        raise ConfigError(
+            f"train_run writes the plan to config.yaml, which holds plain data only (a resume calls nothing it names): "
+            f"{found[0]} is {found[1]!r}; train this plan with build_model(plan, build_env(plan)).learn(...) instead"
+        )
     if isinstance(run_dir, (str, os.PathLike)):  # make_dir refuses the rest
         check_dir_creatable(run_dir, "run dir", utf8=True)
     run = RunDir(make_dir(run_dir, "run dir"))
@@ -294,6 +300,25 @@ def _train(
             if logger is not None:
                 with contextlib.suppress(OSError):  # a last flush to a full disk: the run's outcome is reported
                     logger.close()
+
+
+def _python_object(value: Any, path: str = "") -> tuple[str, Any] | None:
+    """The first value in ``value`` that YAML's plain data cannot hold (a class in policy_kwargs), with its key path."""
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        try:
+            yaml.safe_dump(value)
+        except yaml.YAMLError:
+            return path, value
+        return None
+    for key, item in items:
+        found = _python_object(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _write_config(plan: Plan, run: RunDir, options: RunOptions, env: VecEnv, seed: int | None) -> None:
