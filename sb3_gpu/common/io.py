@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import secrets
 import shutil
 import sys
@@ -71,6 +72,14 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
 # Never through a link, never inherited by a child; binary on Windows, where os.open's default text mode would write
 # each b"\n" of a zip or pickle as b"\r\n". (Windows has neither of the first two: links are refused by refuse_links.)
 _SAFE_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+
+
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is one :func:`_create_new` gives: a write's temp file, left behind where a kill cut it short."""
+    return _TEMPORARY.fullmatch(name) is not None
+
+
+_TEMPORARY = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")
 
 
 def _create_new(path: Path) -> tuple[Path, int]:

@@ -20,6 +20,7 @@ from sb3_gpu.common.io import (
     check_dir_creatable,
     check_utf8,
     companion_of,
+    is_temporary,
     make_dir,
     open_no_follow,
     refuse_links,
@@ -249,6 +250,27 @@ class RunDir:
                 removed.append(path)
         return removed
 
+    def drop_older_final_buffer(self, timesteps: int) -> Path | None:
+        """Remove the final model's replay buffer where that model is older than ``timesteps`` (a resumed run's newer
+        checkpoint was just written whole): ``--resume`` takes the newer one, and it kept a third copy on disk."""
+        buffer = self.final.replay_buffer
+        steps = zip_timesteps(self.final.model) if buffer.is_file() else None
+        if buffer.is_file() and (steps is None or steps < timesteps):
+            buffer.unlink(missing_ok=True)
+            return buffer
+        return None
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Remove the temp files of writes that a kill cut short (a half-written replay buffer, gigabytes under a
+        hidden name); call it holding the run's lock, under which no other process writes here."""
+        removed = []
+        for folder in (self.path, self.checkpoints):
+            for path in folder.glob(".*.tmp-*") if folder.is_dir() else ():
+                if is_temporary(path.name) and path.is_file():
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+        return removed
+
     # ------------------------------------------------------------------ making and locking
     @classmethod
     def create(cls, requested: str | Path | None, algo: str, env_name: str) -> RunDir:
@@ -317,6 +339,7 @@ class RunDir:
                 f.truncate()
                 f.write(str(os.getpid()))
                 f.flush()
+                self.remove_stale_temporaries()
                 try:
                     yield
                 finally:

@@ -450,6 +450,33 @@ def test_a_best_model_that_cannot_be_written_is_not_reported_as_the_best(tmp_pat
 
 
 @pytest.mark.heavy
+def test_a_resumed_pass_drops_the_older_final_buffer_and_a_kills_half_written_temp_files(tmp_path):
+    from sb3_gpu.runs.saving import save_state
+
+    plan = make_plan(
+        "dqn", "CartPole-v1", "cpu", n_envs=1, vec_env="dummy", overrides={"learning_starts": 0, "buffer_size": 500}
+    )
+    model = build_model(plan, build_env(plan))
+    run = RunDir(tmp_path)
+    model.learn(40)
+    save_state(model, run.final, replay_buffer=True)  # the run stopped here, and is resumed
+    run.checkpoints.mkdir()
+    # Writes a SIGKILL cut short: hidden temp files, a buffer's gigabytes each, that no write would ever finish.
+    stale = [tmp_path / ".replay_buffer.pkl.tmp-4242-0badf00d", run.checkpoints / ".model_1_steps.zip.tmp-7-deadbeef"]
+    for path in stale:
+        path.write_bytes(b"half")
+    kept = tmp_path / ".notes.tmp"  # not a name sb3_gpu's writes give
+    kept.write_bytes(b"mine")
+    with run.locked():
+        assert not any(p.exists() for p in stale) and kept.exists()
+        checkpoints = AtomicCheckpointCallback(save_freq=20, run_dir=run, save_replay_buffer=True)
+        model.learn(20, callback=checkpoints, reset_num_timesteps=False)
+    newest = run.saved_states()[0]
+    assert newest.timesteps > 40 and newest.replay_buffer.is_file()
+    assert not run.final.replay_buffer.exists() and run.final.model.is_file()  # --resume takes the newer: one copy
+
+
+@pytest.mark.heavy
 def test_only_the_newest_checkpoint_keeps_a_replay_buffer(tmp_path, monkeypatch, capsys):
     from sb3_gpu.runs import saving
 
