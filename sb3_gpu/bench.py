@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m sb3_gpu.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
         if getattr(args, "out", None) is not None:
-            check_dir_creatable(args.out, "--out folder")  # before the work: an hour's results must have a place
+            check_dir_creatable(args.out, "--out folder", utf8=True)  # before the work: an hour's results must have a place
         # One named twice would run a case twice, and count it twice.
         for flag in ("seeds", "algos", "envs", "per", "amp", "dqn_profiles", "cases", "n_envs", "capacities"):
             given = getattr(args, flag, None) or []

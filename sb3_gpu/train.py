@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a full or read-only disk while saving: the atomic writes kept the earlier files whole
         _remove_if_never_trained(run, new=args.resume is None, started=started)
         if isinstance(e, BrokenPipeError) and e.filename is None:  # `| head`, a pager that quit: its reader is gone
-            print_error("the output's reader closed it (head, a pager that quit), so training stopped")
+            print_error("stopped: the output's reader closed it (head, or a pager that quit)")
         else:
             print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
         notes = getattr(e, "__notes__", None)  # what the save said, where summary.json could not say it

@@ -176,7 +176,7 @@ def _stop_code(e: KeyboardInterrupt) -> int:
 def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     new_folder: Path | None = None  # a study dir this call made, removed again if the study cannot open
     try:
-        from sb3_gpu.common.io import check_dir_creatable, make_dir, refuse_links
+        from sb3_gpu.common.io import check_dir_creatable, check_utf8, make_dir, refuse_links
         from sb3_gpu.config.schema import get_algo
         from sb3_gpu.config.search import check_policy_kwargs_space, fit_to_budget, load_space
         from sb3_gpu.planning.plan import make_plan
@@ -217,6 +217,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         name = args.study_name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.algo}-{plan.env.name}")
         wanted = Path(args.study_dir or Path("tune") / name)
         new_folder = None if wanted.exists() else wanted
+        check_utf8(wanted, "study dir")  # its summary names it: hours of trials, then no results
         folder = check_dir_creatable(make_dir(wanted, "study dir"), "study dir")  # hours of trials, then no results
         url = args.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
         refuse_links(folder, "study dir", allowed=journal_lock(url))  # another worker may hold the journal's lock

@@ -275,6 +275,18 @@ def test_train_run_refuses_a_python_object_its_config_cannot_hold_before_making_
     assert list(tmp_path.iterdir()) == []  # it wrote monitor files, then failed on the config: a dir nothing could resume
 
 
+def test_numpy_numbers_deep_in_policy_kwargs_are_written_as_plain_ones():
+    import numpy as np
+
+    from sb3_gpu.runs.training import _python_object
+
+    kwargs = {"optimizer_kwargs": {"betas": (np.float64(0.9), 0.99), "amsgrad": np.bool_(True)}}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", overrides={"probe": False, "policy_kwargs": kwargs})
+    written = plan.to_config()["hyperparameters"]["policy_kwargs"]["optimizer_kwargs"]
+    assert written == {"betas": (0.9, 0.99), "amsgrad": True} and type(written["betas"][0]) is float
+    assert _python_object(plan.to_config()["hyperparameters"]) is None  # train_run takes it
+
+
 def test_a_ppo_batch_over_one_rollout_is_said_in_the_plans_words_once():
     """The plan table flags it; a caller of make_model, who sees no table, gets it as a warning (not SB3's garbled
     "after every 0 untruncated mini-batches")."""

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from sb3_gpu.common.errors import ConfigError, closest
 
 
@@ -63,6 +65,8 @@ def yaml_number(value: Any) -> Any:
 
 def plain_number(value: Any) -> Any:
     """``value`` with a numpy scalar (from a grid or ``np.arange``, as SB3 takes them) as the Python int or float."""
+    if isinstance(value, np.bool_):  # no numbers.Real, and no YAML either
+        return bool(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value) in (int, float):
         return value  # numpy's float64 is a float, but YAML's safe dumper writes only Python's own
     return int(value) if isinstance(value, numbers.Integral) else float(value)
@@ -78,6 +82,8 @@ def plain_numbers(value: Any) -> Any:
         return {k: plain_numbers(v) for k, v in value.items()}
     if isinstance(value, list):
         return [plain_numbers(v) for v in value]
+    if type(value) is tuple:  # stays one (optimizer_kwargs' betas); a named tuple is left as it is
+        return tuple(plain_numbers(v) for v in value)
     if isinstance(value, str) and _EXPONENT_RE.match(value.strip()):
         return float(value)
     return plain_number(value)

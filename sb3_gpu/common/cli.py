@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import math
 import os
 import re
@@ -264,13 +265,28 @@ def console() -> Console:
     cluster's job log), which has none, 160 columns rather than rich's 80, so that tables are not folded."""
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits with code 1 and no word; the command says the output's reader is gone, and saves.
+            with contextlib.suppress(OSError, ValueError):  # no second error as Python flushes stdout at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
     columns = os.environ.get("COLUMNS")
     if columns is not None and columns.isdigit() and int(columns) >= _MIN_COLUMNS:
-        return Console()  # the width the user gave
-    out = Console()
+        return _Console()  # the width the user gave
+    out = _Console()
     if watched(out):  # a COLUMNS that is no width (fish's 0, a word) is passed over: rich would print at 0
-        return out if columns is None else Console(width=shutil.get_terminal_size().columns)
-    return Console(width=160)
+        return out if columns is None else _Console(width=_terminal_width(out))
+    return _Console(width=160)
+
+
+def _terminal_width(out: Console) -> int:
+    """The terminal's own width, whatever COLUMNS says."""
+    try:
+        return os.get_terminal_size(out.file.fileno()).columns
+    except (AttributeError, ValueError, OSError):
+        return 80
 
 
 def watched(out: Console) -> bool:

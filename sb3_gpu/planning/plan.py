@@ -926,7 +926,7 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
     instead = "set normalize.norm_obs=false (rewards only), or normalize=false"
     if isinstance(obs_space, spaces.Dict):
         boxes = [key for key, member in obs_space.spaces.items() if isinstance(member, spaces.Box)]
-        if boxes and asked is None:
+        if boxes:
             instead = f"set normalize.norm_obs_keys={boxes} (its Box keys), or normalize.norm_obs=false (rewards only)"
         for key in asked or ():
             if key not in obs_space.spaces:

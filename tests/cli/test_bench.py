@@ -819,3 +819,10 @@ def test_bench_steps_sb3_row_is_sb3s_own_class_where_the_profile_accumulates():
     # row takes the two as one batch.
     model, breaks = step._model("dqn:FrozenLake-v1:large", "cpu", "sb3", 4096)
     assert type(model) is DQN and model.batch_size == 2048 and breaks == "-"
+
+
+def test_an_out_folder_its_results_cannot_name_is_refused_before_the_work(tmp_path, capsys):
+    out = tmp_path / b"out\xff".decode("utf-8", "surrogateescape")  # the results file names its command, in UTF-8
+    args = ["envs", "--envs", "CartPole-v1", "--n-envs", "1", "--seconds", "0.05", "--repeats", "1", "--out", str(out)]
+    assert bench.main(args) == 2
+    assert "cannot use --out folder" in capsys.readouterr().err and not out.exists()

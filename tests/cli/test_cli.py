@@ -321,8 +321,28 @@ def test_an_output_pipe_whose_reader_quit_is_said_as_such_not_as_a_file(tmp_path
     monkeypatch.setattr("sb3_gpu.train._train_new", reader_gone)
     result = call_main(train_main, "ppo", "--run-dir", str(tmp_path / "run"), "--no-probe", "--timesteps", "512")
     assert result.returncode == 1
-    assert "error: the output's reader closed it (head, a pager that quit), so training stopped" in result.stderr
+    assert "error: stopped: the output's reader closed it (head, or a pager that quit)" in result.stderr
     assert "could not write" not in result.stderr
+
+
+def test_an_output_closed_before_the_plan_is_printed_stops_with_that_said(tmp_path):
+    read, write = os.pipe()
+    os.close(read)  # `| head -0`: the first write fails (rich's own handler exited 1 without a word)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "sb3_gpu.train", "ppo", "--plan", "--no-probe", "--threads", "1"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            check=False,
+            cwd=tmp_path,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: stopped: the output's reader closed it (head, or a pager that quit)\n")
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) or "no-args" for a, _ in BAD_INPUTS])

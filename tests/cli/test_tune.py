@@ -925,3 +925,9 @@ def test_a_storage_secret_is_masked_where_it_stands_never_inside_other_words():
     encoded = "postgresql://tuner:a%40b%2Fc@db/optuna?sslpassword=k3y&sslmode=require"
     assert mask_url(encoded) == "postgresql://tuner:***@db/optuna?sslpassword=***&sslmode=require"
     assert mask_url(encoded, "dsn: password='a@b/c' sslpassword=k3y") == "dsn: password='***' sslpassword=***"
+
+
+def test_a_study_dir_its_summary_cannot_name_is_refused_before_any_trial(tmp_path, capsys):
+    study = tmp_path / b"st\xff".decode("utf-8", "surrogateescape")  # summary.md names it, in UTF-8, after the trials
+    assert tune.main(["ppo", "--trials", "1", *TINY, "--study-dir", str(study)]) == 2
+    assert "cannot use study dir" in capsys.readouterr().err and not study.exists()

@@ -211,7 +211,7 @@ def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_m
         (
             gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,)), "b": gym.spaces.Discrete(4)}),
             {"normalize": {"norm_obs_keys": ["a", "b"]}},
-            "normalize (override) scales Box observations; the Dict's 'b' is Discrete(4): set normalize.norm_obs=false",
+            "normalize (override) scales Box observations; the Dict's 'b' is Discrete(4): set normalize.norm_obs_keys=['a']",
         ),
         (
             gym.spaces.Box(-1, 1, (2,)),
