@@ -10,8 +10,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sb3_gpu.common.errors import ConfigError, closest
 
 
@@ -65,8 +63,8 @@ def yaml_number(value: Any) -> Any:
 
 def plain_number(value: Any) -> Any:
     """``value`` with a numpy scalar (from a grid or ``np.arange``, as SB3 takes them) as the Python int or float."""
-    if isinstance(value, np.bool_):  # no numbers.Real, and no YAML either
-        return bool(value)
+    if getattr(getattr(value, "dtype", None), "kind", None) == "b" and getattr(value, "shape", None) == ():
+        return bool(value)  # numpy's bool: no numbers.Real, and no YAML either
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value) in (int, float):
         return value  # numpy's float64 is a float, but YAML's safe dumper writes only Python's own
     return int(value) if isinstance(value, numbers.Integral) else float(value)
