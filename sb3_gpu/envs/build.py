@@ -12,6 +12,7 @@ import signal
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -251,6 +252,11 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
             with temporary_environ(OMP_NUM_THREADS="1"):
                 venv = cls(list(factories), **kwargs)
+            if isinstance(venv, SubprocVecEnv):
+                # Its workers let SIGTERM pass (ignore_stop_signals), so at exit multiprocessing's terminate-and-join
+                # of an env never closed (make_model, learn, end of script) would wait for ever: kill them first, as
+                # BatchedSubprocVecEnv does, at exit or once the env is dropped.
+                weakref.finalize(venv, _kill_processes, list(venv.processes))
             _seed(venv, seed)
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
         except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
@@ -270,6 +276,14 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             for factory in factories:  # the fallback DummyVecEnv calls these in this process: no worker settings
                 factory.report, factory.worker = None, False
     return venv
+
+
+def _kill_processes(processes: list[Any]) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+    for proc in processes:
+        proc.join(timeout=5)
 
 
 def _kill_workers(before: set[Any]) -> None:

@@ -451,3 +451,23 @@ def test_auto_takes_envpool_only_once_it_has_made_the_env(monkeypatch):
     finally:
         envpool_failure.cache_clear()
     assert choice.kind in ("dummy", "batched") and "EnvPool could not make the env" in choice.reason
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["subproc", "batched"])
+def test_a_script_that_never_closes_its_env_still_exits(tmp_path, kind):
+    """Workers let SIGTERM pass, and multiprocessing's exit terminates and joins its children: without a kill first,
+    a script ending after make_model(...).learn(...) (the README's three lines) waited for ever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "never_closed.py"
+    script.write_text(
+        "from sb3_gpu import make_vec_env\n"
+        "if __name__ == '__main__':\n"
+        f"    venv = make_vec_env('CartPole-v1', 2, vec_env={kind!r})\n"
+        "    venv.reset()\n"
+        "    print('END', type(venv).__name__, flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and "END" in out.stdout, out.stderr
