@@ -3,6 +3,7 @@ start fall back to DummyVecEnv with a warning; envs whose workers died are close
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import multiprocessing as mp
@@ -253,10 +254,7 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             with temporary_environ(OMP_NUM_THREADS="1"):
                 venv = cls(list(factories), **kwargs)
             if isinstance(venv, SubprocVecEnv):
-                # Its workers let SIGTERM pass (ignore_stop_signals), so at exit multiprocessing's terminate-and-join
-                # of an env never closed (make_model, learn, end of script) would wait for ever: kill them first, as
-                # BatchedSubprocVecEnv does, at exit or once the env is dropped.
-                weakref.finalize(venv, _kill_processes, list(venv.processes))
+                _kill_at_exit(venv)
             _seed(venv, seed)
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
         except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
@@ -276,6 +274,25 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             for factory in factories:  # the fallback DummyVecEnv calls these in this process: no worker settings
                 factory.report, factory.worker = None, False
     return venv
+
+
+_UNCLOSED: weakref.WeakSet[SubprocVecEnv] = weakref.WeakSet()  # sb3_gpu's SubprocVecEnvs, for the exit hook
+
+
+def _kill_at_exit(venv: SubprocVecEnv) -> None:
+    """Kill ``venv``'s workers once it is dropped, or at exit. They let SIGTERM pass (ignore_stop_signals), so at exit
+    multiprocessing's terminate-and-join of an env never closed (make_model, learn, the script's end) waited for ever.
+    The exit hook is registered after multiprocessing's (imported to start the workers), so it runs before it."""
+    weakref.finalize(venv, _kill_processes, list(venv.processes))
+    if not _UNCLOSED:
+        atexit.unregister(_kill_unclosed)
+        atexit.register(_kill_unclosed)
+    _UNCLOSED.add(venv)
+
+
+def _kill_unclosed() -> None:
+    for venv in list(_UNCLOSED):
+        _kill_processes(list(venv.processes))
 
 
 def _kill_processes(processes: list[Any]) -> None:
