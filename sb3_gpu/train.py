@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sb3_gpu import __version__
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES, COMPILE_MODES, VEC_ENV_KINDS, default_env
 from sb3_gpu.common.cli import (
+    OUTPUT_CLOSED,
     Parser,
     Terminated,
     count_int,
@@ -403,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a full or read-only disk while saving: the atomic writes kept the earlier files whole
         _remove_if_never_trained(run, new=args.resume is None, started=started)
         if isinstance(e, BrokenPipeError) and e.filename is None:  # `| head`, a pager that quit: its reader is gone
-            print_error("stopped: the output's reader closed it (head, or a pager that quit)")
+            print_error(f"stopped: {OUTPUT_CLOSED}")
         else:
             print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
         notes = getattr(e, "__notes__", None)  # what the save said, where summary.json could not say it

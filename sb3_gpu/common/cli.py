@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import math
 import os
 import re
@@ -257,6 +256,7 @@ def _windows_word(word: str) -> str:
     return '"' + re.sub(r"(\\+)$", r"\1\1", quoted) + '"'  # backslashes before the closing quote are doubled
 
 
+OUTPUT_CLOSED = "the output's reader closed it (head, or a pager that quit)"
 _MIN_COLUMNS = 20  # below it no table reads: a COLUMNS under it is taken for none
 
 
@@ -267,10 +267,13 @@ def console() -> Console:
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:
-            # rich exits with code 1 and no word; the command says the output's reader is gone, and saves.
-            with contextlib.suppress(OSError, ValueError):  # no second error as Python flushes stdout at exit
+            # As rich does (stdout to /dev/null, so that Python's flush at exit raises nothing more; exit code 1),
+            # with a word of why: rich exits without one.
+            self.quiet = True
+            with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+            print_error(f"{OUTPUT_CLOSED}; nothing more is printed")
+            raise SystemExit(1)
 
     columns = os.environ.get("COLUMNS")
     if columns is not None and columns.isdigit() and int(columns) >= _MIN_COLUMNS:

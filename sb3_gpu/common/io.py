@@ -74,12 +74,14 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
 _SAFE_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
-def is_temporary(name: str) -> bool:
-    """Whether ``name`` is one :func:`_create_new` gives: a write's temp file, left behind where a kill cut it short."""
-    return _TEMPORARY.fullmatch(name) is not None
+def temporary_owner(name: str) -> int | None:
+    """The process id in a temp file's name as :func:`_create_new` gives it (a write a kill may have cut short), or
+    None for another name."""
+    match = _TEMPORARY.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
-_TEMPORARY = re.compile(r"\..+\.tmp-\d+-[0-9a-f]{8}")
+_TEMPORARY = re.compile(r"\..+\.tmp-(\d+)-[0-9a-f]{8}")
 
 
 def _create_new(path: Path) -> tuple[Path, int]:

@@ -292,7 +292,9 @@ def _kill_at_exit(venv: SubprocVecEnv) -> None:
 
 def _kill_unclosed() -> None:
     for venv in list(_UNCLOSED):
-        _kill_processes(list(venv.processes))
+        if not venv.closed:
+            _kill_processes(list(venv.processes))
+            venv.closed = True  # a user's own exit hook that closes it later finds it closed, not a dead pipe
 
 
 def _kill_processes(processes: list[Any]) -> None:

@@ -20,10 +20,10 @@ from sb3_gpu.common.io import (
     check_dir_creatable,
     check_utf8,
     companion_of,
-    is_temporary,
     make_dir,
     open_no_follow,
     refuse_links,
+    temporary_owner,
 )
 
 try:
@@ -262,13 +262,21 @@ class RunDir:
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Remove the temp files of writes that a kill cut short (a half-written replay buffer, gigabytes under a
-        hidden name); call it holding the run's lock, under which no other process writes here."""
+        hidden name): those of models and pickles, which only training writes, and only of processes gone (``plot``
+        writes here without the lock, and so may another process on another machine: its file is left)."""
+        import psutil
+
         removed = []
         for folder in (self.path, self.checkpoints):
             for path in folder.glob(".*.tmp-*") if folder.is_dir() else ():
-                if is_temporary(path.name) and path.is_file():
-                    path.unlink(missing_ok=True)
-                    removed.append(path)
+                owner = temporary_owner(path.name)
+                target = path.name.rsplit(".tmp-", 1)[0]
+                if owner is None or not target.endswith((".zip", ".pkl")) or not path.is_file():
+                    continue
+                if owner != os.getpid() and psutil.pid_exists(owner):
+                    continue
+                path.unlink(missing_ok=True)
+                removed.append(path)
         return removed
 
     # ------------------------------------------------------------------ making and locking

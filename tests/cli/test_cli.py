@@ -341,7 +341,7 @@ def test_an_output_closed_before_the_plan_is_printed_stops_with_that_said(tmp_pa
     finally:
         os.close(write)
     assert done.returncode == 1
-    assert done.stderr.startswith("error: stopped: the output's reader closed it (head, or a pager that quit)\n")
+    assert done.stderr == "error: the output's reader closed it (head, or a pager that quit); nothing more is printed\n"
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
 
 

@@ -462,13 +462,17 @@ def test_a_resumed_pass_drops_the_older_final_buffer_and_a_kills_half_written_te
     save_state(model, run.final, replay_buffer=True)  # the run stopped here, and is resumed
     run.checkpoints.mkdir()
     # Writes a SIGKILL cut short: hidden temp files, a buffer's gigabytes each, that no write would ever finish.
-    stale = [tmp_path / ".replay_buffer.pkl.tmp-4242-0badf00d", run.checkpoints / ".model_1_steps.zip.tmp-7-deadbeef"]
-    for path in stale:
+    gone = 999_999_999  # no process has this id (Linux's largest is 2**22)
+    stale = [tmp_path / f".replay_buffer.pkl.tmp-{gone}-0badf00d", run.checkpoints / f".model_1_steps.zip.tmp-{gone}-deadbeef"]
+    kept = [
+        tmp_path / ".notes.tmp",  # not a name sb3_gpu's writes give
+        tmp_path / f".curves.png.tmp-{gone}-0badf00d",  # plot's, which writes here without the lock: not training's
+        tmp_path / f".model.zip.tmp-{os.getppid()}-0badf00d",  # a live process's write (another machine's, say)
+    ]
+    for path in [*stale, *kept]:
         path.write_bytes(b"half")
-    kept = tmp_path / ".notes.tmp"  # not a name sb3_gpu's writes give
-    kept.write_bytes(b"mine")
     with run.locked():
-        assert not any(p.exists() for p in stale) and kept.exists()
+        assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
         checkpoints = AtomicCheckpointCallback(save_freq=20, run_dir=run, save_replay_buffer=True)
         model.learn(20, callback=checkpoints, reset_num_timesteps=False)
     newest = run.saved_states()[0]
