@@ -269,8 +269,8 @@ def test_train_run_refuses_a_python_object_its_config_cannot_hold_before_making_
             "policy_kwargs": {"optimizer_class": th.optim.RMSprop, "optimizer_kwargs": {"alpha": 0.9}},
         },
     )
-    message = r"^train_run writes the plan to config.yaml, which holds plain data only .*: policy_kwargs.optimizer_class is "
-    with pytest.raises(ConfigError, match=message + r"<class 'torch.optim.rmsprop.RMSprop'>; train this plan with build_"):
+    message = r"^train_run cannot save this plan: config.yaml holds plain data only .*, and policy_kwargs.optimizer_class is "
+    with pytest.raises(ConfigError, match=message + r"<class 'torch.optim.rmsprop.RMSprop'>; train it with build_"):
         train_run(plan, tmp_path / "run", progress=False, report_s=None)
     assert list(tmp_path.iterdir()) == []  # it wrote monitor files, then failed on the config: a dir nothing could resume
 

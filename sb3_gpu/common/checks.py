@@ -62,7 +62,7 @@ def yaml_number(value: Any) -> Any:
 
 
 def plain_number(value: Any) -> Any:
-    """``value`` with a numpy scalar (from a grid or ``np.arange``, as SB3 takes them) as the Python int or float."""
+    """``value`` with a numpy scalar (from a grid or ``np.arange``, as SB3 takes them) as the Python int, float or bool."""
     if getattr(getattr(value, "dtype", None), "kind", None) == "b" and getattr(value, "shape", None) == ():
         return bool(value)  # numpy's bool: no numbers.Real, and no YAML either
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value) in (int, float):
@@ -74,7 +74,7 @@ _EXPONENT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 
 
 def plain_numbers(value: Any) -> Any:
-    """``value`` (a mapping's or list's items too) with numpy scalars as Python numbers, and exponent strings such as
+    """``value`` (a mapping's, list's or tuple's items too) with numpy scalars as Python numbers, and exponent strings such as
     ``"1e-5"``, which PyYAML reads as strings, as floats: for mappings passed on as given (``policy_kwargs``)."""
     if isinstance(value, Mapping):
         return {k: plain_numbers(v) for k, v in value.items()}

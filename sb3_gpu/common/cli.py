@@ -47,8 +47,9 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def forgiving_output() -> None:
-    """stdout writes what its encoding cannot show as escapes (``r\\xfc``), as stderr does, rather than failing a
-    finished run on its folder's name (an ASCII locale, ``PYTHONIOENCODING=ascii``)."""
+    """Make stdout write the characters its encoding cannot show as backslash escapes (``rü`` as ``r\\xfc``), as
+    stderr already does, rather than fail a finished run on its folder's name (an ASCII locale,
+    ``PYTHONIOENCODING=ascii``)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError, OSError):  # replaced by a caller, or closed
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
@@ -256,7 +257,7 @@ def _windows_word(word: str) -> str:
     return '"' + re.sub(r"(\\+)$", r"\1\1", quoted) + '"'  # backslashes before the closing quote are doubled
 
 
-OUTPUT_CLOSED = "the output's reader closed it (head, or a pager that quit)"
+OUTPUT_CLOSED = "the program reading the output (head, or a pager that quit) closed it"
 _MIN_COLUMNS = 20  # below it no table reads: a COLUMNS under it is taken for none
 
 
@@ -272,7 +273,7 @@ def console() -> Console:
             self.quiet = True
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            print_error(f"{OUTPUT_CLOSED}; nothing more is printed")
+            print_error(f"stopped: {OUTPUT_CLOSED}")
             raise SystemExit(1)
 
     columns = os.environ.get("COLUMNS")

@@ -95,7 +95,7 @@ class EnvWorkerError(RuntimeError):
 
     :ivar env_index: the failing env's index in the vec env (the worker's first env when the worker died)
     :ivar worker_traceback: the worker's formatted traceback, when it raised
-    :ivar exit_code: the worker's exit code, when it died
+    :ivar exit_code: the worker's exit code when it died (negative: minus the signal that killed it)
     """
 
     def __init__(

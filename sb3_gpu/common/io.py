@@ -162,10 +162,10 @@ def check_utf8(path: str | os.PathLike[str], what: str) -> None:
         try:
             os.fsencode(text).decode("utf-8")
         except UnicodeDecodeError:
-            raise ConfigError(f"cannot use {what} {text!r}: its name is not valid UTF-8; choose another") from None
+            raise ConfigError(f"cannot use {what} {text!r}: its name is not valid UTF-8; choose a UTF-8 name") from None
         raise ConfigError(
             f"cannot use {what} {text!r}: Python here reads file names as {sys.getfilesystemencoding()}, not UTF-8 "
-            "(a C locale): set PYTHONUTF8=1, or choose an ASCII name"
+            "(a C locale without UTF-8 mode): set PYTHONUTF8=1, or choose an ASCII name"
         ) from None
 
 
@@ -188,9 +188,13 @@ def check_dir_creatable(path: str | Path, what: str, *, utf8: bool = False) -> P
                 raise ConfigError(f"cannot create {what} {path}: {e.strerror or e}") from None
             too_long = True
     new = path.relative_to(folder).parts if folder != path else ()
-    if (longest := max((_name_length(part) for part in new), default=0)) > (name_max := _name_max(folder)):
-        unit = "UTF-16 units" if os.name == "nt" else "bytes"
-        raise ConfigError(f"cannot create {what} {path}: a name in it is {longest} {unit}, over the {name_max} its disk takes")
+    name_max = _name_max(folder)
+    if long := [part for part in new if _name_length(part) > name_max]:
+        unit, shown = "UTF-16 units" if os.name == "nt" else "bytes", long[0] if len(long[0]) <= 24 else long[0][:20] + "..."
+        raise ConfigError(
+            f"cannot create {what} {path}: its part {shown!r} is {_name_length(long[0])} {unit} long, and this file "
+            f"system takes at most {name_max}; choose a shorter name"
+        )
     if too_long:
         raise ConfigError(f"cannot create {what} {path}: the path is too long for the file system")
     if not folder.is_dir():
@@ -214,7 +218,7 @@ def _name_length(name: str) -> int:
 
 
 def _name_max(folder: Path) -> int:
-    """The longest file name ``folder``'s file system takes (255 where it does not say, as most do)."""
+    """The longest file name ``folder``'s file system takes (255, the usual limit, where it does not say)."""
     try:
         found = os.pathconf(folder, "PC_NAME_MAX") if hasattr(os, "pathconf") and folder.is_dir() else -1
     except (OSError, ValueError):

@@ -280,8 +280,9 @@ _UNCLOSED: weakref.WeakSet[SubprocVecEnv] = weakref.WeakSet()  # sb3_gpu's Subpr
 
 
 def _kill_at_exit(venv: SubprocVecEnv) -> None:
-    """Kill ``venv``'s workers once it is dropped, or at exit. They let SIGTERM pass (ignore_stop_signals), so at exit
-    multiprocessing's terminate-and-join of an env never closed (make_model, learn, the script's end) waited for ever.
+    """Kill ``venv``'s workers once it is dropped, or at exit. They ignore SIGTERM (ignore_stop_signals), so at exit
+    multiprocessing's terminate-and-join waited forever for an env never closed (a script that calls make_model and
+    learn, then ends without closing its env).
     The exit hook is registered after multiprocessing's (imported to start the workers), so it runs before it."""
     weakref.finalize(venv, _kill_processes, list(venv.processes))
     if not _UNCLOSED:

@@ -377,7 +377,10 @@ class CompiledUpdate:
 
     def _guarded_call(self, *inputs: Any) -> tuple[th.Tensor, ...]:
         if self._compiled != self._run and (failed := next((f for f in self.siblings if f.no_compiler), None)):
-            self.fallback = f"the gradient step runs uncompiled too: the {failed.what} found no C++ compiler"
+            self.fallback = (
+                f"no C++ compiler was found as the {failed.what} compiled, so the gradient step runs uncompiled too "
+                "(install g++ or clang to compile, or set compile false)"
+            )
             warn(self.fallback, CompileFallbackWarning)
             self._compiled = self._run
         if self._compiled == self._run:

@@ -927,7 +927,7 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
     if isinstance(obs_space, spaces.Dict):
         boxes = [key for key, member in obs_space.spaces.items() if isinstance(member, spaces.Box)]
         if boxes:
-            instead = f"set normalize.norm_obs_keys={boxes} (its Box keys), or normalize.norm_obs=false (rewards only)"
+            instead = f"set normalize.norm_obs_keys={boxes} (the Dict's Box keys), or normalize.norm_obs=false (rewards only)"
         for key in asked or ():
             if key not in obs_space.spaces:
                 raise ConfigError(
@@ -936,7 +936,10 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
                 )
         members = {key: obs_space.spaces[key] for key in _normalized_keys(preset, obs_space)}
     elif asked is not None:
-        raise ConfigError(f"normalize.norm_obs_keys ({source}) picks keys of Dict observations; these are {_shown(obs_space)}")
+        raise ConfigError(
+            f"normalize.norm_obs_keys ({source}) names keys of a Dict observation, but these observations are "
+            f"{_shown(obs_space)}: leave norm_obs_keys out"
+        )
     else:
         members = {"": obs_space}
     for key, member in members.items():

@@ -166,10 +166,12 @@ class AtomicCheckpointCallback(BaseCallback):
                 warn(f"checkpoint {files.model}: {lost}", RuntimeWarning)
             elif files.replay_buffer.is_file():  # written whole: the older checkpoints' copies are not needed
                 removed = self.run_dir.drop_older_checkpoint_buffers(self.num_timesteps)
-                removed += [p] if (p := self.run_dir.drop_older_final_buffer(self.num_timesteps)) else []
+                final = self.run_dir.drop_older_final_buffer(self.num_timesteps)
                 if self.verbose >= 2:
                     for path in removed:
                         print(f"Removed the older checkpoint replay buffer {path}")
+                    if final is not None:
+                        print(f"Removed the older final replay buffer {final}")
             if self.verbose >= 2:
                 print(f"Saving model checkpoint to {files.model}")
         return True

@@ -251,8 +251,9 @@ class RunDir:
         return removed
 
     def drop_older_final_buffer(self, timesteps: int) -> Path | None:
-        """Remove the final model's replay buffer where that model is older than ``timesteps`` (a resumed run's newer
-        checkpoint was just written whole): ``--resume`` takes the newer one, and it kept a third copy on disk."""
+        """Remove the final model's replay buffer where that model is older than ``timesteps`` or cannot be read (a
+        resumed run's newer checkpoint was just written whole): ``--resume`` takes the newer checkpoint, and keeping
+        this buffer made a third copy on disk."""
         buffer = self.final.replay_buffer
         steps = zip_timesteps(self.final.model) if buffer.is_file() else None
         if buffer.is_file() and (steps is None or steps < timesteps):
@@ -262,8 +263,8 @@ class RunDir:
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Remove the temp files of writes that a kill cut short (a half-written replay buffer, gigabytes under a
-        hidden name): those of models and pickles, which only training writes, and only of processes gone (``plot``
-        writes here without the lock, and so may another process on another machine: its file is left)."""
+        hidden name): only those of models and pickles, which only training writes, under the lock (``plot`` writes
+        ``curves.png`` here without it), and only those whose writing process is gone."""
         import psutil
 
         removed = []

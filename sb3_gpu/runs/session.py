@@ -217,4 +217,4 @@ class Session:
         elif outcome.interrupted and run.saved_states():
             outcome.saved += f"; continue with: {shell_line('-m', 'sb3_gpu.train', '--resume', run)}"
         elif outcome.interrupted:  # --resume would refuse it: no model.zip, no checkpoint
-            outcome.saved += "; nothing to resume from"
+            outcome.saved += "; nothing to resume from (--resume needs model.zip or a checkpoint)"

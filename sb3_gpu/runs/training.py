@@ -139,8 +139,9 @@ def train_run(
     output = _Output(progress, console, report_s)
     if (found := _python_object(plan.to_config()["hyperparameters"])) is not None:
         raise ConfigError(
-            f"train_run writes the plan to config.yaml, which holds plain data only (a resume calls nothing it names): "
-            f"{found[0]} is {found[1]!r}; train this plan with build_model(plan, build_env(plan)).learn(...) instead"
+            "train_run cannot save this plan: config.yaml holds plain data only (no classes or functions, so that a "
+            f"resume never runs code a file names), and {found[0]} is {found[1]!r}; train it with "
+            "build_model(plan, build_env(plan)).learn(...) instead"
         )
     if isinstance(run_dir, (str, os.PathLike)):  # make_dir refuses the rest
         check_dir_creatable(run_dir, "run dir", utf8=True)

@@ -128,7 +128,10 @@ BAD_INPUTS = [
     (["ppo", "--run-dir", "{a_file}/run"], "is in the way (not a folder)"),
     # Before the plan is printed; os.access lets root write anywhere, /proc included.
     (["ppo", "--run-dir", "/proc/nope/x"], "cannot create run dir /proc/nope/x: /proc "),
-    (["ppo", "--run-dir", "{existing}/" + "b" * 256], "a name in it is 256 bytes, over the 255 its disk takes"),
+    (
+        ["ppo", "--run-dir", "{existing}/" + "b" * 256],
+        "256 bytes long, and this file system takes at most 255",
+    ),
     ([], "give an algorithm"),
     (["ppo", "--per"], "'per' is for off-policy algorithms (dqn, qrdqn); ppo is on-policy"),
     (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
@@ -321,7 +324,7 @@ def test_an_output_pipe_whose_reader_quit_is_said_as_such_not_as_a_file(tmp_path
     monkeypatch.setattr("sb3_gpu.train._train_new", reader_gone)
     result = call_main(train_main, "ppo", "--run-dir", str(tmp_path / "run"), "--no-probe", "--timesteps", "512")
     assert result.returncode == 1
-    assert "error: stopped: the output's reader closed it (head, or a pager that quit)" in result.stderr
+    assert "error: stopped: the program reading the output (head, or a pager that quit) closed it" in result.stderr
     assert "could not write" not in result.stderr
 
 
@@ -341,7 +344,7 @@ def test_an_output_closed_before_the_plan_is_printed_stops_with_that_said(tmp_pa
     finally:
         os.close(write)
     assert done.returncode == 1
-    assert done.stderr == "error: the output's reader closed it (head, or a pager that quit); nothing more is printed\n"
+    assert done.stderr == "error: stopped: the program reading the output (head, or a pager that quit) closed it\n"
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
 
 

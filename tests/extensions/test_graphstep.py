@@ -905,7 +905,8 @@ def test_a_missing_cxx_compiler_found_by_one_graph_is_not_looked_for_again_by_th
         assert act(th.ones(1))[0].item() == 2.0 and act.no_compiler
         assert step(th.ones(1))[0].item() == 2.0
     assert [str(w.message) for w in caught][1] == (
-        "the gradient step runs uncompiled too: the action forward pass found no C++ compiler"
+        "no C++ compiler was found as the action forward pass compiled, so the gradient step runs uncompiled too "
+        "(install g++ or clang to compile, or set compile false)"
     )
     assert step(th.ones(1))[0].item() == 2.0  # uncompiled from then on, with no warning more
     other = CompiledFunction(lambda x: (x,), "default", "action forward pass")

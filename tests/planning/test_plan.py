@@ -201,7 +201,7 @@ def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_m
             gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,)), "b": gym.spaces.Discrete(4)}),
             {"normalize": True},
             "normalize (override) scales Box observations; the Dict's 'b' is Discrete(4): set "
-            "normalize.norm_obs_keys=['a'] (its Box keys), or normalize.norm_obs=false (rewards only)",
+            "normalize.norm_obs_keys=['a'] (the Dict's Box keys), or normalize.norm_obs=false (rewards only)",
         ),
         (
             gym.spaces.Dict({"pos": gym.spaces.Box(-1, 1, (2,)), "b": gym.spaces.Discrete(4)}),
@@ -216,7 +216,7 @@ def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_m
         (
             gym.spaces.Box(-1, 1, (2,)),
             {"normalize": {"norm_obs_keys": ["a"]}},
-            "normalize.norm_obs_keys (override) picks keys of Dict observations; these are a Box of shape (2,), float32",
+            "normalize.norm_obs_keys (override) names keys of a Dict observation, but these observations are a Box of ",
         ),
         (
             gym.spaces.Box(0, 255, (40, 40, 3), np.uint8),
