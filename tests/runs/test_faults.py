@@ -1432,7 +1432,8 @@ def test_a_run_whose_every_save_failed_gives_no_resume_command_that_would_be_ref
     args += ["--checkpoint-freq", "1000"]  # none: every save the run makes fails
     assert train_main([*args, "--run-dir", str(run), "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "no complete model was saved; nothing to resume from" in err and "--resume" not in err
+    assert "no complete model was saved; nothing to resume from (--resume needs model.zip or a checkpoint)" in err
+    assert "continue with" not in err
     assert train_main(["--resume", str(run)]) == 2  # what it would have said to run
     assert "holds no readable model.zip or checkpoint" in capsys.readouterr().err
 
