@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sb3_gpu.benches import CALLBACK_SETS
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
-from sb3_gpu.common.cli import Parser, count_int, finite_float, interrupted, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import Parser, algo_arg, count_int, finite_float, interrupted, positive_int, print_error, seed_int
 from sb3_gpu.common.cli import command as command_name
 from sb3_gpu.common.errors import BenchCannotRun, ConfigError, ResultsNotWritten
 from sb3_gpu.common.hardware import logical_cores
@@ -124,7 +124,7 @@ def _envs_parser(envs: argparse.ArgumentParser) -> None:
 
 
 def _train_parser(train: argparse.ArgumentParser) -> None:
-    train.add_argument("--algo", choices=ALGO_NAMES, default="ppo")
+    train.add_argument("--algo", type=algo_arg, default="ppo", help=f"one of {', '.join(ALGO_NAMES)} (default ppo)")
     train.add_argument("--env", default="CartPole-v1", help="an env with an rl-zoo3 baseline (default CartPole-v1)")
     train.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2, 3, 4], help="default: 0 1 2 3 4")
     train.add_argument(
@@ -139,7 +139,7 @@ def _train_parser(train: argparse.ArgumentParser) -> None:
 
 
 def _solve_parser(solve: argparse.ArgumentParser) -> None:
-    solve.add_argument("--algos", nargs="+", type=str.lower, choices=ALGO_NAMES, default=["dqn"])
+    solve.add_argument("--algos", nargs="+", type=algo_arg, default=["dqn"], help=f"of {', '.join(ALGO_NAMES)} (default dqn)")
     solve.add_argument("--envs", nargs="+", default=["CartPole-v1"], help="env ids (default CartPole-v1)")
     solve.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2], help="default: 0 1 2")
     solve.add_argument("--per", nargs="+", choices=("preset", "on", "off"), default=["preset"], help="dqn, qrdqn")
@@ -380,7 +380,7 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
 def _main_auto(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.auto import auto_markdown, bench_auto, default_cases
     from sb3_gpu.benches.base import machine_line, write_results
-    from sb3_gpu.common.checks import ALGO_NAMES
+    from sb3_gpu.common.checks import ALGO_NAMES, algo_name
     from sb3_gpu.config.schema import PROFILES
     from sb3_gpu.planning.plan import make_plan
 
@@ -389,8 +389,13 @@ def _main_auto(args: argparse.Namespace, command: str) -> int:
         cases = []
         for text in args.cases:
             algo, _, env = text.partition(":")
-            if algo not in ALGO_NAMES or not env:
+            if not env:
                 print_error(f"--cases: expected ALGO:ENV with ALGO one of {', '.join(ALGO_NAMES)}, got {text!r}")
+                return 2
+            try:
+                algo = algo_name(algo)
+            except ConfigError as e:
+                print_error(f"--cases {text!r}: {e}")
                 return 2
             profile = env.rpartition(":")[2]
             if profile in PROFILES:  # bench step's ALGO:ENV:PROFILE; here the plan picks the profile

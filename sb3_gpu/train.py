@@ -21,6 +21,7 @@ from sb3_gpu.common.cli import (
     OUTPUT_CLOSED,
     Parser,
     Terminated,
+    algo_arg,
     count_int,
     interrupted,
     positive_int,
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.train", description="Train an SB3 model with presets that fit this machine.")
     p.add_argument(
-        "algo", nargs="?", type=str.lower, help=f"algorithm: {', '.join(ALGO_NAMES)} (taken from --config if omitted)"
+        "algo", nargs="?", type=algo_arg, help=f"algorithm: {', '.join(ALGO_NAMES)} (taken from --config if omitted)"
     )
     p.add_argument(
         "--env",

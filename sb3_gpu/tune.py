@@ -23,6 +23,7 @@ from sb3_gpu.common.checks import ALGO_NAMES, VEC_ENV_KINDS, default_env
 from sb3_gpu.common.cli import (
     Parser,
     Terminated,
+    algo_arg,
     finite_float,
     interrupted,
     positive_int,
@@ -61,7 +62,7 @@ def best_table(study: Any, top: int = 5) -> Table:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.tune", description="Tune a preset with optuna; share one storage across machines.")
-    p.add_argument("algo", type=str.lower, choices=ALGO_NAMES, help=f"algorithm: {', '.join(ALGO_NAMES)}")
+    p.add_argument("algo", type=algo_arg, help=f"algorithm: {', '.join(ALGO_NAMES)}")
     p.add_argument(
         "--env", help="Gymnasium id or 'package.module:EnvClass' (default CartPole-v1; Pendulum-v1 for sac, td3, tqc)"
     )

@@ -23,7 +23,8 @@ import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 
-from sb3_gpu.common.errors import gist
+from sb3_gpu.common.checks import algo_name
+from sb3_gpu.common.errors import ConfigError, gist
 from sb3_gpu.common.torch_settings import synchronize
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.extensions.hostreads import HostReads
@@ -80,13 +81,16 @@ def parse_case(text: str) -> tuple[str, str, str]:
     """``algo[+per]:env[:profile]``, e.g. ``dqn:ALE/Pong-v5:large``."""
     algo, _, rest = text.partition(":")
     env, _, profile = rest.partition(":")
-    if not algo or not env or algo.partition("+")[2] not in ("", "per"):
+    name, _, per = algo.lower().partition("+")
+    if not algo or not env or per not in ("", "per"):
         raise ValueError(f"a case is ALGO:ENV or ALGO:ENV:PROFILE (ALGO may be dqn+per or qrdqn+per), got {text!r}")
-    if algo.partition("+")[0] not in ("ppo", "dqn", "qrdqn", "sac", "td3", "tqc"):
-        raise ValueError(f"{text!r}: the algorithm is one of ppo, dqn, qrdqn, sac, td3, tqc")
-    if algo.partition("+")[2] and algo.partition("+")[0] not in ("dqn", "qrdqn"):
+    try:
+        name = algo_name(name)
+    except ConfigError as e:
+        raise ValueError(f"{text!r}: {e}") from None
+    if per and name not in ("dqn", "qrdqn"):
         raise ValueError(f"{text!r}: +per is for dqn and qrdqn")
-    return algo, env, profile or "auto"
+    return name + ("+" if per else "") + per, env, profile or "auto"
 
 
 def plan_case(text: str, device: str, variant: str = "sb3", buffer_size: int | None = None) -> Plan:

@@ -105,6 +105,27 @@ def _finite(value: float) -> bool:
 # The algorithms and vec env kinds the CLIs accept, named here so that building a parser imports no torch or SB3.
 ALGO_NAMES = ("ppo", "dqn", "qrdqn", "sac", "td3", "tqc")
 CONTINUOUS_ALGOS = ("sac", "td3", "tqc")  # these need continuous (Box) actions
+# SB3's and sb3-contrib's other algorithms (and rl-zoo3's names for them): asking for one is told that sb3_gpu does not
+# train it, not "did you mean" a different algorithm (a2c is as close to sac as a typo).
+OTHER_ALGO_NAMES = (
+    "a2c", "ddpg", "her", "ars", "crossq", "trpo", "recurrentppo", "recurrent_ppo", "ppo_lstm", "maskableppo",
+    "maskable_ppo", "ppo_mask",
+)  # fmt: skip
+
+
+def algo_name(name: Any) -> str:
+    """The algorithm ``name`` names (case and spaces aside), or a ConfigError that says which are trained."""
+    if not isinstance(name, str):
+        raise ConfigError(f"the algorithm is a name ({', '.join(ALGO_NAMES)}); got {name!r}")
+    key = name.strip().lower()
+    if key in ALGO_NAMES:
+        return key
+    if key.replace("-", "_") in OTHER_ALGO_NAMES:
+        raise ConfigError(
+            f"sb3_gpu trains {', '.join(ALGO_NAMES)}; {name.strip()!r} is not one of them (train it with SB3 or "
+            "sb3-contrib directly)"
+        )
+    raise ConfigError(f"unknown algorithm {name!r}{closest(key, ALGO_NAMES)} (valid: {', '.join(ALGO_NAMES)})")
 
 
 def default_env(algo: str) -> str:

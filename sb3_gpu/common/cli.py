@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from sb3_gpu.common.checks import MAX_COUNT
+from sb3_gpu.common.checks import MAX_COUNT, algo_name
+from sb3_gpu.common.errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -103,6 +104,14 @@ def threads_arg(text: str) -> int | str:
 def count_int(text: str) -> int:
     """A count that may be zero: ``0``, ``30``, ``1e3``."""
     return _integer(text, 0, "an integer >= 0")
+
+
+def algo_arg(text: str) -> str:
+    """An algorithm's name, any case: ``SAC``, ``qrdqn``; one sb3_gpu does not train is named as such."""
+    try:
+        return algo_name(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def seed_int(text: str) -> int:

@@ -17,7 +17,7 @@ from torch import nn
 
 from sb3_gpu.common import checks as c
 from sb3_gpu.common.checks import AMP_MODES, Check, Schedule
-from sb3_gpu.common.errors import ConfigError, closest
+from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
 from sb3_gpu.extensions.networks import steps_one_optimizer
@@ -164,8 +164,8 @@ class Algo:
     # The subclass that runs sb3_gpu's training extensions; the plain SB3 class is used when they are off, unless
     # the subclass's eager gradient step is the faster one on every device (eager_step_faster).
     extended_class: type[BaseAlgorithm] | None = None
-    # The action space the algorithm needs (None: any that SB3 takes).
-    action_space: type[spaces.Space] | None = None
+    # The action spaces the algorithm takes (the default: SB3's on-policy policies').
+    action_space: tuple[type[spaces.Space], ...] = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
     # The widest hidden layer of SB3's default network for the algorithm's MLP policy (what the speed rules size).
     default_width: int = 64
     # The networks a dict net_arch names, each required: SB3 builds only these, ignores any other key, and builds a
@@ -187,17 +187,17 @@ class Algo:
 QF_HEADS = ("pi", "qf")  # the actor and its critics (SB3's get_actor_critic_arch)
 ALGOS: dict[str, Algo] = {
     "ppo": Algo("ppo", PPO, PPOParams, on_policy=True, extended_class=GradAccumPPO, net_arch_heads=("pi", "vf")),
-    "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, spaces.Discrete),
-    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, spaces.Discrete),
-    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, spaces.Box, default_width=256, net_arch_heads=QF_HEADS),
-    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, spaces.Box, default_width=400, net_arch_heads=QF_HEADS),
+    "dqn": Algo("dqn", DQN, DQNParams, False, PrioritizedDQN, (spaces.Discrete,)),
+    "qrdqn": Algo("qrdqn", QRDQN, QRDQNParams, False, PrioritizedQRDQN, (spaces.Discrete,)),
+    "sac": Algo("sac", SAC, SACParams, False, SyncFreeSAC, (spaces.Box,), default_width=256, net_arch_heads=QF_HEADS),
+    "td3": Algo("td3", TD3, TD3Params, False, SyncFreeTD3, (spaces.Box,), default_width=400, net_arch_heads=QF_HEADS),
     "tqc": Algo(
         "tqc",
         TQC,
         TQCParams,
         False,
         SyncFreeTQC,
-        spaces.Box,
+        (spaces.Box,),
         default_width=256,
         net_arch_heads=QF_HEADS,
         eager_step_faster=True,
@@ -227,12 +227,7 @@ SET_ELSEWHERE = {
 
 def get_algo(name: str) -> Algo:
     """Look an algorithm up by name (case-insensitive)."""
-    if not isinstance(name, str):
-        raise ConfigError(f"the algorithm is a name ({', '.join(ALGOS)}); got {name!r}")
-    algo = ALGOS.get(name.strip().lower())
-    if algo is None:
-        raise ConfigError(f"unknown algorithm {name!r}{closest(name.strip().lower(), ALGOS)} (valid: {', '.join(ALGOS)})")
-    return algo
+    return ALGOS[c.algo_name(name)]
 
 
 def _activation(value: Any, where: str) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from sb3_gpu.common.checks import OTHER_ALGO_NAMES
 from sb3_gpu.common.errors import ConfigError, closest, install_hint
 from sb3_gpu.config.files import read_yaml
 from sb3_gpu.config.schema import ACTIVATIONS, Algo, validate_entry
@@ -48,9 +49,9 @@ class _Activation(str):
 def zoo_file(spec: str) -> Path:
     """The file named by ``zoo:<spec>``: ``ppo``, ``dqn``, ``qrdqn``, ``sac``, ``td3``, ``tqc`` (an installed
     rl_zoo3's own) or a path."""
-    if spec in ZOO_ALGOS or spec in ("a2c", "ddpg", "trpo", "ars", "crossq", "her", "ppo_lstm"):
-        if spec not in ZOO_ALGOS:
-            raise ConfigError(f"zoo:{spec}: sb3_gpu trains {', '.join(ZOO_ALGOS)}; there is no preset for {spec}")
+    if spec.lower().replace("-", "_") in OTHER_ALGO_NAMES and not Path(spec).is_file():
+        raise ConfigError(f"zoo:{spec}: sb3_gpu trains {', '.join(ZOO_ALGOS)}; there is no preset for {spec}")
+    if spec in ZOO_ALGOS:
         found = importlib.util.find_spec("rl_zoo3")
         if found is None or not found.submodule_search_locations:
             raise ConfigError(f"zoo:{spec} reads an installed rl_zoo3's files: {install_hint('zoo')} (or give zoo:PATH.yml)")

@@ -309,9 +309,7 @@ def _kill_processes(processes: list[Any]) -> None:
 def _kill_workers(before: set[Any]) -> None:
     """Kill the worker processes started since ``before``: they may be dead or waiting on a pipe, where a polite
     close() would raise on the dead ones, and they let SIGTERM pass."""
-    for proc in set(mp.active_children()) - before:
-        proc.kill()
-        proc.join(timeout=5)
+    _kill_processes(list(set(mp.active_children()) - before))
 
 
 def _failure_cause(error: BaseException, reports: list[Path]) -> str:

@@ -156,13 +156,16 @@ def make_plan(
     provisional = resolve_preset(algo_, entry, entry_label, "cpu", layered)
     spec = resolve_env(env, provisional.env_kwargs)
     facts = _probe(spec, measure=vec_env == "auto")
-    needed = algo_.action_space
-    if needed is not None and not isinstance(facts.action_space, needed):
-        fits = ", ".join(
-            name for name, a in ALGOS.items() if a.action_space is None or isinstance(facts.action_space, a.action_space)
-        )
+    if not isinstance(facts.action_space, algo_.action_space):
+        fits = ", ".join(name for name, a in ALGOS.items() if isinstance(facts.action_space, a.action_space))
+        needed = " or ".join(", ".join(cls.__name__ for cls in algo_.action_space).rsplit(", ", 1))
         raise ConfigError(
-            f"{algo_.name} needs a {needed.__name__} action space; {spec.name} has {facts.action_space} (for it: {fits})"
+            f"{algo_.name} needs a {needed} action space; {spec.name} has {facts.action_space} "
+            + (
+                f"(for it: {fits})"
+                if fits
+                else "(no SB3 algorithm takes it: a gymnasium.ActionWrapper can map a MultiDiscrete or Box action onto it)"
+            )
         )
     _check_observation_space(spec.name, facts.observation_space, provisional.frame_stack)
     _check_action_space(spec.name, facts.action_space)

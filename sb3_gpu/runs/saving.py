@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch as th
+from stable_baselines3 import PPO
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.buffers import ReplayBuffer
 from stable_baselines3.common.callbacks import BaseCallback
@@ -328,6 +329,12 @@ def _check_same_algorithm(path: Path, data: dict[str, Any], template: BaseAlgori
     stored = data.get("policy_class")
     module = stored.get("__module__") if isinstance(stored, dict) else None
     expected = template.policy_class.__module__
+    if module == expected and isinstance(template, PPO) and not {"clip_range", "n_epochs"} <= data.keys():
+        # A2C's and TRPO's policies are PPO's too; only PPO saves a clip range and its epochs.
+        raise ConfigError(
+            f"{path} holds an on-policy model that is not PPO's (A2C's or TRPO's, say: it has no clip_range or "
+            "n_epochs), and this run's config is for ppo; evaluate it with its own run dir"
+        )
     if not isinstance(module, str) or module == expected:
         return
     by_module = {algo.model_class.policy_aliases["MlpPolicy"].__module__: name for name, algo in ALGOS.items()}

@@ -508,6 +508,8 @@ def test_bench_auto_that_cannot_start_its_busy_processes_says_so_in_one_line_and
 def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
     assert bench.main(["auto", "--cases", "CartPole-v1"]) == 2
     assert capsys.readouterr().err.startswith("error: --cases: expected ALGO:ENV with ALGO one of ppo")
+    assert bench.main(["auto", "--cases", "a2c:CartPole-v1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --cases 'a2c:CartPole-v1': sb3_gpu trains ppo, dqn, qrdqn, sac")
     assert bench.main(["auto", "--cases", "ppo:CartPole-v1:cpu"]) == 2  # bench step's form, with a profile
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --cases 'ppo:CartPole-v1:cpu': bench auto takes ALGO:ENV and chooses the profile; leave out ':cpu'"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from stable_baselines3 import PPO
+from stable_baselines3 import A2C, PPO
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.evaluate import main as evaluate_main
@@ -92,6 +92,9 @@ def test_plan_prints_and_trains_nothing(tmp_path):
 # Each bad input: arguments, and a piece of the one-line message that says what was wrong.
 BAD_INPUTS = [
     (["ppo3"], "unknown algorithm 'ppo3'; did you mean 'ppo'"),
+    # SB3's other algorithms are named as such, not answered with the closest spelling ('a2c' is as close to 'sac').
+    (["A2C"], "argument algo: sb3_gpu trains ppo, dqn, qrdqn, sac, td3, tqc; 'A2C' is not one of them (train it with"),
+    (["recurrent-ppo"], "'recurrent-ppo' is not one of them"),
     (["ppo", "--env", "CartPol-v1"], "did you mean 'CartPole-v1'"),
     (["ppo", "--env", "no_such_pkg.envs:MyEnv"], "cannot import module 'no_such_pkg.envs'"),
     (["ppo", "--timesteps", "0"], "--timesteps: expected a positive integer"),
@@ -282,6 +285,10 @@ def bad_files(tmp_path, finished_run):
     paths["dqn_config"] = _variant(finished_run, tmp_path / "dqn_config")  # a PPO model beside a DQN config
     (paths["dqn_config"] / "config.yaml").write_text("algo: dqn\nenv: CartPole-v1\nhyperparameters: {}\n")
     paths["other_env"] = _variant(finished_run, tmp_path / "other_env", env=("Acrobot-v1", {}))  # 6 inputs, not 4
+    paths["a2c_model"] = _variant(finished_run, tmp_path / "a2c_model")  # A2C's zip names PPO's policy module too
+    a2c = A2C("MlpPolicy", "CartPole-v1", device="cpu")
+    for name in ("model.zip", "best_model.zip"):
+        a2c.save(paths["a2c_model"] / name)
     paths["garbage_weights"] = _variant(finished_run, tmp_path / "garbage_weights")
     for name in ("model.zip", "best_model.zip"):  # a whole zip whose weights member is noise
         zip_path = paths["garbage_weights"] / name
@@ -422,6 +429,7 @@ def test_no_save_replay_buffer_turns_off_what_a_replayed_config_saves(bad_files,
         (["{evil_run}"], "'system' is not a gymnasium.Env class"),
         (["{existing}", "--episodes", "1e30"], "--episodes: expected a positive integer up to 2,147,483,647"),
         (["{dqn_config}"], "holds a ppo model, and this run's config is for dqn"),
+        (["{a2c_model}"], "holds an on-policy model that is not PPO's (A2C's or TRPO's, say"),
         (["{other_env}"], "was trained on an env with observation space Box(4,); the env it is loaded with has Box(6,)"),
         (["{done}/model.zip", "--model", "best"], "--model best picks a model in a run dir; "),
         (["{garbage_weights}"], "(UnpicklingError: its weights (a .pth member) are damaged, or hold more than plain tensors)"),
@@ -660,3 +668,9 @@ def test_the_next_commands_run_as_pasted_whatever_the_run_dir_is_called(tmp_path
         ["-m", "sb3_gpu.train", "--resume", str(run), "--timesteps", "2000"],
         ["--logdir", str(run.tensorboard)],
     ]
+
+
+@pytest.mark.parametrize("given", ["SAC", " sac", "Sac\t"])
+def test_an_algorithm_is_read_whatever_its_case_and_spaces(given):
+    # The stripped name picks the default env: " sac" once got CartPole-v1, and an error that SAC needs a Box.
+    assert build_parser().parse_args([given]).algo == "sac"

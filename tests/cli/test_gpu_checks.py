@@ -67,3 +67,12 @@ def test_the_test_files_and_bench_cases_it_names_exist():
     for case in named:
         parse_case(case)
         plan_case(case, "cpu", variant="compiled")  # the env and profile suit the algorithm
+
+
+def test_a_case_names_its_algorithm_in_any_case_and_an_unknown_one_is_named():
+    assert parse_case("DQN+PER:ALE/Pong-v5:large") == ("dqn+per", "ALE/Pong-v5", "large")
+    assert parse_case("Sac:Pendulum-v1") == ("sac", "Pendulum-v1", "auto")
+    with pytest.raises(ValueError, match=r"'qr-dqn:CartPole-v1': unknown algorithm 'qr-dqn'; did you mean 'qrdqn'"):
+        parse_case("qr-dqn:CartPole-v1")
+    with pytest.raises(ValueError, match="'a2c' is not one of them"):
+        parse_case("a2c:CartPole-v1")

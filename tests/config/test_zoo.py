@@ -190,6 +190,8 @@ def test_a_zoo_value_the_preset_checks_refuse_names_the_file_and_entry():
         convert_entry(get_algo("ppo"), "CartPole-v1", {"n_step": 32}, "my.yml")
     with pytest.raises(ConfigError, match="sb3_gpu trains ppo, dqn, qrdqn, sac, td3, tqc; there is no preset for a2c"):
         load_preset_file(get_algo("ppo"), "zoo:a2c")
+    with pytest.raises(ConfigError, match=r"; there is no preset for A2C$"):  # not "did you mean 'sac'"
+        load_preset_file(get_algo("ppo"), "zoo:A2C")
     with pytest.raises(ConfigError, match=r"zoo:sac holds rl-zoo3's values for sac; this run trains ppo \(zoo:ppo\)"):
         load_preset_file(get_algo("ppo"), "zoo:sac")
     accepted = r"accepted: zoo:ppo, zoo:dqn, zoo:qrdqn, zoo:sac, zoo:td3, zoo:tqc or zoo:PATH.yml"

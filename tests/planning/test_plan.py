@@ -159,6 +159,14 @@ def test_images_too_small_for_nature_cnn_get_mlp_policy_and_train(cpu_machine):
             "SB3's policies take MultiBinary actions of one dimension; <lambda> has MultiBinary((2, 2)): flatten them",
         ),
         (gym.spaces.Box(-1, 1, (2,)), gym.spaces.MultiDiscrete([[2, 3], [2, 2]]), "take MultiDiscrete actions of one"),
+        # PPO was offered for them ("for it: ppo"), and the plan printed; SB3 refused them as the model was built.
+        (
+            gym.spaces.Box(-1, 1, (2,)),
+            gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3))),
+            "ppo needs a Box, Discrete, MultiDiscrete or MultiBinary action space; <lambda> has Tuple(Discrete(2), "
+            "Discrete(3)) (no SB3 algorithm takes it: a gymnasium.ActionWrapper can map",
+        ),
+        (gym.spaces.Box(-1, 1, (2,)), gym.spaces.Dict({"a": gym.spaces.Discrete(2)}), "ppo needs a Box, Discrete, Mul"),
         # SB3's policies act 0..n-1 whatever the start: the env got actions outside its space, and a DQN trained on
         # without a word where SB3's own failed (sb3_gpu's loss matches actions by mask, not by index).
         (
