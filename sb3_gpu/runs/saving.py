@@ -3,6 +3,8 @@ models back without unpickling what is inside their zips."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.off_policy_algorithm import OffPolicyAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
+from sb3_gpu.common.checks import plain_numbers
 from sb3_gpu.common.errors import ConfigError, named
 from sb3_gpu.common.hardware import host_available_bytes
 from sb3_gpu.common.io import keep_previous, load_pickle, put_back_cut_short, save_model, save_pickle
@@ -83,7 +86,16 @@ def load_vecnormalize(path: Path, venv: VecEnv) -> VecNormalize:
     stats = load_pickle(path, VECNORMALIZE_PICKLE, "VecNormalize statistics file")
     if not isinstance(stats, VecNormalize):
         raise ConfigError(f"{path} holds a {type(stats).__name__}, not VecNormalize statistics")
-    stats.set_venv(venv)
+    held, wanted = space_text(getattr(stats, "observation_space", None)), space_text(venv.observation_space)
+    if held != wanted:
+        raise ConfigError(
+            f"{path} holds statistics of observations {held}, and the env's are {wanted}: they are another env's "
+            "(use the ones saved with the model)"
+        )
+    try:
+        stats.set_venv(venv)
+    except (AssertionError, ValueError) as e:  # SB3's own check of the shapes
+        raise ConfigError(f"{path} holds statistics that do not fit the env: {named(e)}") from None
     return stats
 
 
@@ -97,6 +109,15 @@ def load_replay_buffer(model: BaseAlgorithm, path: Path) -> None:
     buffer = load_pickle(path, REPLAY_BUFFER_PICKLE, "replay buffer", moved=_MOVED)
     if not isinstance(buffer, ReplayBuffer):
         raise ConfigError(f"{path} holds a {type(buffer).__name__}, not a replay buffer")
+    held = buffer.n_envs, space_text(buffer.observation_space), space_text(buffer.action_space)
+    wanted = model.n_envs, space_text(model.observation_space), space_text(model.action_space)
+    if held != wanted:
+        # Its first added step would fail deep in SB3, and the run, saving it again as its own, could never resume.
+        raise ConfigError(
+            f"{path} holds transitions of {held[0]} env(s) with observations {held[1]} and actions {held[2]}; this "
+            f"run has {wanted[0]} with {wanted[1]} and {wanted[2]}: it is another run's buffer (move it away to "
+            "resume with an empty one)"
+        )
     buffer.device = model.device  # saved on another machine, maybe: it samples onto this model's device
     end_episodes_under_way(buffer)  # the resumed run resets its envs
     model.replay_buffer = buffer  # type: ignore[attr-defined]
@@ -245,13 +266,15 @@ def load_model(
     model_kwargs: dict[str, Any],
     env: VecEnv,
     device: str,
+    hyperparameters: str | None = None,
 ) -> BaseAlgorithm:
     """``model_class.load`` that unpickles nothing from the zip.
 
     SB3 stores some entries (spaces, schedules, classes) as cloudpickle, and unpickling runs code. Every such
     entry is replaced by the value this run's config gives it (taken from an unbuilt model made with the same
     arguments); a zip holding a pickled entry that the config cannot supply is refused. Weights are read with
-    ``torch.load(weights_only=True)`` by SB3 itself.
+    ``torch.load(weights_only=True)`` by SB3 itself. ``hyperparameters`` (:func:`hyperparameters_record`) is what the
+    zip must have recorded, where it recorded any.
     """
     data = read_zip_data(path)
     with warnings.catch_warnings():
@@ -261,6 +284,8 @@ def load_model(
         template = model_class(policy, env, device="cpu", _init_setup_model=False, **model_kwargs)  # type: ignore[call-arg]
     _check_same_algorithm(path, data, template)
     _check_same_spaces(path, data, template)
+    if hyperparameters is not None:
+        _check_same_hyperparameters(path, data.get(HYPERPARAMETERS), hyperparameters)
     serialized = sorted(k for k, v in data.items() if isinstance(v, dict) and ":serialized:" in v)
     known = vars(template)
     custom: dict[str, Any] = {}
@@ -362,11 +387,53 @@ def _normed_algorithm(data: dict[str, Any]) -> str | None:
     return None
 
 
+# The model attribute, saved in its zip, that records the hyperparameters of the run that trained it: a config.yaml
+# edited after the run saved a model is told from it. (SB3 takes a zip's plain entries and leaves the rest to load's
+# arguments: a changed schedule took effect on resume, a changed gamma or net_arch did not.)
+HYPERPARAMETERS = "sb3_gpu_hyperparameters"
+
+
+def hyperparameters_record(plan: Plan) -> str:
+    """What the plan's model learns with, as a model records it (JSON text, whatever the types): the SB3 class's own
+    arguments and the normalisation. Left out: sb3_gpu's choices for a machine (buffers, precision, compiling), which
+    a run moved to another may change, and the training length, which a resume extends."""
+    learns = {*inspect.signature(get_algo(plan.algo).model_class.__init__).parameters, "normalize"}
+    values = {key: value for key, value in plan.preset.values().items() if key in learns}
+    return json.dumps(plain_numbers(values), sort_keys=True, default=repr)
+
+
+def _check_same_hyperparameters(path: Path, recorded: Any, expected: str) -> None:
+    if not isinstance(recorded, str) or recorded == expected:  # a zip saved by SB3 or before sb3_gpu recorded them
+        return
+    try:
+        held = json.loads(recorded)
+    except ValueError:
+        held = {}
+    given = json.loads(expected)
+    missing = object()
+    changed = [key for key in sorted(held.keys() | given.keys()) if held.get(key, missing) != given.get(key, missing)]
+    differences = "; ".join(
+        f"{key}: {json.dumps(held.get(key))} in the model, {json.dumps(given.get(key))} in config.yaml" for key in changed[:3]
+    ) + ("; ..." if len(changed) > 3 else "")
+    raise ConfigError(
+        f"{path} was trained with other hyperparameters than its run's config.yaml gives ({differences}): config.yaml was "
+        "edited after the model was saved; put it back (to train with other values, start a new run from it with --config)"
+    )
+
+
 def load_plan_model(plan: Plan, path: Path, env: VecEnv) -> BaseAlgorithm:
     """:func:`load_model` with the plan's class, policy and hyperparameters."""
     preset = plan.preset
     kwargs = model_kwargs(plan)
-    model = load_model(model_class(plan), path, policy=preset.policy, model_kwargs=kwargs, env=env, device=plan.device.device)
+    model = load_model(
+        model_class(plan),
+        path,
+        policy=preset.policy,
+        model_kwargs=kwargs,
+        env=env,
+        device=plan.device.device,
+        hyperparameters=hyperparameters_record(plan),
+    )
     if hasattr(model, "overlap_training"):  # the saved run's choice was for its machine; this plan's is for this one
         model.overlap_training = plan.training == "overlapped"
     return model

@@ -40,7 +40,7 @@ from sb3_gpu.runs.evaluation import (
     evaluate_run,
 )
 from sb3_gpu.runs.rundir import RunDir, SavedState, zip_saved_at
-from sb3_gpu.runs.saving import restore_model, restore_vecnormalize
+from sb3_gpu.runs.saving import HYPERPARAMETERS, hyperparameters_record, restore_model, restore_vecnormalize
 from sb3_gpu.runs.session import Outcome, Session
 
 
@@ -291,6 +291,7 @@ def _train(
                 env = restore_vecnormalize(env, state, run)
                 model = restore_model(plan, env, state, run, output.say)
                 _set_retrained_episodes_aside(run, state, output)
+            setattr(model, HYPERPARAMETERS, hyperparameters_record(plan))  # saved in each zip it writes
             _write_config(plan, run, options, env, seed)
             return _learn(plan, run, options, state, model, eval_env, output)
         finally:

@@ -184,6 +184,7 @@ BAD_INPUTS = [
     (["--resume", "{linked}", "--timesteps", "128"], "linked/.lock is a symbolic link; sb3_gpu does not write through"),
     (["ppo", "--run-dir", "{a_file}/run"], "cannot create run dir"),
     (["ppo", "--run-dir", "/sys/sb3_gpu_run"], "cannot create run dir /sys/sb3_gpu_run: /sys "),
+    (["--resume", "{edited}", "--timesteps", "128"], "model.zip was trained with other hyperparameters than its run's config"),
     (["--resume", "{damaged}", "--timesteps", "128"], "holds no readable model.zip or checkpoint to continue from (skipped"),
     # Sizes the machine cannot hold are refused before anything is allocated or spawned.
     (["dqn", "--env", "ALE/Pong-v5", "--set", "buffer_size=50000000"], "buffer_size=50,000,000 needs 2629.5 GiB"),
@@ -285,6 +286,11 @@ def bad_files(tmp_path, finished_run):
     paths["dqn_config"] = _variant(finished_run, tmp_path / "dqn_config")  # a PPO model beside a DQN config
     (paths["dqn_config"] / "config.yaml").write_text("algo: dqn\nenv: CartPole-v1\nhyperparameters: {}\n")
     paths["other_env"] = _variant(finished_run, tmp_path / "other_env", env=("Acrobot-v1", {}))  # 6 inputs, not 4
+    # A config.yaml edited after the run saved its models: SB3's load took a changed schedule, not a changed gamma.
+    paths["edited"] = _variant(finished_run, tmp_path / "edited")
+    config = yaml.safe_load((paths["edited"] / "config.yaml").read_text())
+    config["hyperparameters"]["gamma"] = 0.5
+    (paths["edited"] / "config.yaml").write_text(yaml.safe_dump(config))
     paths["a2c_model"] = _variant(finished_run, tmp_path / "a2c_model")  # A2C's zip names PPO's policy module too
     a2c = A2C("MlpPolicy", "CartPole-v1", device="cpu")
     for name in ("model.zip", "best_model.zip"):
@@ -430,6 +436,10 @@ def test_no_save_replay_buffer_turns_off_what_a_replayed_config_saves(bad_files,
         (["{existing}", "--episodes", "1e30"], "--episodes: expected a positive integer up to 2,147,483,647"),
         (["{dqn_config}"], "holds a ppo model, and this run's config is for dqn"),
         (["{a2c_model}"], "holds an on-policy model that is not PPO's (A2C's or TRPO's, say"),
+        (
+            ["{edited}"],
+            "best_model.zip was trained with other hyperparameters than its run's config.yaml gives (gamma: 0.98 in",
+        ),
         (["{other_env}"], "was trained on an env with observation space Box(4,); the env it is loaded with has Box(6,)"),
         (["{done}/model.zip", "--model", "best"], "--model best picks a model in a run dir; "),
         (["{garbage_weights}"], "(UnpicklingError: its weights (a .pth member) are damaged, or hold more than plain tensors)"),

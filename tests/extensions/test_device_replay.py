@@ -495,7 +495,7 @@ def test_a_resumed_buffer_ends_the_saved_episodes_where_they_were_saved(tmp_path
     saved, reference = make(spaces), make(spaces)
     episodes = record(*spaces, 2, steps=5, p_done=0.0)
     fill([saved], episodes)
-    model = SimpleNamespace(device=th.device("cpu"))
+    model = SimpleNamespace(device=th.device("cpu"), n_envs=2, observation_space=spaces[0], action_space=spaces[1])
     load_replay_buffer(model, save_pickle(tmp_path / "replay_buffer.pkl", saved))
     resumed = model.replay_buffer
     # Uninterrupted, with the same episodes cut by a time limit at their fifth step, then the new ones.
@@ -522,7 +522,7 @@ def test_a_buffer_resumed_twice_before_a_step_is_cut_once_and_keeps_its_store_wh
     spaces = SPACES["vector-discrete"]
     buffer = DeviceReplayBuffer(10, *spaces, "cpu", 2, True, n_steps=3)
     fill([buffer], record(*spaces, 2, steps=4, p_done=0.0))
-    model = SimpleNamespace(device=th.device("cpu"))
+    model = SimpleNamespace(device=th.device("cpu"), n_envs=2, observation_space=spaces[0], action_space=spaces[1])
     for round_ in range(2):
         load_replay_buffer(model, save_pickle(tmp_path / f"replay_buffer_{round_}.pkl", buffer))
         buffer = model.replay_buffer

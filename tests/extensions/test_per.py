@@ -519,3 +519,18 @@ def test_discrete_actions_not_numbered_from_zero_are_refused(cls):
     # and trained on without a word.
     with pytest.raises(ValueError, match=r"takes Discrete actions numbered from 0; the env has Discrete\(3, start=1\)"):
         cls("MlpPolicy", _ShiftedActions(), device="cpu")
+
+
+@pytest.mark.parametrize("fraction, progress, beta", [(0.5, 0.25, 0.7), (0.5, 0.5, 1.0), (0.5, 0.9, 1.0), (0.8, 0.2, 0.55)])
+def test_beta_rises_from_its_start_to_one_over_its_fraction_of_training(fraction, progress, beta):
+    # Every other test trains with beta_fraction 1, where dividing the progress by it or multiplying gives the same.
+    model = PrioritizedDQN(
+        "MlpPolicy",
+        "CartPole-v1",
+        replay_buffer_class=PrioritizedReplayBuffer,
+        replay_buffer_kwargs={"alpha": 0.6, "beta": 0.4},
+        per_beta_fraction=fraction,
+        device="cpu",
+    )
+    model._current_progress_remaining = 1.0 - progress
+    assert model._anneal_beta() == pytest.approx(beta)

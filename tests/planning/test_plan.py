@@ -445,6 +445,11 @@ def test_a_device_buffer_stays_on_the_host_where_other_processes_hold_the_gpus_m
     monkeypatch.setattr(planning, "gpu_free_bytes", lambda index: 2 * 2**30)
     crowd = {"buffer_size": 1_000_000, "probe": False}  # 49.6 MiB: 2 GiB free holds it
     assert make_plan("dqn", "CartPole-v1", "cuda", overrides=crowd).buffers == "device"
+    # The buffer may take 80% of what is free, no more: the networks and their activations need the rest.
+    monkeypatch.setattr(planning, "gpu_free_bytes", lambda index: 64 * 2**20)  # 78% of it
+    assert make_plan("dqn", "CartPole-v1", "cuda", overrides=crowd).buffers == "device"
+    monkeypatch.setattr(planning, "gpu_free_bytes", lambda index: 55 * 2**20)  # 90% of it
+    assert make_plan("dqn", "CartPole-v1", "cuda", overrides=crowd).buffers == "host"
     monkeypatch.setattr(planning, "gpu_free_bytes", lambda index: 2**25)  # 32 MiB free
     plan = make_plan("dqn", "CartPole-v1", "cuda", overrides=crowd)
     assert plan.buffers == "host" and plan.device.device == "cuda:0"

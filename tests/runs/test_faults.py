@@ -1158,6 +1158,34 @@ def test_the_pickles_of_a_run_dir_load_data_and_run_nothing(tmp_path, monkeypatc
     assert not pwned.exists()
 
 
+def test_another_runs_replay_buffer_or_statistics_are_refused_in_one_line(tmp_path):
+    # A replay buffer of another env resumed, then failed at its first added step deep in SB3, and the run, saving it
+    # as its own, could never resume; VecNormalize statistics of another env failed with SB3's AssertionError.
+    import pickle
+
+    from stable_baselines3.common.buffers import ReplayBuffer
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from sb3_gpu.runs.saving import load_replay_buffer, load_vecnormalize
+
+    model = _model("dqn")
+    acrobot = make_plan("dqn", "Acrobot-v1", "cpu", vec_env="dummy", overrides={"n_envs": 1})
+    other_env = build_env(acrobot)
+    buffers = {
+        "another env's": ReplayBuffer(100, other_env.observation_space, other_env.action_space, n_envs=1),
+        "more envs'": ReplayBuffer(100, model.observation_space, model.action_space, n_envs=model.n_envs + 1),
+    }
+    for what, buffer in buffers.items():
+        (tmp_path / "buffer.pkl").write_bytes(pickle.dumps(buffer))
+        with pytest.raises(ConfigError, match=r"buffer.pkl holds transitions of \d env\(s\) with observations Box\(") as e:
+            load_replay_buffer(model, tmp_path / "buffer.pkl")
+        assert "it is another run's buffer (move it away to resume with an empty one)" in str(e.value), what
+    normalized = VecNormalize(other_env)
+    (tmp_path / "vecnormalize.pkl").write_bytes(pickle.dumps(normalized))
+    with pytest.raises(ConfigError, match=r"holds statistics of observations Box\(6,\), and the env's are Box\(4,\): they"):
+        load_vecnormalize(tmp_path / "vecnormalize.pkl", model.get_env())
+
+
 def test_a_model_zip_with_a_pickled_entry_the_config_cannot_supply_is_refused(tmp_path):
     tampered, pwned = _tampered_zip(tmp_path, extra_key=True)
     plan = make_plan("ppo", "CartPole-v1", "cpu", vec_env="dummy")

@@ -110,9 +110,26 @@ def test_a_learn_shorter_than_twice_the_warm_up_is_measured_whole():
     assert sum(figures[f"share_{part}"] for part in ("env", "other", "train", "eval")) == pytest.approx(1.0)
 
 
-def test_time_before_learning_starts_is_not_training_and_the_last_cpu_figure_is_measured_over_a_second():
+def test_time_before_learning_starts_is_not_training_and_the_last_cpu_figure_is_measured_over_a_second(monkeypatch):
     # DQN's rollouts of one step, none of them followed by a gradient step: SB3's loop between them is not training.
+    import psutil
     from stable_baselines3.common.callbacks import BaseCallback
+
+    real = psutil.Process
+
+    class SpanProcess:  # psutil's, but its CPU figure is ten times the seconds since it was last asked for one
+        def __init__(self):
+            self.real, self.last = real(), time.perf_counter()
+
+        def cpu_percent(self, interval=None):
+            now = time.perf_counter()
+            span, self.last = now - self.last, now
+            return 10 * span
+
+        def memory_info(self):
+            return self.real.memory_info()
+
+    monkeypatch.setattr(psutil, "Process", SpanProcess)
 
     class BusyOnce(BaseCallback):  # a second and a half of CPU work in one step: the run lasts over a second
         def _on_step(self) -> bool:
@@ -129,8 +146,9 @@ def test_time_before_learning_starts_is_not_training_and_the_last_cpu_figure_is_
     assert model._n_updates == 0 and figures["share_train"] == 0.0 and figures["share_other"] > 0
     assert sum(figures[f"share_{part}"] for part in SHARES) == pytest.approx(1.0)
     # The record at the end comes right after another: its CPU figure is the last one measured over a second or more
-    # (the busy second among them), not the few milliseconds between the two.
-    assert figures["cpu_percent"] > 10
+    # (the busy second among them), not the few milliseconds between the two. (The figure of a real process depends
+    # on what else the machine runs: measured under load, a busy second read 7.9%.)
+    assert figures["cpu_percent"] >= 10
 
 
 def test_a_run_shorter_than_the_cpu_span_is_measured_whole_at_its_end():
