@@ -119,7 +119,7 @@ def _envs_parser(envs: argparse.ArgumentParser) -> None:
     envs.add_argument("--n-envs", type=positive_int, nargs="+", default=[8, 32, 64], help="vec env sizes")
     envs.add_argument("--seconds", type=float, default=0.25, help="seconds per measurement (default 0.25)")
     envs.add_argument("--repeats", type=positive_int, default=15, help="rounds in shuffled order; medians (default 15)")
-    envs.add_argument("--startup-workers", type=int, default=8, help="start-up bench size; 0 skips it (default 8)")
+    envs.add_argument("--startup-workers", type=count_int, default=8, help="start-up bench size; 0 skips it (default 8)")
     envs.add_argument("--out", default="bench-results", help="folder for envs.json and envs.md")
 
 

@@ -157,6 +157,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     config = load_config(args.config) if args.config else None
     if config is not None and args.preset:
         raise ConfigError("--config and --preset both give hyperparameters; use one (add --set to change a value)")
+    if config is not None and args.profile.strip().lower() != "auto":
+        raise ConfigError(
+            f"--config replays its run's own hyperparameters, and --profile {args.profile} picks a preset's; leave "
+            "--profile out (add --set to change a value)"
+        )
     if config is not None and args.algo and args.algo != config.algo:
         raise ConfigError(f"algorithm {args.algo!r} differs from the config's {config.algo!r}; leave it out to replay")
     algo = args.algo or (config.algo if config else None)

@@ -418,12 +418,22 @@ COMPILE_MODES = ("auto", "false", "default", "reduce-overhead", "max-autotune")
 
 
 def compile_mode(value: Any, where: str) -> str:
-    """``auto``, ``false`` (YAML bool or string) or a torch.compile mode."""
-    if value is False or (isinstance(value, str) and value.strip().lower() == "false"):
+    """``auto``, ``false`` (YAML bool or string, or ``off``) or a torch.compile mode."""
+    if value is False or (isinstance(value, str) and value.strip().lower() in ("false", "off")):
         return "false"
     if value is True:
         return "default"
     return choice(COMPILE_MODES)(value, where)
+
+
+def amp_mode(value: Any, where: str) -> str:
+    """``auto``, ``off``, ``bf16`` or ``fp16``. YAML reads a bare ``off`` (and ``no``, ``false``) as False: that is
+    ``off`` too; True names no precision."""
+    if value is False:
+        return "off"
+    if value is True:
+        raise ConfigError(f"{where}: true names no precision; give one of {', '.join(AMP_MODES)}")
+    return choice(AMP_MODES)(value, where)
 
 
 def auto_or_bool(value: Any, where: str) -> str:

@@ -16,7 +16,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from torch import nn
 
 from sb3_gpu.common import checks as c
-from sb3_gpu.common.checks import AMP_MODES, Check, Schedule
+from sb3_gpu.common.checks import Check, Schedule
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.accumulate import GradAccumPPO
 from sb3_gpu.extensions.continuous import SyncFreeSAC, SyncFreeTD3, SyncFreeTQC
@@ -262,7 +262,7 @@ COMMON_KEYS: dict[str, Check] = {
     # policy swings between evaluations needs them closer, or its best model is chosen among too few.
     "eval_freq": c.optional(c.POS_INT),
     # Speed switches (planning.speed): not SB3 arguments; `auto` is decided per machine with a reason in the plan.
-    "amp": c.choice(AMP_MODES),
+    "amp": c.amp_mode,
     "compile": c.compile_mode,
     "threads": c.threads,
     # Replay or rollout data on the model's device (auto: on CUDA; planning.buffers says why).
@@ -337,6 +337,19 @@ def _check_net_arch_heads(algo: Algo, arch: dict[str, list[int]], where: str) ->
         )
 
 
+# sb3_gpu's own settings that are no preset keys, named as such rather than answered with the closest spelling of one.
+RUN_SETTINGS = {
+    "vec_env": "the CLI's --vec-env, make_model's and make_plan's vec_env=",
+    "profile": "the CLI's --profile, make_model's and make_plan's profile=",
+    "preset": "the CLI's --preset, make_model's and make_plan's preset=",
+    "eval_episodes": "the CLI's --eval-episodes, train_run's eval_episodes=",
+    "confirm_episodes": "the CLI's --confirm-episodes, train_run's confirm_episodes=",
+    "checkpoint_freq": "the CLI's --checkpoint-freq, train_run's checkpoint_freq=",
+    "save_replay_buffer": "the CLI's --save-replay-buffer, train_run's save_replay_buffer=",
+    "run_dir": "the CLI's --run-dir, train_run's second argument",
+}
+
+
 def _refuse_other_algorithms_keys(algo: Algo, mapping: Mapping[str, Any], where: str) -> None:
     """A key of another algorithm is named as such, not answered with the closest spelling of one of ``algo``'s."""
     checks = valid_keys(algo)
@@ -345,6 +358,8 @@ def _refuse_other_algorithms_keys(algo: Algo, mapping: Mapping[str, Any], where:
             continue
         if key in SET_ELSEWHERE and _sb3_takes(algo, key):
             raise ConfigError(f"{where}: {key!r} is SB3's but no preset key: {SET_ELSEWHERE[key]}")
+        if key in RUN_SETTINGS:
+            raise ConfigError(f"{where}: {key!r} is no preset key: {RUN_SETTINGS[key]}")
         others = ", ".join(a.name for a in ALGOS.values() if key in _param_checks(a))
         if algo.on_policy and key in OFF_POLICY_ONLY:
             raise ConfigError(f"{where}: {key!r} is for off-policy algorithms ({others}); {algo.name} is on-policy")

@@ -125,7 +125,9 @@ def looks_atari(env_id: str) -> bool:
     return env_id.startswith("ALE/") or "NoFrameskip" in env_id or (spec is not None and "ale_py" in str(spec.entry_point))
 
 
-def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
+def _resolve_id(env_id: str, kwargs: dict[str, Any], made_as: str | None = None) -> EnvSpec:
+    """``made_as``: Gymnasium's ``module:EnvId`` form, kept whole so that a fresh process (a worker, a resumed run)
+    imports the module that registers the id."""
     if env_id not in gym.registry and not register_ale() and looks_atari(env_id):
         raise ConfigError(f"env {env_id!r} is an Atari game and needs ale-py: {install_hint('atari')}")
     if env_id not in gym.registry:
@@ -140,7 +142,8 @@ def _resolve_id(env_id: str, kwargs: dict[str, Any]) -> EnvSpec:
         # v5 ids skip 4 frames themselves, Pong-v4 and v0 2 to 4 at random; SB3's AtariWrapper skips too, so let it
         # do the skipping alone (as on the NoFrameskip ids), or each action would last 8 to 20 frames.
         kwargs = {"frameskip": 1, **kwargs}
-    return EnvSpec(env_id, functools.partial(_make_registered, env_id, kwargs), is_atari, plain_id)
+    name = made_as or env_id
+    return EnvSpec(name, functools.partial(_make_registered, name, kwargs), is_atari, plain_id)
 
 
 def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
@@ -150,10 +153,15 @@ def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
     except Exception as e:  # the user's module may fail in any way while importing
         raise ConfigError(f"env {path!r}: cannot import module {module!r} ({type(e).__name__}: {e})") from None
     if attr in gym.registry:  # Gymnasium's own "package:EnvId-v0" form: the import registered the env
-        return _resolve_id(attr, kwargs)
+        return _resolve_id(attr, kwargs, made_as=path)
     target = getattr(imported, attr, None)
     if target is None:
-        raise ConfigError(f"env {path!r}: module {module!r} has no attribute {attr!r}")
+        # Its env classes, and the ids its import registered (Gymnasium's "package:EnvId-v0" form).
+        names = [name for name, value in vars(imported).items() if _env_class(value)] + list(gym.registry)
+        raise ConfigError(
+            f"env {path!r}: module {module!r} has no attribute {attr!r}{closest(attr, names)} (accepted after the "
+            "colon: an env class of the module, or an id its import registers)"
+        )
     # Checked before anything is called: a name in a file (a run's config.yaml, say) must not run arbitrary code.
     if not _env_class(target):
         raise ConfigError(

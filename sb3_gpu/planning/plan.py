@@ -661,6 +661,11 @@ def _check_plan_args(
         raise ConfigError(f"override_source must be a label, or a mapping of override keys to labels; got {override_source!r}")
     if config is not None and not isinstance(config, RunConfig):
         raise ConfigError(f"config must be a run's RunConfig (from load_config) or None, got {type(config).__name__}")
+    if config is not None and profile.strip().lower() != "auto":  # its values are pinned: a profile changed none
+        raise ConfigError(
+            f"profile {profile!r} picks a preset's values, and a config replays its run's own; leave the profile out "
+            "(change a value with --set, or make_plan's overrides)"
+        )
     bool_arg(training, "training")
     if prober is not None and not isinstance(prober, Prober):
         raise ConfigError(f"prober must be a Prober or None, got {prober!r}")

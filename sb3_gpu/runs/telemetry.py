@@ -300,6 +300,8 @@ class ThroughputCallback(BaseCallback):
         self._rollout_end = now
         self._sample(now)
         self._record(now, final=True)
+        # A row of its own: its step, as SB3's rows carry it (a CSV plotted against it had a blank at each learn's end).
+        self.logger.record("time/total_timesteps", self.num_timesteps, exclude="tensorboard")
         self.logger.dump(self.num_timesteps)
         self.close()
 

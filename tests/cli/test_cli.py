@@ -175,6 +175,13 @@ BAD_INPUTS = [
     (["--config", "{run_zero}", "--plan"], "eval_episodes must be a positive int, got 0 (replaying"),
     (["--config", "{run_null}", "--plan"], "run_null/config.yaml)"),
     (["--config", "{run_typo}", "--plan"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
+    # A replay's values are pinned: the plan said "profile gpu, asked for" beside the run's cpu values.
+    (["--config", "{done}/config.yaml", "--profile", "gpu", "--plan"], "--config replays its run's own hyperparameters, and"),
+    # sb3_gpu's own settings are named where they are set, not answered with a preset key's spelling ('n_envs').
+    (["ppo", "--set", "vec_env=dummy"], "--set: 'vec_env' is no preset key: the CLI's --vec-env, make_model's and"),
+    (["ppo", "--set", "eval_episodes=5"], "'eval_episodes' is no preset key: the CLI's --eval-episodes, train_run's"),
+    # YAML reads a bare off as False: amp's off, as compile's false.
+    (["ppo", "--set", "amp=on"], "--set: amp: true names no precision; give one of auto, off, bf16, fp16"),
     (["--config", "{run_buffer}", "--plan"], "ppo keeps no replay buffer (replaying"),
     (["--resume", "{tampered}", "--timesteps", "128"], "stores a pickled 'evil' that this run's config cannot supply"),
     # A name in a file runs nothing: `env: os:system` with `env_kwargs: {command: ...}` is refused before any call.

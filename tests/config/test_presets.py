@@ -30,7 +30,7 @@ def write(tmp_path, text: str, name: str = "preset.yaml"):
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_bundled_preset_files_load_and_validate(algo):
     entries, label = load_preset_file(get_algo(algo))
-    continuous = get_algo(algo).action_space is spaces.Box
+    continuous = spaces.Discrete not in get_algo(algo).action_space
     generic, classic = (["default"], "Pendulum-v1") if continuous else (["default", "atari"], "CartPole-v1")
     assert {*generic, classic} <= set(entries)
     assert label.endswith(f"{algo}.yaml")
@@ -487,3 +487,12 @@ def test_a_profiles_option_mapping_adds_to_the_entrys_and_a_schedule_is_replaced
     assert cpu.params.learning_rate.to_yaml() == {"schedule": "constant", "value": 3e-4}  # replaced whole
     gpu = resolve_preset(PPO_, entries["CartPole-v1"], "p.yaml:CartPole-v1", "gpu")
     assert gpu.policy_kwargs == {"ortho_init": False} and gpu.sources["policy_kwargs"] == "p.yaml:CartPole-v1"
+
+
+def test_amp_off_as_yaml_reads_it_is_off_and_compile_off_is_false(cpu_machine):
+    # The README's `amp: off` reached the check as YAML's False and was refused with a list holding "off".
+    from sb3_gpu.planning.plan import make_plan
+
+    assert yaml.safe_load("amp: off") == {"amp": False}
+    plan = make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"amp": False, "compile": "off", "probe": False})
+    assert (plan.preset.amp, plan.preset.compile) == ("off", "false")

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import multiprocessing as mp
+import os
 import threading
 import warnings
 
@@ -51,7 +52,35 @@ def test_unknown_id_suggests_the_closest_registered_names():
 
 
 def test_gymnasium_module_colon_id_form_resolves_through_the_registry():
-    assert resolve_env("gymnasium.envs.classic_control:CartPole-v1").name == "CartPole-v1"
+    spec = resolve_env("gymnasium.envs.classic_control:CartPole-v1")
+    assert spec.name == "gymnasium.envs.classic_control:CartPole-v1" and spec.make().spec.id == "CartPole-v1"
+
+
+def test_an_id_a_module_registers_is_made_in_a_fresh_process_too(tmp_path, monkeypatch):
+    # The name kept only the id: a worker, a resumed run or an evaluation (a fresh process) never imported the module
+    # that registers it, and failed with "Environment doesn't exist" (SubprocVecEnv fell back to DummyVecEnv).
+    import pickle
+    import subprocess
+    import sys
+
+    (tmp_path / "registers_an_env.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('Registered-v3', entry_point='gymnasium.envs.classic_control:CartPoleEnv', max_episode_steps=7)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = resolve_env("registers_an_env:Registered-v3")
+    assert spec.name == "registers_an_env:Registered-v3"  # what config.yaml keeps
+    made = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; env = pickle.loads(sys.stdin.buffer.read())(); print(env.spec.id)"],
+        input=pickle.dumps(spec.make),
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0 and made.stdout.decode().strip() == "Registered-v3", made.stderr.decode()[-500:]
+    with pytest.raises(ConfigError, match=r"has no attribute 'Registered-v4'; did you mean 'Registered-v3'"):
+        resolve_env("registers_an_env:Registered-v4")
 
 
 def test_a_name_resolves_to_an_env_class_and_never_to_a_function(tmp_path):

@@ -362,7 +362,7 @@ def test_fp16_is_refused_in_one_line_for_their_several_optimizers():
 def test_the_plan_and_amp_agree_on_which_algorithms_take_fp16(name: str):
     """One rule answers both: the plan asks it of the algorithm's policy classes, AMP of the policy it is given."""
     algo = ALGOS[name]
-    env = "Pendulum-v1" if algo.action_space is spaces.Box else "CartPole-v1"
+    env = "Pendulum-v1" if spaces.Discrete not in algo.action_space else "CartPole-v1"
     extended: Any = algo.extended_class
     model = extended("MlpPolicy", env, device="cpu", policy_kwargs={"net_arch": [8]})
     assert algo.fp16 == steps_one_optimizer(type(model.policy)) == (name in ("ppo", "dqn", "qrdqn"))

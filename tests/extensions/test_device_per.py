@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -7,7 +9,6 @@ import torch as th
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
-from stable_baselines3 import DQN
 from stable_baselines3.common.logger import configure
 
 from sb3_gpu.common.errors import ConfigError, TrainingDiverged
@@ -211,7 +212,7 @@ def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist_with_its_prior
     assert int(buffer.refused_updates) == 1 and th.equal(buffer.tree.sums, sums)
     # The allowlist admits no torch tensor, so loading proves the pickle holds numpy arrays.
     path = save_pickle(tmp_path / "replay_buffer.pkl", buffer)
-    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=30, device="cpu", policy_kwargs=dict(net_arch=[8]))
+    model = SimpleNamespace(device=th.device("cpu"), n_envs=2, observation_space=OBS, action_space=ACT)  # its spaces
     load_replay_buffer(model, path)
     loaded = model.replay_buffer
     assert isinstance(loaded, DevicePrioritizedReplayBuffer) and loaded.alpha == 0.5

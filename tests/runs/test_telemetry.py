@@ -526,3 +526,19 @@ def test_a_learn_interrupted_in_a_notebook_leaves_no_timer_on_the_env_for_the_ne
             model.learn(10_000, callback=[ThroughputCallback(dashboard=False), Interrupt()])
     model.learn(64, callback=ThroughputCallback(dashboard=False))
     assert not {"step_async", "step_wait", "reset"} & set(vars(venv))
+
+
+def test_the_row_written_at_the_end_of_learn_carries_its_timestep(tmp_path):
+    # SB3's rows each hold time/total_timesteps; the one the callback writes as training ends had none, so a
+    # progress.csv plotted against it had a blank at the end of each learn().
+    import csv
+
+    from stable_baselines3.common.logger import configure
+
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    model.learn(128, callback=ThroughputCallback(window_s=1.0, warmup_s=0.0, record_s=0.0))
+    with open(tmp_path / "progress.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 and "throughput/env_steps_per_s" in rows[-1]  # SB3's two, and the callback's
+    assert [row["time/total_timesteps"] for row in rows] == ["64", "128", "128"]
