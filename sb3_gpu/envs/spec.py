@@ -36,6 +36,12 @@ class EnvSpec:
     is_atari: bool = False
     env_id: str | None = None  # a registered id given without env kwargs: what EnvPool could stand in for
     factory: bool = False  # a callable given in Python: its name cannot rebuild it
+    registered: str | None = None  # the Gymnasium id it is made from (``name`` less a ``module:`` before it)
+
+    @property
+    def entry_name(self) -> str:
+        """The name a preset entry is chosen by: the registered id, else the name."""
+        return self.registered or self.name
 
 
 ATARI_FRAME_SKIP = 4  # emulator frames per agent step under SB3's AtariWrapper (its default), EnvPool's twin too
@@ -102,8 +108,8 @@ def declares_render_mode(env_id: str, render_mode: str = "rgb_array") -> bool | 
     """Whether an env's class (a registered id's, or ``module:Class`` of a module already imported) lists
     ``render_mode`` in its metadata, read without making the env; None where that cannot be told (a factory, an entry
     point that is a function)."""
-    spec = gym.registry.get(env_id)
     module, _, attr = env_id.partition(":")
+    spec = gym.registry.get(env_id) or gym.registry.get(attr)  # an id, or Gymnasium's module:EnvId
     try:
         if spec is not None:
             entry = spec.entry_point
@@ -120,7 +126,8 @@ def declares_render_mode(env_id: str, render_mode: str = "rgb_array") -> bool | 
 
 def looks_atari(env_id: str) -> bool:
     """Whether ``env_id`` names an Atari game: ``ALE/...``, ``...NoFrameskip...``, or an id ale-py registered
-    (``Pong-v4``)."""
+    (``Pong-v4``); Gymnasium's ``module:EnvId`` form by its id."""
+    env_id = env_id.rpartition(":")[2]
     spec = gym.registry.get(env_id)
     return env_id.startswith("ALE/") or "NoFrameskip" in env_id or (spec is not None and "ale_py" in str(spec.entry_point))
 
@@ -143,7 +150,7 @@ def _resolve_id(env_id: str, kwargs: dict[str, Any], made_as: str | None = None)
         # do the skipping alone (as on the NoFrameskip ids), or each action would last 8 to 20 frames.
         kwargs = {"frameskip": 1, **kwargs}
     name = made_as or env_id
-    return EnvSpec(name, functools.partial(_make_registered, name, kwargs), is_atari, plain_id)
+    return EnvSpec(name, functools.partial(_make_registered, name, kwargs), is_atari, plain_id, registered=env_id)
 
 
 def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:

@@ -221,7 +221,6 @@ class GradAccumPPO(DeviceFigures, PPO):
         return loss, figures, approx_kl, counted
 
     def _train(self) -> None:
-        self._device_log.restart()
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         clip_range = self.clip_range(self._current_progress_remaining)  # type: ignore[operator]

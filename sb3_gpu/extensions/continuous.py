@@ -354,7 +354,6 @@ class _ActorCriticTraining(DeviceFigures, StagedObservations):
         return self._compiled_act(observation, *self._act_draws(len(first)))[0]
 
     def train(self, gradient_steps: int, batch_size: int = 64) -> None:
-        self._device_log.restart()
         s: Any = self
         s.policy.set_training_mode(True)
         optimizers = self._optimizers()

@@ -15,8 +15,7 @@ import torch as th
 
 
 class DeviceLog:
-    """Means (over the gradient steps of the last ``train()`` call, as SB3 logs them) and latest values of logged
-    figures, as tensors.
+    """Means (over the gradient steps since the last write) and latest values of logged figures, as tensors.
 
     Thread-safe: an overlapped training adds from its trainer thread while the collecting thread writes.
     """
@@ -48,21 +47,9 @@ class DeviceLog:
             self._sums[key] = value.to(th.float32, copy=True) if total is None else total + value
             self._counts[key] = self._counts.get(key, 0) + (1 if counts is None else counts.to(_wide(counts.device)))
 
-    def restart(self) -> None:
-        """Start the means afresh: call it as each ``train()`` call begins. SB3 records each mean once per call, and a
-        later call's record replaces it, so a write logs the last call's means, not those of every call since the last
-        write (with ``log_interval`` above 1, or an off-policy log window of several calls, they differ)."""
-        with self._lock:
-            self._sums, self._counts = {}, {}
-            for sums, state in self._taken.items():
-                if not sums.rebased:  # the next read's means start from what this one has taken
-                    sums.read_state = state
-            self._taken = {}
-
     def take(self, sums: GraphSums) -> None:
-        """Take what ``sums`` holds now (one copy, on the device): its figures' means since the last read (or
-        :meth:`restart`) are logged at the next. Call it after the compiled steps that add to it, from the thread that
-        runs them."""
+        """Take what ``sums`` holds now (one copy, on the device): its figures' means since the last read are logged at
+        the next. Call it after the compiled steps that add to it, from the thread that runs them."""
         state = sums.state.clone()
         if sums.rebased:
             # From zero again after each take, on the thread whose steps add to it (so no add falls in between): a

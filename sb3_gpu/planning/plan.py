@@ -693,7 +693,7 @@ def _entry(
         return dict(config.hyperparameters), config.path
     entries, file_label = load_preset_file(get_algo(algo), preset)
     name_probe = resolve_env(env)
-    name = select_entry(entries, name_probe.name, name_probe.is_atari, file_label)
+    name = select_entry(entries, name_probe.entry_name, name_probe.is_atari, file_label)
     return entries[name], f"{Path(file_label).name}:{name}"
 
 

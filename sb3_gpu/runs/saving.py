@@ -395,9 +395,11 @@ HYPERPARAMETERS = "sb3_gpu_hyperparameters"
 
 def hyperparameters_record(plan: Plan) -> str:
     """What the plan's model learns with, as a model records it (JSON text, whatever the types): the SB3 class's own
-    arguments and the normalisation. Left out: sb3_gpu's choices for a machine (buffers, precision, compiling), which
-    a run moved to another may change, and the training length, which a resume extends."""
-    learns = {*inspect.signature(get_algo(plan.algo).model_class.__init__).parameters, "normalize"}
+    arguments, the network (sb3_gpu's keys for policy_kwargs' net_arch and activation_fn), the frames stacked and
+    the normalisation. Left out: sb3_gpu's choices for a machine (buffers, precision, compiling), which a run moved
+    to another may change, and the training length, which a resume extends."""
+    own = ("net_arch", "activation_fn", "frame_stack", "normalize")
+    learns = {*inspect.signature(get_algo(plan.algo).model_class.__init__).parameters, *own}
     values = {key: value for key, value in plan.preset.values().items() if key in learns}
     return json.dumps(plain_numbers(values), sort_keys=True, default=repr)
 
@@ -410,8 +412,10 @@ def _check_same_hyperparameters(path: Path, recorded: Any, expected: str) -> Non
     except ValueError:
         held = {}
     given = json.loads(expected)
-    missing = object()
-    changed = [key for key in sorted(held.keys() | given.keys()) if held.get(key, missing) != given.get(key, missing)]
+    # Keys on one side only are another version's (an SB3 argument added since the model was saved), not an edit.
+    changed = [key for key in sorted(held.keys() & given.keys()) if held[key] != given[key]]
+    if not changed:
+        return
     differences = "; ".join(
         f"{key}: {json.dumps(held.get(key))} in the model, {json.dumps(given.get(key))} in config.yaml" for key in changed[:3]
     ) + ("; ..." if len(changed) > 3 else "")

@@ -183,7 +183,8 @@ def resume_run(
     run = RunDir(run_dir)
     run.check_resumable()
     config = load_config(run.config)
-    if isinstance(env, str) and not config.env_factory and env != config.env:
+    # module:EnvId names the config's id with the module that registers it (a run dir written before sb3_gpu kept it).
+    if isinstance(env, str) and not config.env_factory and config.env not in (env, env.partition(":")[2]):
         raise ConfigError(
             f"--resume continues {run} on its own env {config.env!r}; --env (resume_run's env=) may only repeat that "
             f"name (to allow importing its module), not {env!r}"
@@ -214,22 +215,26 @@ def resume_run(
             raise ConfigError(
                 f"cannot resume {run}: its config.yaml: {e}; give --device (resume_run's device=) for where it trains now"
             ) from None
-    plan = make_plan(
-        config.algo,
-        config_env(
-            config,
-            env,
-            "pass it again: resume_run(run, env=the_factory)",
-            "--env {env} (from Python: resume_run(run, env={env!r}))",
-        ),
-        config.device if device is None else device,
-        vec_env=config.vec_env,
-        seed=seed,
-        config=config,
-        n_timesteps=timesteps,
-        override_source={"n_timesteps": "--timesteps (resume_run's timesteps=)"},
-        steps_left=total - state.timesteps,
+    env = config_env(
+        config,
+        env,
+        "pass it again: resume_run(run, env=the_factory)",
+        "--env {env} (from Python: resume_run(run, env={env!r}))",
     )
+    try:
+        plan = make_plan(
+            config.algo,
+            env,
+            config.device if device is None else device,
+            vec_env=config.vec_env,
+            seed=seed,
+            config=config,
+            n_timesteps=timesteps,
+            override_source={"n_timesteps": "--timesteps (resume_run's timesteps=)"},
+            steps_left=total - state.timesteps,
+        )
+    except ConfigError as e:  # most come from the config's values, which the user never typed: say where they are
+        raise ConfigError(f"{e} (resuming from {config.path})") from None
     return _train(plan, run, options, state, output, config.seed)
 
 

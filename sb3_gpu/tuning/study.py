@@ -235,7 +235,7 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
     best = study.best_trial
     entries, label = load_preset_file(algo_)
     spec = resolve_env(env)
-    name = select_entry(entries, spec.name, spec.is_atari, label)
+    name = select_entry(entries, spec.entry_name, spec.is_atari, label)
     raw = read_yaml(presets_dir() / f"{algo_.name}.yaml")[name]
     profile = best.user_attrs.get("profile")
     # Profiles would override the tuned values on some machines; the tuned values hold everywhere.
@@ -262,7 +262,7 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
         f"# mean score {best.value:.2f} over {len(best.user_attrs.get('seed_scores', [])) or 1} seed(s) at {timesteps} "
         f"timesteps each. Train it: python -m sb3_gpu.train {algo} --env {env_word} --preset {preset_word}\n"
     )
-    atomic_write_text(path, header + "".join(notes) + yaml.safe_dump({spec.name: entry}, sort_keys=False))
+    atomic_write_text(path, header + "".join(notes) + yaml.safe_dump({spec.entry_name: entry}, sort_keys=False))
     load_preset_file(algo_, path)  # what we wrote must load as a preset
     return path
 

@@ -169,6 +169,8 @@ BAD_INPUTS = [
     (["--resume", "{done}", "--timesteps", "128", "--device", "cuda:1"], "device 'cuda:1' asked for a CUDA GPU, but"),
     (["--resume", "{done}", "--timesteps", "128", "--device", "tpu"], "unknown device 'tpu'; accepted: auto, cpu, cuda"),
     (["--resume", "{run_typo}", "--timesteps", "128"], "unknown key 'run.eval_frek'; did you mean 'eval_freq'"),
+    (["--resume", "{magic_vec}", "--timesteps", "128"], "unknown vec_env 'magic' (valid: auto, dummy, subproc, batched"),
+    (["--resume", "{magic_vec}", "--timesteps", "128"], "magic_vec/config.yaml)"),  # where the value came from
     (["--resume", "{run_zero}", "--timesteps", "128"], "eval_episodes must be a positive int, got 0"),
     (["--resume", "{run_null}", "--timesteps", "128"], "eval_episodes must be a positive int, got None"),
     # A replay takes the run's evaluation and saving options, checked, and an error names the file.
@@ -298,6 +300,14 @@ def bad_files(tmp_path, finished_run):
     config = yaml.safe_load((paths["edited"] / "config.yaml").read_text())
     config["hyperparameters"]["gamma"] = 0.5
     (paths["edited"] / "config.yaml").write_text(yaml.safe_dump(config))
+    paths["edited_net"] = _variant(finished_run, tmp_path / "edited_net")  # sb3_gpu's own key for the network
+    config = yaml.safe_load((paths["edited_net"] / "config.yaml").read_text())
+    config["hyperparameters"]["net_arch"] = [8, 8]
+    (paths["edited_net"] / "config.yaml").write_text(yaml.safe_dump(config))
+    paths["magic_vec"] = _variant(finished_run, tmp_path / "magic_vec")  # a value the user never typed on --resume
+    config = yaml.safe_load((paths["magic_vec"] / "config.yaml").read_text())
+    config["vec_env"] = "magic"
+    (paths["magic_vec"] / "config.yaml").write_text(yaml.safe_dump(config))
     paths["a2c_model"] = _variant(finished_run, tmp_path / "a2c_model")  # A2C's zip names PPO's policy module too
     a2c = A2C("MlpPolicy", "CartPole-v1", device="cpu")
     for name in ("model.zip", "best_model.zip"):
@@ -394,6 +404,18 @@ def test_a_run_started_on_a_gpu_resumes_on_the_cpu_with_device(finished_run, tmp
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["device"] == "cpu"  # a later --resume goes on there
 
 
+def test_a_run_whose_config_names_a_bare_id_resumes_on_the_module_that_registers_it(finished_run, tmp_path, call_main):
+    # Before the module:EnvId form was kept whole, config.yaml held its bare id, which a fresh process cannot make;
+    # naming the module again was refused as another env.
+    run_dir = _variant(finished_run, tmp_path / "bare")
+    env = "gymnasium.envs.classic_control:CartPole-v1"
+    result = call_main(train_main, "--resume", str(run_dir), "--timesteps", "128", "--env", env, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["env"] == env  # the next --resume needs no --env
+    result = call_main(train_main, "--resume", str(run_dir), "--timesteps", "128", "--env", "gymnasium:Acrobot-v1")
+    assert result.returncode == 2 and squashed("may only repeat that name") in squashed(result.stderr)
+
+
 def test_evaluate_refuses_a_best_model_whose_statistics_are_missing_in_one_line(tmp_path, call_main):
     from sb3_gpu import make_plan, train_run
     from sb3_gpu.runs.rundir import RunDir
@@ -443,6 +465,7 @@ def test_no_save_replay_buffer_turns_off_what_a_replayed_config_saves(bad_files,
         (["{existing}", "--episodes", "1e30"], "--episodes: expected a positive integer up to 2,147,483,647"),
         (["{dqn_config}"], "holds a ppo model, and this run's config is for dqn"),
         (["{a2c_model}"], "holds an on-policy model that is not PPO's (A2C's or TRPO's, say"),
+        (["{edited_net}"], "config.yaml gives (net_arch: null in the model, [8, 8] in config.yaml)"),
         (
             ["{edited}"],
             "best_model.zip was trained with other hyperparameters than its run's config.yaml gives (gamma: 0.98 in",

@@ -54,6 +54,11 @@ def test_unknown_id_suggests_the_closest_registered_names():
 def test_gymnasium_module_colon_id_form_resolves_through_the_registry():
     spec = resolve_env("gymnasium.envs.classic_control:CartPole-v1")
     assert spec.name == "gymnasium.envs.classic_control:CartPole-v1" and spec.make().spec.id == "CartPole-v1"
+    # Its preset entry is the id's.
+    from sb3_gpu.planning.plan import make_plan
+
+    plan = make_plan("ppo", spec.name, "cpu", overrides={"probe": False})
+    assert plan.preset.sources["n_steps"] == "ppo.yaml:CartPole-v1"
 
 
 def test_an_id_a_module_registers_is_made_in_a_fresh_process_too(tmp_path, monkeypatch):
@@ -505,3 +510,10 @@ def test_a_script_that_never_closes_its_env_still_exits(tmp_path, kind):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and "END" in out.stdout, out.stderr
     assert "Exception ignored" not in out.stderr, out.stderr  # the cleanup closed an env whose workers were killed
+
+
+def test_an_atari_id_named_with_its_module_is_still_atari():
+    # Curves count 4 frames per step for Atari: the module:EnvId form kept whole must not hide the game.
+    from sb3_gpu.envs.spec import looks_atari
+
+    assert looks_atari("ale_py:ALE/Pong-v5") and looks_atari("ALE/Pong-v5") and not looks_atari("my_pkg:CartPole-v1")

@@ -117,8 +117,8 @@ def test_the_compiled_step_updates_as_sb3s_train(algo, compiled, device):
     tolerance = TOLERANCE[device]
     for a, b in zip(plain.policy.parameters(), ours.policy.parameters(), strict=True):
         th.testing.assert_close(a, b, **tolerance)
-    # Summed on the device (on CUDA, inside the replayed graph) and read once: the last train() call's, as SB3 logs.
-    assert ours._device_log.read()["train/loss"] == pytest.approx(losses[-1], rel=tolerance["rtol"])
+    # Summed on the device over six train() calls (on CUDA, inside the replayed graph) and read once.
+    assert ours._device_log.read()["train/loss"] == pytest.approx(np.mean(losses), rel=tolerance["rtol"])
     # Adam's state is the optimizer's own: it saves and loads as torch's Adam does, and carries on there.
     theirs, mine = plain.policy.optimizer.state_dict(), ours.policy.optimizer.state_dict()
     for p in theirs["state"]:

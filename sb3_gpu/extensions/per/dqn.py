@@ -179,7 +179,6 @@ class _PrioritizedTraining(DeviceFigures, StagedObservations):
         return self.per_beta0 + (1.0 - self.per_beta0) * min(1.0, progress / self.per_beta_fraction)
 
     def train(self, gradient_steps: int, batch_size: int = 100) -> None:
-        self._device_log.restart()
         self.policy.set_training_mode(True)  # type: ignore[attr-defined]
         optimizer = self.policy.optimizer  # type: ignore[attr-defined]
         self._update_learning_rate(optimizer)  # type: ignore[attr-defined]
