@@ -60,6 +60,16 @@ def best_table(study: Any, top: int = 5) -> Table:
     return table
 
 
+def _seed_count(text: str) -> int:
+    """``--seeds N``: a count (bench's --seeds lists seeds; here the first is --seed)."""
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected how many seeds each trial trains (a positive integer; the first seed is --seed), got {text!r}"
+        ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m sb3_gpu.tune", description="Tune a preset with optuna; share one storage across machines.")
     p.add_argument("algo", type=algo_arg, help=f"algorithm: {', '.join(ALGO_NAMES)}")
@@ -73,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampler", choices=SAMPLERS, default="tpe")
     p.add_argument("--sampler-seed", type=seed_int, help="seed of the sampler, for a study that draws the same trials")
     p.add_argument("--pruner", choices=PRUNERS, default="median")
-    p.add_argument("--seeds", type=positive_int, default=1, help="seeds per trial; the score is their mean (default 1)")
+    p.add_argument(
+        "--seeds",
+        type=_seed_count,
+        default=1,
+        help="how many seeds each trial trains, from --seed on; the score is their mean (default 1)",
+    )
     p.add_argument(
         "--threshold",
         type=finite_float,

@@ -46,6 +46,7 @@ def test_bench_per_times_each_tree_backend_and_the_gradient_step(capsys):
         (["--envs", "NoSuchEnv-v0"], "unknown env id 'NoSuchEnv-v0'"),
         (["--algos", "ppo", "--envs", "Pendulum-v1"], "Pendulum-v1 registers no reward_threshold; pass --target"),
         (["--algos", "dqn", "--envs", "Pendulum-v1", "--target", "-200"], "dqn needs a Discrete action space"),
+        (["--algos", "dqn", "--envs", "Pendulum-v1", "--threshold", "-200"], "dqn needs a Discrete action space"),
         (["--algos", "ppo", "--per", "on"], "--per on: prioritized replay is for dqn and qrdqn, and --algos has neither"),
     ],
 )

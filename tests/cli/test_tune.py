@@ -371,6 +371,11 @@ def test_a_seed_that_never_reaches_the_threshold_ranks_behind_a_slower_one_that_
     "args, message",
     [
         (["--sampler", "cmaes"], "argument --sampler: invalid choice: 'cmaes'"),
+        # bench's --seeds lists seeds; tune's counts them, and says so to someone who listed them.
+        (
+            ["--seeds", "0"],
+            "--seeds: expected how many seeds each trial trains (a positive integer; the first seed is --seed)",
+        ),
         (["--pruner", "hyperband"], "argument --pruner: invalid choice: 'hyperband'"),
         (
             ["--storage", "postgresql://tuner:s3cret@127.0.0.1:1/optuna"],
