@@ -427,6 +427,7 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
 
     from sb3_gpu.benches.base import machine_line, write_results
     from sb3_gpu.benches.solve import ROWS_FILE, Case, bench_solve, solve_markdown
+    from sb3_gpu.envs.spec import resolve_env
     from sb3_gpu.planning.plan import make_plan
 
     pers = [None if p == "preset" else p == "on" for p in dict.fromkeys(args.per)]
@@ -454,7 +455,8 @@ def _main_solve(args: argparse.Namespace, command: str) -> int:
                 training=False,
             )
         for env in args.envs:
-            target = args.target if args.target is not None else gym.spec(env).reward_threshold
+            # gym.spec reads no module:EnvId form: the id the plan above resolved it to
+            target = args.target if args.target is not None else gym.spec(resolve_env(env).entry_name).reward_threshold
             if target is None:
                 raise ConfigError(f"{env} registers no reward_threshold; pass --target")
             targets[env] = float(target)

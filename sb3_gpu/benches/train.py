@@ -178,7 +178,7 @@ def zoo_model(
     env: VecEnv
     if atari:
         # AtariWrapper skips frames itself: a v5 id's own frame skip is turned off, as sb3_gpu's own Atari path does.
-        env_kwargs = {"frameskip": 1} if env_id.startswith("ALE/") else None
+        env_kwargs = {"frameskip": 1} if env_id.rpartition(":")[2].startswith("ALE/") else None  # module:EnvId too
         venv = make_atari_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls, env_kwargs=env_kwargs)
         env = VecFrameStack(venv, n_stack=4)
     else:

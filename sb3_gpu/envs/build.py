@@ -104,7 +104,7 @@ def make_vec_env(
     spec = resolve_env(env_id, env_kwargs)
     if atari_wrapper is not None:
         bool_arg(atari_wrapper, "atari_wrapper (or None: Atari games only)")
-    if atari_wrapper and not spec.is_atari and isinstance(env_id, str) and env_id in gym.registry:
+    if atari_wrapper and not spec.is_atari and spec.registered in gym.registry:
         # SB3's AtariWrapper reads the ALE's action meanings and lives count: on another env it fails in each worker.
         # (A factory's env is known only once built: where it is no ALE game, building it fails, naming the env.)
         raise ConfigError(f"atari_wrapper=True wraps ALE Atari games; {env_id!r} is not one (leave it None or False)")

@@ -51,7 +51,7 @@ def test_unknown_id_suggests_the_closest_registered_names():
         resolve_env("CartPol-v1")
 
 
-def test_gymnasium_module_colon_id_form_resolves_through_the_registry():
+def test_gymnasium_module_colon_id_form_resolves_through_the_registry(tmp_path):
     spec = resolve_env("gymnasium.envs.classic_control:CartPole-v1")
     assert spec.name == "gymnasium.envs.classic_control:CartPole-v1" and spec.make().spec.id == "CartPole-v1"
     # Its preset entry is the id's.
@@ -59,6 +59,11 @@ def test_gymnasium_module_colon_id_form_resolves_through_the_registry():
 
     plan = make_plan("ppo", spec.name, "cpu", overrides={"probe": False})
     assert plan.preset.sources["n_steps"] == "ppo.yaml:CartPole-v1"
+    # An entry keyed by the whole name is the one for it.
+    own = tmp_path / "own.yaml"
+    own.write_text(f"default: {{n_steps: 64}}\nCartPole-v1: {{n_steps: 128}}\n'{spec.name}': {{n_steps: 256}}\n")
+    plan = make_plan("ppo", spec.name, "cpu", preset=own, overrides={"probe": False})
+    assert plan.preset.params.n_steps == 256
 
 
 def test_an_id_a_module_registers_is_made_in_a_fresh_process_too(tmp_path, monkeypatch):
