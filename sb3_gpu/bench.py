@@ -277,9 +277,6 @@ def _main_envs(args: argparse.Namespace, command: str) -> int:
     if not (math.isfinite(args.seconds) and args.seconds > 0):
         print_error(f"--seconds must be a finite number > 0, got {args.seconds}")
         return 2
-    if args.startup_workers < 0:
-        print_error(f"--startup-workers must be >= 0 (0: no startup timing), got {args.startup_workers}")
-        return 2
     most = max(args.startup_workers, *args.n_envs)
     if most > MAX_BENCH_PROCESSES:  # each subprocess env is a process: a typo must not fork thousands
         print_error(f"--n-envs and --startup-workers start one process per env: at most {MAX_BENCH_PROCESSES} (got {most})")

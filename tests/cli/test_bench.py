@@ -528,7 +528,6 @@ def test_bench_auto_refuses_a_case_it_cannot_read(capsys):
         ),
         (["envs", "--envs", "CartPole-v1", "--seconds", "nan"], "--seconds must be a finite number > 0, got nan"),
         (["envs", "--envs", "CartPole-v1", "--seconds", "inf"], "--seconds must be a finite number > 0, got inf"),
-        (["envs", "--envs", "CartPole-v1", "--startup-workers", "-1"], "--startup-workers must be >= 0 (0: no startup"),
         (["envs", "--envs", "CartPole-v1", "--out", "{file}"], "cannot create --out folder {file}: {file} is in the way"),
         (["solve", "--out", "{file}/sub"], "cannot create --out folder {file}/sub: {file} is in the way"),
         (["auto", "--compete", "100000"], "--compete: expected a count from 0 to 1024, got 100000"),  # busy processes
@@ -829,3 +828,10 @@ def test_an_out_folder_its_results_cannot_name_is_refused_before_the_work(tmp_pa
     args = ["envs", "--envs", "CartPole-v1", "--n-envs", "1", "--seconds", "0.05", "--repeats", "1", "--out", str(out)]
     assert bench.main(args) == 2
     assert "cannot use --out folder" in capsys.readouterr().err and not out.exists()
+
+
+def test_bench_envs_startup_workers_is_a_count_as_every_other(capsys):
+    assert bench.build_parser().parse_args(["envs", "--startup-workers", "1e1"]).startup_workers == 10
+    with pytest.raises(SystemExit) as exit_:
+        bench.build_parser().parse_args(["envs", "--startup-workers", "-1"])
+    assert exit_.value.code == 2 and "--startup-workers: expected an integer >= 0, got '-1'" in capsys.readouterr().err

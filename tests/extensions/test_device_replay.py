@@ -287,13 +287,14 @@ def test_setting_the_device_moves_the_storage():
 
 @pytest.mark.parametrize("optimize_memory_usage", [False, True])
 def test_pickle_holds_arrays_and_loads_through_sb3_gpus_allowlist(tmp_path, monkeypatch, optimize_memory_usage):
-    spaces = SPACES["vector-discrete"]
+    venv = DummyVecEnv([lambda: gym.make("CartPole-v1")] * 3)  # a buffer is refused by a model of other envs
+    spaces = (venv.observation_space, venv.action_space)
     buffer = DeviceReplayBuffer(30, *spaces, "cpu", 3, optimize_memory_usage)
     fill([buffer], record(*spaces, 3, steps=14, p_done=0.5))
     # The allowlist admits no torch tensor, so loading proves the pickle holds numpy arrays.
     path = save_pickle(tmp_path / "replay_buffer.pkl", buffer)
     kwargs = {"buffer_size": 30, "device": "cpu", "policy_kwargs": {"net_arch": [8]}}
-    model = PrioritizedDQN("MlpPolicy", "CartPole-v1", replay_buffer_class=DeviceReplayBuffer, **kwargs)
+    model = PrioritizedDQN("MlpPolicy", venv, replay_buffer_class=DeviceReplayBuffer, **kwargs)
     assert model.compile_step() is None  # as a resumed run compiles before it loads: the step holds the buffer too
     assert model._fixed_buffer is model.replay_buffer
     fresh = weakref.ref(model.replay_buffer)
