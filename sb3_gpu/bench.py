@@ -150,9 +150,9 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
         "--eval-freq", type=positive_int, help="evaluate every N env steps (default: the preset's eval_freq, else a tenth)"
     )
     solve.add_argument("--episodes", type=positive_int, default=20, help="fresh episodes per best model (default 20)")
-    solve.add_argument(  # --threshold too: bench train's and tune's name for it
-        "--target", "--threshold", type=finite_float, help="the return to reach (default: each env's reward_threshold)"
-    )
+    solve.add_argument("--target", type=finite_float, help="the return to reach (default: each env's reward_threshold)")
+    # bench train's and tune's name for it; each flag's error names the one given
+    solve.add_argument("--threshold", dest="target", type=finite_float, help=argparse.SUPPRESS)
     solve.add_argument(
         "--jobs",
         type=positive_int,
