@@ -12,7 +12,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,12 @@ class EnvSpec:
 
     @property
     def entry_name(self) -> str:
-        """The name a preset entry is chosen by: the registered id, else the name."""
+        """The registered id, else the name: what Gymnasium's registry knows it by."""
         return self.registered or self.name
+
+    def entry_key(self, entries: Mapping[str, Any]) -> str:
+        """The name its preset entry is chosen by: a module:EnvId's whole name where an entry has it, else its id."""
+        return self.name if self.name in entries else self.entry_name
 
 
 ATARI_FRAME_SKIP = 4  # emulator frames per agent step under SB3's AtariWrapper (its default), EnvPool's twin too

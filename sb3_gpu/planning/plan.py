@@ -693,9 +693,7 @@ def _entry(
         return dict(config.hyperparameters), config.path
     entries, file_label = load_preset_file(get_algo(algo), preset)
     name_probe = resolve_env(env)
-    # A module:EnvId name's entry may be keyed by the whole name, else by its id.
-    key = name_probe.name if name_probe.name in entries else name_probe.entry_name
-    name = select_entry(entries, key, name_probe.is_atari, file_label)
+    name = select_entry(entries, name_probe.entry_key(entries), name_probe.is_atari, file_label)
     return entries[name], f"{Path(file_label).name}:{name}"
 
 

@@ -417,7 +417,7 @@ def _check_same_hyperparameters(path: Path, recorded: Any, expected: str) -> Non
     if not changed:
         return
     differences = "; ".join(
-        f"{key}: {json.dumps(held.get(key))} in the model, {json.dumps(given.get(key))} in config.yaml" for key in changed[:3]
+        f"{key}: {json.dumps(held[key])} in the model, {json.dumps(given[key])} in config.yaml" for key in changed[:3]
     ) + ("; ..." if len(changed) > 3 else "")
     raise ConfigError(
         f"{path} was trained with other hyperparameters than its run's config.yaml gives ({differences}): config.yaml was "

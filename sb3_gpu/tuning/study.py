@@ -235,7 +235,7 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
     best = study.best_trial
     entries, label = load_preset_file(algo_)
     spec = resolve_env(env)
-    name = select_entry(entries, spec.name if spec.name in entries else spec.entry_name, spec.is_atari, label)
+    name = select_entry(entries, spec.entry_key(entries), spec.is_atari, label)
     raw = read_yaml(presets_dir() / f"{algo_.name}.yaml")[name]
     profile = best.user_attrs.get("profile")
     # Profiles would override the tuned values on some machines; the tuned values hold everywhere.
