@@ -26,7 +26,17 @@ from pathlib import Path
 
 from sb3_gpu.benches import CALLBACK_SETS
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
-from sb3_gpu.common.cli import Parser, algo_arg, count_int, finite_float, interrupted, positive_int, print_error, seed_int
+from sb3_gpu.common.cli import (
+    Parser,
+    algo_arg,
+    count_int,
+    finite_float,
+    interrupted,
+    name_arg,
+    positive_int,
+    print_error,
+    seed_int,
+)
 from sb3_gpu.common.cli import command as command_name
 from sb3_gpu.common.errors import BenchCannotRun, ConfigError, ResultsNotWritten
 from sb3_gpu.common.hardware import logical_cores
@@ -49,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry = sub.add_parser("telemetry", help="callbacks' cost: env steps/s of learn with and without them")
     telemetry.add_argument(
         "--callback",
+        type=name_arg,
         choices=CALLBACK_SETS,
         default="telemetry",
         help="telemetry: the ThroughputCallback (default); guard: NanGuard and StopOnSignal; session: all three",
@@ -100,7 +111,7 @@ def _gpu_parser(gpu: argparse.ArgumentParser) -> None:
     gpu.add_argument("--capacity", type=positive_int, help="frames in the sampled buffer (default 100,000 on CUDA, 10,000)")
     gpu.add_argument("--batch", type=positive_int, default=1024, help="sample() batch size (default 1024)")
     gpu.add_argument("--envs", nargs="+", help="envs to train on (default ALE/Pong-v5 on CUDA, CartPole-v1 on the CPU)")
-    gpu.add_argument("--algos", nargs="+", choices=("ppo", "dqn"), default=["ppo", "dqn"])
+    gpu.add_argument("--algos", nargs="+", type=name_arg, choices=("ppo", "dqn"), default=["ppo", "dqn"])
     gpu.add_argument("--dqn-profiles", nargs="+", help="dqn preset profiles (default auto and large on CUDA, auto)")
     gpu.add_argument("--no-zoo", action="store_true", help="skip the plain SB3 + rl-zoo3 baseline (SubprocVecEnv)")
     gpu.add_argument("--steps", type=positive_int, help="env steps per training (default 50,000 on CUDA, 10,000)")
@@ -142,8 +153,12 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
     solve.add_argument("--algos", nargs="+", type=algo_arg, default=["dqn"], help=f"of {', '.join(ALGO_NAMES)} (default dqn)")
     solve.add_argument("--envs", nargs="+", default=["CartPole-v1"], help="env ids (default CartPole-v1)")
     solve.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2], help="default: 0 1 2")
-    solve.add_argument("--per", nargs="+", choices=("preset", "on", "off"), default=["preset"], help="dqn, qrdqn")
-    solve.add_argument("--amp", nargs="+", choices=AMP_MODES, default=["auto"], help="precisions (default auto)")
+    solve.add_argument(
+        "--per", nargs="+", type=name_arg, choices=("preset", "on", "off"), default=["preset"], help="dqn, qrdqn"
+    )
+    solve.add_argument(
+        "--amp", nargs="+", type=name_arg, choices=AMP_MODES, default=["auto"], help="precisions (default auto)"
+    )
     solve.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's)")
     solve.add_argument("--preset", metavar="FILE", help="a preset YAML file to use instead of the bundled one")
     solve.add_argument(

@@ -8,7 +8,16 @@ import re
 import sys
 from collections.abc import Sequence
 
-from sb3_gpu.common.cli import Parser, Terminated, interrupted, positive_int, print_error, seed_int, sigterm_as_interrupt
+from sb3_gpu.common.cli import (
+    Parser,
+    Terminated,
+    interrupted,
+    name_arg,
+    positive_int,
+    print_error,
+    seed_int,
+    sigterm_as_interrupt,
+)
 from sb3_gpu.common.errors import ConfigError
 
 
@@ -18,7 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=positive_int, default=10, help="episodes to run (default 10)")
     p.add_argument("--stochastic", action="store_true", help="sample actions, not the most likely one (not for td3)")
     p.add_argument(
-        "--model", choices=("best", "final"), help="for a run dir: which model (default: the best, else the final one)"
+        "--model",
+        type=name_arg,
+        choices=("best", "final"),
+        help="for a run dir: which model (default: the best, else the final one)",
     )
     p.add_argument("--device", default="cpu", help="device to run the policy on (default cpu)")
     p.add_argument(

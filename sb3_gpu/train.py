@@ -24,6 +24,7 @@ from sb3_gpu.common.cli import (
     algo_arg,
     count_int,
     interrupted,
+    name_arg,
     positive_int,
     print_error,
     seed_int,
@@ -61,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timesteps", type=positive_int, help="training length (default: the preset's n_timesteps)")
     p.add_argument("--n-envs", type=positive_int, help="number of parallel envs (default: the preset's)")
     p.add_argument(
-        "--vec-env", choices=VEC_ENV_KINDS, default=None, help="auto (default), dummy, subproc (SB3's), batched or envpool"
+        "--vec-env",
+        type=name_arg,
+        choices=VEC_ENV_KINDS,
+        default=None,
+        help="auto (default), dummy, subproc (SB3's), batched or envpool",
     )
     p.add_argument("--seed", type=seed_int, default=None, help="random seed (default: none)")
     p.add_argument(
@@ -70,16 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a preset YAML file to use instead of the bundled one; zoo:ppo (zoo:dqn, zoo:sac, ...) for an installed "
         "rl_zoo3's tuned values, zoo:PATH.yml for an rl-zoo3 file",
     )
-    p.add_argument("--profile", default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large")
+    p.add_argument(
+        "--profile", type=name_arg, default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large"
+    )
     p.add_argument(
         "--per",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="prioritized replay on/off for dqn and qrdqn (default: the preset's)",
     )
-    p.add_argument("--amp", choices=AMP_MODES, help="mixed precision: auto (the plan says why), off, bf16, fp16 (CUDA)")
+    p.add_argument(
+        "--amp", type=name_arg, choices=AMP_MODES, help="mixed precision: auto (the plan says why), off, bf16, fp16 (CUDA)"
+    )
     p.add_argument(
         "--compile",
+        type=name_arg,
         choices=COMPILE_MODES,
         help="torch.compile the gradient step and policy: auto (default: on CUDA or the CPU where the probe times it "
         "faster and the run earns its compile time back), false or a torch.compile mode",

@@ -26,6 +26,7 @@ from sb3_gpu.common.cli import (
     algo_arg,
     finite_float,
     interrupted,
+    name_arg,
     positive_int,
     print_error,
     seed_int,
@@ -80,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", help="optuna storage URL shared by all workers (default: sqlite in the study dir)")
     p.add_argument("--study-name", help="default: ALGO-ENV")
     p.add_argument("--study-dir", help="results: preset, plots, default storage (default: tune/STUDY_NAME)")
-    p.add_argument("--sampler", choices=SAMPLERS, default="tpe")
+    p.add_argument("--sampler", type=name_arg, choices=SAMPLERS, default="tpe")
     p.add_argument("--sampler-seed", type=seed_int, help="seed of the sampler, for a study that draws the same trials")
-    p.add_argument("--pruner", choices=PRUNERS, default="median")
+    p.add_argument("--pruner", type=name_arg, choices=PRUNERS, default="median")
     p.add_argument(
         "--seeds",
         type=_seed_count,
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate (and maybe prune) every N timesteps (default: a fifth; a fiftieth with --threshold)",
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
-    p.add_argument("--vec-env", choices=VEC_ENV_KINDS, default="auto")
+    p.add_argument("--vec-env", type=name_arg, choices=VEC_ENV_KINDS, default="auto")
     p.add_argument(
         "--threads",
         type=threads_arg,

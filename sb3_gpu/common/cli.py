@@ -114,6 +114,11 @@ def algo_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def name_arg(text: str) -> str:
+    """A name from a fixed list (``--amp BF16``, ``--vec-env Dummy``): read in any case, as algorithm names are."""
+    return text.strip().lower()
+
+
 def seed_int(text: str) -> int:
     """A seed: an integer in [0, 2**32)."""
     return _integer(text, 0, "a seed, an integer >= 0", high=2**32 - 1)

@@ -81,6 +81,33 @@ def test_an_empty_value_is_refused_not_read_as_not_given(module, args, option, c
     assert f"error: argument {option}: expected a value, got an empty string" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "module, args, dest, value",
+    [
+        ("train", ["ppo", "--amp", "BF16"], "amp", "bf16"),
+        ("train", ["ppo", "--vec-env", " Dummy"], "vec_env", "dummy"),
+        ("train", ["ppo", "--compile", "Reduce-Overhead"], "compile", "reduce-overhead"),
+        ("train", ["ppo", "--profile", "CPU"], "profile", "cpu"),
+        ("tune", ["ppo", "--sampler", "Random", "--pruner", "HALVING"], "pruner", "halving"),
+        ("tune", ["ppo", "--vec-env", "SubProc"], "vec_env", "subproc"),
+        ("bench", ["solve", "--per", "On", "OFF"], "per", ["on", "off"]),
+        ("bench", ["telemetry", "--callback", "Guard"], "callback", "guard"),
+        ("evaluate", ["run", "--model", "Final"], "model", "final"),
+    ],
+)
+def test_a_named_choice_is_read_in_any_case_as_algorithm_names_are(module, args, dest, value):
+    parsed = importlib.import_module(f"sb3_gpu.{module}").build_parser().parse_args(args)
+    assert getattr(parsed, dest) == value
+
+
+def test_a_named_choice_outside_the_list_is_still_refused_with_the_list(call_main):
+    from sb3_gpu.train import main
+
+    out = call_main(main, "ppo", "--amp", "FP8", "--plan")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "argument --amp: invalid choice: 'fp8' (choose from 'auto', 'off', 'bf16', 'fp16')" in out.stderr
+
+
 def test_a_program_run_prints_warnings_as_one_line_each_and_a_call_from_python_leaves_them_alone(capsys, monkeypatch):
     import warnings
 
