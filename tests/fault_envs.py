@@ -119,3 +119,20 @@ class Launcher(CartPoleEnv):
         program.terminate()
         with program.stdout:
             return program.wait(timeout=20)
+
+
+class ChannelLastImages(gym.Env):
+    """Channel-last uint8 images (SB3 moves them channels first for the model, in VecTransposeImage), 36x36 as
+    NatureCNN takes at least; reward 1 for action 1, episodes of 8 steps."""
+
+    observation_space = spaces.Box(0, 255, (36, 36, 1), np.uint8)
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action: Any) -> Any:
+        self.t += 1
+        return self.observation_space.sample(), float(action), False, self.t >= 8, {}

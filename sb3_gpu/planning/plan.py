@@ -570,6 +570,17 @@ def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
     return spaces.Box(low, high, dtype=space.dtype)
 
 
+def _moved_channels_first(space: spaces.Space) -> bool:
+    """Whether SB3 wraps the env in VecTransposeImage for these observations (channel-last images, a Dict's too)."""
+    members = space.spaces.values() if isinstance(space, spaces.Dict) else [space]
+    return any(
+        isinstance(member, spaces.Box)
+        and is_image_space(member, check_channels=False)
+        and not is_image_space_channels_first(member)
+        for member in members
+    )
+
+
 def _data_bytes(preset: Preset, facts: _EnvFacts) -> int:
     """The bytes PPO's rollout buffer or an off-policy replay buffer holds."""
     params: Any = preset.params
@@ -927,9 +938,16 @@ def _normalized_keys(preset: Preset, obs_space: spaces.Dict) -> set[str]:
 def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
     """VecNormalize's refusals, and NatureCNN's of what it leaves, said in the plan rather than as the model is
     built."""
+    source = preset.sources.get("normalize", "preset")
+    if preset.normalize and not get_algo(preset.algo).on_policy and _moved_channels_first(obs_space):
+        # SB3 stores VecNormalize's original observations, taken from below the VecTransposeImage it adds.
+        raise ConfigError(
+            f"normalize ({source}) does not go with {preset.algo} on channel-last images: SB3's off-policy algorithms "
+            "store the observations from below the wrapper that moves channels first, in a buffer that holds them "
+            "channels first; set normalize=false"
+        )
     if not _normalizes_observations(preset):
         return
-    source = preset.sources.get("normalize", "preset")
     asked = (preset.normalize if isinstance(preset.normalize, dict) else {}).get("norm_obs_keys")
     instead = "set normalize.norm_obs=false (rewards only), or normalize=false"
     if isinstance(obs_space, spaces.Dict):

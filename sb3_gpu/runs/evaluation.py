@@ -20,7 +20,7 @@ import numpy as np
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
-from stable_baselines3.common.vec_env import VecEnv, VecNormalize
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize, VecTransposeImage, is_vecenv_wrapped
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, warn
@@ -174,6 +174,10 @@ class TimedEvalCallback(EvalCallback):
             # processes, or EnvPool's), and its wrappers (VecNormalize's statistics, frame stacking) are matched.
             warnings.filterwarnings("ignore", "Training and eval env are not of the same type", UserWarning)
             super()._init_callback()
+        # SB3 moves channel-last images first for the model, wrapping the training env in VecTransposeImage, and
+        # syncs VecNormalize's statistics down both chains level by level: the eval env must be wrapped the same.
+        if is_vecenv_wrapped(self.training_env, VecTransposeImage) and not is_vecenv_wrapped(self.eval_env, VecTransposeImage):
+            self.eval_env = VecTransposeImage(self.eval_env)
         calls_from_the_models_steps(self)
         if self.on_new_best is not None:
             self.on_new_best.init_callback(self.model)

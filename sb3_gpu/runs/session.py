@@ -164,7 +164,9 @@ class Session:
         train_norm, eval_norm = self.model.get_vec_normalize_env(), unwrap_vec_normalize(self.evaluator.eval_env)
         # Only the statistics: SB3 wraps image envs in VecTransposeImage for training, so the two chains differ.
         if train_norm is not None and eval_norm is not None:
-            eval_norm.obs_rms, eval_norm.ret_rms = copy.deepcopy(train_norm.obs_rms), copy.deepcopy(train_norm.ret_rms)
+            if train_norm.norm_obs:  # VecNormalize has no obs_rms where it scales rewards only
+                eval_norm.obs_rms = copy.deepcopy(train_norm.obs_rms)
+            eval_norm.ret_rms = copy.deepcopy(train_norm.ret_rms)
         if self.stopping():
             raise EvaluationStopped
         return evaluate(self.model, self.evaluator.eval_env, episodes, deterministic, should_stop=self.stopping)

@@ -196,7 +196,8 @@ def _normalized(venv: VecEnv, normalization: VecNormalize | None) -> VecEnv:
         epsilon=normalization.epsilon,
         norm_obs_keys=normalization.norm_obs_keys,
     )
-    frozen.obs_rms = normalization.obs_rms  # read, never updated (training=False)
+    if normalization.norm_obs:  # VecNormalize has no obs_rms where it scales rewards only
+        frozen.obs_rms = normalization.obs_rms  # read, never updated (training=False)
     return frozen
 
 

@@ -272,6 +272,23 @@ def test_normalised_images_that_sb3_trains_on_are_planned_built_and_trained(cpu_
     build_model(plan, build_env(plan)).learn(32)
 
 
+@pytest.mark.parametrize(
+    "space",
+    [gym.spaces.Box(0, 255, (40, 40, 3), np.uint8), gym.spaces.Dict({"img": gym.spaces.Box(0, 255, (40, 40, 3), np.uint8)})],
+    ids=["box", "dict"],
+)
+def test_off_policy_rewards_only_normalisation_of_channel_last_images_is_refused_as_sb3_cannot_store_them(cpu_machine, space):
+    # SB3's off-policy _store_transition takes VecNormalize's original observations, channel-last, into a buffer of
+    # the channel-first ones VecTransposeImage gives the model: a broadcasting error at the first step.
+    rewards_only = {"normalize": {"norm_obs": False}, "learning_starts": 8, "buffer_size": 64, "n_envs": 1}
+    with pytest.raises(ConfigError, match=re.escape("normalize (override) does not go with dqn on channel-last images")):
+        make_plan("dqn", lambda: _Spaces(space), hardware=cpu_machine, overrides=rewards_only)
+    make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides={"normalize": {"norm_obs": False}})
+    first = gym.spaces.Box(0, 255, (3, 40, 40), np.uint8)  # channel-first images are stored as the model sees them
+    plan = make_plan("dqn", lambda: _Spaces(first), hardware=cpu_machine, overrides=rewards_only)
+    build_model(plan, build_env(plan)).learn(16)
+
+
 def test_a_dict_whose_box_keys_are_named_is_normalised_there_only_as_vecnormalize_does(cpu_machine, tmp_path):
     from stable_baselines3.common.vec_env import VecNormalize
 
@@ -615,3 +632,14 @@ def test_a_config_seed_outside_what_sb3_takes_is_refused_naming_the_file(tmp_pat
     (tmp_path / "config.yaml").write_text(f"algo: ppo\nenv: CartPole-v1\nhyperparameters: {{}}\nseed: {seed}\n")
     with pytest.raises(ConfigError, match=r"config.yaml: seed must be an integer in \[0, 2\*\*32\) or null, got"):
         load_config(tmp_path / "config.yaml")
+
+
+def test_one_rollout_may_be_the_whole_run_but_not_more(cpu_machine):
+    # SB3 always completes a rollout: one longer than the run overshoots it; one exactly as long is one update.
+    whole = {"n_envs": 2, "n_steps": 64, "batch_size": 64, "n_timesteps": 128, "probe": False}
+    make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides=whole)
+    message = "one rollout is n_steps * n_envs = 64 * 2 = 128 env steps, more than the 127 timesteps to train"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={**whole, "n_timesteps": 127})
+    with pytest.raises(ConfigError, match=re.escape("one rollout is train_freq * n_envs = 8 * 2 = 16 env steps")):
+        make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides={"n_envs": 2, "train_freq": 8, "n_timesteps": 15})

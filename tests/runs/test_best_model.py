@@ -289,6 +289,30 @@ def test_the_plan_and_the_summary_say_how_the_best_is_chosen(tmp_path, call_main
     assert evaluated.returncode == 0 and "best_model.zip" in evaluated.stdout
 
 
+def test_rewards_only_normalisation_of_channel_last_images_evaluates_periodically_after_training_and_on_video(
+    tmp_path, call_main
+):
+    # SB3 syncs VecNormalize's statistics down the training and eval chains level by level, and the training one
+    # has the VecTransposeImage SB3 adds; without obs_rms (rewards only) there are no observation statistics to copy.
+    run_dir = tmp_path / "run"
+    images = [*TINY, "--env", "tests.fault_envs:ChannelLastImages", "--set", "normalize.norm_obs=false"]
+    args = ["--timesteps", "64", "--eval-freq", "32", "--eval-episodes", "2", "--confirm-episodes", "2"]
+    trained = call_main(train_main, "ppo", *images, *args, "--seed", "1", "--run-dir", str(run_dir))
+    assert trained.returncode == 0, trained.stderr
+    assert [int(t) for t in np.load(run_dir / "eval" / "evaluations.npz")["timesteps"]] == [32, 64]
+    assert json.loads((run_dir / "summary.json").read_text())["final_eval_mean"] == pytest.approx(8.0, abs=8.0)
+    assert (
+        call_main(evaluate_main, str(run_dir), "--episodes", "2", "--env", "tests.fault_envs:ChannelLastImages").returncode
+        == 0
+    )
+
+    vector = tmp_path / "vector"  # an env that renders: the video's env is normalised as the run's was
+    flags = [*TINY, "--set", "normalize.norm_obs=false", "--timesteps", "32", "--eval-episodes", "2"]
+    assert call_main(train_main, "ppo", *flags, "--seed", "1", "--run-dir", str(vector)).returncode == 0
+    filmed = call_main(evaluate_main, str(vector), "--episodes", "1", "--video", "--video-length", "10")
+    assert filmed.returncode == 0 and (vector / "videos").is_dir(), filmed.stderr
+
+
 def test_a_signal_during_the_check_after_training_stops_it_and_keeps_the_chosen_figure(tmp_path, call_main):
     # The plan's check of the env takes step 1; training steps 2-33; the periodic evaluation (one 20-step episode)
     # 34-53; its confirmation 54-113; the final evaluation 114-133; the check after training plans afresh (its check
