@@ -87,7 +87,7 @@ DASHBOARD: dict[str, dict[str, list[Any]]] = {
         "losses": ["Multiline", [r"train/.*loss"]],
         "learning rate, exploration, entropy coefficient": [
             "Multiline",
-            [r"train/learning_rate", r"rollout/exploration_rate", r"train/ent_coef"],
+            [r"train/learning_rate", r"rollout/exploration_rate", r"train/ent_coef$"],
         ],
         "PPO: KL, clip fraction and range, explained variance": [
             "Multiline",
@@ -289,7 +289,9 @@ class ThroughputCallback(BaseCallback):
         self._rollout_end = now
         self._trained_at_rollout_end = self._trained()
         self.counters[self._COLLECT] += now - self._rollout_start
-        if now >= self._next_record:
+        # The last rollout's point is recorded as learn() ends, with its training in it: one point per step.
+        last = self.num_timesteps >= self.model._total_timesteps
+        if now >= self._next_record and not last:
             self._next_record = now + self.record_s
             self._record(now)
 
