@@ -418,10 +418,11 @@ COMPILE_MODES = ("auto", "false", "default", "reduce-overhead", "max-autotune")
 
 
 def compile_mode(value: Any, where: str) -> str:
-    """``auto``, ``false`` (YAML bool or string, or ``off``) or a torch.compile mode."""
+    """``auto``, ``false`` (YAML bool or string, or ``off``), ``true`` (the same, or ``on``: torch.compile's default
+    mode) or a torch.compile mode."""
     if value is False or (isinstance(value, str) and value.strip().lower() in ("false", "off")):
         return "false"
-    if value is True:
+    if value is True or (isinstance(value, str) and value.strip().lower() in ("true", "on")):
         return "default"
     return choice(COMPILE_MODES)(value, where)
 

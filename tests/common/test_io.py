@@ -68,3 +68,22 @@ def test_a_utf8_name_that_python_reads_in_another_encoding_is_told_how_to_read_i
     ):
         check_utf8(tmp_path / "r\udcc3\udcbc", "run dir")
     check_utf8(tmp_path / "rü", "run dir")
+
+
+def test_a_write_that_fails_without_naming_a_file_is_reported_with_the_file_it_was_for(tmp_path):
+    # A full disk's OSError from write() names no file: "could not write None (No space left on device)".
+    import errno
+
+    from sb3_gpu.common.io import atomic_write
+
+    path = tmp_path / "model.zip"
+    path.write_bytes(b"previous")
+
+    def full(f):
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as caught:
+        atomic_write(path, full)
+    assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(path))
+    assert path.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["model.zip"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 
 import pytest
 import torch as th
@@ -496,3 +497,38 @@ def test_amp_off_as_yaml_reads_it_is_off_and_compile_off_is_false(cpu_machine):
     assert yaml.safe_load("amp: off") == {"amp": False}
     plan = make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={"amp": False, "compile": "off", "probe": False})
     assert (plan.preset.amp, plan.preset.compile) == ("off", "false")
+
+
+@pytest.mark.parametrize(
+    "algo, key, value, message",
+    [
+        # SB3's LinearSchedule divides by end_fraction: a ZeroDivisionError at the first gradient step.
+        (
+            "ppo",
+            "learning_rate",
+            {"schedule": "linear", "start": 3e-4, "end_fraction": 0},
+            "end_fraction: expected a number in (0, 1]",
+        ),
+        # tau 0 never moves the target network: a run that trains against a random target, without a word.
+        ("dqn", "tau", 0.0, "tau: expected a number in (0, 1]"),
+        ("sac", "tau", 0.0, "tau: expected a number in (0, 1]"),
+        # SB3's PPO asserts batch_size > 1 as the model is built.
+        ("ppo", "batch_size", 1, "batch_size: expected an int >= 2"),
+    ],
+)
+def test_values_sb3_fails_on_or_that_never_learn_are_refused_at_their_bound(algo, key, value, message):
+    algo_ = get_algo(algo)
+    entry = validate_entry(algo_, {}, "t")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_preset(algo_, entry, "f:e", "cpu", {key: (value, "--set")})
+    at_bound = {"learning_rate": {"schedule": "linear", "start": 3e-4, "end_fraction": 1}, "tau": 1.0, "batch_size": 2}
+    resolve_preset(algo_, entry, "f:e", "cpu", {key: (at_bound[key], "--set")})
+
+
+@pytest.mark.parametrize(
+    "value, mode", [(True, "default"), ("true", "default"), (False, "false"), ("reduce-overhead", "reduce-overhead")]
+)
+def test_compile_true_as_yaml_or_python_reads_it_compiles_in_the_default_mode(value, mode):
+    from sb3_gpu.common.checks import compile_mode
+
+    assert compile_mode(value, "compile") == mode

@@ -1559,3 +1559,66 @@ def test_a_resume_that_another_process_saves_past_before_it_takes_the_lock_is_re
     monkeypatch.setattr(RunDir, "locked", saved_meanwhile)
     with pytest.raises(ConfigError, match="run was saved by another sb3_gpu process as this resume began; run it again"):
         resume_run(run, timesteps=512, progress=False, report_s=None)
+
+
+def test_checkpoints_land_every_checkpoint_freq_env_steps_whatever_the_env_count(tmp_path):
+    # The callback is called once per vec step of n_envs env steps: a frequency in calls checkpointed n_envs times
+    # less often, and a default of a fifth of the run never before its end with five envs or more.
+    tiny = {"n_envs": 4, "n_steps": 32, "batch_size": 32, "n_epochs": 1, "n_timesteps": 512, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=1, vec_env="dummy", overrides=tiny)
+    train_run(plan, tmp_path, checkpoint_freq=128, eval_episodes=1, confirm_episodes=0, progress=False)
+    saved = sorted(int(p.stem.split("_")[1]) for p in (tmp_path / "checkpoints").glob("model_*_steps.zip"))
+    assert saved[:3] == [128, 256, 384]
+
+
+def test_a_checkpoint_whose_replay_buffer_was_not_saved_says_so_as_it_is_written(tmp_path, monkeypatch):
+    from sb3_gpu.runs import callbacks
+
+    def model_only(model, files, *, replay_buffer):
+        save_state(model, files, replay_buffer=False)
+        return "its replay buffer was not saved (the disk is full)"
+
+    monkeypatch.setattr(callbacks, "save_state", model_only)
+    tiny = {"n_envs": 1, "n_timesteps": 256, "learning_starts": 32, "batch_size": 16, "probe": False, "per": False}
+    plan = make_plan("dqn", "CartPole-v1", "cpu", seed=1, vec_env="dummy", overrides=tiny)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint .*model_\d+_steps\.zip: its replay buffer was not saved"):
+        train_run(
+            plan, tmp_path, checkpoint_freq=128, save_replay_buffer=True, eval_episodes=1, confirm_episodes=0, progress=False
+        )
+
+
+def test_a_run_dir_moved_and_resumed_reseeds_its_model_and_logs_where_it_now_is(tmp_path, monkeypatch):
+    from stable_baselines3.common.base_class import BaseAlgorithm
+
+    from sb3_gpu.planning.build import resumed_seed
+    from sb3_gpu.runs import training
+
+    tiny = {"n_envs": 1, "n_steps": 64, "batch_size": 32, "n_epochs": 1, "n_timesteps": 128, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=3, vec_env="dummy", overrides=tiny)
+    first, moved = tmp_path / "first", tmp_path / "moved"
+    train_run(plan, first, eval_episodes=1, confirm_episodes=0, progress=False)
+    first.rename(moved)
+    seeds: list[int | None] = []
+    real = BaseAlgorithm.set_random_seed
+    monkeypatch.setattr(BaseAlgorithm, "set_random_seed", lambda self, seed=None: seeds.append(seed) or real(self, seed))
+    training.resume_run(moved, timesteps=256, progress=False)
+    # The zip holds the seed and the log folder of the run as it was: the resume draws fresh ones and logs here.
+    assert resumed_seed(3, 128) in seeds
+    assert not first.exists() and len(list((moved / "tb").rglob("events.out.tfevents.*"))) >= 2
+
+
+def test_a_replay_buffer_saved_on_another_device_samples_onto_the_resuming_models(tmp_path):
+    import pickle
+
+    from sb3_gpu.runs.saving import load_replay_buffer
+
+    tiny = {"n_envs": 1, "n_timesteps": 64, "learning_starts": 16, "batch_size": 16, "probe": False, "per": False}
+    plan = make_plan("dqn", "CartPole-v1", "cpu", seed=1, vec_env="dummy", overrides=tiny)
+    model = build_model(plan, build_env(plan))
+    model.learn(64)
+    model.replay_buffer.device = th.device("cuda")  # as a run on a GPU machine saved it; this one resumes on the CPU
+    path = tmp_path / "replay_buffer.pkl"
+    path.write_bytes(pickle.dumps(model.replay_buffer))
+    load_replay_buffer(model, path)
+    assert model.replay_buffer.device == model.device == th.device("cpu")
+    assert model.replay_buffer.sample(4).observations.device == th.device("cpu")
