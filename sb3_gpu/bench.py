@@ -112,7 +112,9 @@ def _gpu_parser(gpu: argparse.ArgumentParser) -> None:
     gpu.add_argument("--batch", type=positive_int, default=1024, help="sample() batch size (default 1024)")
     gpu.add_argument("--envs", nargs="+", help="envs to train on (default ALE/Pong-v5 on CUDA, CartPole-v1 on the CPU)")
     gpu.add_argument("--algos", nargs="+", type=name_arg, choices=("ppo", "dqn"), default=["ppo", "dqn"])
-    gpu.add_argument("--dqn-profiles", nargs="+", help="dqn preset profiles (default auto and large on CUDA, auto)")
+    gpu.add_argument(
+        "--dqn-profiles", nargs="+", type=name_arg, help="dqn preset profiles (default auto and large on CUDA, auto)"
+    )
     gpu.add_argument("--no-zoo", action="store_true", help="skip the plain SB3 + rl-zoo3 baseline (SubprocVecEnv)")
     gpu.add_argument("--steps", type=positive_int, help="env steps per training (default 50,000 on CUDA, 10,000)")
     gpu.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are printed (default 3)")
@@ -491,13 +493,16 @@ def _main_train(args: argparse.Namespace, command: str) -> int:
     import gymnasium as gym
 
     from sb3_gpu.benches.base import write_results
-    from sb3_gpu.benches.train import ZOO, bench_train, runs_file, train_markdown
+    from sb3_gpu.benches.train import ZOO, ZOO_ATARI, bench_train, has_zoo_baseline, runs_file, train_markdown
     from sb3_gpu.common.hardware import detect_hardware
+    from sb3_gpu.envs.spec import looks_atari, register_ale
 
-    if (args.algo, args.env) not in ZOO:
-        have = ", ".join(f"{a} {e}" for a, e in sorted(ZOO))
+    if not has_zoo_baseline(args.algo, args.env):
+        have = ", ".join([*(f"{a} {e}" for a, e in sorted(ZOO)), *(f"{a} on Atari games" for a in ZOO_ATARI)])
         print_error(f"no rl-zoo3 baseline for {args.algo} {args.env} (have: {have})")
         return 2
+    if looks_atari(args.env):
+        register_ale()
     threshold = args.threshold if args.threshold is not None else gym.spec(args.env).reward_threshold
     if threshold is None:
         print_error(f"{args.env} registers no reward_threshold; pass --threshold")

@@ -34,7 +34,7 @@ from sb3_gpu.benches.base import SB3_TORCH, machine_key, preset_sha256, save_jso
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.version import __version__
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
-from sb3_gpu.envs.spec import looks_atari
+from sb3_gpu.envs.spec import looks_atari, register_ale
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model, offset_seed
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import confirm_count, eval_envs
@@ -165,6 +165,8 @@ def zoo_model(
         decays as it would over rl-zoo3's own length
     """
     atari = (algo, env_id) not in ZOO and looks_atari(env_id)
+    if atari:
+        register_ale()  # SB3's make_atari_env makes the id as it is: ale-py's ids must be registered first
     kwargs = dict(zoo_entry(algo, env_id))
     n_envs = kwargs.pop("n_envs")
     zoo_timesteps = kwargs.pop("zoo_timesteps", None)
@@ -193,10 +195,20 @@ def zoo_model(
 
 
 def train_once(
-    model: BaseAlgorithm, env_id: str, max_timesteps: int, threshold: float, eval_freq: int, episodes: int, seed: int
+    model: BaseAlgorithm,
+    env_id: str,
+    max_timesteps: int,
+    threshold: float,
+    eval_freq: int,
+    episodes: int,
+    seed: int,
+    frame_stack: int | None = None,
 ) -> dict[str, Any]:
-    """Train until the best, confirmed, deterministic eval mean reaches ``threshold``; evaluation time is kept apart."""
-    eval_env = make_vec_env(env_id, eval_envs(episodes), seed=offset_seed(seed, EVAL_SEED_OFFSET), vec_env="dummy")
+    """Train until the best, confirmed, deterministic eval mean reaches ``threshold``; evaluation time is kept apart.
+    The eval env stacks ``frame_stack`` frames, as the model's training env does; an Atari game's frames are SB3's
+    AtariWrapper's, for either side."""
+    seed_ = offset_seed(seed, EVAL_SEED_OFFSET)
+    eval_env = make_vec_env(env_id, eval_envs(episodes), seed=seed_, vec_env="dummy", frame_stack=frame_stack)
     try:
         run, _ = train_to_threshold(
             model,
@@ -274,14 +286,17 @@ def _train_side(
     """One seed of one side: our preset as the plan makes it (the plan named in the run), or rl-zoo3's values."""
     if side == "sb3_zoo":
         SB3_TORCH.apply()  # torch's own threads, TF32 and cuDNN settings: not what the seed's plan left
-        run = train_once(zoo_model(algo, env_id, seed, budget=budget), env_id, budget, threshold, every, episodes, seed)
+        model = zoo_model(algo, env_id, seed, budget=budget)
+        stack = 4 if (algo, env_id) not in ZOO and looks_atari(env_id) else None  # zoo_model's stack of Atari frames
+        run = train_once(model, env_id, budget, threshold, every, episodes, seed, frame_stack=stack)
         return {**run, "threads": SB3_TORCH.threads}
     start = time.perf_counter()
     plan = make_plan(algo, env_id, "auto", seed=seed, n_timesteps=max_timesteps)  # compile=auto weighs the budget
     plan_seconds = time.perf_counter() - start  # the probe's timings, cached for later plans: reported, not in the time
     if every % plan.preset.n_envs:  # the probe chose another profile than the one bench_train checked the interval for
         raise ConfigError(f"--eval-freq {every} is not a multiple of the {plan.preset.n_envs} envs seed {seed}'s plan steps")
-    run = train_once(build_model(plan, build_env(plan)), env_id, budget, threshold, every, episodes, seed)
+    model = build_model(plan, build_env(plan))
+    run = train_once(model, env_id, budget, threshold, every, episodes, seed, frame_stack=plan.preset.frame_stack)
     compiled = plan.speed.compile_label if plan.speed is not None else "false"
     return {
         **run,

@@ -267,6 +267,40 @@ def test_bench_envs_and_train_refuse_bad_names(capsys):
     assert len(err) == 1 and "no rl-zoo3 baseline for ppo Pong-v5 (have: dqn CartPole-v1" in err[0]
 
 
+def test_bench_train_takes_an_atari_game_as_its_baselines_list_says(capsys, monkeypatch):
+    from sb3_gpu.benches import train
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "bench_train", stop)  # past the checks, the comparison would start here
+    assert bench.main(["train", "--env", "ALE/Pong-v5"]) == 2  # ale-py's ids registered, as the comparison needs them
+    assert "ALE/Pong-v5 registers no reward_threshold; pass --threshold" in capsys.readouterr().err
+    assert bench.main(["train", "--env", "ALE/Pong-v5", "--threshold", "0"]) == 130
+    assert "no rl-zoo3 baseline" not in capsys.readouterr().err
+    assert bench.main(["train", "--algo", "dqn", "--env", "ALE/Pong-v5"]) == 2
+    err = capsys.readouterr().err
+    assert "no rl-zoo3 baseline for dqn ALE/Pong-v5 (have: dqn CartPole-v1" in err and "ppo on Atari games" in err
+
+
+@pytest.mark.heavy
+def test_bench_train_evaluates_each_side_of_an_atari_comparison_on_stacked_frames(monkeypatch):
+    # The eval env had no frame stack: a (1, 84, 84) frame for a model of (4, 84, 84), refused at the first evaluation.
+    from sb3_gpu.benches import train
+    from sb3_gpu.benches.train import _train_side, train_once
+    from sb3_gpu.planning.build import build_env, build_model
+    from sb3_gpu.planning.plan import make_plan
+
+    small_zoo = {**train.ZOO_ATARI["ppo"], "n_envs": 2, "n_steps": 32, "batch_size": 64, "n_epochs": 1}
+    monkeypatch.setitem(train.ZOO_ATARI, "ppo", small_zoo)  # rl-zoo3's wrappers and frame stack, a shorter rollout
+    run = _train_side("sb3_zoo", "ppo", "ALE/Pong-v5", 0, None, 64, 21.0, 64, 1)
+    assert run["timesteps"] == 64 and not run["reached"]
+    small = {"n_envs": 2, "n_steps": 64, "batch_size": 64, "n_epochs": 1, "probe": False, "compile": False}
+    plan = make_plan("ppo", "ALE/Pong-v5", "cpu", seed=0, vec_env="dummy", overrides=small)
+    ours = train_once(build_model(plan, build_env(plan)), "ALE/Pong-v5", 128, 21.0, 128, 1, 0, plan.preset.frame_stack)
+    assert ours["timesteps"] == 128 and not ours["reached"]
+
+
 @pytest.mark.parametrize("option", [["--n-envs", "8", "5000"], ["--startup-workers", "100000"]])
 def test_bench_envs_refuses_more_processes_than_a_machine_runs_before_starting_any(option, capsys):
     assert bench.main(["envs", "--envs", "CartPole-v1", *option]) == 2
