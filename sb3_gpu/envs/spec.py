@@ -22,6 +22,7 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.atari_wrappers import AtariWrapper
 from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
 
 from sb3_gpu.common.cli import ignore_stop_signals
 from sb3_gpu.common.errors import ConfigError, closest, install_hint
@@ -472,3 +473,16 @@ def _text(name: str, shape: Any, size: Any) -> str:
         dims = re.findall(r"\d+", str(shape))
         inside = ",".join(dims) + ("," if len(dims) == 1 else "")
     return f"{name}({inside})"
+
+
+def channel_last_images(space: gym.Space) -> list[str]:
+    """The observations SB3 moves channels first (in the VecTransposeImage it adds for the model): a Box's (key
+    ``""``) or a Dict's keys, where they are channel-last images."""
+    members = space.spaces if isinstance(space, gym.spaces.Dict) else {"": space}
+    return [
+        key
+        for key, member in members.items()
+        if isinstance(member, gym.spaces.Box)
+        and is_image_space(member, check_channels=False)
+        and not is_image_space_channels_first(member)
+    ]

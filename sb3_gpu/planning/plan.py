@@ -22,7 +22,15 @@ from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
 from sb3_gpu.config.schema import ALGOS, PROFILES, get_algo
 from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choice
-from sb3_gpu.envs.spec import EnvSpec, check_env_api, episode_limit, measure_step_seconds, probe_env, resolve_env
+from sb3_gpu.envs.spec import (
+    EnvSpec,
+    channel_last_images,
+    check_env_api,
+    episode_limit,
+    measure_step_seconds,
+    probe_env,
+    resolve_env,
+)
 from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.extensions.replay import size_text
@@ -570,21 +578,23 @@ def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
     return spaces.Box(low, high, dtype=space.dtype)
 
 
-def _moved_channels_first(space: spaces.Space) -> bool:
-    """Whether SB3 wraps the env in VecTransposeImage for these observations (channel-last images, a Dict's too)."""
-    members = space.spaces.values() if isinstance(space, spaces.Dict) else [space]
-    return any(
-        isinstance(member, spaces.Box)
-        and is_image_space(member, check_channels=False)
-        and not is_image_space_channels_first(member)
-        for member in members
-    )
+def _stored_space(preset: Preset, space: spaces.Space) -> spaces.Space:
+    """The observations the buffers hold: VecNormalize makes those it scales float32 (images too), whatever they were."""
+    if isinstance(space, spaces.Dict):
+        scaled = _normalized_keys(preset, space)
+        return spaces.Dict({k: _as_float32(m) if k in scaled else m for k, m in space.spaces.items()})
+    return _as_float32(space) if _normalizes_observations(preset) else space
+
+
+def _as_float32(space: spaces.Space) -> spaces.Space:
+    return spaces.Box(-np.inf, np.inf, space.shape, np.float32) if isinstance(space, spaces.Box) else space
 
 
 def _data_bytes(preset: Preset, facts: _EnvFacts) -> int:
     """The bytes PPO's rollout buffer or an off-policy replay buffer holds."""
     params: Any = preset.params
-    per_step = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
+    stored = _stored_space(preset, facts.observation_space)
+    per_step = _transition_bytes(stored, facts.action_space, preset.frame_stack or 1)
     # A rollout holds one observation (not two) and a few floats per step; a replay buffer whole transitions.
     if preset.algo == "ppo":
         return int(params.n_steps * preset.n_envs * (per_step // 2 + 32))
@@ -593,7 +603,8 @@ def _data_bytes(preset: Preset, facts: _EnvFacts) -> int:
 
 def _observation_bytes(preset: Preset, facts: _EnvFacts) -> int:
     """The bytes of a PPO rollout's observations (half of a transition's, which holds two)."""
-    per_step = _transition_bytes(facts.observation_space, facts.action_space, preset.frame_stack or 1)
+    stored = _stored_space(preset, facts.observation_space)
+    per_step = _transition_bytes(stored, facts.action_space, preset.frame_stack or 1)
     return int(preset.params.n_steps * preset.n_envs * (per_step // 2))
 
 
@@ -939,12 +950,18 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
     """VecNormalize's refusals, and NatureCNN's of what it leaves, said in the plan rather than as the model is
     built."""
     source = preset.sources.get("normalize", "preset")
-    if preset.normalize and not get_algo(preset.algo).on_policy and _moved_channels_first(obs_space):
-        # SB3 stores VecNormalize's original observations, taken from below the VecTransposeImage it adds.
+    # Images VecNormalize leaves as they are stay uint8, and SB3 adds VecTransposeImage over it for them; its
+    # off-policy algorithms store VecNormalize's original observations, from below that wrapper.
+    scaled = _normalized_keys(preset, obs_space) if isinstance(obs_space, spaces.Dict) else set()
+    if not isinstance(obs_space, spaces.Dict) and _normalizes_observations(preset):
+        scaled = {""}
+    left = [key for key in channel_last_images(obs_space) if key not in scaled]
+    if preset.normalize and not get_algo(preset.algo).on_policy and left:
+        which = f"the Dict's {', '.join(repr(k) for k in left)}" if left != [""] else "the observations"
         raise ConfigError(
-            f"normalize ({source}) does not go with {preset.algo} on channel-last images: SB3's off-policy algorithms "
-            "store the observations from below the wrapper that moves channels first, in a buffer that holds them "
-            "channels first; set normalize=false"
+            f"normalize ({source}) leaves {which} channel-last images, which {preset.algo} cannot store: SB3's "
+            "off-policy algorithms store them from below the wrapper that moves channels first, in a buffer that holds "
+            "them channels first; set normalize=false"
         )
     if not _normalizes_observations(preset):
         return

@@ -34,7 +34,7 @@ from sb3_gpu.common.io import (
     write_json,
 )
 from sb3_gpu.config.runconfig import config_env, load_config
-from sb3_gpu.envs.spec import EnvSpec
+from sb3_gpu.envs.spec import EnvSpec, channel_last_images
 from sb3_gpu.extensions.amp import record_loss_scale
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, offset_seed
 from sb3_gpu.planning.plan import make_plan
@@ -176,7 +176,13 @@ class TimedEvalCallback(EvalCallback):
             super()._init_callback()
         # SB3 moves channel-last images first for the model, wrapping the training env in VecTransposeImage, and
         # syncs VecNormalize's statistics down both chains level by level: the eval env must be wrapped the same.
-        if is_vecenv_wrapped(self.training_env, VecTransposeImage) and not is_vecenv_wrapped(self.eval_env, VecTransposeImage):
+        # (Not where the user's own wrapper already moved them.)
+        trained_transposed = is_vecenv_wrapped(self.training_env, VecTransposeImage)
+        if (
+            trained_transposed
+            and not is_vecenv_wrapped(self.eval_env, VecTransposeImage)
+            and channel_last_images(self.eval_env.observation_space)
+        ):
             self.eval_env = VecTransposeImage(self.eval_env)
         calls_from_the_models_steps(self)
         if self.on_new_best is not None:

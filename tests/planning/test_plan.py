@@ -272,20 +272,45 @@ def test_normalised_images_that_sb3_trains_on_are_planned_built_and_trained(cpu_
     build_model(plan, build_env(plan)).learn(32)
 
 
+LAST = gym.spaces.Box(0, 255, (40, 40, 3), np.uint8)  # channel-last images
+VECTOR = gym.spaces.Box(-1, 1, (2,), np.float32)
+
+
 @pytest.mark.parametrize(
-    "space",
-    [gym.spaces.Box(0, 255, (40, 40, 3), np.uint8), gym.spaces.Dict({"img": gym.spaces.Box(0, 255, (40, 40, 3), np.uint8)})],
-    ids=["box", "dict"],
+    "space, normalize, left",
+    [
+        (LAST, {"norm_obs": False}, "the observations"),
+        (gym.spaces.Dict({"img": LAST}), {"norm_obs": False}, "the Dict's 'img'"),
+        (gym.spaces.Dict({"img": LAST, "pos": VECTOR}), {"norm_obs_keys": ["pos"]}, "the Dict's 'img'"),
+    ],
+    ids=["box-rewards-only", "dict-rewards-only", "dict-image-left-out"],
 )
-def test_off_policy_rewards_only_normalisation_of_channel_last_images_is_refused_as_sb3_cannot_store_them(cpu_machine, space):
+def test_off_policy_normalisation_that_leaves_channel_last_images_is_refused_as_sb3_cannot_store_them(
+    cpu_machine, space, normalize, left
+):
     # SB3's off-policy _store_transition takes VecNormalize's original observations, channel-last, into a buffer of
     # the channel-first ones VecTransposeImage gives the model: a broadcasting error at the first step.
-    rewards_only = {"normalize": {"norm_obs": False}, "learning_starts": 8, "buffer_size": 64, "n_envs": 1}
-    with pytest.raises(ConfigError, match=re.escape("normalize (override) does not go with dqn on channel-last images")):
-        make_plan("dqn", lambda: _Spaces(space), hardware=cpu_machine, overrides=rewards_only)
-    make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides={"normalize": {"norm_obs": False}})
-    first = gym.spaces.Box(0, 255, (3, 40, 40), np.uint8)  # channel-first images are stored as the model sees them
-    plan = make_plan("dqn", lambda: _Spaces(first), hardware=cpu_machine, overrides=rewards_only)
+    small = {"learning_starts": 8, "buffer_size": 64, "n_envs": 1}
+    message = f"normalize (override) leaves {left} channel-last images, which dqn cannot store"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_plan("dqn", lambda: _Spaces(space), hardware=cpu_machine, overrides={**small, "normalize": normalize})
+    make_plan("ppo", lambda: _Spaces(space), hardware=cpu_machine, overrides={"normalize": normalize})
+
+
+@pytest.mark.parametrize(
+    "space, normalize",
+    [
+        (gym.spaces.Box(0, 255, (3, 40, 40), np.uint8), {"norm_obs": False}),  # stored as the model sees them
+        (LAST, True),  # scaled into float32: no image left to move, nothing moved
+        (gym.spaces.Dict({"img": SMALL_IMAGE, "pos": VECTOR}), True),  # the same, per key
+    ],
+    ids=["channel-first", "box-scaled", "dict-scaled"],
+)
+def test_off_policy_normalisation_that_leaves_no_channel_last_image_is_planned_and_trains(cpu_machine, space, normalize):
+    overrides = {"learning_starts": 8, "buffer_size": 64, "n_envs": 1, "normalize": normalize}
+    if space is LAST:
+        overrides["policy"] = "MlpPolicy"  # NatureCNN takes no float channel-last images: refused on its own
+    plan = make_plan("dqn", lambda: _Spaces(space), hardware=cpu_machine, overrides=overrides)
     build_model(plan, build_env(plan)).learn(16)
 
 
@@ -643,3 +668,19 @@ def test_one_rollout_may_be_the_whole_run_but_not_more(cpu_machine):
         make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides={**whole, "n_timesteps": 127})
     with pytest.raises(ConfigError, match=re.escape("one rollout is train_freq * n_envs = 8 * 2 = 16 env steps")):
         make_plan("dqn", "CartPole-v1", hardware=cpu_machine, overrides={"n_envs": 2, "train_freq": 8, "n_timesteps": 15})
+
+
+@pytest.mark.parametrize("algo", ["dqn", "ppo"])
+def test_images_that_vecnormalize_scales_are_sized_as_the_float32_it_stores(cpu_machine, algo):
+    # VecNormalize turns the uint8 frames into float32, which the buffers then hold: a plan sized at a byte each
+    # let a buffer four times the memory it checked through, to be OOM-killed as it filled.
+    frames = gym.spaces.Box(0, 255, (4, 40, 40), np.uint8)
+    size = {"buffer_size": 10_000} if algo == "dqn" else {"n_steps": 1024, "batch_size": 64}
+    common = {"policy_kwargs": {"normalize_images": False}, "n_envs": 1, "probe": False, **size}
+
+    def mib(normalize):
+        plan = make_plan(algo, lambda: _Spaces(frames), hardware=cpu_machine, overrides={**common, "normalize": normalize})
+        return float(re.search(r"\(([\d.]+) MiB in host memory\)", plan.buffers_reason).group(1))
+
+    raw, rewards_only, scaled = mib(False), mib({"norm_obs": False}), mib(True)
+    assert rewards_only == raw and scaled == pytest.approx(4 * raw, rel=0.01)

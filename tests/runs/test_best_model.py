@@ -313,6 +313,26 @@ def test_rewards_only_normalisation_of_channel_last_images_evaluates_periodicall
     assert filmed.returncode == 0 and (vector / "videos").is_dir(), filmed.stderr
 
 
+def test_an_eval_env_whose_own_wrapper_moved_the_channels_first_is_evaluated_as_it_is(tmp_path):
+    # The user's eval env already gives what the model sees: wrapping it in VecTransposeImage too (as the training
+    # env's channel-last images are) failed SB3's channel-last assertion before the first step.
+    from tests.fault_envs import ChannelLastImages
+
+    class ChannelsFirst(gym.ObservationWrapper):
+        def __init__(self, env):
+            super().__init__(env)
+            self.observation_space = gym.spaces.Box(0, 255, (1, 36, 36), np.uint8)
+
+        def observation(self, observation):
+            return np.moveaxis(observation, -1, 0)
+
+    model = PPO("CnnPolicy", ChannelLastImages(), n_steps=32, batch_size=32, n_epochs=1, seed=0)
+    eval_env = DummyVecEnv([lambda: ChannelsFirst(ChannelLastImages())])
+    evaluator = TimedEvalCallback(eval_env, eval_freq=32, n_eval_episodes=1, verbose=0)
+    model.learn(64, callback=evaluator)
+    assert evaluator.last_mean_reward >= 0 and evaluator.eval_env is eval_env  # evaluated, on the env as given
+
+
 def test_a_signal_during_the_check_after_training_stops_it_and_keeps_the_chosen_figure(tmp_path, call_main):
     # The plan's check of the env takes step 1; training steps 2-33; the periodic evaluation (one 20-step episode)
     # 34-53; its confirmation 54-113; the final evaluation 114-133; the check after training plans afresh (its check
