@@ -90,9 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         type=name_arg,
-        choices=COMPILE_MODES,
+        choices=(*COMPILE_MODES, "true", "on", "off"),
         help="torch.compile the gradient step and policy: auto (default: on CUDA or the CPU where the probe times it "
-        "faster and the run earns its compile time back), false or a torch.compile mode",
+        "faster and the run earns its compile time back), false (or off), true (or on: the default mode) or a "
+        "torch.compile mode",
     )
     p.add_argument("--threads", type=threads_arg, help="torch CPU threads: auto (default; chosen by policy size) or N")
     p.add_argument(

@@ -90,7 +90,7 @@ def parse_case(text: str) -> tuple[str, str, str]:
         raise ValueError(f"{text!r}: {e}") from None
     if per and name not in ("dqn", "qrdqn"):
         raise ValueError(f"{text!r}: +per is for dqn and qrdqn")
-    return name + ("+" if per else "") + per, env, profile or "auto"
+    return name + ("+" if per else "") + per, env, profile.strip().lower() or "auto"
 
 
 def plan_case(text: str, device: str, variant: str = "sb3", buffer_size: int | None = None) -> Plan:

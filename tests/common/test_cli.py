@@ -105,7 +105,8 @@ def test_a_named_choice_outside_the_list_is_still_refused_with_the_list(call_mai
 
     out = call_main(main, "ppo", "--amp", "FP8", "--plan")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
-    assert "argument --amp: invalid choice: 'fp8' (choose from 'auto', 'off', 'bf16', 'fp16')" in out.stderr
+    # Python 3.12.8 and 3.13.1 list the choices without quotes.
+    assert "argument --amp: invalid choice: 'fp8' (choose from " in out.stderr and "bf16" in out.stderr
 
 
 def test_a_program_run_prints_warnings_as_one_line_each_and_a_call_from_python_leaves_them_alone(capsys, monkeypatch):

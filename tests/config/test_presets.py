@@ -532,3 +532,37 @@ def test_compile_true_as_yaml_or_python_reads_it_compiles_in_the_default_mode(va
     from sb3_gpu.common.checks import compile_mode
 
     assert compile_mode(value, "compile") == mode
+
+
+def test_per_switched_on_takes_the_presets_own_settings_not_the_defaults():
+    # dqn.yaml tunes PER (eps 0.1, buffer-wide normalisation); --per must train with those.
+    tuned = {"alpha": 0.4, "beta0": 0.4, "eps": 0.1, "normalize": "buffer"}
+    entry = validate_entry(DQN_, {"per": tuned}, "t")
+    preset = resolve_preset(DQN_, entry, "f:e", "cpu", {"per": (True, "--per")})
+    assert preset.params.per == {**tuned, "beta_fraction": 1.0}
+
+
+def test_a_profiles_option_mapping_wins_over_the_entrys_on_a_key_both_set():
+    entry = validate_entry(
+        PPO_,
+        {"policy_kwargs": {"ortho_init": False, "log_std_init": -1.0}, "gpu": {"policy_kwargs": {"ortho_init": True}}},
+        "t",
+    )
+    assert resolve_preset(PPO_, entry, "f:e", "gpu").policy_kwargs == {"ortho_init": True, "log_std_init": -1.0}
+    assert resolve_preset(PPO_, entry, "f:e", "cpu").policy_kwargs == {"ortho_init": False, "log_std_init": -1.0}
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("per", {"beta0": 1.5}, "per.beta0: expected a number in [0, 1]"),  # importance weights over-corrected
+        ("per", {"beta_fraction": 0}, "per.beta_fraction: expected a number in (0, 1]"),
+        ("threads", 0, "threads: expected 'auto' or a positive int, got 0"),
+        ("threads", True, "threads: expected 'auto' or a positive int, got True"),  # not one thread
+        ("normalize", {"norm_obs_keys": ["pos", "pos"]}, "normalize.norm_obs_keys: ['pos', 'pos'] names a key twice"),
+    ],
+)
+def test_extension_values_out_of_their_range_are_refused(key, value, message):
+    entry = validate_entry(DQN_, {}, "t")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_preset(DQN_, entry, "f:e", "cpu", {key: (value, "--set")})

@@ -122,6 +122,19 @@ def test_a_config_links_to_elsewhere_is_checked_where_it_lies_and_where_it_leads
     assert not (run / "imported").exists()
 
 
+def test_a_link_from_elsewhere_to_a_handed_over_config_is_checked_where_it_leads(own_env_run, call_main):
+    run, module, _ = own_env_run
+    (run / "payload.py").write_text(PAYLOAD)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace(f"env: {module}:CartPoleEnv", "env: run.payload:CartPoleEnv"))
+    elsewhere = run.parent / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.yaml").symlink_to(config)  # the folder it lies in holds no code: the one it leads to does
+    result = call_main(train_main, "--config", str(elsewhere / "config.yaml"), "--plan")
+    assert result.returncode == 2 and "whose module 'run' lies inside" in result.stderr, result.stderr
+    assert not (run / "imported").exists()
+
+
 def test_a_package_installed_in_a_virtual_environment_inside_the_configs_folder_is_imported(tmp_path, monkeypatch):
     from sb3_gpu.config import runconfig
 
