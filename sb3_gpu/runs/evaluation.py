@@ -425,7 +425,7 @@ def evaluate_run(
         stats = run.vecnormalize_for(model_path)
         if stats is None:
             hint = "; which='final' evaluates model.zip with its own" if model_path.name == run.BEST_MODEL else ""
-            raise ConfigError(f"{run} normalised its observations, but {run.missing_vecnormalize(model_path)}{hint}")
+            raise ConfigError(f"{run} trained under VecNormalize, but {run.missing_vecnormalize(model_path)}{hint}")
         venv = load_vecnormalize(stats, venv.venv)
         venv.training, venv.norm_reward = False, False
     result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}

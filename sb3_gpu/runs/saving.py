@@ -449,7 +449,7 @@ def restore_vecnormalize(env: VecEnv, state: SavedState, run: RunDir) -> VecEnv:
         return env
     if state.vecnormalize is None:
         raise ConfigError(
-            f"cannot resume {run}: it normalised observations but holds no statistics saved with {state.model.name}"
+            f"cannot resume {run}: it trained under VecNormalize but holds no statistics saved with {state.model.name}"
         )
     restored = load_vecnormalize(state.vecnormalize, env.venv)
     restored.training = True
