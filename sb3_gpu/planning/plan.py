@@ -185,7 +185,7 @@ def make_plan(
     policy, policy_reason = provisional.policy, ""
     if policy == "auto":
         policy, policy_reason = _policy_for(facts.observation_space, provisional.policy_kwargs)
-    kind = _policy_kind(policy, facts.observation_space)
+    kind = _policy_kind(policy, _stored_space(provisional, facts.observation_space))  # scaled images are flattened
 
     def variant(choice: DeviceChoice) -> _Variant:
         chosen_profile, profile_reason = _profile(profile, choice, entry, entry_label)
@@ -498,7 +498,7 @@ def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:
         grads = steps * getattr(params, "grad_accum_steps", 1) / per_rollout
     # The optimizer the run will have on this device (fused on a GPU), which the probe times.
     kwargs = planned_policy_kwargs(preset.algo, preset.policy_kwargs_for_sb3(), params.batch_size, v.device.device)
-    obs_space = _policy_space(facts.observation_space, preset.frame_stack or 1)
+    obs_space = _policy_space(_stored_space(preset, facts.observation_space), preset.frame_stack or 1)
     overlapped = choose_overlap(preset, v.device.device).kind == "overlapped"
     return Workload(
         preset.algo,
@@ -579,15 +579,18 @@ def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
 
 
 def _stored_space(preset: Preset, space: spaces.Space) -> spaces.Space:
-    """The observations the buffers hold: VecNormalize makes those it scales float32 (images too), whatever they were."""
+    """The observations the model and its buffers get: the images VecNormalize scales become float32 (the other Boxes
+    it scales keep their dtype, as SB3's VecNormalize keeps their space)."""
     if isinstance(space, spaces.Dict):
         scaled = _normalized_keys(preset, space)
-        return spaces.Dict({k: _as_float32(m) if k in scaled else m for k, m in space.spaces.items()})
-    return _as_float32(space) if _normalizes_observations(preset) else space
+        return spaces.Dict({k: _scaled_image(m) if k in scaled else m for k, m in space.spaces.items()})
+    return _scaled_image(space) if _normalizes_observations(preset) else space
 
 
-def _as_float32(space: spaces.Space) -> spaces.Space:
-    return spaces.Box(-np.inf, np.inf, space.shape, np.float32) if isinstance(space, spaces.Box) else space
+def _scaled_image(space: spaces.Space) -> spaces.Space:
+    if isinstance(space, spaces.Box) and is_image_space(space, check_channels=False):
+        return spaces.Box(-np.inf, np.inf, space.shape, np.float32)
+    return space
 
 
 def _data_bytes(preset: Preset, facts: _EnvFacts) -> int:
@@ -933,7 +936,7 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
 
 
 def _normalizes_observations(preset: Preset) -> bool:
-    """Whether the plan's VecNormalize scales the observations (into float32, whatever they were)."""
+    """Whether the plan's VecNormalize scales the observations (a uint8 image into float32)."""
     options = preset.normalize if isinstance(preset.normalize, dict) else {}
     return bool(preset.normalize) and options.get("norm_obs", True)
 

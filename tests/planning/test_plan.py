@@ -684,3 +684,29 @@ def test_images_that_vecnormalize_scales_are_sized_as_the_float32_it_stores(cpu_
 
     raw, rewards_only, scaled = mib(False), mib({"norm_obs": False}), mib(True)
     assert rewards_only == raw and scaled == pytest.approx(4 * raw, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "space",
+    [gym.spaces.Box(-1, 1, (32,), np.float64), gym.spaces.Box(0, 255, (128,), np.uint8)],
+    ids=["float64-vector", "uint8-ram"],
+)
+def test_observations_vecnormalize_scales_but_that_are_no_image_are_sized_in_their_own_dtype(cpu_machine, space):
+    # SB3's VecNormalize keeps a Box's space unless it is an image: MuJoCo's float64 stays float64 in the buffers.
+    common = {"n_envs": 1, "probe": False, "buffer_size": 100_000, "policy": "MlpPolicy"}
+
+    def mib(normalize):
+        plan = make_plan("dqn", lambda: _Spaces(space), hardware=cpu_machine, overrides={**common, "normalize": normalize})
+        return float(re.search(r"\(([\d.]+) MiB in host memory\)", plan.buffers_reason).group(1))
+
+    assert mib(True) == mib(False)
+
+
+def test_a_dict_image_that_vecnormalize_scales_is_planned_as_the_flattened_input_sb3_gives_it(gpu_machine):
+    # CombinedExtractor runs NatureCNN only on images; a scaled one is float32, flattened: no convolutions to place.
+    space = gym.spaces.Dict({"img": gym.spaces.Box(0, 255, (40, 40, 3), np.uint8), "pos": VECTOR})
+    raw, scaled = (
+        make_plan("dqn", lambda: _Spaces(space), hardware=gpu_machine, overrides={"normalize": normalize, "probe": False})
+        for normalize in (False, True)
+    )
+    assert raw.device.reason.startswith("CNN policy") and not scaled.device.reason.startswith("CNN policy")
