@@ -495,14 +495,14 @@ def _main_train(args: argparse.Namespace, command: str) -> int:
     from sb3_gpu.benches.base import write_results
     from sb3_gpu.benches.train import ZOO, ZOO_ATARI, bench_train, has_zoo_baseline, runs_file, train_markdown
     from sb3_gpu.common.hardware import detect_hardware
-    from sb3_gpu.envs.spec import looks_atari, register_ale
+    from sb3_gpu.envs.spec import register_ale
 
+    if args.env not in gym.registry:
+        register_ale()  # ale-py's ids, which looks_atari and gym.spec know only once registered
     if not has_zoo_baseline(args.algo, args.env):
         have = ", ".join([*(f"{a} {e}" for a, e in sorted(ZOO)), *(f"{a} on Atari games" for a in ZOO_ATARI)])
         print_error(f"no rl-zoo3 baseline for {args.algo} {args.env} (have: {have})")
         return 2
-    if looks_atari(args.env):
-        register_ale()
     threshold = args.threshold if args.threshold is not None else gym.spec(args.env).reward_threshold
     if threshold is None:
         print_error(f"{args.env} registers no reward_threshold; pass --threshold")

@@ -31,6 +31,7 @@ from sb3_gpu.extensions.hostreads import HostReads
 from sb3_gpu.extensions.networks import NarrowLinear
 from sb3_gpu.extensions.per import DeviceSumMinTree
 from sb3_gpu.planning.build import build_env, model_kwargs
+from sb3_gpu.planning.optimizers import planned_policy_kwargs
 from sb3_gpu.planning.plan import Plan, auto_compile_mode, make_plan
 
 # (algo, env, profile): the CartPole presets everywhere; the Pong CNNs where a GPU is at hand. ``dqn+per``: sb3_gpu's
@@ -124,6 +125,9 @@ def _model(text: str, device: str, variant: str, buffer_size: int | None = None)
         accumulate = kwargs.pop("grad_accum_steps", 1)
         if accumulate > 1:
             kwargs["batch_size"] = accumulate * kwargs["batch_size"]
+        # And plain SB3's optimizer: the fused one a plan gives a GPU model is sb3_gpu's.
+        given = plan.preset.sb3_kwargs().get("policy_kwargs") or {}
+        kwargs["policy_kwargs"] = planned_policy_kwargs(algo, given, kwargs["batch_size"], plan.device.device, False)
     model: Any = cls(plan.preset.policy, build_env(plan), device=plan.device.device, seed=0, **kwargs)
     if per:  # the trees' tensor ops (a GPU's only backend; the CPU would take numba's loops, outside any graph)
         buffer = model.replay_buffer

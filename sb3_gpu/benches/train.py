@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import sb3_contrib
 import stable_baselines3 as sb3
@@ -34,7 +35,7 @@ from sb3_gpu.benches.base import SB3_TORCH, machine_key, preset_sha256, save_jso
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.common.version import __version__
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
-from sb3_gpu.envs.spec import looks_atari, register_ale
+from sb3_gpu.envs.spec import looks_atari, register_ale, resolve_env
 from sb3_gpu.planning.build import EVAL_SEED_OFFSET, build_env, build_model, offset_seed
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import confirm_count, eval_envs
@@ -164,9 +165,9 @@ def zoo_model(
     :param budget: the env steps it will be trained for; a linear schedule of an entry with ``zoo_timesteps`` then
         decays as it would over rl-zoo3's own length
     """
+    if env_id not in gym.registry:
+        register_ale()  # SB3 makes the id as it is: ale-py's ids (Pong-v4 too) must be registered first
     atari = (algo, env_id) not in ZOO and looks_atari(env_id)
-    if atari:
-        register_ale()  # SB3's make_atari_env makes the id as it is: ale-py's ids must be registered first
     kwargs = dict(zoo_entry(algo, env_id))
     n_envs = kwargs.pop("n_envs")
     zoo_timesteps = kwargs.pop("zoo_timesteps", None)
@@ -179,9 +180,9 @@ def zoo_model(
         kwargs["exploration_fraction"] *= end_fraction
     env: VecEnv
     if atari:
-        # AtariWrapper skips frames itself: a v5 id's own frame skip is turned off, as sb3_gpu's own Atari path does.
-        env_kwargs = {"frameskip": 1} if env_id.rpartition(":")[2].startswith("ALE/") else None  # module:EnvId too
-        venv = make_atari_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls, env_kwargs=env_kwargs)
+        # sb3_gpu's own maker of the id: it registers ale-py's ids where it runs (SubprocVecEnv's workers start with
+        # none), and turns the id's own frame skip off (v5's 4, Pong-v4's 2 to 4 at random), as AtariWrapper skips.
+        venv = make_atari_env(resolve_env(env_id).make, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls)
         env = VecFrameStack(venv, n_stack=4)
     else:
         env = sb3_make_vec_env(env_id, n_envs=n_envs, seed=seed, vec_env_cls=vec_env_cls)

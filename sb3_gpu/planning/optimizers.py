@@ -14,12 +14,15 @@ from sb3_gpu.config.schema import get_algo
 FUSED_OPTIMIZERS = (th.optim.Adam, th.optim.AdamW, th.optim.SGD)
 
 
-def planned_policy_kwargs(algo: str, policy_kwargs: dict[str, Any], batch_size: int, device: str) -> dict[str, Any]:
-    """``policy_kwargs`` as the plan builds ``algo``'s model on ``device`` with them."""
+def planned_policy_kwargs(
+    algo: str, policy_kwargs: dict[str, Any], batch_size: int, device: str, fused_optimizer: bool = True
+) -> dict[str, Any]:
+    """``policy_kwargs`` as the plan builds ``algo``'s model on ``device`` with them (``fused_optimizer=False``: with
+    the optimizer implementation plain SB3 gets, for a baseline)."""
     if algo == "qrdqn":
         policy_kwargs = qrdqn_optimizer(policy_kwargs, batch_size)
     spec = get_algo(algo)
-    if device.startswith("cuda") and spec.extended_class is not None:
+    if fused_optimizer and device.startswith("cuda") and spec.extended_class is not None:
         policy_kwargs = fused(policy_kwargs, on_policy=spec.on_policy)
     return policy_kwargs
 

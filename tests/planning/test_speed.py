@@ -211,3 +211,13 @@ def test_a_run_trained_with_gpu_only_switches_evaluates_on_the_cpu(tmp_path):
     config["hyperparameters"]["amp"] = "fp16"  # as written on a CUDA machine
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(config))
     assert evaluate_run(tmp_path / "run", episodes=2)["episodes"] == 2
+
+
+def test_a_baselines_optimizer_on_a_gpu_is_plain_sb3s_not_the_fused_one_sb3_gpu_plans():
+    # bench step's SB3 row took the plan's fused Adam on CUDA: one kernel where plain SB3 launches foreach ones.
+    from sb3_gpu.planning.optimizers import planned_policy_kwargs
+
+    assert planned_policy_kwargs("dqn", {}, 32, "cuda:0") == {"optimizer_kwargs": {"fused": True}}
+    assert planned_policy_kwargs("dqn", {}, 32, "cuda:0", fused_optimizer=False) == {}
+    plain_qrdqn = planned_policy_kwargs("qrdqn", {}, 32, "cuda:0", fused_optimizer=False)  # sb3-contrib's own eps kept
+    assert plain_qrdqn["optimizer_kwargs"] == {"eps": 0.01 / 32}
