@@ -23,6 +23,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sb3_gpu.benches import CALLBACK_SETS
 from sb3_gpu.common.checks import ALGO_NAMES, AMP_MODES
@@ -354,12 +355,35 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
         return 2
     machine = machine_line() + f", device {device}"
     print(machine)
-    rows = bench_step(cases, device, args.repeats, args.vec_steps, args.buffer_size, matmul_heads=args.matmul_heads)
+    rows: list[Any] = []
+    try:
+        bench_step(cases, device, args.repeats, args.vec_steps, args.buffer_size, matmul_heads=args.matmul_heads, rows=rows)
+    except KeyboardInterrupt:
+        if not rows:
+            raise
+        return _write_partial(
+            args.out,
+            "step",
+            {"command": command, "machine": machine, "rows": rows_json(rows)},
+            step_markdown(rows, command, machine),
+            len({r.case for r in rows}),
+            len(cases),
+        )
     markdown = step_markdown(rows, command, machine)
     print(markdown)
     paths = write_results(Path(args.out), "step", {"command": command, "machine": machine, "rows": rows_json(rows)}, markdown)
     print("written: " + " ".join(str(p) for p in paths))
     return 0
+
+
+def _write_partial(out: str, name: str, data: dict[str, Any], markdown: str, done: int, cases: int) -> int:
+    """After a signal: write the cases that ended (a GPU's minutes are not lost to the one it stopped)."""
+    from sb3_gpu.benches.base import write_results
+
+    paths = write_results(Path(out), name, {**data, "interrupted": f"{done} of {cases} cases"}, markdown)
+    print(markdown)
+    print_error(f"interrupted after {done} of {cases} cases; those are written: {' '.join(str(p) for p in paths)}")
+    return interrupted()
 
 
 def _main_gpu(args: argparse.Namespace, command: str) -> int:
@@ -380,12 +404,18 @@ def _main_gpu(args: argparse.Namespace, command: str) -> int:
     check_cases(cases, device)
     print(machine_line())
     sample = bench_sample(device, capacity, args.batch, max(args.repeats, 5) * 4)
+    training: list[dict[str, Any]] = []
     try:
         steps = args.steps or (50_000 if on_gpu else 10_000)
-        training = bench_training(cases, device, steps, args.repeats, zoo=not args.no_zoo)
+        bench_training(cases, device, steps, args.repeats, zoo=not args.no_zoo, rows=training)
     except ConfigError as exc:
         print_error(str(exc))
         return 2
+    except KeyboardInterrupt:  # the sample's figures are in, and the cases that ended
+        data = {"command": command, "sample": sample, "training": training}
+        return _write_partial(
+            args.out, "gpu", data, gpu_markdown(device, sample, training, command), len(training), len(cases)
+        )
     markdown = gpu_markdown(device, sample, training, command)
     print(markdown)
     paths = write_results(Path(args.out), "gpu", {"command": command, "sample": sample, "training": training}, markdown)

@@ -2,15 +2,17 @@
 # The GPU figures the project owes, on a machine with a CUDA device: the CUDA cases of the tests, `bench step` and
 # `bench gpu` on CUDA (sb3_gpu beside SB3 in the same run), each under a time limit of its own so that one that hangs
 # leaves the others' results. Run from the project root, with its dependencies importable (installed, or unpacked on
-# PYTHONPATH); results land in $OUT (default gpu-checks/), each step's log beside them. Each group fits in 10 minutes,
-# so a machine lent for short calls can take one group a call:
+# PYTHONPATH); results land in $OUT (default gpu-checks/), each step's log beside them, and a bench stopped by its time
+# limit writes the cases it finished. It exits 1 where a step failed or ran out of time. Each group fits in 10
+# minutes, so a machine lent for short calls can take one group a call:
 #
-#   OUT=/tmp/gpu bash tools/gpu_checks.sh bench      # bench step (the default cases) and bench gpu (Pong): <= 9 min
-#   OUT=/tmp/gpu bash tools/gpu_checks.sh tests      # the tests' CUDA cases: <= 9 min
-#   OUT=/tmp/gpu bash tools/gpu_checks.sh heads      # bench step --matmul-heads on the MLP cases: <= 5 min
-#   OUT=/tmp/gpu bash tools/gpu_checks.sh            # all three, one after the other: <= 23 min
+#   bash tools/gpu_checks.sh bench      # bench step (the default cases) and bench gpu (Pong): <= 10 min
+#   bash tools/gpu_checks.sh tests      # the tests' CUDA cases: <= 10 min
+#   bash tools/gpu_checks.sh heads      # bench step --matmul-heads on the MLP cases: <= 6 min
+#   bash tools/gpu_checks.sh            # all three, one after the other: <= 26 min
 #
-# `bench gpu` trains on ALE/Pong-v5 beside plain SB3 with rl-zoo3's values: ale-py and rl_zoo3 must be importable.
+# `bench gpu` trains on ALE/Pong-v5 beside plain SB3 with rl-zoo3's values (written into sb3_gpu): ale-py must be
+# importable.
 set -uo pipefail
 OUT="${OUT:-gpu-checks}"
 PY="${PYTHON:-python3}"
@@ -24,14 +26,17 @@ for g in "${groups[@]}"; do
 done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CI=true
+failed=0
 
 step() {  # step NAME SECONDS COMMAND...: run COMMAND with a time limit, its output in $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
-    local start=$SECONDS
+    local start=$SECONDS rc
     # SIGINT first, so that pytest and the benches still write what they have; SIGKILL 20 s later.
     timeout -s INT -k 20 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "$name: exit $? after $((SECONDS - start)) s (log: $OUT/$name.log)"
+    rc=$?
+    echo "$name: exit $rc after $((SECONDS - start)) s (log: $OUT/$name.log)"
+    [ "$rc" = 0 ] || failed=1
 }
 
 "$PY" - <<'PY' | tee "$OUT/device.txt"
@@ -49,7 +54,9 @@ for g in "${groups[@]}"; do
         # compiled, and the GPU's busy share; then the device data path against SB3's: Atari frames sampled, PPO and
         # DQN env steps/s on Pong.
         step bench-step 300 "$PY" -m sb3_gpu.bench step --device cuda --repeats 5 --out "$OUT/step"
-        step bench-gpu 240 "$PY" -m sb3_gpu.bench gpu --device cuda --steps 20000 --repeats 1 --out "$OUT/gpu"
+        # DQN's single Pong env collects about 400 steps/s: one profile, 10,000 steps a run, to fit the call.
+        step bench-gpu 250 "$PY" -m sb3_gpu.bench gpu --device cuda --steps 10000 --dqn-profiles auto --repeats 1 \
+            --out "$OUT/gpu"
         ;;
     tests)
         # The tests with a cuda case: compiled steps (CUDA graphs) against SB3's updates, no host waits under the sync
@@ -71,3 +78,4 @@ for g in "${groups[@]}"; do
     esac
 done
 tail -n 3 "$OUT"/*.log
+exit "$failed"

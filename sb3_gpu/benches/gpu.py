@@ -120,6 +120,10 @@ class _Utilisation:
         return statistics.mean(self.samples) / 100 if self.samples else None
 
 
+# The env steps an off-policy preset collects before it trains, at most: a timed run shorter than a preset's own
+# warm-up (100,000 on Atari) would time no gradient step at all.
+WARM_UP = 1_000
+
 # What each preset is trained with, in this order in the table; ratios are to the first. "zoo" is plain SB3 with
 # rl-zoo3's values on SubprocVecEnv, for the envs that have them.
 VARIANTS: dict[str, tuple[tuple[str, dict[str, Any] | None], ...]] = {
@@ -169,6 +173,9 @@ def _train_once(case: tuple[str, str, str], device: str, steps: int, overrides: 
         finally:
             close_vec_envs(model.get_env())
     plan = make_plan(algo, env, device, n_timesteps=steps, profile=profile, overrides=overrides)
+    if getattr(plan.preset.params, "learning_starts", 0) > WARM_UP:  # Pong's 100,000: no update in a timed run
+        warm = {**overrides, "learning_starts": WARM_UP}
+        plan = make_plan(algo, env, device, n_timesteps=steps, profile=profile, overrides=warm)
     venv = build_env(plan)
     try:
         in_process = not isinstance(venv.unwrapped, (SubprocVecEnv, BatchedSubprocVecEnv))
@@ -185,10 +192,16 @@ def check_cases(cases: list[tuple[str, str, str]], device: str) -> None:
 
 
 def bench_training(
-    cases: Sequence[tuple[str, str, str]], device: str, steps: int, repeats: int, zoo: bool = True
+    cases: Sequence[tuple[str, str, str]],
+    device: str,
+    steps: int,
+    repeats: int,
+    zoo: bool = True,
+    rows: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per (algo, env, profile): env steps/s of each of the algorithm's VARIANTS, in rounds whose order rotates."""
-    rows = []
+    """Per (algo, env, profile): env steps/s of each of the algorithm's VARIANTS, in rounds whose order rotates.
+    ``rows``, where given, gets each case's row as the case ends (what a stop leaves)."""
+    rows = [] if rows is None else rows
     for case in cases:
         algo, env, profile = case
         variants = [(label, o) for label, o in VARIANTS[algo] if o is not None or (zoo and has_zoo_baseline(algo, env))]

@@ -278,10 +278,17 @@ def _sync_free(fn: Callable[[], None], device: th.device) -> str | None:
 
 
 def bench_step(
-    cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None = None, matmul_heads: bool = False
+    cases: list[str],
+    device: str,
+    repeats: int,
+    vec_steps: int,
+    buffer_size: int | None = None,
+    matmul_heads: bool = False,
+    rows: list[StepRow] | None = None,
 ) -> list[StepRow]:
     """A row per case and variant (SB3's own, sb3_gpu eager, sb3_gpu compiled, and with ``matmul_heads`` the compiled
-    step with every linear layer a matrix product); ``buffer_size`` as for plan_case."""
+    step with every linear layer a matrix product); ``buffer_size`` as for plan_case. ``rows``, where given, gets each
+    case's rows as the case ends (what a stop leaves)."""
     # Inductor's CPU kernels then show in the profiler, one event per kernel call, as CUDA kernels do.
     th._inductor.config.cpp.enable_kernel_profile = True
     # This torch's profiler (kineto) prints two lines to stderr at each start and stop, hundreds in a bench, unless
@@ -290,7 +297,7 @@ def bench_step(
     checks = th.distributions.Distribution._validate_args
     try:
         variants = (*VARIANTS, MATMUL_HEADS) if matmul_heads else VARIANTS
-        return _rows(cases, device, repeats, vec_steps, buffer_size, variants)
+        return _rows(cases, device, repeats, vec_steps, buffer_size, variants, [] if rows is None else rows)
     finally:
         th.distributions.Distribution.set_default_validate_args(checks)
 
@@ -314,9 +321,14 @@ class _Variant:
 
 
 def _rows(
-    cases: list[str], device: str, repeats: int, vec_steps: int, buffer_size: int | None, variants: Sequence[str]
+    cases: list[str],
+    device: str,
+    repeats: int,
+    vec_steps: int,
+    buffer_size: int | None,
+    variants: Sequence[str],
+    rows: list[StepRow],
 ) -> list[StepRow]:
-    rows = []
     for text in cases:
         rows += _case_rows(text, device, repeats, vec_steps, buffer_size, variants)
         print(f"  {text}: done", flush=True)

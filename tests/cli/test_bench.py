@@ -888,3 +888,51 @@ def test_bench_envs_startup_workers_is_a_count_as_every_other(capsys):
     with pytest.raises(SystemExit) as exit_:
         bench.build_parser().parse_args(["envs", "--startup-workers", "-1"])
     assert exit_.value.code == 2 and "--startup-workers: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_a_stopped_bench_step_or_gpu_writes_the_cases_that_ended(tmp_path, monkeypatch, capsys):
+    # A GPU's lent minutes ran out mid-bench: the cases already measured were lost with the one stopped.
+    import json
+
+    from sb3_gpu.benches import gpu, step
+
+    def one_case(text, *args):
+        if text != "dqn:CartPole-v1":
+            raise KeyboardInterrupt
+        return [step.StepRow(text, "sb3", 3.0, 300.0, 1.5, 2.0, 100.0, 0.5, "-")]
+
+    monkeypatch.setattr(step, "_case_rows", one_case)
+    assert (
+        bench.main(["step", "--device", "cpu", "--cases", "dqn:CartPole-v1", "ppo:CartPole-v1", "--out", str(tmp_path)]) == 130
+    )
+    saved = json.loads((tmp_path / "step.json").read_text())
+    assert saved["interrupted"] == "1 of 2 cases" and [r["case"] for r in saved["rows"]] == ["dqn:CartPole-v1"]
+    assert "interrupted after 1 of 2 cases; those are written" in capsys.readouterr().err
+
+    def dqn_only(case, *args):
+        if case[0] != "dqn":
+            raise KeyboardInterrupt
+        return {
+            "steps_per_s": 100.0,
+            "cpu_s_per_1k": 1.0,
+            "grad_steps_per_1k": 250.0,
+            "gpu_utilisation": None,
+            "peak_memory_mib": None,
+        }
+
+    monkeypatch.setattr(gpu, "_train_once", dqn_only)
+    args = ["gpu", "--device", "cpu", "--capacity", "256", "--batch", "32", "--algos", "dqn", "ppo", "--repeats", "1"]
+    assert bench.main([*args, "--no-zoo", "--out", str(tmp_path)]) == 130  # DQN's three variants, then PPO's stop
+    saved = json.loads((tmp_path / "gpu.json").read_text())
+    assert saved["interrupted"] == "1 of 2 cases" and [r["algo"] for r in saved["training"]] == ["dqn"]
+    assert saved["sample"]["capacity"] == 256
+
+
+@pytest.mark.heavy
+def test_bench_gpu_times_gradient_steps_where_a_presets_warm_up_is_longer_than_the_run():
+    # Pong's DQN presets learn after 100,000 env steps: a 20,000-step run on a lent GPU timed no update at all.
+    from sb3_gpu.benches import gpu
+
+    late = {"device_buffers": False, "overlap_training": False, "learning_starts": 5_000}
+    run = gpu._train_once(("dqn", "CartPole-v1", "auto"), "cpu", 2_048, late)
+    assert run["grad_steps_per_1k"] > 0

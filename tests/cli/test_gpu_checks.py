@@ -76,3 +76,29 @@ def test_a_case_names_its_algorithm_in_any_case_and_an_unknown_one_is_named():
         parse_case("qr-dqn:CartPole-v1")
     with pytest.raises(ValueError, match="'a2c' is not one of them"):
         parse_case("a2c:CartPole-v1")
+
+
+def _commands(module: str) -> list[list[str]]:
+    """The script's command lines that run ``python -m module``, continuation lines joined: the arguments after it."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    lines = [line for line in text.splitlines() if f"-m {module} " in line and not line.lstrip().startswith("#")]
+    return [shlex.split(line)[shlex.split(line).index(module) + 1 :] for line in lines]
+
+
+def test_every_bench_command_it_runs_parses_with_the_current_flags(tmp_path):
+    # A flag renamed under the script would cost a lent GPU's scarce minutes before anything is measured.
+    from sb3_gpu.bench import build_parser
+
+    commands = _commands("sb3_gpu.bench")
+    assert len(commands) == 3
+    for args in commands:
+        build_parser().parse_args([a.replace("$OUT", str(tmp_path)) for a in args])
+
+
+def test_a_step_that_fails_or_runs_out_of_time_makes_the_script_exit_1(tmp_path):
+    fake = tmp_path / "python"  # passes the CUDA check (its script on stdin), then fails as the step's command
+    fake.write_text('#!/bin/sh\n[ "$1" = "-" ] && { cat >/dev/null; echo "2.13 Fake GPU"; exit 0; }\nexit 3\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "PYTHON": str(fake)}
+    result = subprocess.run(["bash", str(SCRIPT), "heads"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "bench-heads: exit 3 after" in result.stdout, result.stdout + result.stderr
