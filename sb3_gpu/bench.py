@@ -359,8 +359,6 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
     try:
         bench_step(cases, device, args.repeats, args.vec_steps, args.buffer_size, matmul_heads=args.matmul_heads, rows=rows)
     except KeyboardInterrupt:
-        if not rows:
-            raise
         return _write_partial(
             args.out,
             "step",
@@ -377,10 +375,14 @@ def _main_step(args: argparse.Namespace, command: str) -> int:
 
 
 def _write_partial(out: str, name: str, data: dict[str, Any], markdown: str, done: int, cases: int) -> int:
-    """After a signal: write the cases that ended (a GPU's minutes are not lost to the one it stopped)."""
+    """After a signal: write the cases that ended (a GPU's minutes are not lost to the one it stopped), saying so in
+    both files; none ended, an earlier run's files in ``out`` are left as they are."""
     from sb3_gpu.benches.base import write_results
 
-    paths = write_results(Path(out), name, {**data, "interrupted": f"{done} of {cases} cases"}, markdown)
+    if not done:
+        raise KeyboardInterrupt
+    note = f"Interrupted after {done} of {cases} cases: the others were not measured."
+    paths = write_results(Path(out), name, {**data, "interrupted": f"{done} of {cases} cases"}, f"{note}\n\n{markdown}")
     print(markdown)
     print_error(f"interrupted after {done} of {cases} cases; those are written: {' '.join(str(p) for p in paths)}")
     return interrupted()

@@ -992,6 +992,16 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
         if not isinstance(member, spaces.Box):
             where = f"the Dict's {key!r} is" if key else "the observations are"
             raise ConfigError(f"normalize ({source}) scales Box observations; {where} {_shown(member)}: {instead}")
+        # VecNormalize keeps the space of a Box that is no image, and PPO's rollout buffer allocates in it: scaled
+        # values stored as integers are truncated or wrap around (uint8: -1.5 becomes 255).
+        integers = not np.issubdtype(member.dtype, np.floating) and not is_image_space(member, check_channels=False)
+        if integers and get_algo(preset.algo).on_policy:
+            where = f"the Dict's {key!r}" if key else "the observations"
+            raise ConfigError(
+                f"normalize ({source}) scales {where} into floats, which {preset.algo}'s rollout buffer would store as "
+                f"their {member.dtype}: give the env float32 observations (gymnasium.wrappers.DtypeObservation), or "
+                f"{instead}"
+            )
     kwargs = preset.policy_kwargs
     if preset.policy != "CnnPolicy" or "features_extractor_class" in kwargs:
         return

@@ -907,6 +907,7 @@ def test_a_stopped_bench_step_or_gpu_writes_the_cases_that_ended(tmp_path, monke
     )
     saved = json.loads((tmp_path / "step.json").read_text())
     assert saved["interrupted"] == "1 of 2 cases" and [r["case"] for r in saved["rows"]] == ["dqn:CartPole-v1"]
+    assert (tmp_path / "step.md").read_text().startswith("Interrupted after 1 of 2 cases: the others were not measured.")
     assert "interrupted after 1 of 2 cases; those are written" in capsys.readouterr().err
 
     def dqn_only(case, *args):
@@ -926,6 +927,9 @@ def test_a_stopped_bench_step_or_gpu_writes_the_cases_that_ended(tmp_path, monke
     saved = json.loads((tmp_path / "gpu.json").read_text())
     assert saved["interrupted"] == "1 of 2 cases" and [r["algo"] for r in saved["training"]] == ["dqn"]
     assert saved["sample"]["capacity"] == 256
+    # Stopped before any case ended: the earlier run's complete files stay.
+    assert bench.main([*args[:-5], "--algos", "ppo", "--repeats", "1", "--no-zoo", "--out", str(tmp_path)]) == 130
+    assert json.loads((tmp_path / "gpu.json").read_text()) == saved
 
 
 @pytest.mark.heavy

@@ -227,6 +227,18 @@ def test_spaces_that_sb3s_policies_cannot_build_on_are_refused_by_the_plan(cpu_m
             "normalize.norm_obs_keys (override) names keys of a Dict observation, but these observations are a Box of ",
         ),
         (
+            gym.spaces.Box(0, 255, (128,), np.uint8),  # Atari's RAM: VecNormalize keeps its space, the buffer its dtype
+            {"normalize": True},
+            "normalize (override) scales the observations into floats, which ppo's rollout buffer would store as their "
+            "uint8: give the env float32 observations (gymnasium.wrappers.DtypeObservation), or set normalize.norm_obs",
+        ),
+        (
+            gym.spaces.Dict({"count": gym.spaces.Box(0, 9, (2,), np.int64), "pos": gym.spaces.Box(-1, 1, (2,))}),
+            {"normalize": True},
+            "normalize (override) scales the Dict's 'count' into floats, which ppo's rollout buffer would store as their "
+            "int64",
+        ),
+        (
             gym.spaces.Box(0, 255, (40, 40, 3), np.uint8),
             {"normalize": {"clip_obs": 5.0}},
             "normalize (override) would turn the channel-last images into floats, which SB3 then no longer moves",
