@@ -167,7 +167,7 @@ def _score(trial: Any, settings: TrialSettings, params: dict[str, Any], index: i
                 "n_timesteps": "--timesteps",
             },
         )
-    except ConfigError as e:  # an invalid combination (say batch_size > n_steps * n_envs): not a result
+    except ConfigError as e:  # an invalid combination (say batch_size > buffer_size): not a result
         trial.set_user_attr("invalid", str(e))
         raise optuna.TrialPruned(f"invalid combination: {e}") from None
     timesteps, n_envs = plan.preset.n_timesteps, plan.preset.n_envs
@@ -516,20 +516,26 @@ class WorkerRun:
     gave_up: bool = False
 
 
+# Trials in a row that failed or drew an invalid combination after which a worker stops, at the least: with fewer, a
+# small study gave up on a space half of whose draws are valid (--trials 1: one invalid first draw).
+MIN_MISSES = 10
+
+
 def run_trials(study: Any, objective: Any, target: int) -> WorkerRun:
     """Run trials until the study, counting every worker's, has ``target`` finished ones.
 
     A trial that fails (a NaN, out of memory) or draws an invalid combination is tried again with new values; after
-    ``target`` such trials in a row the worker stops: a study whose every trial fails ends.
+    ``target`` such trials in a row (at least MIN_MISSES) the worker stops: a study whose every trial fails ends.
     Workers finishing at once may each add a trial past ``target``.
     """
     run = WorkerRun()
+    most = max(target, MIN_MISSES)
 
     def after(study: Any, trial: Any) -> None:
         run.misses = 0 if _counts(trial) else run.misses + 1
         if finished_trials(study) >= target:
             study.stop()
-        elif run.misses >= target:
+        elif run.misses >= most:
             run.gave_up = True
             study.stop()
 

@@ -263,7 +263,9 @@ def test_failed_and_invalid_trials_are_tried_again_until_the_study_has_its_trial
     assert "3 complete, 2 fail, 1 invalid" in (tmp_path / "summary.md").read_text()
 
 
-def test_a_worker_whose_trials_all_fail_stops_after_as_many_in_a_row_as_asked_and_says_so(tmp_path, monkeypatch, call_main):
+def test_a_worker_whose_trials_all_fail_stops_after_as_many_in_a_row_as_asked_ten_at_least_and_says_so(
+    tmp_path, monkeypatch, call_main
+):
     def objective(trial):
         trial.set_user_attr("invalid", "one rollout is more than the budget")
         raise optuna.TrialPruned("invalid combination")
@@ -272,13 +274,14 @@ def test_a_worker_whose_trials_all_fail_stops_after_as_many_in_a_row_as_asked_an
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     out = call_main(tune.main, "ppo", "--trials", "2", *TINY, "--storage", storage, "--study-dir", str(tmp_path))
     assert out.returncode == 1, out.stderr
-    assert "error: this worker stopped after 2 trials in a row that failed or drew an invalid combination" in out.stderr
+    # Ten at the least: with as few as --trials, one or two unlucky draws of a half-valid space ended a short study.
+    assert "error: this worker stopped after 10 trials in a row that failed or drew an invalid combination" in out.stderr
     assert "the study has 0 of 2 trials finished" in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: this worker stopped after")  # last, below the results
-    assert len(load(storage).trials) == 2
+    assert len(load(storage).trials) == 10
     # The same command tries again (the invalid ones are no results that would end the study).
     out = call_main(tune.main, "ppo", "--trials", "2", *TINY, "--storage", storage, "--study-dir", str(tmp_path))
-    assert "0 of 2 trials finished; this worker joins in" in out.stdout and len(load(storage).trials) == 4
+    assert "0 of 2 trials finished; this worker joins in" in out.stdout and len(load(storage).trials) == 20
 
 
 def test_an_env_that_raises_while_tune_plans_is_its_traceback_and_one_line_and_exit_1(tmp_path, monkeypatch, call_main):
