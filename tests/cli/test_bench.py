@@ -151,7 +151,7 @@ def test_bench_train_trains_the_baseline_with_torchs_own_settings_not_those_a_pl
 
     seen = []
     monkeypatch.setattr(train, "zoo_model", lambda *args, **kwargs: None)
-    monkeypatch.setattr(train, "train_once", lambda *args: seen.append(TorchSettings.current()) or {"seed": 0})
+    monkeypatch.setattr(train, "train_once", lambda *args, **kwargs: seen.append(TorchSettings.current()) or {"seed": 0})
     plain = TorchSettings(2, False, False, False)
     monkeypatch.setattr(train, "SB3_TORCH", plain)
     before = TorchSettings.current()
