@@ -629,7 +629,7 @@ def test_bench_step_counts_a_buffer_too_big_for_this_machine_with_a_smaller_one(
     assert err.endswith("lower buffer_size; or count with a smaller --buffer-size\n")
     asked = []
     monkeypatch.setattr(
-        step, "bench_step", lambda cases, device, repeats, vec_steps, size, matmul_heads: asked.append(size) or []
+        step, "bench_step", lambda cases, device, repeats, vec_steps, size, matmul_heads, rows: asked.append(size) or []
     )
     assert bench.main([*args, "--buffer-size", "64"]) == 0
     assert asked == [64]
