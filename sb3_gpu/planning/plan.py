@@ -581,10 +581,10 @@ def _policy_space(space: spaces.Space, frame_stack: int) -> spaces.Space:
 def _stored_space(preset: Preset, space: spaces.Space) -> spaces.Space:
     """The observations the model and its buffers get: the images VecNormalize scales become float32 (the other Boxes
     it scales keep their dtype, as SB3's VecNormalize keeps their space)."""
+    scaled = _scaled_keys(preset, space)
     if isinstance(space, spaces.Dict):
-        scaled = _normalized_keys(preset, space)
         return spaces.Dict({k: _scaled_image(m) if k in scaled else m for k, m in space.spaces.items()})
-    return _scaled_image(space) if _normalizes_observations(preset) else space
+    return _scaled_image(space) if scaled else space
 
 
 def _scaled_image(space: spaces.Space) -> spaces.Space:
@@ -875,7 +875,7 @@ def _check_policy_fits(preset: Preset, obs_space: spaces.Space) -> None:
             "or pass policy_kwargs features_extractor_class (an extractor of your own, in Python)"
         )
     if isinstance(obs_space, spaces.Dict):  # the keys VecNormalize scales are floats then: flattened, no CNN
-        scaled = _normalized_keys(preset, obs_space)
+        scaled = _scaled_keys(preset, obs_space)
         for key, member in obs_space.spaces.items():
             if key not in scaled and (small := _too_small_for_nature_cnn(member, preset.policy_kwargs)):
                 raise ConfigError(
@@ -941,10 +941,12 @@ def _normalizes_observations(preset: Preset) -> bool:
     return bool(preset.normalize) and options.get("norm_obs", True)
 
 
-def _normalized_keys(preset: Preset, obs_space: spaces.Dict) -> set[str]:
-    """The keys of a Dict observation that the plan's VecNormalize scales."""
+def _scaled_keys(preset: Preset, obs_space: spaces.Space) -> set[str]:
+    """The keys of the observations the plan's VecNormalize scales; "" stands for observations that are no Dict."""
     if not _normalizes_observations(preset):
         return set()
+    if not isinstance(obs_space, spaces.Dict):
+        return {""}
     options = preset.normalize if isinstance(preset.normalize, dict) else {}
     return set(options.get("norm_obs_keys") or obs_space.spaces)
 
@@ -955,9 +957,7 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
     source = preset.sources.get("normalize", "preset")
     # Images VecNormalize leaves as they are stay uint8, and SB3 adds VecTransposeImage over it for them; its
     # off-policy algorithms store VecNormalize's original observations, from below that wrapper.
-    scaled = _normalized_keys(preset, obs_space) if isinstance(obs_space, spaces.Dict) else set()
-    if not isinstance(obs_space, spaces.Dict) and _normalizes_observations(preset):
-        scaled = {""}
+    scaled = _scaled_keys(preset, obs_space)
     left = [key for key in channel_last_images(obs_space) if key not in scaled]
     if preset.normalize and not get_algo(preset.algo).on_policy and left:
         which = f"the Dict's {', '.join(repr(k) for k in left)}" if left != [""] else "the observations"
@@ -980,7 +980,7 @@ def _check_normalize(preset: Preset, obs_space: spaces.Space) -> None:
                     f"normalize.norm_obs_keys ({source}): the observations have no key {key!r}"
                     f"{closest(key, obs_space.spaces)} (keys: {', '.join(obs_space.spaces)})"
                 )
-        members = {key: obs_space.spaces[key] for key in _normalized_keys(preset, obs_space)}
+        members = {key: obs_space.spaces[key] for key in scaled}
     elif asked is not None:
         raise ConfigError(
             f"normalize.norm_obs_keys ({source}) names keys of a Dict observation, but these observations are "
