@@ -4,7 +4,7 @@
 # leaves the others' results. Run from the project root, with its dependencies importable (installed, or unpacked on
 # PYTHONPATH); results land in $OUT (default gpu-checks/), each step's log beside them, and a bench stopped by its time
 # limit writes the cases it finished. It exits 1 where a step failed or ran out of time. Each group fits in 10
-# minutes, so a machine lent for short calls can take one group a call:
+# minutes, kill grace and start-up included, so a machine lent for short calls can take one group a call:
 #
 #   bash tools/gpu_checks.sh bench      # bench step (the default cases) and bench gpu (Pong): <= 10 min
 #   bash tools/gpu_checks.sh tests      # the tests' CUDA cases: <= 10 min
@@ -53,9 +53,9 @@ for g in "${groups[@]}"; do
         # Host reads, ops and time per gradient step and per vec step, SB3's train() beside sb3_gpu's eager and
         # compiled, and the GPU's busy share; then the device data path against SB3's: Atari frames sampled, PPO and
         # DQN env steps/s on Pong.
-        step bench-step 300 "$PY" -m sb3_gpu.bench step --device cuda --repeats 5 --out "$OUT/step"
+        step bench-step 280 "$PY" -m sb3_gpu.bench step --device cuda --repeats 5 --out "$OUT/step"
         # DQN's single Pong env collects about 400 steps/s: one profile, 10,000 steps a run, to fit the call.
-        step bench-gpu 250 "$PY" -m sb3_gpu.bench gpu --device cuda --steps 10000 --dqn-profiles auto --repeats 1 \
+        step bench-gpu 240 "$PY" -m sb3_gpu.bench gpu --device cuda --steps 10000 --dqn-profiles auto --repeats 1 \
             --out "$OUT/gpu"
         ;;
     tests)
@@ -63,9 +63,9 @@ for g in "${groups[@]}"; do
         # debug mode, a gSDE model loaded and compiled again. Each test's result in the log as it ends (-rA) and in
         # pytest-*.xml; any one test stopped after 120 s.
         pytest_args=(-m "" -p no:cacheprovider -k cuda -v -rA --timeout 120)
-        step pytest-dqn-ppo 240 "$PY" -m pytest "${pytest_args[@]}" --junitxml "$OUT/pytest-dqn-ppo.xml" \
+        step pytest-dqn-ppo 220 "$PY" -m pytest "${pytest_args[@]}" --junitxml "$OUT/pytest-dqn-ppo.xml" \
             tests/extensions/test_graphstep.py
-        step pytest-continuous 300 "$PY" -m pytest "${pytest_args[@]}" --junitxml "$OUT/pytest-continuous.xml" \
+        step pytest-continuous 280 "$PY" -m pytest "${pytest_args[@]}" --junitxml "$OUT/pytest-continuous.xml" \
             tests/extensions/test_continuous_step.py
         ;;
     heads)

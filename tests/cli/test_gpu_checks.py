@@ -102,3 +102,15 @@ def test_a_step_that_fails_or_runs_out_of_time_makes_the_script_exit_1(tmp_path)
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "PYTHON": str(fake)}
     result = subprocess.run(["bash", str(SCRIPT), "heads"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "bench-heads: exit 3 after" in result.stdout, result.stdout + result.stderr
+
+
+def test_each_group_fits_a_ten_minute_call_with_its_kill_grace_and_start_up():
+    text = SCRIPT.read_text()
+    grace = int(re.search(r"timeout -s INT -k (\d+)", text).group(1))
+    groups = re.findall(r"^    (bench|tests|heads)\)\n(.*?)^        ;;", text, re.M | re.S)
+    assert [g for g, _ in groups] == ["bench", "tests", "heads"]
+    for group, body in groups:
+        limits = [int(s) for s in re.findall(r"^\s*step [\w-]+ (\d+) ", body, re.M)]
+        assert limits, group
+        # 30 s left for the interpreter's start and the device check, the kill grace of each step on top of its limit
+        assert sum(limits) + grace * len(limits) + 30 <= 600, (group, limits)
