@@ -37,6 +37,7 @@ from sb3_gpu.common.cli import (
     positive_int,
     print_error,
     seed_int,
+    stops_held,
 )
 from sb3_gpu.common.cli import command as command_name
 from sb3_gpu.common.errors import BenchCannotRun, ConfigError, ResultsNotWritten
@@ -382,9 +383,10 @@ def _write_partial(out: str, name: str, data: dict[str, Any], markdown: str, don
     if not done:
         raise KeyboardInterrupt
     note = f"Interrupted after {done} of {cases} cases: the others were not measured."
-    paths = write_results(Path(out), name, {**data, "interrupted": f"{done} of {cases} cases"}, f"{note}\n\n{markdown}")
-    print(markdown)
-    print_error(f"interrupted after {done} of {cases} cases; those are written: {' '.join(str(p) for p in paths)}")
+    with stops_held():  # a second Ctrl-C (pressed twice) waits for the files and the line that names them
+        paths = write_results(Path(out), name, {**data, "interrupted": f"{done} of {cases} cases"}, f"{note}\n\n{markdown}")
+        print(markdown)
+        print_error(f"interrupted after {done} of {cases} cases; those are written: {' '.join(str(p) for p in paths)}")
     return interrupted()
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch as th
 
+from sb3_gpu.common.cli import stops_held
 from sb3_gpu.common.errors import ConfigError, ResultsNotWritten
 from sb3_gpu.common.hardware import detect_hardware
 from sb3_gpu.common.io import atomic_write_text, make_dir
@@ -84,8 +85,9 @@ def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str)
     """``NAME.json`` and ``NAME.md`` in ``out_dir``, each written atomically."""
     make_dir(out_dir, "--out folder")
     try:
-        json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
-        md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
+        with stops_held():  # a stop that comes now waits: two files that agree, and the message saying so
+            json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
+            md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
     except OSError as e:  # the runs file (bench train, solve) still holds the ended runs: the same command writes them
         raise ResultsNotWritten(f"cannot write the results into {out_dir}: {e.strerror or e}") from None
     return json_path, md_path

@@ -204,6 +204,25 @@ def sigterm_as_interrupt() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM that come inside the block are noted, not acted on (the main thread only): a second Ctrl-C
+    cannot cut short the write of the results the first one stopped for. Yields the signals noted."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    previous = {signum: signal.signal(signum, lambda signum, frame: came.append(signum)) for signum in _STOPS}
+    try:
+        yield came
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def _let_pass(signum: int, frame: object) -> None:
     pass
 

@@ -932,6 +932,36 @@ def test_a_stopped_bench_step_or_gpu_writes_the_cases_that_ended(tmp_path, monke
     assert json.loads((tmp_path / "gpu.json").read_text()) == saved
 
 
+def test_a_second_ctrl_c_while_a_stopped_bench_writes_waits_for_its_files(tmp_path, monkeypatch, capsys):
+    # Ctrl-C pressed twice: the second one cut the write short, and the message said no results were written.
+    import json
+    import os
+    import signal
+
+    from sb3_gpu.benches import base, step
+
+    def one_case(text, *args):
+        if text != "dqn:CartPole-v1":
+            raise KeyboardInterrupt
+        return [step.StepRow(text, "sb3", 3.0, 300.0, 1.5, 2.0, 100.0, 0.5, "-")]
+
+    real_write = base.atomic_write_text
+
+    def write_stopped(path, text):
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs at once, in this thread
+        return real_write(path, text)
+
+    monkeypatch.setattr(step, "_case_rows", one_case)
+    monkeypatch.setattr(base, "atomic_write_text", write_stopped)
+    args = ["step", "--device", "cpu", "--cases", "dqn:CartPole-v1", "ppo:CartPole-v1", "--out", str(tmp_path)]
+    assert bench.main(args) == 130
+    assert json.loads((tmp_path / "step.json").read_text())["interrupted"] == "1 of 2 cases"
+    assert (tmp_path / "step.md").read_text().startswith("Interrupted after 1 of 2 cases")
+    err = capsys.readouterr().err
+    assert "interrupted after 1 of 2 cases; those are written" in err and "no results were written" not in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 @pytest.mark.heavy
 def test_bench_gpu_times_gradient_steps_where_a_presets_warm_up_is_longer_than_the_run():
     # Pong's DQN presets learn after 100,000 env steps: a 20,000-step run on a lent GPU timed no update at all.
