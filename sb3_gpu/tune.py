@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
     from sb3_gpu.tuning.study import TrialSettings
 
+# Paths, URLs and commands: one line each whatever the terminal's width, printed as they are (a folder named
+# "runs[b]" is no rich markup).
+_PLAIN: dict[str, Any] = {"soft_wrap": True, "highlight": False, "markup": False}
+
 
 def best_table(study: Any, top: int = 5) -> Table:
     """The study's ``top`` best trials for the terminal, in the columns of ``summary.md``'s table (which lists 10)."""
@@ -278,7 +282,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         return 1
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for note in narrowed:
-        console.print(f"search space: {note}", highlight=False)
+        console.print(f"search space: {note}", **_PLAIN)
     if args.eval_freq is not None and args.eval_freq > plan.preset.n_timesteps:
         console.print(
             f"note: --eval-freq {args.eval_freq:,} is above the {plan.preset.n_timesteps:,} timesteps of each seed: no "
@@ -289,7 +293,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if dead := fail_dead_local_trials(study):
         console.print(f"marked {dead} trial(s) of dead workers on this host as failed")
     done = finished_trials(study)
-    console.print(f"study {name} in {mask_url(url)}: {done} of {args.trials} trials finished; this worker joins in")
+    console.print(f"study {name} in {mask_url(url)}: {done} of {args.trials} trials finished; this worker joins in", **_PLAIN)
     if done < args.trials:
         optuna.logging.set_verbosity(optuna.logging.INFO)
     for handler in logging.getLogger("optuna").handlers:
@@ -367,14 +371,15 @@ def _report(
     optuna = import_optuna()
     console.print(best_table(study))
     summary = atomic_write_text(folder / "summary.md", study_markdown(study, f"python -m sb3_gpu.tune {shlex.join(argv)}"))
-    console.print(f"summary: {summary}")
+    console.print(f"summary: {summary}", **_PLAIN)
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         print_error("no trial completed, so there is no best preset to export")
         return 1
     preset = export_preset(study, args.algo, env, folder / "best_preset.yaml", timesteps)
-    console.print(f"best preset: {preset}  ({shell_line('-m', 'sb3_gpu.train', args.algo, '--env', env, '--preset', preset)})")
+    command = shell_line("-m", "sb3_gpu.train", args.algo, "--env", env, "--preset", preset)
+    console.print(f"best preset: {preset}  ({command})", **_PLAIN)
     for note in write_plots(study, folder):
-        console.print(f"plot: {note}")
+        console.print(f"plot: {note}", **_PLAIN)
     return 0
 
 

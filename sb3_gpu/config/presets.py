@@ -156,12 +156,18 @@ class Preset:
 
     @property
     def timesteps_trained(self) -> int:
-        """The env steps a run of ``n_timesteps`` takes: SB3's on-policy ``learn`` collects whole rollouts of
-        ``n_steps * n_envs``, so it can run past ``n_timesteps``; off-policy collection stops within a few vec steps."""
-        if not get_algo(self.algo).on_policy:
-            return self.n_timesteps
-        rollout = self.params.n_steps * self.n_envs
-        return -(-self.n_timesteps // rollout) * rollout
+        """The env steps a run of ``n_timesteps`` takes: SB3's ``learn`` collects whole rollouts of ``n_steps *
+        n_envs`` (on-policy) or ``train_freq * n_envs`` (off-policy), so it can run past ``n_timesteps``. A
+        ``train_freq`` counted in episodes ends where they end: ``n_timesteps``, at the least."""
+        if get_algo(self.algo).on_policy:
+            block = self.params.n_steps * self.n_envs
+        else:
+            params: Any = self.params  # DQN's, QR-DQN's, SAC's, TD3's or TQC's
+            count, unit = (params.train_freq, "step") if isinstance(params.train_freq, int) else params.train_freq
+            if unit != "step":
+                return self.n_timesteps
+            block = count * self.n_envs
+        return -(-self.n_timesteps // block) * block
 
     def policy_kwargs_for_sb3(self) -> dict[str, Any]:
         kwargs = dict(self.policy_kwargs)

@@ -61,11 +61,17 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
         elif key == "batch_size" and plan.algo == "ppo" and (rest := values["n_steps"] * values["n_envs"] % value):
             why, style = f"{why}; warning: not a factor of the rollout: each epoch ends on a minibatch of {rest:,}", "yellow"
         if key == "n_timesteps" and (trained := plan.preset.timesteps_trained) != value:
-            why = f"{why}; trains {trained:,}: SB3 completes each rollout of n_steps * n_envs"
+            block = "rollout of n_steps" if plan.preset.algo == "ppo" else "train_freq of vec steps"
+            why = f"{why}; trains {trained:,}: SB3 completes each {block} * n_envs"
         elif key == "n_timesteps" and (freq := values.get("train_freq")) and isinstance(freq, list) and freq[1] == "episode":
             why = f"{why}; may train past it: SB3 completes the episodes of each train_freq"
-        if key == "eval_freq" and value is None:  # what RunOptions.frequencies takes then
-            shown, why = f"{max(plan.preset.n_timesteps // 10, 1):,}", f"a tenth of n_timesteps ({why})"
+        if key == "eval_freq":  # RunOptions.frequencies' interval, in whole steps of the vec env as EvalCallback counts
+            asked = value if value is not None else max(plan.preset.n_timesteps // 10, 1)
+            every = max(asked // plan.preset.n_envs, 1) * plan.preset.n_envs
+            shown = f"{every:,}"
+            why = f"a tenth of n_timesteps ({why})" if value is None else why
+            if every != asked:
+                why = f"{why}; {asked:,} rounded to whole steps of {plan.preset.n_envs} envs"
         _row(table, key, shown, why, style=style)
     return table
 

@@ -408,6 +408,7 @@ def test_a_seed_that_never_reaches_the_threshold_ranks_behind_a_slower_one_that_
         (["--storage", "journal:"], "storage 'journal:': journal:PATH names a file to write, and . is a folder"),
         (["--storage", "journal:sub"], "storage 'journal:sub': journal:PATH names a file to write, and sub is a folder"),
         (["--storage", "journal:notes.txt/j.log"], "cannot create the journal's folder notes.txt: a file is in the way"),
+        (["--storage", "sqlite:///notes.txt/s.db"], "cannot create the database's folder notes.txt: a file is in the way"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, call_main):
@@ -939,3 +940,14 @@ def test_a_study_dir_its_summary_cannot_name_is_refused_before_any_trial(tmp_pat
     study = tmp_path / b"st\xff".decode("utf-8", "surrogateescape")  # summary.md names it, in UTF-8, after the trials
     assert tune.main(["ppo", "--trials", "1", *TINY, "--study-dir", str(study)]) == 2
     assert "cannot use study dir" in capsys.readouterr().err and not study.exists()
+
+
+def test_a_sqlite_file_in_a_folder_not_made_yet_gets_its_folder_as_a_journal_does(tmp_path, monkeypatch):
+    # It said "(sqlite3.OperationalError) unable to open database file", where journal:PATH made the folder.
+    monkeypatch.chdir(tmp_path)
+    for url, made in (
+        (f"sqlite:///{tmp_path / 'new' / 'deeper' / 's.db'}", tmp_path / "new" / "deeper"),
+        ("sqlite:///relative/s.db?timeout=5", tmp_path / "relative"),
+    ):
+        optuna.create_study(study_name="s", storage=tuning_storage.make_storage(url, 60))
+        assert (made / "s.db").is_file()

@@ -367,7 +367,13 @@ def test_the_table_shows_the_evaluation_interval_a_run_takes_not_none(cpu_machin
         return str(list(table.columns[1].cells)[i]), str(list(table.columns[2].cells)[i])
 
     assert eval_freq_row({"n_timesteps": 2000}) == ("200", "a tenth of n_timesteps (sb3_gpu default)")
-    assert eval_freq_row({"n_timesteps": 2000, "eval_freq": 500}) == ("500", "override")
+    assert eval_freq_row({"n_timesteps": 2000, "eval_freq": 500, "n_envs": 4}) == ("500", "override")
+    # EvalCallback counts steps of the vec env: the row showed 409 above an evaluation line that said every 408.
+    assert eval_freq_row({"n_timesteps": 4096, "n_envs": 8}) == (
+        "408",
+        "a tenth of n_timesteps (sb3_gpu default); 409 rounded to whole steps of 8 envs",
+    )
+    assert eval_freq_row({"n_envs": 8, "eval_freq": 4}) == ("8", "override; 4 rounded to whole steps of 8 envs")
 
 
 def test_on_a_narrow_console_the_reasons_take_the_room_and_no_setting_name_wraps(cpu_machine):
@@ -416,6 +422,26 @@ def test_the_table_says_where_a_run_trains_past_n_timesteps(cpu_machine):
     assert "SB3 completes the episodes of each train_freq" in row("td3", "Pendulum-v1", train_freq=[1, "episode"])
     assert "past" not in row("td3", "Pendulum-v1", train_freq=[4, "step"]) and "past" not in row("td3", "Pendulum-v1")
     assert "trains 512: SB3 completes each rollout" in row("ppo", "CartPole-v1", n_steps=32, n_envs=8, batch_size=64)
+    # Off-policy collection runs whole train_freq blocks too: 16 vec steps of 8 envs trained 3,072 for 3,000.
+    assert "trains 384: SB3 completes each train_freq of vec steps * n_envs" in row(
+        "dqn", "CartPole-v1", train_freq=16, n_envs=8
+    )
+
+
+@pytest.mark.parametrize(
+    ("algo", "overrides", "trained"),
+    [
+        ("dqn", {"train_freq": 3, "n_envs": 4, "learning_starts": 10_000}, 60),
+        ("dqn", {"train_freq": [5, "step"], "n_envs": 2, "learning_starts": 10_000}, 50),
+        ("ppo", {"n_steps": 16, "n_envs": 2, "batch_size": 32}, 64),
+    ],
+)
+def test_a_run_trains_the_timesteps_the_plan_says(cpu_machine, algo, overrides, trained):
+    plan = make_plan(algo, "CartPole-v1", hardware=cpu_machine, overrides={"n_timesteps": 50, **overrides})
+    assert plan.preset.timesteps_trained == trained
+    model = build_model(plan, build_env(plan))
+    model.learn(plan.preset.n_timesteps)
+    assert model.num_timesteps == trained
 
 
 def test_a_batch_larger_than_what_it_is_drawn_from_is_refused_or_flagged(cpu_machine):
