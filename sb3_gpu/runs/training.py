@@ -253,7 +253,7 @@ class _Output:
         seconds_arg(self.report_s, "report_s")
 
     def say(self, text: str) -> None:
-        (self.console or Console()).print(text, highlight=False)
+        (self.console or Console()).print(text, highlight=False, markup=False)  # paths: "runs[b]" is no markup
 
     def warn(self, text: str) -> None:
         Console(stderr=True).print(f"warning: {text}", highlight=False, markup=False, soft_wrap=True)

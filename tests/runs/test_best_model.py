@@ -673,3 +673,10 @@ def test_a_killed_pass_after_the_final_model_and_an_older_checkpoint_are_set_asi
     assert "set aside (by the file's time: the zip records none) (trained again)" in console.export_text()
     assert [p.name for p in sorted(monitor.glob("*.seg*.monitor.csv"))] == [f"0.seg{k}.monitor.csv" for k in (1, 2, 3)]
     assert all(len(p.read_text().splitlines()) == 2 for p in monitor.glob("*.seg*.monitor.csv"))  # headers only
+
+
+def test_what_a_run_says_prints_its_paths_as_they_are():
+    # A run dir named "runs[b]" lost its "[b]" to rich's markup.
+    console = Console(record=True, width=300)
+    training._Output(progress=False, console=console, report_s=None).say("set aside: runs[b]/monitor/*.dropped.csv")
+    assert console.export_text() == "set aside: runs[b]/monitor/*.dropped.csv\n"
