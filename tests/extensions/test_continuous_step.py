@@ -154,6 +154,45 @@ class _GridActions(gym.Env):
         return self._observation(), reward, False, self._t >= 20, {}
 
 
+class _Ending(gym.Env):
+    """Episodes that end (terminated, not truncated) every 7 steps: Pendulum only truncates, so the targets' ``1 -
+    done`` and n-step returns cut short at an end were never reached."""
+
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32), {}
+
+    def step(self, action):
+        self._t += 1
+        observation = self.np_random.uniform(-1.0, 1.0, 3).astype(np.float32)
+        return observation, float(np.abs(action).sum()), self._t >= 7, False, {}
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    ("case", "extra"),
+    [
+        ("sac", {}),
+        # Noise as wide as the actions: TD3's clamp of its noisy target actions to [-1, 1] takes effect.
+        ("td3", {"target_policy_noise": 1.0, "target_noise_clip": 1.0}),
+        ("tqc", {}),
+        ("sac", {"n_steps": 3}),  # SB3's NStepReplayBuffer: each target discounted by its own gamma ** k
+        ("td3", {"n_steps": 3}),
+        ("tqc", {"n_steps": 3}),
+    ],
+)
+def test_episodes_that_end_and_n_step_returns_step_as_sb3s(case, extra):
+    plain_cls, ours_cls = _pair(case)
+    plain, ours = (_learned(cls, case, env=_Ending(), **extra) for cls in (plain_cls, ours_cls))
+    assert plain.replay_buffer.dones.any()  # episodes ended
+    for a, b in zip(_state(ours), _state(plain), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("case", ["sac", "td3", "tqc", "tqc-sde"])
 def test_actions_of_several_dimensions_step_as_sb3s(case):
