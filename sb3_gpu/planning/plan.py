@@ -225,6 +225,10 @@ def make_plan(
         return v
 
     device_choice = choose_device(device, kind, algo_.on_policy, hardware)
+    if device_choice.device == "mps" and (float64 := _float64_observations(provisional, facts.observation_space)):
+        if device != "auto":
+            raise ConfigError(f"device {device!r}: Apple's MPS has no float64, and {float64} float64: use cpu or auto")
+        device_choice = DeviceChoice("cpu", f"{float64} float64, which Apple's MPS cannot hold: the CPU")
     chosen = check(variant(device_choice))
     probed: ProbeResult | None = None
     if prober is None and hardware_detected:
@@ -307,7 +311,8 @@ def _probed(
     if device_request == "auto":
         for other in ("cpu", "cuda:0", "mps"):
             usable = other != rules.device.device and prober.usable(other)
-            if usable and (other != "cuda:0" or hardware.has_cuda) and (other != "mps" or hardware.mps):
+            mps = hardware.mps and not _float64_observations(rules.resolved, facts.observation_space)
+            if usable and (other != "cuda:0" or hardware.has_cuda) and (other != "mps" or mps):
                 try:
                     variants.append(variant(DeviceChoice(other, "")))
                 except ConfigError:  # a profile this device would take does not resolve: not a candidate
@@ -933,6 +938,18 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
     if getattr(params, "per", False) and isinstance(obs_space, spaces.Dict):
         raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")
     _check_normalize(preset, obs_space)
+
+
+def _float64_observations(preset: Preset, obs_space: spaces.Space) -> str:
+    """Which observations reach the device as float64 ("" if none), which MPS cannot hold: SB3 makes tensors of them
+    in their own dtype, and its replay buffer stores them in their space's dtype (PPO's VecNormalize hands it the
+    observations it scales as float32)."""
+    members = obs_space.spaces if isinstance(obs_space, spaces.Dict) else {"": obs_space}
+    scaled = _scaled_keys(preset, obs_space) if get_algo(preset.algo).on_policy else set()
+    wide = [k for k, m in members.items() if isinstance(m, spaces.Box) and m.dtype == np.float64 and k not in scaled]
+    if not wide:
+        return ""
+    return "the observations are" if wide == [""] else f"the Dict's {', '.join(repr(k) for k in wide)} are"
 
 
 def _normalizes_observations(preset: Preset) -> bool:

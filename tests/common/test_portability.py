@@ -116,3 +116,22 @@ def test_a_mac_plan_feeds_its_gpu_with_few_threads_and_takes_no_envpool():
     assert plan.speed.threads == 4 and plan.speed.threads_reason.startswith("the GPU does the math")
     plan = make_plan("ppo", "LunarLander-v3", "auto", hardware=mac, n_envs=64, overrides={"probe": False})
     assert plan.vec_env != "envpool"  # EnvPool has no macOS build, whatever this machine has installed
+
+
+@pytest.mark.heavy  # MuJoCo's envs
+def test_a_mac_keeps_float64_observations_off_mps():
+    # MuJoCo's observations are float64: SB3 makes tensors of them, and stores them, in that dtype; MPS has none.
+    from tests.conftest import machine
+
+    mac = machine(mps=True, cores=8)
+    tiny = {"probe": False}
+    plan = make_plan("sac", "HalfCheetah-v5", "auto", hardware=mac, overrides=tiny)
+    assert plan.device.device == "cpu"
+    assert plan.device.reason == "the observations are float64, which Apple's MPS cannot hold: the CPU"
+    message = r"^device 'mps': Apple's MPS has no float64, and the observations are float64: use cpu or auto$"
+    with pytest.raises(ConfigError, match=message):
+        make_plan("td3", "Hopper-v5", "mps", hardware=mac, overrides=tiny)
+    with pytest.raises(ConfigError, match=message):  # PPO too, where nothing scales them into float32
+        make_plan("ppo", "Hopper-v5", "mps", hardware=mac, overrides=tiny)
+    assert make_plan("ppo", "Hopper-v5", "mps", hardware=mac, overrides={**tiny, "normalize": True}).device.device == "mps"
+    assert make_plan("sac", "Pendulum-v1", "auto", hardware=mac, overrides=tiny).device.device == "mps"  # float32

@@ -495,6 +495,17 @@ def test_compile_auto_times_the_dqn_familys_accumulating_step_where_it_compiles_
     assert compile_times.asked != [] and plan.speed.compile_reason.startswith("probe: gradient step")
 
 
+@pytest.mark.heavy  # MuJoCo's envs
+def test_the_probe_times_no_mps_candidate_for_float64_observations(gpu_machine):
+    mac = dataclasses.replace(gpu_machine, gpus=(), mps=True)
+    times = FakeTimes({"mps": (0.1, 0.1), "cpu": (9.0, 0.5)})
+    plan = make_plan("sac", "HalfCheetah-v5", hardware=mac, prober=fake_prober(times))
+    assert plan.device.device == "cpu" and times.asked and not any(label.startswith("mps") for label in times.asked)
+    times = FakeTimes({"mps": (0.1, 0.1), "cpu": (9.0, 0.5)})
+    plan = make_plan("ppo", "HalfCheetah-v5", hardware=mac, prober=fake_prober(times))  # the rules: the CPU, for PPO
+    assert plan.device.device == "cpu" and not any(label.startswith("mps") for label in times.asked)
+
+
 def test_compile_auto_is_off_where_nothing_is_probed_and_on_devices_it_does_not_time(gpu_machine):
     compile_times = FakeCompile()
     plan = make_plan("dqn", "CartPole-v1", "cuda:0", hardware=gpu_machine)  # an injected machine: nothing timed
