@@ -602,7 +602,8 @@ def _data_bytes(preset: Preset, facts: _EnvFacts) -> int:
     """The bytes PPO's rollout buffer or an off-policy replay buffer holds."""
     params: Any = preset.params
     stored = _stored_space(preset, facts.observation_space)
-    per_step = _transition_bytes(stored, facts.action_space, preset.frame_stack or 1)
+    once = getattr(params, "optimize_memory_usage", False)
+    per_step = _transition_bytes(stored, facts.action_space, preset.frame_stack or 1, once)
     # A rollout holds one observation (not two) and a few floats per step; a replay buffer whole transitions.
     if preset.algo == "ppo":
         return int(params.n_steps * preset.n_envs * (per_step // 2 + 32))
@@ -836,14 +837,16 @@ def _train_freq_steps(train_freq: int | tuple[int, str]) -> int:
     return train_freq
 
 
-def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame_stack: int) -> int:
-    """Bytes of one transition in SB3's replay buffer: two (stacked) observations, the action, reward, done, timeout."""
+def _transition_bytes(obs_space: spaces.Space, action_space: spaces.Space, frame_stack: int, once: bool = False) -> int:
+    """Bytes of one transition in SB3's replay buffer: two (stacked) observations, the action, reward, done, timeout.
+    ``once`` (optimize_memory_usage, sb3_gpu's device buffer): one observation and the int64 row of where an episode
+    end's next observation is kept aside (those, one an episode end, are left out)."""
     subspaces = obs_space.spaces.values() if isinstance(obs_space, spaces.Dict) else [obs_space]
     obs = frame_stack * sum(int(np.prod(s.shape or (1,))) * np.dtype(s.dtype or np.float32).itemsize for s in subspaces)
     # Actions keep their space's dtype (discrete ones int64), but float64 is stored as float32.
     dtype = np.dtype(action_space.dtype or np.int64)
     action = int(np.prod(action_space.shape or (1,))) * (4 if dtype == np.float64 else dtype.itemsize)
-    return 2 * obs + action + 3 * 4
+    return (obs + 8 if once else 2 * obs) + action + 3 * 4
 
 
 def _check_count_kwarg(key: str, value: Any, default: str) -> None:
@@ -930,10 +933,12 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
         raise ConfigError(
             f"train_freq [{freq[0]}, episode] needs n_envs=1 (SB3 counts the episodes of one env), got n_envs={preset.n_envs}"
         )
-    if getattr(params, "optimize_memory_usage", False):
+    if getattr(params, "optimize_memory_usage", False) and preset.device_buffers != "true":
+        source = preset.sources.get("optimize_memory_usage", "preset")
         raise ConfigError(
-            "optimize_memory_usage=true is not supported yet: SB3's replay buffer refuses it together with the "
-            "handling of time limits, which sb3_gpu keeps on; leave it false"
+            f"optimize_memory_usage=true ({source}) needs device_buffers=true: SB3's host replay buffer refuses it "
+            "beside the handling of time limits, which sb3_gpu keeps on, and sb3_gpu's device buffer takes both; set "
+            "device_buffers=true, or leave optimize_memory_usage false"
         )
     if getattr(params, "per", False) and isinstance(obs_space, spaces.Dict):
         raise ConfigError("prioritized replay does not support Dict observations yet; set per=false")

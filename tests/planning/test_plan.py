@@ -748,3 +748,20 @@ def test_a_dict_image_that_vecnormalize_scales_is_planned_as_the_flattened_input
         for normalize in (False, True)
     )
     assert raw.device.reason.startswith("CNN policy") and not scaled.device.reason.startswith("CNN policy")
+
+
+def test_optimize_memory_usage_is_planned_on_sb3_gpus_device_buffer_and_refused_on_sb3s(cpu_machine):
+    # SB3's host buffer refuses it beside the handling of time limits; sb3_gpu's device buffer takes both.
+    asked = {"probe": False, "optimize_memory_usage": True, "buffer_size": 1_000, "learning_starts": 64}
+    with pytest.raises(ConfigError, match=r"^optimize_memory_usage=true \(override\) needs device_buffers=true: SB3's host"):
+        make_plan("dqn", "CartPole-v1", "cpu", hardware=cpu_machine, overrides=asked)
+    plain = make_plan("dqn", "CartPole-v1", "cpu", hardware=cpu_machine, overrides={**asked, "optimize_memory_usage": False})
+    plan = make_plan("sac", "Pendulum-v1", "cpu", hardware=cpu_machine, overrides={**asked, "device_buffers": True})
+    assert plan.buffers == "device"
+    # One observation a transition (and where an episode end's next one is kept aside), not two: 4 floats of 4 bytes,
+    # an int64 action, 3 scalars; 8 bytes of row index.
+    plan = make_plan("dqn", "CartPole-v1", "cpu", hardware=cpu_machine, overrides={**asked, "device_buffers": True})
+    assert "; 43.0 KiB on cpu" in plan.buffers_reason and "(50.8 KiB in host memory)" in plain.buffers_reason
+    model = build_model(plan, build_env(plan))
+    model.learn(128)
+    assert model.replay_buffer.optimize_memory_usage and model._n_updates > 0
