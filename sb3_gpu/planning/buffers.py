@@ -20,6 +20,7 @@ class BufferChoice:
 
     kind: str
     reason: str
+    gpu_too_small: str = ""  # host, where the data would not fit the GPU: how much it would take there
 
 
 # The share of a GPU's memory a device buffer may take: the networks, optimizer state, activations and torch's
@@ -61,7 +62,8 @@ def choose_buffers(
             raise ConfigError(f"device_buffers=true ({source}): {blocker}; set device_buffers to auto or false")
         return BufferChoice("device", f"asked for ({source}); {size_text(data_bytes)} on {device}")
     if blocker is not None:
-        return BufferChoice("host", f"{host}: {blocker}")
+        too_small = blocker if gpu is not None and blocker.startswith(size_text(data_bytes)) else ""
+        return BufferChoice("host", f"{host}: {blocker}", too_small)
     if device.startswith("cuda"):
         return BufferChoice(
             "device",

@@ -244,6 +244,7 @@ def make_plan(
     # What other processes leave free on this machine's GPU (a what-if GPU: all of it).
     gpu_free = gpu_free_bytes(gpu.index) if gpu is not None and hardware_detected and training else None
     buffers = _buffers(resolved, chosen.device.device, facts, gpu, gpu_free)
+    gpu_too_small = buffers.pop("gpu_too_small")
     if not training:  # a loaded model's buffer is built at its full size, and evaluation fills none: never on the GPU
         buffers.update(buffers="host", buffers_reason="SB3's buffers: evaluation fills none")
     if training:
@@ -252,7 +253,8 @@ def make_plan(
         # This machine's free memory; a what-if profile's RAM, where the hardware was given.
         available = host_available_bytes() if hardware_detected else int(hardware.ram_gb * 2**30)
         memory_is = "available" if hardware_detected else "of RAM given"
-        _check_sizes(resolved, facts, available if not on_gpu else None, memory_is, sb3_buffers=buffers["buffers"] == "host")
+        sb3_buffers, host_memory = buffers["buffers"] == "host", available if not on_gpu else None
+        _check_sizes(resolved, facts, host_memory, memory_is, sb3_buffers=sb3_buffers, elsewhere=gpu_too_small)
         check_env_resources(vec.kind, resolved.n_envs, monitor=True, cores=hardware.logical_cores)
         # Last, once the run is known to be possible: timing the compiled step compiles it, a minute on a CPU.
         if prober is not None and resolved.probe and resolved.compile == "auto" and compiles_auto(chosen.device.device):
@@ -621,6 +623,7 @@ def _buffers(preset: Preset, device: str, facts: _EnvFacts, gpu: GPUInfo | None,
     chosen = choose_buffers(preset, device, facts.observation_space, _data_bytes(preset, facts), gpu, gpu_free)
     overlap = choose_overlap(preset, device)
     return {
+        "gpu_too_small": chosen.gpu_too_small,  # for the plan's size check, not a Plan field
         "buffers": chosen.kind,
         "buffers_reason": chosen.reason,
         "training": overlap.kind,
@@ -787,11 +790,17 @@ def _policy_kind(policy: str, obs_space: spaces.Space) -> PolicyKind:
 
 
 def _check_sizes(
-    preset: Preset, facts: _EnvFacts, host_memory: int | None, memory_is: str = "available", sb3_buffers: bool = True
+    preset: Preset,
+    facts: _EnvFacts,
+    host_memory: int | None,
+    memory_is: str = "available",
+    sb3_buffers: bool = True,
+    elsewhere: str = "",
 ) -> None:
     """Refuse, before anything is allocated, a run that would overshoot its length or outgrow the machine's memory
     (``host_memory`` bytes, where the rollout or replay buffer lives on the host; None: it does not; ``memory_is``
-    says what that figure is; ``sb3_buffers``: SB3's own buffers, not sb3_gpu's device ones)."""
+    says what that figure is; ``sb3_buffers``: SB3's own buffers, not sb3_gpu's device ones; ``elsewhere``: why the
+    GPU did not take them, where it was too small)."""
     params: Any = preset.params
     per_env = params.n_steps if preset.algo == "ppo" else _train_freq_steps(params.train_freq)
     rollout = per_env * preset.n_envs
@@ -823,10 +832,12 @@ def _check_sizes(
                 what += " (twice while SB3 flattens them for sampling)"
         else:
             holder, fix = f"buffer_size={params.buffer_size:,} needs", "lower buffer_size"
-            what = "its transitions (observation and next observation each)"
+            each = "one observation" if getattr(params, "optimize_memory_usage", False) else "observation and next observation"
+            what = f"its transitions ({each} each)"
+        gpu = f"; nor does the GPU hold it: {elsewhere}" if elsewhere else ""
         raise ConfigError(
             f"{holder} {size_text(needed)} of memory for {what}, more than {HOST_MEMORY_SHARE:.0%} of the "
-            f"{size_text(host_memory)} {memory_is} (the networks, envs and evaluations need the rest): {fix}"
+            f"{size_text(host_memory)} {memory_is} (the networks, envs and evaluations need the rest){gpu}: {fix}"
         )
 
 

@@ -553,8 +553,13 @@ def test_a_device_buffer_that_would_crowd_the_gpu_stays_on_the_host(gpu_machine)
     )
     with pytest.raises(ConfigError, match=r"device_buffers=true \(override\): .* more than 80% of the 4.0 GiB on Fake T4"):
         make_plan("dqn", "CartPole-v1", hardware=small, overrides={**huge, "device_buffers": True})
-    with pytest.raises(ConfigError, match=r"GiB of memory for its transitions"):  # nor does the host's 2 GB hold it
+    # Nor does the host's 2 GB hold it: the refusal names both (it named the host's memory only).
+    gpu_too = r"\(the networks, envs and evaluations need the rest\); nor does the GPU hold it: .* on Fake T4, .*: lower"
+    with pytest.raises(ConfigError, match=r"GiB of memory for its transitions .*" + gpu_too):
         make_plan("dqn", "CartPole-v1", hardware=dataclasses.replace(small, ram_gb=2.0), overrides=huge)
+    cpu_only = dataclasses.replace(small, ram_gb=2.0, gpus=())
+    with pytest.raises(ConfigError, match=r"need the rest\): lower buffer_size$"):  # no GPU to name
+        make_plan("dqn", "CartPole-v1", hardware=cpu_only, overrides=huge)
     assert make_plan("dqn", "CartPole-v1", hardware=small, overrides={"buffer_size": 10_000_000}).buffers == "device"
 
 
