@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import secrets
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,16 @@ def confirm_count(eval_episodes: int) -> int:
     return 3 * eval_episodes
 
 
+@contextlib.contextmanager
+def _writes_held(logger: Any) -> Iterator[None]:
+    """The logger's writes skipped inside the block: what is recorded waits for the next one."""
+    logger.dump = lambda step=0: None  # an attribute of the instance, over the class's method
+    try:
+        yield
+    finally:
+        del logger.dump
+
+
 class TimedEvalCallback(EvalCallback):
     """SB3's EvalCallback (same arguments), with a best model that holds up, and its time added up so that telemetry
     can split it out.
@@ -167,6 +178,9 @@ class TimedEvalCallback(EvalCallback):
         self.should_stop: Callable[[], bool] | None = None
         self.stopped = False  # an evaluation was abandoned: last_mean_reward is not its result
         self.evaluate_first = False  # a resume owes the evaluation its stop abandoned: run it before the first step
+        # Set by a callback that writes the logger as learn() ends (ThroughputCallback): an evaluation at the run's
+        # last step leaves its figures to that write, so that the step gets one point, with the last training in it.
+        self.last_write_elsewhere = False
 
     def _init_callback(self) -> None:
         with warnings.catch_warnings():
@@ -203,11 +217,10 @@ class TimedEvalCallback(EvalCallback):
             settle_training(self.model)
         start = time.perf_counter()
         bar = self.best_mean_reward
+        last = self.last_write_elsewhere and self.num_timesteps >= getattr(self.model, "_total_timesteps", math.inf)
         try:
-            keep_going = super()._on_step()
-            if self.best_mean_reward > bar:  # SB3 took this evaluation for a new best: a candidate, until confirmed
-                keep_going = self._candidate(bar) and keep_going
-            return keep_going
+            with _writes_held(self.logger) if last else contextlib.nullcontext():
+                return self._evaluate(bar)
         except EvaluationStopped:
             self.best_mean_reward = bar
             self.stopped = True
@@ -216,6 +229,12 @@ class TimedEvalCallback(EvalCallback):
             if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
                 self._publish()
             self.seconds += time.perf_counter() - start
+
+    def _evaluate(self, bar: float) -> bool:
+        keep_going = super()._on_step()
+        if self.best_mean_reward > bar:  # SB3 took this evaluation for a new best: a candidate, until confirmed
+            keep_going = self._candidate(bar) and keep_going
+        return keep_going
 
     def _candidate(self, bar: float) -> bool:
         periodic = self.best_mean_reward

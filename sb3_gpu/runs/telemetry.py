@@ -195,6 +195,8 @@ class ThroughputCallback(BaseCallback):
                 f"eval_callback must be a TimedEvalCallback (its time is set apart) or None, got {eval_callback!r}"
             )
         self.dashboard, self.eval_callback, self.record_s = dashboard, eval_callback, record_s
+        if eval_callback is not None:  # its evaluation at the last step is written with this callback's last record
+            eval_callback.last_write_elsewhere = True
         self._next_record = 0.0
         self.window = Window(window_s)
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn

@@ -97,6 +97,29 @@ def test_no_learn_records_a_rate_before_it_has_measured_a_rollout(tmp_path):
     assert min(scalars["throughput/env_steps_per_s"]) > 0 and max(scalars["throughput/share_train"]) < 1
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    ("algo", "env", "overrides"),
+    [
+        ("sac", "Pendulum-v1", {"learning_starts": 50, "batch_size": 32, "net_arch": [16, 16]}),
+        ("dqn", "CartPole-v1", {"learning_starts": 50, "n_envs": 2}),
+    ],
+)
+def test_an_evaluation_at_the_last_step_is_written_with_the_last_record(tmp_path, algo, env, overrides):
+    # SB3's EvalCallback wrote the logger at the last step, before the last gradient step; the last record wrote it
+    # again: two points at that step for every train/ and throughput/ tag.
+    overrides = {"n_timesteps": 256, "probe": False, "compile": False, **overrides}
+    plan = make_plan(algo, env, "cpu", seed=0, vec_env="dummy", overrides=overrides)
+    train_run(plan, tmp_path / "run", eval_freq=128, eval_episodes=1, confirm_episodes=0, progress=False)
+    (events,) = (tmp_path / "run").rglob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert {tag for tag, at in steps.items() if len(at) != len(set(at))} == set()
+    assert steps["eval/mean_reward"] == [128, 256]  # the last evaluation is still written
+    assert steps["throughput/env_steps_per_s"][-1] == steps["train/learning_rate"][-1] == 256
+
+
 def test_a_learn_shorter_than_twice_the_warm_up_is_measured_whole():
     model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=2)
     callback = ThroughputCallback(window_s=1.0, warmup_s=1e9, record_s=0.0)
