@@ -77,6 +77,24 @@ def test_grad_accum_of_one_is_plain_ppo_and_logs_the_same_figures_without_readin
     assert reads.total == 0, reads.sites
 
 
+@pytest.mark.parametrize("step", ["torch", "graph"])
+def test_ppos_clipping_and_entropy_bonus_where_they_take_effect_update_as_sb3s(step):
+    # The defaults leave them idle in a short run (the ratio stays inside a clip of 0.2; no entropy bonus): a
+    # flipped min, a value clip read from the policy's or a bonus of the wrong sign updated as SB3's there.
+    ppo = {**SMALL_PPO, "n_epochs": 4, "clip_range": 0.02, "clip_range_vf": 0.05, "ent_coef": 0.01, "learning_rate": 3e-3}
+    ours = GradAccumPPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **ppo)
+    if step == "graph":
+        assert ours.compile_step("eager") is None  # the compiled step's function, run uncompiled
+    ours.learn(128)
+    plain = PPO("MlpPolicy", "CartPole-v1", seed=1, device="cpu", **ppo).learn(128)
+    assert plain.logger.name_to_value["train/clip_fraction"] > 0
+    for a, b in zip(_params(ours), _params(plain), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    pending = ours._device_log.read()
+    for key in ("policy_gradient_loss", "value_loss", "entropy_loss", "clip_fraction", "loss"):
+        assert pending[f"train/{key}"] == pytest.approx(plain.logger.name_to_value[f"train/{key}"], rel=1e-4, abs=1e-6), key
+
+
 def test_ppo_on_the_device_rollout_buffer_reads_nothing_back_either():
     model = GradAccumPPO(
         "MlpPolicy", "CartPole-v1", seed=1, device="cpu", rollout_buffer_class=DeviceRolloutBuffer, **SMALL_PPO

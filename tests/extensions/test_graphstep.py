@@ -91,6 +91,21 @@ def _train_drawing_as_compiled(model, seed, steps=1):
 TOLERANCE = {"cpu": {"rtol": 1e-5, "atol": 1e-6}, "cuda": {"rtol": 1e-4, "atol": 1e-5}}
 
 
+def test_the_graph_steps_adam_decays_weights_as_torchs():
+    # The written-out Adam's weight decay (optimizer_kwargs weight_decay, which it takes): no test gave it one.
+    policy_kwargs = {"net_arch": [16], "optimizer_kwargs": {"weight_decay": 0.1}}
+    plain = DQN("MlpPolicy", "CartPole-v1", **COMMON, policy_kwargs=policy_kwargs)
+    ours = PrioritizedDQN("MlpPolicy", "CartPole-v1", **COMMON, policy_kwargs=policy_kwargs)
+    ours.policy.load_state_dict(plain.policy.state_dict())
+    assert ours.compile_step("eager") is None
+    _fill(plain, ours)
+    for i in range(5):
+        _train(plain, i)
+        _train(ours, i)
+    for a, b in zip(plain.policy.parameters(), ours.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, **TOLERANCE["cpu"])
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

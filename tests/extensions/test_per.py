@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import importlib.util
 import io
 import pickle
@@ -288,6 +289,60 @@ def test_n_step_prioritized_dqn_trains_on_n_step_targets():
     discounts = model.replay_buffer.sample(64).discounts.numpy().ravel()
     powers = model.gamma ** np.arange(1, 4)  # a return of 1, 2 or 3 steps
     assert np.isclose(discounts[:, None], powers).any(axis=1).all() and np.isclose(discounts, powers[2]).any()
+
+
+@pytest.mark.parametrize("cls", [PrioritizedDQN, PrioritizedQRDQN])
+def test_a_step_weights_each_loss_by_its_importance_and_writes_back_its_td_error(cls):
+    # With beta 0 every weight is 1, and the tests that compare with SB3 ran with it: dropping the weights, or
+    # writing back another error than |target - current|, trained on unnoticed.
+    from sb3_contrib.common.utils import quantile_huber_loss
+
+    model = cls(
+        "MlpPolicy", "CartPole-v1", learning_rate=1e-3, batch_size=16, learning_starts=0, seed=3, device="cpu",
+        replay_buffer_class=PrioritizedReplayBuffer, replay_buffer_kwargs={"alpha": 0.6, "beta": 0.5},
+        policy_kwargs={"net_arch": [16]},
+    )  # fmt: skip
+    buffer, rng = model.replay_buffer, np.random.default_rng(0)
+    for _ in range(64):
+        obs, nxt = rng.normal(size=(2, 1, 4)).astype(np.float32)
+        buffer.add(obs, nxt, rng.integers(0, 2, (1, 1)), rng.normal(size=1), rng.integers(0, 2, 1).astype(float), [{}])
+    buffer.update_priorities(np.arange(64), rng.exponential(size=64))
+    model._current_progress_remaining = 1.0
+    model.set_logger(configure(None, [""]))
+    sample = buffer.sample(16)
+    weights = sample.weights.flatten()
+    assert not th.allclose(weights, th.ones_like(weights))
+    buffer.sample = lambda batch_size, env=None: sample  # the step trains on this batch
+    policy = copy.deepcopy(model.policy)  # SB3's update, by hand, on a copy
+    with th.no_grad():
+        if cls is PrioritizedDQN:
+            following = policy.q_net_target(sample.next_observations).max(dim=1)[0].reshape(-1, 1)
+        else:
+            quantiles = policy.quantile_net_target(sample.next_observations)
+            best = quantiles.mean(dim=1, keepdim=True).argmax(dim=2, keepdim=True).expand(16, model.n_quantiles, 1)
+            following = quantiles.gather(dim=2, index=best).squeeze(dim=2)
+        target = sample.rewards + (1 - sample.dones) * model.gamma * following
+    if cls is PrioritizedDQN:
+        current = policy.q_net(sample.observations).gather(dim=1, index=sample.actions.long())
+        losses = th.nn.functional.smooth_l1_loss(current, target, reduction="none").flatten()
+        errors = (target - current).flatten()
+    else:
+        index = sample.actions.long()[..., None].expand(16, model.n_quantiles, 1)
+        current = policy.quantile_net(sample.observations).gather(dim=2, index=index).squeeze(dim=2)
+        losses = th.stack([quantile_huber_loss(current[i : i + 1], target[i : i + 1]) for i in range(16)])
+        errors = target.mean(dim=1) - current.mean(dim=1)
+    loss = (losses * weights).mean()
+    policy.optimizer.zero_grad()
+    loss.backward()
+    if model.max_grad_norm is not None:  # QR-DQN's default: none
+        th.nn.utils.clip_grad_norm_(policy.parameters(), model.max_grad_norm)
+    policy.optimizer.step()
+    model.train(gradient_steps=1, batch_size=16)
+    assert model._device_log.read()["train/loss"] == pytest.approx(loss.item(), rel=1e-5)
+    for a, b in zip(policy.parameters(), model.policy.parameters(), strict=True):
+        th.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    expected = (np.abs(errors.detach().numpy()) + buffer.eps) ** buffer.alpha
+    np.testing.assert_allclose(buffer.tree[sample.indices], expected, rtol=1e-5)
 
 
 def test_saved_buffer_keeps_priorities(tmp_path):
