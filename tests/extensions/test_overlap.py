@@ -44,6 +44,19 @@ def test_a_seeded_overlapped_run_is_reproducible():
         assert th.equal(a, b)
 
 
+def test_overlapped_exploration_acts_at_random_with_probability_exploration_rate():
+    # The envs' epsilon-greedy draws come from a generator of their own: an inverted test of the draw went unnoticed.
+    model = dqn(overlap_training=True, n_envs=4)
+    observation = model.env.reset()
+    greedy, _ = model.policy.predict(observation, deterministic=True)
+    rng = np.random.default_rng(0)
+    model.exploration_rate = 0.0
+    assert all(np.array_equal(model._explore(rng, observation)[0], greedy) for _ in range(20))
+    model.exploration_rate = 1.0
+    drawn = np.stack([model._explore(rng, observation)[0] for _ in range(200)])
+    assert drawn.shape == (200, 4) and 0.35 < (drawn == greedy).mean() < 0.65  # two actions, each drawn half the time
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize(("cls", "name"), [(PrioritizedDQN, "DQN"), (PrioritizedQRDQN, "QRDQN")])
 def test_tensorboard_runs_take_sb3s_name_for_the_algorithm(cls, name, overlap, tmp_path):
