@@ -23,7 +23,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -45,6 +45,26 @@ from sb3_gpu.common.io import temporary_environ
 # Preloaded by the forkserver, so that each worker forks with torch and SB3 already imported instead of importing
 # them itself (3.4 s per worker on a 2-core Xeon, which is most of SubprocVecEnv's start-up).
 _PRELOAD = ["sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
+
+
+@contextlib.contextmanager
+def main_kept_from_workers() -> Iterator[None]:
+    """Workers started inside the block do not run the ``__main__`` script again, as spawn and forkserver have them
+    do (to find what the parent pickled from it by name). The env factories travel by value (cloudpickle), so that
+    run adds nothing; and where the script lacks the ``if __name__ == "__main__":`` guard it starts workers again
+    (one traceback each), and a script piped to ``python -`` has no file to run (no worker starts at all)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # python -m MODULE: the module would be imported again, as __mp_main__
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def worker_start_method(start_method: str | None) -> str:
@@ -376,7 +396,8 @@ class BatchedSubprocVecEnv(VecEnv):
                 process = ctx.Process(  # type: ignore[attr-defined]
                     target=_worker, args=(child_end, payload, lo), daemon=True, name=f"sb3_gpu-env-worker-{w}"
                 )
-                process.start()
+                with main_kept_from_workers():
+                    process.start()
                 child_end.close()
                 self.processes.append(process)
                 self.conns.append(parent_end)

@@ -25,7 +25,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv,
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, named, warn
 from sb3_gpu.common.io import make_dir, temporary_environ
-from sb3_gpu.envs.batched import BatchedSubprocVecEnv, worker_start_method
+from sb3_gpu.envs.batched import BatchedSubprocVecEnv, main_kept_from_workers, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
 from sb3_gpu.envs.spec import EnvFactory, EnvSpec, resolve_env
@@ -202,6 +202,8 @@ def _build(
         assert vec_env_cls is not None
         if issubclass(vec_env_cls, (SubprocVecEnv, BatchedSubprocVecEnv)):  # a user's subclass: the same preload
             worker_start_method(vec_env_kwargs.get("start_method"))
+            with main_kept_from_workers():
+                return vec_env_cls(fns, **vec_env_kwargs)
         return vec_env_cls(fns, **vec_env_kwargs)  # type: ignore[arg-type]
     _check_kwargs(BatchedSubprocVecEnv if kind == "batched" else SubprocVecEnv, vec_env_kwargs)
     try:
@@ -251,7 +253,7 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             factory.report, factory.worker = os.path.join(tmp, f"env{i}.err"), True
         try:
             # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
-            with temporary_environ(OMP_NUM_THREADS="1"):
+            with temporary_environ(OMP_NUM_THREADS="1"), main_kept_from_workers():
                 venv = cls(list(factories), **kwargs)
             if isinstance(venv, SubprocVecEnv):
                 _kill_at_exit(venv)
@@ -322,7 +324,7 @@ def _failure_cause(error: BaseException, reports: list[Path]) -> str:
         cause = f"{type(error).__name__}: {error}"
     # Exit code 1 is Python's for an exception it printed: in a worker that never reported, one raised as it started.
     if not reports and (isinstance(error, (EOFError, ConnectionError)) or getattr(error, "exit_code", None) == 1):
-        cause += " (a worker exited before it built its env: an import error or a missing __main__ guard)"
+        cause += " (a worker exited before it built its env: an import error, say)"
     cause = " ".join(cause.split())
     return cause if len(cause) < 300 else cause[:297] + "..."
 

@@ -367,25 +367,37 @@ def test_n_envs_must_be_a_positive_int(n_envs):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("kind", ["subproc", "batched"])
-def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path, kind):
+@pytest.mark.parametrize(("kind", "start_method"), [("subproc", "spawn"), ("batched", "forkserver")])
+@pytest.mark.parametrize("how", ["a file without a guard", "piped to python -"])
+def test_workers_start_without_running_the_main_script_again(tmp_path, kind, start_method, how):
+    # Spawn and forkserver workers ran the script again: without a __main__ guard each printed a traceback before the
+    # fallback to DummyVecEnv; piped to python -, they found no file "<stdin>" to run, guard or none.
     import subprocess
     import sys
 
-    script = tmp_path / "no_guard.py"
-    script.write_text(
+    script = (
         "import warnings\n"
         "from sb3_gpu import make_vec_env\n"
+        "print('BODY')\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
-        f"    venv = make_vec_env('CartPole-v1', 4, vec_env={kind!r})\n"
+        f"    venv = make_vec_env(lambda: __import__('gymnasium').make('CartPole-v1'), 3, vec_env={kind!r},\n"
+        f"                        vec_env_kwargs={{'start_method': {start_method!r}}})\n"
+        "    venv.reset()\n"
         "print('KIND', type(venv).__name__)\n"
         "print('WARN', *[str(w.message) for w in caught])\n"
+        "venv.close()\n"
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    if how == "piped to python -":
+        run = [sys.executable, "-"]
+    else:
+        (tmp_path / "no_guard.py").write_text(script)
+        run, script = [sys.executable, str(tmp_path / "no_guard.py")], ""
+    out = subprocess.run(run, input=script, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("KIND") == 1, "workers must not run the script's body"
-    assert "KIND DummyVecEnv" in out.stdout and "missing __main__ guard" in out.stdout
+    assert out.stdout.count("BODY") == 1, "workers must not run the script's body"
+    expected = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
+    assert f"KIND {expected}\nWARN\n" in out.stdout and "Traceback" not in out.stderr, out.stdout + out.stderr
 
 
 # --- SB3's make_vec_env signature ----------------------------------------------------------------------------------
