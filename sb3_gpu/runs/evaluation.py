@@ -21,6 +21,7 @@ import numpy as np
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize, VecTransposeImage, is_vecenv_wrapped
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
@@ -123,11 +124,15 @@ def confirm_count(eval_episodes: int) -> int:
 @contextlib.contextmanager
 def _writes_held(logger: Any) -> Iterator[None]:
     """The logger's writes skipped inside the block: what is recorded waits for the next one."""
-    logger.dump = lambda step=0: None  # an attribute of the instance, over the class's method
+    own = logger.__dict__.get("dump")  # an instance's own write (sb3_gpu's, which adds the device's figures) is kept
+    logger.dump = lambda step=0: None
     try:
         yield
     finally:
-        del logger.dump
+        if own is None:
+            del logger.dump
+        else:
+            logger.dump = own
 
 
 class TimedEvalCallback(EvalCallback):
@@ -181,6 +186,7 @@ class TimedEvalCallback(EvalCallback):
         # Set by a callback that writes the logger as learn() ends (ThroughputCallback): an evaluation at the run's
         # last step leaves its figures to that write, so that the step gets one point, with the last training in it.
         self.last_write_elsewhere = False
+        self._learn_start = 0  # the model's timesteps as the learn() under way began
 
     def _init_callback(self) -> None:
         with warnings.catch_warnings():
@@ -204,6 +210,7 @@ class TimedEvalCallback(EvalCallback):
 
     def _on_training_start(self) -> None:
         super()._on_training_start()
+        self._learn_start = self.num_timesteps
         if self.evaluate_first:
             self.evaluate_first = False
             self._on_step()  # at the calls the model's timesteps stand for: the evaluation due there
@@ -217,9 +224,8 @@ class TimedEvalCallback(EvalCallback):
             settle_training(self.model)
         start = time.perf_counter()
         bar = self.best_mean_reward
-        last = self.last_write_elsewhere and self.num_timesteps >= getattr(self.model, "_total_timesteps", math.inf)
         try:
-            with _writes_held(self.logger) if last else contextlib.nullcontext():
+            with _writes_held(self.logger) if self._written_at_the_end() else contextlib.nullcontext():
                 return self._evaluate(bar)
         except EvaluationStopped:
             self.best_mean_reward = bar
@@ -229,6 +235,18 @@ class TimedEvalCallback(EvalCallback):
             if self.eval_freq > 0 and self.n_calls % self.eval_freq == 0:
                 self._publish()
             self.seconds += time.perf_counter() - start
+
+    def _written_at_the_end(self) -> bool:
+        """Whether an evaluation is due at the last step of an off-policy ``learn()`` whose end is written by another
+        callback: SB3 writes it before the last gradient step, and that write would give the step a second point.
+        (Its last step is known: it collects whole train_freq blocks of vec steps. PPO's own write after its last
+        rollout lands on the step of an evaluation at its end anyway.)"""
+        freq = getattr(self.model, "train_freq", None)
+        due = self.eval_freq > 0 and self.n_calls % self.eval_freq == 0
+        if not (self.last_write_elsewhere and due and isinstance(freq, TrainFreq) and freq.unit == TrainFrequencyUnit.STEP):
+            return False
+        block, start = freq.frequency * self.training_env.num_envs, self._learn_start
+        return self.num_timesteps == start + math.ceil((self.model._total_timesteps - start) / block) * block
 
     def _evaluate(self, bar: float) -> bool:
         keep_going = super()._on_step()
