@@ -110,6 +110,10 @@ def model_kwargs(plan: Plan) -> dict[str, Any]:
             kwargs["replay_buffer_class"] = DevicePrioritizedReplayBuffer
         else:
             kwargs["replay_buffer_class"] = DeviceReplayBuffer
+    if plan.buffers == "host" and kwargs.get("optimize_memory_usage"):
+        # An evaluation's plan (a training's takes it on sb3_gpu's device buffer only): SB3's host buffers refuse it
+        # beside their handling of time limits, and an evaluation fills none.
+        kwargs["optimize_memory_usage"] = False
     if kwargs.get("replay_buffer_class") is not None and kwargs.get("n_steps", 1) > 1:
         # sb3_gpu's buffers compute the n-step returns themselves. SB3 hands n_steps only to its own NStepReplayBuffer
         # (and warns that any other class ignores it), so the algorithm keeps one.

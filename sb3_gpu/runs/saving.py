@@ -40,7 +40,7 @@ _REBUILT_ON_LOAD = ("lr_schedule", "exploration_schedule")
 # The replay buffer is this plan's, not the saved run's: a run on a GPU's buffer computes its n-step returns itself
 # (n_steps in replay_buffer_kwargs, 1 on the algorithm), and SB3's buffer that a CPU plan loads it into takes them as
 # the algorithm's n_steps.
-_PLANNED_BUFFER = ("replay_buffer_class", "replay_buffer_kwargs", "n_steps")
+_PLANNED_BUFFER = ("replay_buffer_class", "replay_buffer_kwargs", "n_steps", "optimize_memory_usage")
 
 # What the pickles of a run dir may name: numpy arrays and generators, Gymnasium spaces, and the statistics and
 # buffer classes themselves. Nothing else is unpickled, so a run dir from elsewhere cannot run code through them.

@@ -680,3 +680,21 @@ def test_what_a_run_says_prints_its_paths_as_they_are():
     console = Console(record=True, width=300)
     training._Output(progress=False, console=console, report_s=None).say("set aside: runs[b]/monitor/*.dropped.csv")
     assert console.export_text() == "set aside: runs[b]/monitor/*.dropped.csv\n"
+
+
+@pytest.mark.heavy
+def test_a_run_trained_with_optimize_memory_usage_evaluates_and_resumes(tmp_path):
+    # Its evaluation's plan takes SB3's host buffer, which refused the zip's optimize_memory_usage=True.
+    from sb3_gpu.planning.plan import make_plan
+
+    tiny = {"n_timesteps": 512, "probe": False, "learning_starts": 64, "buffer_size": 1_000}
+    plan = make_plan(
+        "dqn", "CartPole-v1", "cpu", seed=0, vec_env="dummy",
+        overrides={**tiny, "optimize_memory_usage": True, "device_buffers": True},
+    )  # fmt: skip
+    run = tmp_path / "run"
+    training.train_run(plan, run, eval_episodes=1, confirm_episodes=0, progress=False, save_replay_buffer=True)
+    assert evaluation.evaluate_run(run, episodes=2, which="final")["episodes"] == 2
+    training.resume_run(run, timesteps=768, progress=False)
+    assert zip_timesteps(run / "model.zip") == 768
+    assert evaluate_main([str(run), "--episodes", "1", "--model", "best"]) == 0
