@@ -225,11 +225,11 @@ def make_plan(
         return v
 
     device_choice = choose_device(device, kind, algo_.on_policy, hardware)
-    if device_choice.device == "mps" and (float64 := _float64_observations(provisional, facts.observation_space)):
+    chosen = check(variant(device_choice))
+    if device_choice.device == "mps" and (float64 := _float64_observations(chosen.resolved, facts.observation_space)):
         if device != "auto":
             raise ConfigError(f"device {device!r}: Apple's MPS has no float64, and {float64} float64: use cpu or auto")
-        device_choice = DeviceChoice("cpu", f"{float64} float64, which Apple's MPS cannot hold: the CPU")
-    chosen = check(variant(device_choice))
+        chosen = check(variant(DeviceChoice("cpu", f"{float64} float64, which Apple's MPS cannot hold: the CPU")))
     probed: ProbeResult | None = None
     if prober is None and hardware_detected:
         # The CPU's model and vector instructions too: machines alike in cores and memory that share a home folder keep
@@ -313,12 +313,13 @@ def _probed(
     if device_request == "auto":
         for other in ("cpu", "cuda:0", "mps"):
             usable = other != rules.device.device and prober.usable(other)
-            mps = hardware.mps and not _float64_observations(rules.resolved, facts.observation_space)
-            if usable and (other != "cuda:0" or hardware.has_cuda) and (other != "mps" or mps):
+            if usable and (other != "cuda:0" or hardware.has_cuda) and (other != "mps" or hardware.mps):
                 try:
-                    variants.append(variant(DeviceChoice(other, "")))
+                    elsewhere = variant(DeviceChoice(other, ""))
                 except ConfigError:  # a profile this device would take does not resolve: not a candidate
                     continue
+                if other != "mps" or not _float64_observations(elsewhere.resolved, facts.observation_space):
+                    variants.append(elsewhere)
     options: list[Option] = []
     owners: list[_Variant] = []
     for v in variants:
@@ -958,10 +959,10 @@ def _check_combinations(preset: Preset, obs_space: spaces.Space, action_space: s
 
 def _float64_observations(preset: Preset, obs_space: spaces.Space) -> str:
     """Which observations reach the device as float64 ("" if none), which MPS cannot hold: SB3 makes tensors of them
-    in their own dtype, and its replay buffer stores them in their space's dtype (PPO's VecNormalize hands it the
-    observations it scales as float32)."""
+    in their own dtype. (Those VecNormalize scales reach it as float32: it hands them over so as it steps, and SB3's
+    host replay buffers scale them so as they sample.)"""
     members = obs_space.spaces if isinstance(obs_space, spaces.Dict) else {"": obs_space}
-    scaled = _scaled_keys(preset, obs_space) if get_algo(preset.algo).on_policy else set()
+    scaled = _scaled_keys(preset, obs_space)
     wide = [k for k, m in members.items() if isinstance(m, spaces.Box) and m.dtype == np.float64 and k not in scaled]
     if not wide:
         return ""

@@ -119,7 +119,7 @@ def test_a_mac_plan_feeds_its_gpu_with_few_threads_and_takes_no_envpool():
 
 
 @pytest.mark.heavy  # MuJoCo's envs
-def test_a_mac_keeps_float64_observations_off_mps():
+def test_a_mac_keeps_float64_observations_off_mps(tmp_path):
     # MuJoCo's observations are float64: SB3 makes tensors of them, and stores them, in that dtype; MPS has none.
     from tests.conftest import machine
 
@@ -133,5 +133,13 @@ def test_a_mac_keeps_float64_observations_off_mps():
         make_plan("td3", "Hopper-v5", "mps", hardware=mac, overrides=tiny)
     with pytest.raises(ConfigError, match=message):  # PPO too, where nothing scales them into float32
         make_plan("ppo", "Hopper-v5", "mps", hardware=mac, overrides=tiny)
-    assert make_plan("ppo", "Hopper-v5", "mps", hardware=mac, overrides={**tiny, "normalize": True}).device.device == "mps"
+    for algo in ("ppo", "sac"):  # VecNormalize hands over the observations it scales as float32, and SB3's host
+        # replay buffers scale those they sample so
+        assert make_plan(algo, "Hopper-v5", "mps", hardware=mac, overrides={**tiny, "normalize": True}).device.device == "mps"
+    # The profile MPS resolves decides (the CPU profile scales them, the GPU one does not): refused.
+    from sb3_gpu.common.io import write_yaml
+
+    write_yaml(tmp_path / "p.yaml", {"Hopper-v5": {"cpu": {"normalize": True}, "gpu": {"normalize": False}}})
+    with pytest.raises(ConfigError, match=message):
+        make_plan("ppo", "Hopper-v5", "mps", hardware=mac, preset=str(tmp_path / "p.yaml"), overrides=tiny)
     assert make_plan("sac", "Pendulum-v1", "auto", hardware=mac, overrides=tiny).device.device == "mps"  # float32
