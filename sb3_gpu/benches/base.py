@@ -85,7 +85,7 @@ def write_results(out_dir: Path, name: str, data: dict[str, Any], markdown: str)
     """``NAME.json`` and ``NAME.md`` in ``out_dir``, each written atomically."""
     make_dir(out_dir, "--out folder")
     try:
-        with stops_held():  # a stop that comes now waits: two files that agree, and the message saying so
+        with stops_held():  # a stop that comes now is dropped: the write is a moment's, and it completes two files
             json_path = atomic_write_text(out_dir / f"{name}.json", json.dumps(data, indent=2) + "\n")
             md_path = atomic_write_text(out_dir / f"{name}.md", markdown)
     except OSError as e:  # the runs file (bench train, solve) still holds the ended runs: the same command writes them

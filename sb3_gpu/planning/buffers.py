@@ -59,7 +59,10 @@ def choose_buffers(
         return BufferChoice("host", f"{host}: device_buffers=false ({source})")
     if request == "true":
         if blocker is not None:
-            raise ConfigError(f"device_buffers=true ({source}): {blocker}; set device_buffers to auto or false")
+            fix = "set device_buffers to auto or false"
+            if getattr(preset.params, "optimize_memory_usage", False):  # which takes the device buffer only
+                fix += ", and optimize_memory_usage to false (sb3_gpu's device buffer is what takes it)"
+            raise ConfigError(f"device_buffers=true ({source}): {blocker}; {fix}")
         return BufferChoice("device", f"asked for ({source}); {size_text(data_bytes)} on {device}")
     if blocker is not None:
         too_small = blocker if gpu is not None and blocker.startswith(size_text(data_bytes)) else ""

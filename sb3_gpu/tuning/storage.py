@@ -116,9 +116,15 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
     if url.startswith("sqlite") and url.partition("://")[2].lstrip("/") in ("", ":memory:"):
         # Optuna's heartbeat thread opens its own connection, which sees another, empty in-memory database.
         raise ConfigError(f"storage {url!r} is an in-memory database, which workers cannot share; give sqlite:///FILE")
-    if url.startswith("sqlite:///") and not url.startswith("sqlite:///file:"):  # a file (not a URI): its folder, made
-        database = url.removeprefix("sqlite:///").partition("?")[0]  # as a journal's is
-        make_dir(Path(database).parent, "the database's folder")
+    if url.startswith("sqlite"):  # a file's folder, made as a journal's is (as SQLAlchemy reads the URL: %20 a space)
+        from sqlalchemy.engine import make_url
+
+        try:
+            database = make_url(url).database
+        except Exception:  # SQLAlchemy's own error follows, as the storage opens
+            database = None
+        if database and not database.startswith("file:"):  # not a URI (uri=true): a path
+            make_dir(Path(database).parent, "the database's folder")
     for attempt in range(5):
         try:
             with warnings.catch_warnings():

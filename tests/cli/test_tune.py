@@ -948,6 +948,8 @@ def test_a_sqlite_file_in_a_folder_not_made_yet_gets_its_folder_as_a_journal_doe
     for url, made in (
         (f"sqlite:///{tmp_path / 'new' / 'deeper' / 's.db'}", tmp_path / "new" / "deeper"),
         ("sqlite:///relative/s.db?timeout=5", tmp_path / "relative"),
+        ("sqlite+pysqlite:///with%20space/s.db", tmp_path / "with space"),  # as SQLAlchemy reads the URL
     ):
         optuna.create_study(study_name="s", storage=tuning_storage.make_storage(url, 60))
         assert (made / "s.db").is_file()
+    assert not (tmp_path / "with%20space").exists()

@@ -770,3 +770,7 @@ def test_optimize_memory_usage_is_planned_on_sb3_gpus_device_buffer_and_refused_
     model = build_model(plan, build_env(plan))
     model.learn(128)
     assert model.replay_buffer.optimize_memory_usage and model._n_updates > 0
+    # Where the device buffer cannot be (Apple's MPS), the refusal does not send the user back to the first one.
+    mac = dataclasses.replace(cpu_machine, mps=True)
+    with pytest.raises(ConfigError, match=r"and optimize_memory_usage to false \(sb3_gpu's device buffer is what takes it\)$"):
+        make_plan("dqn", "CartPole-v1", "mps", hardware=mac, overrides={**asked, "device_buffers": True})
