@@ -49,22 +49,19 @@ _PRELOAD = ["sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
 
 @contextlib.contextmanager
 def main_kept_from_workers() -> Iterator[None]:
-    """Workers started inside the block do not run the ``__main__`` script again, as spawn and forkserver have them
-    do (to find what the parent pickled from it by name). The env factories travel by value (cloudpickle), so that
-    run adds nothing; and where the script lacks the ``if __name__ == "__main__":`` guard it starts workers again
-    (one traceback each), and a script piped to ``python -`` has no file to run (no worker starts at all)."""
+    """Workers started inside the block do not try to run a ``__main__`` that is no file on disk (a script piped to
+    ``python -``: "<stdin>"), as spawn and forkserver have them run the script again, so no worker started at all.
+    A real script is run again in them as before: its imports and top level register the envs they make."""
     main = sys.modules.get("__main__")
-    if main is None:
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str) or os.path.isfile(path):
         yield
         return
-    saved: dict[str, Any] = {key: main.__dict__[key] for key in ("__file__", "__spec__") if key in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None  # python -m MODULE: the module would be imported again, as __mp_main__
+    del main.__file__
     try:
         yield
     finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+        main.__file__ = path
 
 
 def worker_start_method(start_method: str | None) -> str:

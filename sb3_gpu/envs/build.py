@@ -324,7 +324,7 @@ def _failure_cause(error: BaseException, reports: list[Path]) -> str:
         cause = f"{type(error).__name__}: {error}"
     # Exit code 1 is Python's for an exception it printed: in a worker that never reported, one raised as it started.
     if not reports and (isinstance(error, (EOFError, ConnectionError)) or getattr(error, "exit_code", None) == 1):
-        cause += " (a worker exited before it built its env: an import error, say)"
+        cause += " (a worker exited before it built its env: an import error or a missing __main__ guard)"
     cause = " ".join(cause.split())
     return cause if len(cause) < 300 else cause[:297] + "..."
 

@@ -367,37 +367,76 @@ def test_n_envs_must_be_a_positive_int(n_envs):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize(("kind", "start_method"), [("subproc", "spawn"), ("batched", "forkserver")])
-@pytest.mark.parametrize("how", ["a file without a guard", "piped to python -"])
-def test_workers_start_without_running_the_main_script_again(tmp_path, kind, start_method, how):
-    # Spawn and forkserver workers ran the script again: without a __main__ guard each printed a traceback before the
-    # fallback to DummyVecEnv; piped to python -, they found no file "<stdin>" to run, guard or none.
+@pytest.mark.parametrize("kind", ["subproc", "batched"])
+def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path, kind):
     import subprocess
     import sys
 
-    script = (
+    script = tmp_path / "no_guard.py"
+    script.write_text(
         "import warnings\n"
         "from sb3_gpu import make_vec_env\n"
-        "print('BODY')\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
-        f"    venv = make_vec_env(lambda: __import__('gymnasium').make('CartPole-v1'), 3, vec_env={kind!r},\n"
-        f"                        vec_env_kwargs={{'start_method': {start_method!r}}})\n"
-        "    venv.reset()\n"
+        f"    venv = make_vec_env('CartPole-v1', 4, vec_env={kind!r})\n"
         "print('KIND', type(venv).__name__)\n"
         "print('WARN', *[str(w.message) for w in caught])\n"
-        "venv.close()\n"
     )
-    if how == "piped to python -":
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("KIND") == 1, "workers must not run the script's body"
+    assert "KIND DummyVecEnv" in out.stdout and "missing __main__ guard" in out.stdout
+
+
+def _run_script(script: str, kind: str, start_method: str, env: str, path) -> str:
+    """Run ``script``'s lines, which make a vec env of ``env`` in a __main__ guard: from the file ``path``, or piped to
+    ``python -`` where ``path`` is None; the lines it printed (KIND and WARN)."""
+    import subprocess
+    import sys
+
+    script += (
+        "if __name__ == '__main__':\n"
+        "    import warnings\n"
+        "    from sb3_gpu import make_vec_env\n"
+        "    with warnings.catch_warnings(record=True) as caught:\n"
+        "        warnings.simplefilter('always')\n"
+        f"        venv = make_vec_env({env}, 3, vec_env={kind!r}, vec_env_kwargs={{'start_method': {start_method!r}}})\n"
+        "        venv.reset()\n"
+        "    print('KIND', type(venv).__name__)\n"
+        "    print('WARN', *[str(w.message) for w in caught])\n"
+        "    venv.close()\n"
+    )
+    if path is None:
         run = [sys.executable, "-"]
     else:
-        (tmp_path / "no_guard.py").write_text(script)
-        run, script = [sys.executable, str(tmp_path / "no_guard.py")], ""
-    out = subprocess.run(run, input=script, capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.count("BODY") == 1, "workers must not run the script's body"
-    expected = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
-    assert f"KIND {expected}\nWARN\n" in out.stdout and "Traceback" not in out.stderr, out.stdout + out.stderr
+        path.write_text(script)
+        run, script = [sys.executable, str(path)], ""
+    out = subprocess.run(
+        run, input=script, capture_output=True, text=True, timeout=300, check=False, cwd=path.parent if path else None
+    )
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("kind", "start_method"), [("subproc", "spawn"), ("batched", "forkserver")])
+def test_workers_start_for_a_script_whose_top_level_registers_its_env(tmp_path, kind, start_method):
+    # Spawn and forkserver workers run the script again: what its imports and top level register, they know.
+    script = (
+        "import gymnasium as gym\n"
+        "gym.register('Registered-v0', entry_point='gymnasium.envs.classic_control:CartPoleEnv', max_episode_steps=50)\n"
+    )
+    out = _run_script(script, kind, start_method, "'Registered-v0'", tmp_path / "registers.py")
+    assert f"KIND {'BatchedSubprocVecEnv' if kind == 'batched' else 'SubprocVecEnv'}\nWARN\n" in out, out
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("kind", "start_method"), [("subproc", "spawn"), ("batched", "forkserver")])
+def test_a_script_piped_to_python_gets_its_workers(kind, start_method):
+    # They tried to run the script again from the file "<stdin>", and none started: DummyVecEnv, its warning naming a
+    # missing __main__ guard.
+    out = _run_script("", kind, start_method, "lambda: __import__('gymnasium').make('CartPole-v1')", None)
+    assert f"KIND {'BatchedSubprocVecEnv' if kind == 'batched' else 'SubprocVecEnv'}\nWARN\n" in out, out
 
 
 # --- SB3's make_vec_env signature ----------------------------------------------------------------------------------
