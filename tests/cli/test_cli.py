@@ -140,7 +140,7 @@ BAD_INPUTS = [
     (["dqn", "--profile", "huge"], "unknown profile 'huge'"),
     (["dqn", "--set", "per.alpha=-1"], "per.alpha: expected a number >= 0"),
     (["dqn", "--set", "grad_accum_steps=0"], "grad_accum_steps: expected a positive int"),
-    (["dqn", "--set", "optimize_memory_usage=true"], "optimize_memory_usage=true is not supported"),
+    (["dqn", "--set", "optimize_memory_usage=true"], "optimize_memory_usage=true (--set) needs device_buffers=true"),
     (["ppo", "--set", "use_sde=true"], "use_sde=true explores continuous actions; the env's actions are Discrete(2)"),
     (["ppo", "--set", "n_steps=64", "--set", "n_steps=128"], "--set n_steps is given twice (64, then 128); give one"),
     (["ppo", "--n-envs", "1", "--set", "n_steps=1"], "n_steps * n_envs must be > 1 for PPO"),
