@@ -383,7 +383,7 @@ def _write_partial(out: str, name: str, data: dict[str, Any], markdown: str, don
     if not done:
         raise KeyboardInterrupt
     note = f"Interrupted after {done} of {cases} cases: the others were not measured."
-    with stops_held():  # a second Ctrl-C (pressed twice) waits for the files and the line that names them
+    with stops_held():  # a second Ctrl-C (pressed twice) cannot cut short the files or the line that names them
         paths = write_results(Path(out), name, {**data, "interrupted": f"{done} of {cases} cases"}, f"{note}\n\n{markdown}")
         print(markdown)
         print_error(f"interrupted after {done} of {cases} cases; those are written: {' '.join(str(p) for p in paths)}")

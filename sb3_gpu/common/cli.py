@@ -208,16 +208,15 @@ _STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def stops_held() -> Iterator[list[int]]:
-    """SIGINT and SIGTERM that come inside the block are noted, not acted on (the main thread only): a second Ctrl-C
-    cannot cut short the write of the results the first one stopped for. Yields the signals noted."""
-    came: list[int] = []
+def stops_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that come inside the block are dropped (the main thread only): a second Ctrl-C cannot cut
+    short the write of the results the first one stopped for."""
     if threading.current_thread() is not threading.main_thread():
-        yield came
+        yield
         return
-    previous = {signum: signal.signal(signum, lambda signum, frame: came.append(signum)) for signum in _STOPS}
+    previous = {signum: signal.signal(signum, _let_pass) for signum in _STOPS}
     try:
-        yield came
+        yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -202,9 +202,8 @@ def _build(
         assert vec_env_cls is not None
         if issubclass(vec_env_cls, (SubprocVecEnv, BatchedSubprocVecEnv)):  # a user's subclass: the same preload
             worker_start_method(vec_env_kwargs.get("start_method"))
-            with main_kept_from_workers():
-                return vec_env_cls(fns, **vec_env_kwargs)
-        return vec_env_cls(fns, **vec_env_kwargs)  # type: ignore[arg-type]
+        with main_kept_from_workers() if issubclass(vec_env_cls, SubprocVecEnv) else contextlib.nullcontext():
+            return vec_env_cls(fns, **vec_env_kwargs)  # type: ignore[arg-type]
     _check_kwargs(BatchedSubprocVecEnv if kind == "batched" else SubprocVecEnv, vec_env_kwargs)
     try:
         return _start_workers(kind, factories, vec_env_kwargs, seed)
@@ -253,7 +252,11 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             factory.report, factory.worker = os.path.join(tmp, f"env{i}.err"), True
         try:
             # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
-            with temporary_environ(OMP_NUM_THREADS="1"), main_kept_from_workers():
+            # (SB3's SubprocVecEnv is kept from a __main__ that is no file here; BatchedSubprocVecEnv keeps itself.)
+            with (
+                temporary_environ(OMP_NUM_THREADS="1"),
+                main_kept_from_workers() if kind == "subproc" else contextlib.nullcontext(),
+            ):
                 venv = cls(list(factories), **kwargs)
             if isinstance(venv, SubprocVecEnv):
                 _kill_at_exit(venv)
