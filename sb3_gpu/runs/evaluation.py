@@ -21,6 +21,7 @@ import numpy as np
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
+from stable_baselines3.common.on_policy_algorithm import OnPolicyAlgorithm
 from stable_baselines3.common.type_aliases import TrainFreq, TrainFrequencyUnit
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize, VecTransposeImage, is_vecenv_wrapped
 
@@ -121,18 +122,28 @@ def confirm_count(eval_episodes: int) -> int:
     return 3 * eval_episodes
 
 
+def hold_writes(logger: Any) -> Callable[[], None]:
+    """Skip the logger's writes until the function returned is called: what is recorded waits for the next write."""
+    own = logger.__dict__.get("dump")  # an instance's own write (sb3_gpu's, which adds the device's figures) is kept
+
+    def release() -> None:
+        if own is None:
+            logger.__dict__.pop("dump", None)
+        else:
+            logger.dump = own
+
+    logger.dump = lambda step=0: None
+    return release
+
+
 @contextlib.contextmanager
 def _writes_held(logger: Any) -> Iterator[None]:
-    """The logger's writes skipped inside the block: what is recorded waits for the next one."""
-    own = logger.__dict__.get("dump")  # an instance's own write (sb3_gpu's, which adds the device's figures) is kept
-    logger.dump = lambda step=0: None
+    """The logger's writes skipped inside the block."""
+    release = hold_writes(logger)
     try:
         yield
     finally:
-        if own is None:
-            del logger.dump
-        else:
-            logger.dump = own
+        release()
 
 
 class TimedEvalCallback(EvalCallback):
@@ -237,15 +248,19 @@ class TimedEvalCallback(EvalCallback):
             self.seconds += time.perf_counter() - start
 
     def _written_at_the_end(self) -> bool:
-        """Whether an evaluation is due at the last step of an off-policy ``learn()`` whose end is written by another
-        callback: SB3 writes it before the last gradient step, and that write would give the step a second point.
-        (Its last step is known: it collects whole train_freq blocks of vec steps. PPO's own write after its last
-        rollout lands on the step of an evaluation at its end anyway.)"""
-        freq = getattr(self.model, "train_freq", None)
-        due = self.eval_freq > 0 and self.n_calls % self.eval_freq == 0
-        if not (self.last_write_elsewhere and due and isinstance(freq, TrainFreq) and freq.unit == TrainFrequencyUnit.STEP):
+        """Whether an evaluation is due at the last step of a ``learn()`` whose end is written by another callback:
+        SB3 writes it before the last training, and that write would give the step a second point. (The last step is
+        known where rollouts have a fixed length: PPO's n_steps, or an off-policy train_freq counted in steps.)"""
+        if not (self.last_write_elsewhere and self.eval_freq > 0 and self.n_calls % self.eval_freq == 0):
             return False
-        block, start = freq.frequency * self.training_env.num_envs, self._learn_start
+        freq = getattr(self.model, "train_freq", None)
+        if isinstance(self.model, OnPolicyAlgorithm):
+            rollout = self.model.n_steps
+        elif isinstance(freq, TrainFreq) and freq.unit == TrainFrequencyUnit.STEP:
+            rollout = freq.frequency
+        else:
+            return False
+        block, start = rollout * self.training_env.num_envs, self._learn_start
         return self.num_timesteps == start + math.ceil((self.model._total_timesteps - start) / block) * block
 
     def _evaluate(self, bar: float) -> bool:

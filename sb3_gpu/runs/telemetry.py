@@ -22,12 +22,13 @@ import numpy as np
 import torch as th
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import TensorBoardOutputFormat
-from stable_baselines3.common.vec_env import VecEnv
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import VecEnv, VecMonitor, is_vecenv_wrapped
 
 from sb3_gpu.common.checks import bool_arg, duration_arg
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.stepping import OptimizerStep, optimizer_steps
-from sb3_gpu.runs.evaluation import TimedEvalCallback
+from sb3_gpu.runs.evaluation import TimedEvalCallback, hold_writes
 
 
 class Window:
@@ -166,8 +167,9 @@ class ThroughputCallback(BaseCallback):
 
     # Counters kept cumulative since training start: env steps, episodes, optimizer steps, and seconds in env
     # steps, in collection as a whole, in training, in periodic evaluation (which runs inside collection), and
-    # between rollouts without a gradient step (SB3's loop before learning starts, or between off-policy updates).
-    _STEPS, _EPISODES, _GRAD, _ENV, _COLLECT, _TRAIN, _EVAL, _LOOP = range(8)
+    # between rollouts without a gradient step (SB3's loop before learning starts, or between off-policy updates);
+    # and the envs' dones, which are episodes where no Monitor says when a whole one ended.
+    _STEPS, _EPISODES, _GRAD, _ENV, _COLLECT, _TRAIN, _EVAL, _LOOP, _DONES = range(9)
     # CPU use is measured over at least this many seconds (psutil measures since its previous call), or over the
     # whole of a run that ends sooner.
     cpu_span_s = 1.0
@@ -198,9 +200,11 @@ class ThroughputCallback(BaseCallback):
         if eval_callback is not None:  # its evaluation at the last step is written with this callback's last record
             eval_callback.last_write_elsewhere = True
         self._next_record = 0.0
+        self._release_writes: Callable[[], None] | None = None  # ends the hold on SB3's writes after the last rollout
         self.window = Window(window_s)
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
-        self.counters = np.zeros(8)
+        self.counters = np.zeros(9)
+        self._monitored = False  # episodes are those Monitor reports (a done can be a life lost, Atari's)
         self.latest: dict[str, float] = {}
         self._timer: EnvTimer | None = None
         self._optimizer_steps: list[OptimizerStep] = []
@@ -229,6 +233,8 @@ class ThroughputCallback(BaseCallback):
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self.counters[:] = 0.0
+        venv = self.model.env
+        self._monitored = any(venv.env_is_wrapped(Monitor)) or is_vecenv_wrapped(venv, VecMonitor)
         self.window.points.clear()
         self._steps0 = self.num_timesteps
         self._eval0 = self.eval_callback.seconds if self.eval_callback is not None else 0.0
@@ -282,8 +288,13 @@ class ThroughputCallback(BaseCallback):
 
     def _on_step(self) -> bool:
         dones = self.locals.get("dones")
-        if dones is not None:
-            self.counters[self._EPISODES] += int(np.count_nonzero(dones))
+        if dones is not None and np.any(dones):
+            self.counters[self._DONES] += int(np.count_nonzero(dones))
+            # An Atari env ends its episode at each life lost, for training; Monitor's info marks a whole game's end.
+            infos = self.locals.get("infos") or [{}] * len(dones)
+            ended = sum("episode" in info for done, info in zip(dones, infos, strict=True) if done)
+            self.counters[self._EPISODES] += ended
+            self._monitored = self._monitored or ended > 0
         return True
 
     def _on_rollout_end(self) -> None:
@@ -291,9 +302,12 @@ class ThroughputCallback(BaseCallback):
         self._rollout_end = now
         self._trained_at_rollout_end = self._trained()
         self.counters[self._COLLECT] += now - self._rollout_start
-        # The last rollout's point is recorded as learn() ends, with its training in it: one point per step.
-        last = self.num_timesteps >= self.model._total_timesteps
-        if now >= self._next_record and not last:
+        # The last rollout's point is recorded as learn() ends, with its training in it: one point per step. SB3's
+        # own write of it (PPO's, after each rollout, before its training) waits for that one.
+        if self.num_timesteps >= self.model._total_timesteps:
+            if self._release_writes is None:
+                self._release_writes = hold_writes(self.logger)
+        elif now >= self._next_record:
             self._next_record = now + self.record_s
             self._record(now)
 
@@ -306,11 +320,20 @@ class ThroughputCallback(BaseCallback):
         self._record(now, final=True)
         # A row of its own: its step, as SB3's rows carry it (a CSV plotted against it had a blank at each learn's end).
         self.logger.record("time/total_timesteps", self.num_timesteps, exclude="tensorboard")
+        self._writes_released()
         self.logger.dump(self.num_timesteps)
         self.close()
 
+    def _writes_released(self) -> bool:
+        release, self._release_writes = self._release_writes, None
+        if release is not None:
+            release()
+        return release is not None
+
     def close(self) -> None:
-        """Stop timing the env (also after an interrupted ``learn``)."""
+        """Stop timing the env (also after an interrupted ``learn``, whose held write is made here)."""
+        if self._writes_released():
+            self.logger.dump(self.num_timesteps)
         if self._timer is not None:
             self._timer.remove()
             self._timer = None
@@ -329,7 +352,7 @@ class ThroughputCallback(BaseCallback):
         if window is not None and window[1][self._STEPS] > 0:  # the first rollout's end has only its start sampled
             seconds, d = window
             figures["env_steps_per_s"] = d[self._STEPS] / seconds
-            figures["episodes_per_s"] = d[self._EPISODES] / seconds
+            figures["episodes_per_s"] = d[self._EPISODES if self._monitored else self._DONES] / seconds
             if d[self._STEPS] > 0:
                 figures["grad_steps_per_1k_env_steps"] = 1000.0 * d[self._GRAD] / d[self._STEPS]
             busy = d[self._COLLECT] + d[self._TRAIN] + d[self._LOOP]

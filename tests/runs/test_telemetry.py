@@ -12,6 +12,8 @@ import time
 import types
 import urllib.request
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch as th
 from stable_baselines3 import DQN, PPO
@@ -105,6 +107,8 @@ def test_no_learn_records_a_rate_before_it_has_measured_a_rollout(tmp_path):
         # Blocks of 4 vec steps of 2 envs: the last one runs from 248 to 256, past 250; evaluations every 4 env
         # steps fall at 252, past the run's length, and at its last step, 256.
         ("dqn", "CartPole-v1", {"learning_starts": 50, "n_envs": 2, "train_freq": 4, "n_timesteps": 250}, 4, "train/loss"),
+        # PPO writes after each rollout, before its training: the last one's training was written at 256 again.
+        ("ppo", "CartPole-v1", {"n_envs": 2, "n_steps": 32, "batch_size": 32, "n_timesteps": 250}, 128, "train/loss"),
     ],
 )
 def test_an_evaluation_at_the_last_step_is_written_with_the_last_record(tmp_path, algo, env, overrides, eval_freq, losses):
@@ -119,7 +123,9 @@ def test_an_evaluation_at_the_last_step_is_written_with_the_last_record(tmp_path
     steps = {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     # (SB3 itself writes twice where an evaluation and an episode's end fall on one step, as they can at 4 env steps.)
     assert {tag for tag, at in steps.items() if at.count(256) > 1} == set()
-    assert steps["eval/mean_reward"][-2:] == ([252, 256] if algo == "dqn" else [128, 256])  # each at its own step
+    assert steps["eval/mean_reward"][-2:] == ([252, 256] if algo == "dqn" else [128, 256])
+    if algo == "ppo":  # SB3's write after each rollout (time/, rollout/) is held for the last record's too
+        assert steps["time/fps"][-1] == 256 and steps["time/fps"].count(256) == 1  # each at its own step
     # The last write carries the last training's figures, those the device accumulates (sb3_gpu's write) included.
     assert steps["throughput/env_steps_per_s"][-1] == steps["train/learning_rate"][-1] == steps[losses][-1] == 256
 
@@ -572,8 +578,65 @@ def test_the_row_written_at_the_end_of_learn_carries_its_timestep(tmp_path):
     model.learn(192, callback=ThroughputCallback(window_s=1.0, warmup_s=0.0, record_s=0.0))
     with open(tmp_path / "progress.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [row["time/total_timesteps"] for row in rows] == ["64", "128", "192", "192"]  # SB3's three, the callback's
-    # One point per step: the last rollout's figures wait for its training, recorded as learn() ends (TensorBoard
-    # drew two points at that step, 0.1 s apart).
+    # One row per step: SB3's write after the last rollout waits for its training, and the callback's figures, as
+    # learn() ends (TensorBoard drew two points at that step, 0.1 s apart, each train/ tag with two values).
+    assert [row["time/total_timesteps"] for row in rows] == ["64", "128", "192"]
     rated = [row["time/total_timesteps"] for row in rows if row["throughput/env_steps_per_s"]]
-    assert rated == ["128", "192"] and rows[-1]["throughput/env_steps_per_s"]
+    assert rated == ["128", "192"] and rows[-1]["time/fps"] and rows[-1]["train/loss"]
+
+
+class _Game(gym.Env):
+    """Three lives of ten steps each: a whole game is thirty steps."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {"lives": 3}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(2, np.float32), 1.0, self.t == 30, False, {"lives": 3 - self.t // 10}
+
+
+class _LifeEnds(gym.Wrapper):
+    """Ends the episode at each life lost, for training, as SB3's Atari wrapper does; a reset after one goes on."""
+
+    def reset(self, **kwargs):
+        if getattr(self, "_game_on", False):
+            self._game_on = False
+            return np.zeros(2, np.float32), {}  # the game goes on from where the life was lost
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        lost = info["lives"] < getattr(self, "_lives", 3)
+        self._lives = 3 if terminated else info["lives"]
+        self._game_on = lost and not terminated
+        return obs, reward, terminated or lost, truncated, info
+
+
+@pytest.mark.parametrize("monitor", [True, False])
+def test_episodes_per_s_counts_whole_games_where_a_monitor_says_when_one_ended(monitor):
+    # Atari's training env ends an episode at each life lost: counting dones said three episodes a game.
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    games: list[Monitor] = []
+
+    def make():
+        game = Monitor(_Game()) if monitor else _Game()
+        games.append(game)
+        return _LifeEnds(game)
+
+    venv = DummyVecEnv([make, make])
+    model = PPO("MlpPolicy", venv, n_steps=64, batch_size=64, n_epochs=1)
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0, dashboard=False)
+    model.learn(256, callback=callback)
+    seconds = callback.latest["window_s"]
+    # Each env took 128 steps (4 whole games, 12 lives): with no Monitor, every done is an episode.
+    ended = sum(len(game.get_episode_rewards()) for game in games) if monitor else 2 * 12
+    assert callback.latest["episodes_per_s"] * seconds == pytest.approx(ended)
+    assert ended == (8 if monitor else 24)
