@@ -101,6 +101,10 @@ CASES = [
         "policy_kwargs.optimizer_kwargs.lr comes from dqn's learning_rate; set that",
     ),
     (lambda: make_model("ppo", "CartPole-v1", "cpu", tensorboard_log=123, probe=False), "tensorboard_log must be a fol"),
+    # make_vec_env's auto choice times one env step: a broken env is named before it is timed.
+    (lambda: make_vec_env(_OldGymStep, 2), "env '_OldGymStep' failed on its first reset or step: ValueError: not enough"),
+    (lambda: make_vec_env(_OldGymReset, 2), "env '_OldGymReset': reset() returned a value of type ndarray; a Gymnasium"),
+    (lambda: build_env(_plan(), evaluation="no"), "evaluation must be True or False, got 'no'"),
     (lambda: make_vec_env("CartPole-v1", 2, max_episode_steps=0), "max_episode_steps must be a positive int or None"),
     (lambda: make_vec_env("CartPole-v1", 2, frame_stack=0), "frame_stack must be a positive int or None, got 0"),
     (lambda: make_vec_env("CartPole-v1", 2, seed="x"), "seed must be an int from 0 to 2**32 - 1 or None, got 'x'"),
@@ -159,9 +163,20 @@ CASES = [
     ),
     (lambda: make_vec_env(_raises, 2, vec_env="dummy"), "env '_raises' failed to build: ZeroDivisionError: division by zero"),
     (lambda: make_vec_env(lambda: 42, 1, vec_env="dummy"), "failed to build: TypeError: Expected env to be a `gymnasium.Env`"),
+    # An env kwarg the env does not take is named with those it does (gym.make's own too, for an id).
     (
-        lambda: make_vec_env("CartPole-v1", 1, env_kwargs={"foo": 1}, vec_env="dummy"),
-        "env 'CartPole-v1' failed to build: TypeError: CartPoleEnv.__init__() got an unexpected keyword argument 'foo'",
+        lambda: make_vec_env("CartPole-v1", 1, env_kwargs={"render_mod": 1}, vec_env="dummy"),
+        "env 'CartPole-v1' takes no keyword argument 'render_mod'; did you mean 'render_mode'? (env_kwargs accepted: "
+        "sutton_barto_reward, render_mode, max_episode_steps, disable_env_checker)",
+    ),
+    (
+        lambda: make_plan("ppo", _sized, "cpu", overrides={**NO_PROBE, "env_kwargs": {"sise": 4}}),
+        "env '_sized' takes no keyword argument 'sise'; did you mean 'size'? (env_kwargs accepted: size)",
+    ),
+    (
+        lambda: make_plan("ppo", "gymnasium.envs.classic_control:PendulumEnv", "cpu", overrides={"env_kwargs": {"render": 1}}),
+        "env 'gymnasium.envs.classic_control:PendulumEnv' takes no keyword argument 'render'; did you mean 'render_mode'? ("
+        "env_kwargs accepted: render_mode, g)",
     ),
     (
         lambda: make_vec_env(_cartpole_factory, 1, atari_wrapper=True, vec_env="dummy"),
@@ -331,3 +346,30 @@ def test_a_run_trained_on_a_factory_is_evaluated_and_resumed_with_it_and_says_so
 def test_a_whole_float_count_is_taken_as_configs_write_it():
     plan = make_plan("ppo", "CartPole-v1", "cpu", n_envs=2.0, n_timesteps=1e5, vec_env="dummy", overrides=NO_PROBE)
     assert plan.preset.n_envs == 2 and plan.preset.n_timesteps == 100_000
+
+
+def test_a_torch_device_is_taken_as_sb3_takes_it():
+    plan = make_plan("ppo", "CartPole-v1", th.device("cpu"), vec_env="dummy", overrides=NO_PROBE)
+    assert plan.device.device == "cpu" and plan.to_config()["device"] == "cpu"  # its text: config.yaml holds no object
+    with pytest.raises(ConfigError, match="device 'cuda' asked for a CUDA GPU") if not th.cuda.is_available() else _no_error():
+        make_plan("ppo", "CartPole-v1", th.device("cuda"), vec_env="dummy", overrides=NO_PROBE)
+
+
+def _no_error() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _sized(size: int = 3) -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+def test_a_factory_is_named_by_its_function_with_env_kwargs_or_through_a_partial():
+    # Its name is all a run's config keeps of it, and what an error or evaluate_run says to pass again: it read
+    # "partial" where env_kwargs were given.
+    import functools
+
+    by_kwargs = make_plan("ppo", _sized, "cpu", vec_env="dummy", overrides={**NO_PROBE, "env_kwargs": {"size": 4}})
+    through_partial = make_plan("ppo", functools.partial(_sized, 4), "cpu", vec_env="dummy", overrides=NO_PROBE)
+    assert by_kwargs.env.name == through_partial.env.name == "_sized"

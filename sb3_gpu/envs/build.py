@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import inspect
 import multiprocessing as mp
 import os
@@ -28,7 +29,7 @@ from sb3_gpu.common.io import make_dir, temporary_environ
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv, main_kept_from_workers, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
-from sb3_gpu.envs.spec import EnvFactory, EnvSpec, resolve_env
+from sb3_gpu.envs.spec import EnvFactory, EnvSpec, check_env_api, resolve_env
 
 # EnvPoolVecEnv's arguments that make_vec_env sets from its own: vec_env_kwargs may give the others.
 _ENVPOOL_SET = ("env_id", "n_envs", "seed", "is_atari", "monitor_dir", "start_index", "channels_first")
@@ -208,10 +209,31 @@ def _build(
     try:
         return _start_workers(kind, factories, vec_env_kwargs, seed)
     except _WorkersFailed as e:
-        venv = _dummy(fns, name)  # an env that fails here too is the env's fault, not the workers': no fallback to name
+        # An env that fails here too, to build or on its first reset and step, is the env's fault, not the workers':
+        # said as such, with no fallback to name (and no DummyVecEnv that fails again at the first learn()).
+        venv = _dummy(fns, name)
+        try:
+            _check_in_process(factories[0], name)
+        except ConfigError:
+            venv.close()
+            raise
         cls = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
         warn(f"{cls} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning)
         return venv
+
+
+def _check_in_process(factory: EnvFactory, name: str) -> None:
+    """One env as the factory makes it (writing no Monitor file), checked as a plan checks an env."""
+    probe = copy.copy(factory)
+    probe.monitor_path = None
+    try:
+        env = probe()
+    except Exception as e:
+        raise ConfigError(f"env {name!r} failed to build: {named(e)}") from None
+    try:
+        check_env_api(env, name)
+    finally:
+        env.close()
 
 
 def _dummy(fns: list[Callable[[], gym.Env]], name: str) -> DummyVecEnv:

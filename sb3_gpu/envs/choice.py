@@ -12,7 +12,7 @@ from sb3_gpu.common.errors import ConfigError, closest, warn
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.envs.batched import batched_workers, measure_overhead
 from sb3_gpu.envs.envpool_vec import envpool_available, envpool_failure, envpool_task, no_twin
-from sb3_gpu.envs.spec import EnvSpec, measure_step_seconds, probe_env
+from sb3_gpu.envs.spec import EnvSpec, check_env_api, measure_step_seconds, probe_env
 
 try:
     import resource
@@ -194,6 +194,7 @@ def vec_env_choice(
     if check_vec_env_kind(requested) == "auto" and step_seconds is None:
         probe = probe_env(spec)
         try:
+            check_env_api(probe, spec.name)  # before it is timed: a broken env is named, not a traceback of the timing
             step_seconds = measure_step_seconds(probe)
         finally:
             probe.close()

@@ -20,6 +20,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch as th
+from gymnasium.envs.registration import load_env_creator
 from stable_baselines3.common.atari_wrappers import AtariWrapper
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.preprocessing import is_image_space, is_image_space_channels_first
@@ -148,6 +149,8 @@ def _resolve_id(env_id: str, kwargs: dict[str, Any], made_as: str | None = None)
             "(accepted: a registered Gymnasium id, 'package.module:EnvClass' or a factory)"
         )
     entry_point = str(gym.registry[env_id].entry_point)
+    if kwargs:
+        _check_env_kwargs(made_as or env_id, _creator(gym.registry[env_id].entry_point), kwargs, also=_MAKE_KWARGS)
     is_atari = "ale_py" in entry_point
     plain_id = None if kwargs else env_id
     if is_atari and gym.registry[env_id].kwargs.get("frameskip", 1) != 1:
@@ -181,7 +184,40 @@ def _resolve_path(path: str, kwargs: dict[str, Any]) -> EnvSpec:
             "may only be an env class or a registered id "
             "(to use a factory function, pass the function itself to make_plan, make_model or make_vec_env)"
         )
+    _check_env_kwargs(path, target, kwargs)
     return EnvSpec(path, functools.partial(_make_from_path, path, kwargs))
+
+
+# gym.make's own keywords, which env_kwargs pass through it for a registered id.
+_MAKE_KWARGS = tuple(name for name in inspect.signature(gym.make).parameters if name not in ("id", "kwargs"))
+
+
+def _creator(entry_point: Any) -> Any:
+    if not isinstance(entry_point, str):
+        return entry_point
+    try:
+        return load_env_creator(entry_point)
+    except Exception:  # its import fails: building the env says so
+        return None
+
+
+def _check_env_kwargs(name: str, creator: Any, kwargs: Mapping[str, Any], also: tuple[str, ...] = ()) -> None:
+    """Refuse a keyword the env's class or function does not take, naming those it does (its TypeError, raised as
+    the env is built, named neither). Nothing is checked where it takes any (``**kwargs``)."""
+    try:
+        params = inspect.signature(creator).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = [n for n, p in params.items() if p.kind in kinds] + list(also)
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"env {name!r} takes no keyword argument {unknown[0]!r}{closest(unknown[0], accepted)} "
+            f"(env_kwargs accepted: {', '.join(accepted) or 'none'})"
+        )
 
 
 def _env_class(target: Any) -> bool:
@@ -210,15 +246,23 @@ def resolve_env(env: str | Callable[[], gym.Env] | EnvSpec, env_kwargs: dict[str
     if isinstance(env, EnvSpec):
         return env
     if callable(env):
+        name = factory_name(env)
         if env_kwargs:
+            _check_env_kwargs(name, env, env_kwargs)
             env = functools.partial(env, **env_kwargs)
-        name = getattr(env, "__name__", None) or type(env).__name__
         return EnvSpec(name, env, factory=True)
     if not isinstance(env, str) or not env.strip():
         raise ConfigError(f"env must be a Gymnasium id, 'package.module:Attr' or a factory, got {env!r}")
     if ":" in env:
         return _resolve_path(env, env_kwargs)
     return _resolve_id(env, env_kwargs)
+
+
+def factory_name(factory: Callable[..., Any]) -> str:
+    """The name a factory is known by (a ``functools.partial``'s function's): all a run's config keeps of it."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return getattr(factory, "__name__", None) or type(factory).__name__
 
 
 class EnvFactory:

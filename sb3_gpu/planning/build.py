@@ -10,10 +10,12 @@ from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
+import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
+from sb3_gpu.common.checks import bool_arg
 from sb3_gpu.common.errors import ConfigError, named, warn
 from sb3_gpu.config.schema import get_algo
 from sb3_gpu.envs.build import close_vec_envs, make_vec_env
@@ -47,6 +49,7 @@ def build_env(
     """The plan's VecEnv (``evaluation=True``: dummy envs, one unless ``n_envs`` says, seeded apart, with frozen
     normalisation)."""
     _check_plan(plan, "build_env")
+    bool_arg(evaluation, "evaluation")
     preset = plan.preset
     seed = offset_seed(plan.seed, EVAL_SEED_OFFSET if evaluation else 0)
     venv = make_vec_env(
@@ -200,7 +203,7 @@ def _check_env_fits(plan: Plan, env: VecEnv) -> None:
 def make_model(
     algo: str,
     env: str | Callable[[], gym.Env],
-    device: str = "auto",
+    device: str | th.device = "auto",
     *,
     n_envs: int | None = None,
     vec_env: str = "auto",

@@ -27,6 +27,11 @@ class DeviceChoice:
         return "cpu" if self.device == "cpu" else "gpu"
 
 
+def device_text(device: str | th.device) -> str:
+    """A device as the plan names it: SB3's ``th.device`` taken by its text (``cuda:0``)."""
+    return str(device) if isinstance(device, th.device) else device
+
+
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(?::(\d+))?)$")
 
 

@@ -35,7 +35,7 @@ from sb3_gpu.extensions.accumulate import check_accumulation
 from sb3_gpu.extensions.continuous import check_actor_critic_accumulation
 from sb3_gpu.extensions.replay import size_text
 from sb3_gpu.planning.buffers import HOST_MEMORY_SHARE, choose_buffers, choose_overlap
-from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device, requested_device
+from sb3_gpu.planning.device import DeviceChoice, PolicyKind, choose_device, device_text, requested_device
 from sb3_gpu.planning.optimizers import planned_policy_kwargs
 from sb3_gpu.planning.probe import MARGIN, Candidate, Option, Prober, ProbeResult, Workload
 from sb3_gpu.planning.speed import SpeedPlan, choose_speed, compiles_auto, free_cores, thread_cap
@@ -121,7 +121,7 @@ class _EnvFacts:
 def make_plan(
     algo: str,
     env: str | Callable[[], gym.Env] | EnvSpec,
-    device: str = "auto",
+    device: str | th.device = "auto",
     *,
     n_envs: int | None = None,
     n_timesteps: int | None = None,
@@ -157,6 +157,7 @@ def make_plan(
     _check_plan_args(n_envs, n_timesteps, profile, overrides, override_source, config, training, prober, steps_left)
     hardware_detected = hardware is None  # an injected profile is a what-if: nothing on it can be timed
     hardware = hardware or detect_hardware()
+    device = device_text(device)
     requested_device(device, hardware)
     entry, entry_label = _entry(algo_.name, env, preset, config)
     layered = _layered(overrides, override_source, n_envs, n_timesteps)

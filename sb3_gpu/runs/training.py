@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+import torch as th
 import yaml
 from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
@@ -161,7 +162,7 @@ def resume_run(
     *,
     timesteps: int | None = None,
     save_replay_buffer: bool | None = None,
-    device: str | None = None,
+    device: str | th.device | None = None,
     progress: bool = True,
     console: Console | None = None,
     report_s: float | None = 30.0,

@@ -573,3 +573,28 @@ def test_an_atari_id_named_with_its_module_is_still_atari():
     from sb3_gpu.envs.spec import looks_atari
 
     assert looks_atari("ale_py:ALE/Pong-v5") and looks_atari("ALE/Pong-v5") and not looks_atari("my_pkg:CartPole-v1")
+
+
+def reset_fails_everywhere() -> gym.Env:
+    return _ResetFails()
+
+
+class _ResetFails(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        raise KeyError("level file")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["subproc", "batched"])
+def test_an_env_whose_first_reset_fails_in_this_process_too_is_refused_without_a_fallback(kind):
+    # It warned that the workers could not start, fell back to DummyVecEnv, and failed again at the first learn().
+    before = set(mp.active_children())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VecEnvFallbackWarning)
+        message = r"^env 'reset_fails_everywhere' failed on its first reset or step: KeyError: 'level file'$"
+        with pytest.raises(ConfigError, match=message):
+            make_vec_env(reset_fails_everywhere, 2, vec_env=kind)
+    assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
