@@ -59,19 +59,23 @@ class SlowCartPoleV1(FaultyCartPoleV1):
 
 
 class NanPendulum(TimeLimit):
-    """Pendulum-v1 (continuous actions, 200-step episodes) whose rewards turn NaN from its own step ``nan_at`` on."""
+    """Pendulum-v1 (continuous actions, 200-step episodes) whose rewards (``what="observation"``: observations) turn
+    NaN from its own step ``nan_at`` on."""
 
-    def __init__(self, nan_at: int = 0, **kwargs: Any):
+    def __init__(self, nan_at: int = 0, what: str = "reward", **kwargs: Any):
         from gymnasium.envs.classic_control import PendulumEnv
 
         super().__init__(PendulumEnv(**kwargs), max_episode_steps=200)
-        self.nan_at, self.steps = nan_at, 0
+        self.nan_at, self.steps, self.what = nan_at, 0, what
 
     def step(self, action: Any) -> Any:
         self.steps += 1
         obs, reward, terminated, truncated, info = super().step(action)
         if self.nan_at and self.steps >= self.nan_at:
-            reward = float("nan")
+            if self.what == "observation":
+                obs = np.full_like(obs, np.nan)
+            else:
+                reward = float("nan")
         return obs, reward, terminated, truncated, info
 
 

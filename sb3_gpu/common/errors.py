@@ -106,8 +106,8 @@ class EnvWorkerError(RuntimeError):
 
 
 class TrainingDiverged(RuntimeError):
-    """A gradient, TD error or parameter became NaN or inf; raised before it reaches the model's parameters where
-    possible, so that the model in memory is still the last finite one."""
+    """A gradient, TD error or parameter became NaN or inf (or an observation given to the policy); raised before it
+    reaches the model's parameters where possible, so that the model in memory is still the last finite one."""
 
 
 class StopNow(KeyboardInterrupt):

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import numpy as np
+import torch as th
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from stable_baselines3.common.callbacks import BaseCallback
@@ -77,6 +79,35 @@ class StopOnSignal(BaseCallback):
 
 _CAUSES = "the loss diverged: look for NaN or inf in rewards or observations, or lower the learning rate"
 _STATISTICS = "an env returned a NaN or inf observation or reward, and VecNormalize took it into its running statistics"
+
+
+def non_finite_input(error: BaseException, timesteps: int) -> TrainingDiverged | None:
+    """The error said as what it is where the policy was given a NaN or inf observation (SB3's distributions refuse
+    their parameters then, in a message about those), found in the traceback's frames; else None."""
+    tb, evaluating = error.__traceback__, False
+    while tb is not None:
+        frame = tb.tb_frame
+        evaluating = evaluating or frame.f_code.co_name == "evaluate_policy"
+        if any(_non_finite(frame.f_locals.get(name)) for name in ("observation", "obs")):
+            where = "in an evaluation" if evaluating else "in training"
+            diverged = TrainingDiverged(
+                f"the policy was given a NaN or inf observation {where} at {timesteps:,} timesteps: an env returned it, "
+                "or VecNormalize's statistics hold it (SB3's VecCheckNan finds the step that made it)"
+            )
+            diverged.__cause__ = error
+            return diverged
+        tb = tb.tb_next
+    return None
+
+
+def _non_finite(value: object) -> bool:
+    if isinstance(value, dict):
+        return any(_non_finite(item) for item in value.values())
+    if isinstance(value, th.Tensor):
+        return value.is_floating_point() and not bool(th.isfinite(value).all())
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind == "f" and not bool(np.isfinite(value).all())
+    return False
 
 
 class NanGuard(BaseCallback):

@@ -22,7 +22,14 @@ from sb3_gpu.common.errors import StopNow
 from sb3_gpu.envs.build import explain_env_error
 from sb3_gpu.extensions.compile import forgiving_recompiles
 from sb3_gpu.extensions.stepping import first_non_finite
-from sb3_gpu.runs.callbacks import AtomicCheckpointCallback, NanGuard, ProgressCallback, ReturnFreeMemory, StopOnSignal
+from sb3_gpu.runs.callbacks import (
+    AtomicCheckpointCallback,
+    NanGuard,
+    ProgressCallback,
+    ReturnFreeMemory,
+    StopOnSignal,
+    non_finite_input,
+)
 from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, evaluate
 from sb3_gpu.runs.rundir import RunDir
 from sb3_gpu.runs.saving import non_finite_statistics, save_state
@@ -140,6 +147,8 @@ class Session:
             error = explain_env_error(e, model.get_env())  # type: ignore[arg-type]
             if error is e and self.evaluator is not None:  # not a training env's: maybe one of a periodic evaluation
                 error = explain_env_error(e, self.evaluator.eval_env, what="evaluation env")
+            if error is e:  # not an env's own: maybe the policy's, on an observation an env made NaN
+                error = non_finite_input(e, model.num_timesteps) or e
         finally:
             self._release()
         outcome = Outcome(

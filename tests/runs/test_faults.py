@@ -1622,3 +1622,19 @@ def test_a_replay_buffer_saved_on_another_device_samples_onto_the_resuming_model
     load_replay_buffer(model, path)
     assert model.replay_buffer.device == model.device == th.device("cpu")
     assert model.replay_buffer.sample(4).observations.device == th.device("cpu")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(("algo", "eval_freq", "where"), [("sac", 100_000, "in training"), ("ppo", 100, "in an evaluation")])
+def test_a_nan_observation_is_said_as_such_and_the_model_before_it_saved(tmp_path, algo, eval_freq, where):
+    # SB3's distributions refuse NaN parameters, in a message about a tensor's constraint (Normal's loc, Categorical's
+    # logits) that named no observation. The eval env's steps run ahead of training's: 200 per evaluation.
+    overrides = {"net_arch": [16], "env_kwargs": {"nan_at": 300, "what": "observation"}, "compile": "false", "amp": "off"}
+    overrides.update({"learning_starts": 100, "batch_size": 32} if algo == "sac" else {"n_envs": 1, "n_steps": 64})
+    plan = make_plan(algo, "tests.fault_envs:NanPendulum", "cpu", n_timesteps=2_000, vec_env="dummy", overrides=overrides)
+    message = rf"^the policy was given a NaN or inf observation {where} at \d+ timesteps: an env returned it"
+    with pytest.raises(TrainingDiverged, match=message):
+        train_run(plan, tmp_path, eval_freq=eval_freq, eval_episodes=1, confirm_episodes=0, progress=False, report_s=None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["error"].startswith("TrainingDiverged: the policy was given a NaN") and summary["model"]
+    assert first_non_finite(_load(tmp_path, tmp_path / "model.zip").policy) is None
