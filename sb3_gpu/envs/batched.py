@@ -71,6 +71,11 @@ def worker_start_method(start_method: str | None) -> str:
     starts it: a server started without them (by a plain SubprocVecEnv, say) would make every later worker import
     them itself. A server already up keeps what it preloads.
     """
+    if getattr(mp.current_process(), "_inheriting", False):
+        # A worker re-running a script that starts workers outside an ``if __name__ == "__main__":`` guard: it exits,
+        # as multiprocessing intends, and quietly: the parent's fallback warning says why, once (each worker printed
+        # a page of traceback before it).
+        raise SystemExit(1)
     if start_method is None:
         start_method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if start_method == "forkserver":

@@ -288,8 +288,9 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             # (EnvWorkerError is a RuntimeError: an env that fails to build or reset in a batched worker.)
             if getattr(mp.current_process(), "_inheriting", False):
                 # We are a worker re-running a script that lacks the __main__ guard: die, as multiprocessing
-                # intends, rather than fall back and run the user's whole script inside the worker.
-                raise
+                # intends, rather than fall back and run the user's whole script inside the worker. Quietly: the
+                # parent's fallback warning names the cause, once, where each worker printed a page of traceback.
+                raise SystemExit(1) from None
             _kill_workers(before)
             raise _WorkersFailed(_failure_cause(e, sorted(Path(tmp).glob("*.err")))) from None
         except BaseException:

@@ -59,7 +59,9 @@ def batched_costs(workers: int) -> BatchedCosts | None:
         step_s, per_env_s = measure_overhead(workers)
     except Exception:  # no subprocesses here (a sandbox, a frozen app): the build itself will say why, if it is tried
         if getattr(mp.current_process(), "_inheriting", False):
-            raise  # a worker re-running a script that lacks the __main__ guard: it dies, as multiprocessing intends
+            # A worker re-running a script that lacks the __main__ guard: it dies, as multiprocessing intends, quietly
+            # (the parent's fallback warning says why).
+            raise SystemExit(1) from None
         return None
     return BatchedCosts(step_s, per_env_s, measured=True)
 

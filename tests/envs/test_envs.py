@@ -386,6 +386,7 @@ def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path, kind)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("KIND") == 1, "workers must not run the script's body"
     assert "KIND DummyVecEnv" in out.stdout and "missing __main__ guard" in out.stdout
+    assert "Traceback" not in out.stderr, "each worker printed a page of traceback before the warning said why"
 
 
 def _run_script(script: str, kind: str, start_method: str, env: str, path) -> str:
