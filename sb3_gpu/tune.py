@@ -290,7 +290,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             highlight=False,
             soft_wrap=True,  # one line, whatever the terminal's width
         )
-    if dead := fail_dead_local_trials(study):
+    if url.startswith("journal:") and (dead := fail_dead_local_trials(study)):
         console.print(f"marked {dead} trial(s) of dead workers on this host as failed")
     done = finished_trials(study)
     console.print(f"study {name} in {mask_url(url)}: {done} of {args.trials} trials finished; this worker joins in", **_PLAIN)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -95,6 +96,28 @@ def journal_lock(url: str) -> Callable[[Path], bool]:
     return is_lock
 
 
+def _check_journal(path: Path, url: str) -> None:
+    """Refuse a file that is no optuna journal (its first line a JSON record), before optuna reads it through."""
+    try:
+        with path.open("rb") as f:
+            first = f.readline(1 << 20)
+    except FileNotFoundError:
+        return  # a new journal
+    except OSError as e:
+        raise ConfigError(f"storage {url!r}: cannot read the journal file {path}: {e.strerror or e}") from None
+    if not first.endswith(b"\n"):
+        return  # empty, or a first record still being written
+    try:
+        record = json.loads(first)
+    except ValueError:  # UnicodeDecodeError too
+        record = None
+    if not isinstance(record, dict) or "op_code" not in record:
+        raise ConfigError(
+            f"storage {url!r}: {path} is not an optuna journal (its first line is no journal record); give a new file's "
+            "path, or the journal other workers write"
+        )
+
+
 def make_storage(url: str, heartbeat_s: int) -> Any:
     """An optuna storage: ``journal:PATH`` (a journal file), or any SQLAlchemy URL (sqlite, postgresql, mysql)."""
     optuna = import_optuna()
@@ -105,6 +128,7 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
         if not path.name or path.is_dir():
             raise ConfigError(f"storage {url!r}: journal:PATH names a file to write, and {path} is a folder")
         make_dir(path.parent, "the journal's folder")
+        _check_journal(path, url)
         try:
             # optuna's default lock is a symbolic link, which Windows lets only administrators (or Developer Mode) make.
             lock = JournalFileOpenLock(str(path)) if os.name == "nt" else None
@@ -161,17 +185,50 @@ def fail_left_running(url: str, heartbeat_s: int, name: str, numbers: Sequence[i
     return len(left)
 
 
+def worker_attrs() -> dict[str, Any]:
+    """What a trial records of the worker running it: ``host:pid``, and what tells its process apart on that host,
+    its pid namespace (containers on one host name have their own) and its start time (a pid is reused)."""
+    return {
+        "worker": f"{socket.gethostname()}:{os.getpid()}",
+        "worker_pid_ns": _pid_namespace(),
+        "worker_started": psutil.Process().create_time(),
+    }
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc (macOS, Windows): one namespace
+        return None
+
+
 def fail_dead_local_trials(study: Any) -> int:
     """Mark failed the RUNNING trials of workers on this host whose process is gone; return how many.
 
-    RDB storages do this by heartbeat; a journal file has no heartbeats, and this covers the one-machine case.
+    For a journal file, which has no heartbeats (RDB storages fail a dead worker's trial by its heartbeat). A worker
+    in another pid namespace (a container sharing the host name) cannot be seen from here, so its trials are left.
     """
     optuna = import_optuna()
-    host, failed = socket.gethostname(), 0
+    host, namespace, failed = socket.gethostname(), _pid_namespace(), 0
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
-        if worker_host == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
+        attrs = trial.user_attrs
+        worker_host, _, pid = str(attrs.get("worker", "")).rpartition(":")
+        if worker_host != host or not pid.isdigit() or attrs.get("worker_pid_ns", namespace) != namespace:
+            continue
+        if _process_gone(int(pid), attrs.get("worker_started")):
             # skip_if_finished: another worker may have failed it first.
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
             failed += 1
     return failed
+
+
+def _process_gone(pid: int, started: Any) -> bool:
+    """Whether process ``pid``, started at ``started`` (None: not recorded), has ended: a process of that pid that
+    started at another time took the pid over."""
+    try:
+        process = psutil.Process(pid)
+        return isinstance(started, (int, float)) and abs(process.create_time() - started) > 0.5
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # another user's process, say: it lives
+        return False

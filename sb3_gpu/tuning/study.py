@@ -7,9 +7,7 @@ import dataclasses
 import io
 import json
 import math
-import os
 import shlex
-import socket
 import statistics
 import warnings
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.runs.evaluation import EvaluationStopped, TimedEvalCallback, confirm_count, eval_envs
 from sb3_gpu.runs.session import Session
 from sb3_gpu.runs.threshold import THRESHOLD_EVALUATIONS, UNREACHED_PENALTY_S, train_to_threshold
-from sb3_gpu.tuning.storage import import_optuna
+from sb3_gpu.tuning.storage import import_optuna, worker_attrs
 
 
 @dataclass(frozen=True)
@@ -123,10 +121,11 @@ def make_objective(settings: TrialSettings, space: dict[str, dict[str, Any]]) ->
     A combination the preset checks refuse is pruned (not a result); a signal stops the trial, which optuna then
     marks failed, and ends the worker.
     """
-    worker = f"{socket.gethostname()}:{os.getpid()}"
+    worker = worker_attrs()
 
     def objective(trial: Any) -> float:
-        trial.set_user_attr("worker", worker)
+        for key, value in worker.items():
+            trial.set_user_attr(key, value)
         params = sample(trial, space)
         scores, reached = [], []
         for index in range(settings.seeds):
@@ -249,6 +248,8 @@ def export_preset(study: Any, algo: str, env: str, path: Path, timesteps: int) -
         del tuned["buffer_size"]
         notes.append(f"# buffer_size: the trials' {size:,} held all of each trial, so the entry's own {int(own):,} stays.\n")
     for key, value in tuned.items():
+        if key == "per" and value is True and isinstance(entry.get("per"), dict):
+            continue  # on with the entry's own settings (its normalize, say), as a plan takes it; per.x are set apart
         apply_override(entry, key, value)
     # YAML's 2.0e+4 reads as a float; a count is written as the integer the preset means.
     checks = valid_keys(algo_)

@@ -24,6 +24,7 @@ optuna = pytest.importorskip("optuna", reason="tuning needs the [tune] extra")
 from sb3_gpu import tune  # noqa: E402
 from sb3_gpu.common.errors import ConfigError  # noqa: E402
 from sb3_gpu.config.search import load_space  # noqa: E402
+from sb3_gpu.planning.plan import make_plan  # noqa: E402
 from sb3_gpu.runs.threshold import ThresholdRun  # noqa: E402
 from sb3_gpu.tuning import storage as tuning_storage  # noqa: E402
 from sb3_gpu.tuning import study as tuning  # noqa: E402
@@ -409,6 +410,8 @@ def test_a_seed_that_never_reaches_the_threshold_ranks_behind_a_slower_one_that_
         (["--storage", "journal:sub"], "storage 'journal:sub': journal:PATH names a file to write, and sub is a folder"),
         (["--storage", "journal:notes.txt/j.log"], "cannot create the journal's folder notes.txt: a file is in the way"),
         (["--storage", "sqlite:///notes.txt/s.db"], "cannot create the database's folder notes.txt: a file is in the way"),
+        # A file that is no journal: optuna's JSONDecodeError and its traceback, exit 1.
+        (["--storage", "journal:readme.txt"], "storage 'journal:readme.txt': readme.txt is not an optuna journal (its first"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, call_main):
@@ -418,6 +421,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message, monkeypatch, 
     monkeypatch.setattr("sb3_gpu.planning.plan.compiles_auto", lambda device: False)
     (tmp_path / "sub").mkdir()
     (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "readme.txt").write_text("hello\n")
     out = call_main(tune.main, "ppo", "--study-dir", str(tmp_path / "study"), *args)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
@@ -915,6 +919,24 @@ def test_trials_of_dead_workers_on_this_host_are_failed():
     assert states == {dead.number: optuna.trial.TrialState.FAIL, alive.number: optuna.trial.TrialState.RUNNING}
 
 
+def test_a_worker_is_told_apart_by_its_pid_namespace_and_start_time():
+    # Containers sharing a host name each have pids of their own: a worker there failed another's live trial, which
+    # then crashed its worker. A pid reused after a worker died (a container's pid 1, restarted) left its trial running.
+    study = optuna.create_study()
+    own = tuning_storage.worker_attrs()
+    elsewhere, reused, alive = study.ask(), study.ask(), study.ask()
+    for trial in (elsewhere, reused, alive):
+        for key, value in own.items():
+            trial.set_user_attr(key, value)
+    elsewhere.set_user_attr("worker", f"{socket.gethostname()}:{2**22 + 12345}")  # no such pid here...
+    elsewhere.set_user_attr("worker_pid_ns", "pid:[1]")  # ...where it runs
+    reused.set_user_attr("worker_started", own["worker_started"] - 3600.0)  # this pid's process, an hour before it
+    assert tuning_storage.fail_dead_local_trials(study) == 1
+    states = {t.number: t.state for t in study.trials}
+    running, failed = optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.FAIL
+    assert states == {elsewhere.number: running, reused.number: failed, alive.number: running}
+
+
 def test_a_storage_secret_is_masked_where_it_stands_never_inside_other_words():
     from sb3_gpu.tuning.storage import mask_url
 
@@ -953,3 +975,21 @@ def test_a_sqlite_file_in_a_folder_not_made_yet_gets_its_folder_as_a_journal_doe
         optuna.create_study(study_name="s", storage=tuning_storage.make_storage(url, 60))
         assert (made / "s.db").is_file()
     assert not (tmp_path / "with%20space").exists()
+
+
+def test_a_best_trial_with_per_on_exports_the_entrys_own_per_settings_with_the_tuned_ones(tmp_path):
+    # `per: true` replaced DQN CartPole's {..., normalize: buffer} whole: the exported preset weighted by the batch.
+    space = {"per": {"choices": [True, False]}, "per.alpha": {"low": 0.4, "high": 0.8}}
+    study = optuna.create_study(direction="maximize", study_name="dqn-CartPole-v1")
+    study.set_user_attr("space", space)
+    dists = {
+        "per": optuna.distributions.CategoricalDistribution([True, False]),
+        "per.alpha": optuna.distributions.FloatDistribution(0.4, 0.8),
+    }
+    params = {"per": True, "per.alpha": 0.7}
+    study.add_trial(optuna.trial.create_trial(params=params, distributions=dists, value=500.0, user_attrs={"profile": "cpu"}))
+    path = tuning.export_preset(study, "dqn", "CartPole-v1", tmp_path / "best_preset.yaml", timesteps=5000)
+    trained = make_plan("dqn", "CartPole-v1", "cpu", vec_env="dummy", overrides={"probe": False, **params})
+    replayed = make_plan("dqn", "CartPole-v1", "cpu", vec_env="dummy", preset=path, overrides={"probe": False})
+    trained, replayed = trained.preset.values()["per"], replayed.preset.values()["per"]
+    assert replayed == trained and trained["normalize"] == "buffer" and trained["alpha"] == 0.7
