@@ -349,7 +349,7 @@ def test_a_whole_float_count_is_taken_as_configs_write_it():
 
 
 def test_a_torch_device_is_taken_as_sb3_takes_it():
-    plan = make_plan("ppo", "CartPole-v1", th.device("cpu"), vec_env="dummy", overrides=NO_PROBE)
+    plan = make_plan("ppo", "CartPole-v1", th.device("cpu", 0), vec_env="dummy", overrides=NO_PROBE)
     assert plan.device.device == "cpu" and plan.to_config()["device"] == "cpu"  # its text: config.yaml holds no object
     with pytest.raises(ConfigError, match="device 'cuda' asked for a CUDA GPU") if not th.cuda.is_available() else _no_error():
         make_plan("ppo", "CartPole-v1", th.device("cuda"), vec_env="dummy", overrides=NO_PROBE)
@@ -373,3 +373,31 @@ def test_a_factory_is_named_by_its_function_with_env_kwargs_or_through_a_partial
     by_kwargs = make_plan("ppo", _sized, "cpu", vec_env="dummy", overrides={**NO_PROBE, "env_kwargs": {"size": 4}})
     through_partial = make_plan("ppo", functools.partial(_sized, 4), "cpu", vec_env="dummy", overrides=NO_PROBE)
     assert by_kwargs.env.name == through_partial.env.name == "_sized"
+
+
+def _with_difficulty(make):
+    import functools
+
+    @functools.wraps(make)
+    def made(*args, difficulty=0, **kwargs):
+        env = make(*args, **kwargs)
+        env.difficulty = difficulty
+        return env
+
+    return made
+
+
+@_with_difficulty
+def _decorated(length: int = 10) -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+def test_env_kwargs_a_decorator_takes_are_not_judged_by_the_function_it_wraps():
+    gym.register("DecoratedCartPole-v0", entry_point=_decorated)
+    try:
+        for env in (_decorated, "DecoratedCartPole-v0"):
+            plan = make_plan("ppo", env, "cpu", vec_env="dummy", overrides={**NO_PROBE, "env_kwargs": {"difficulty": 2}})
+            made = plan.env.make()
+            assert made.get_wrapper_attr("difficulty") == 2
+    finally:
+        gym.registry.pop("DecoratedCartPole-v0")

@@ -211,12 +211,8 @@ def _build(
     except _WorkersFailed as e:
         # An env that fails here too, to build or on its first reset and step, is the env's fault, not the workers':
         # said as such, with no fallback to name (and no DummyVecEnv that fails again at the first learn()).
+        _check_in_process(factories[0], name)  # before the fallback's own envs: one that holds a port, say, is alone
         venv = _dummy(fns, name)
-        try:
-            _check_in_process(factories[0], name)
-        except ConfigError:
-            venv.close()
-            raise
         cls = "BatchedSubprocVecEnv" if kind == "batched" else "SubprocVecEnv"
         warn(f"{cls} could not start ({e}); falling back to DummyVecEnv", VecEnvFallbackWarning)
         return venv

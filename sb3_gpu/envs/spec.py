@@ -205,7 +205,7 @@ def _check_env_kwargs(name: str, creator: Any, kwargs: Mapping[str, Any], also: 
     """Refuse a keyword the env's class or function does not take, naming those it does (its TypeError, raised as
     the env is built, named neither). Nothing is checked where it takes any (``**kwargs``)."""
     try:
-        params = inspect.signature(creator).parameters
+        params = inspect.signature(creator, follow_wrapped=False).parameters  # a decorator may add keywords of its own
     except (TypeError, ValueError):
         return
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):

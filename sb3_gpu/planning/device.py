@@ -29,7 +29,9 @@ class DeviceChoice:
 
 def device_text(device: str | th.device) -> str:
     """A device as the plan names it: SB3's ``th.device`` taken by its text (``cuda:0``)."""
-    return str(device) if isinstance(device, th.device) else device
+    if isinstance(device, th.device):
+        return device.type if device.type in ("cpu", "mps") else str(device)  # torch numbers these too: cpu:0
+    return device
 
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(?::(\d+))?)$")

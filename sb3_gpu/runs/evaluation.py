@@ -122,17 +122,34 @@ def confirm_count(eval_episodes: int) -> int:
     return 3 * eval_episodes
 
 
-def hold_writes(logger: Any) -> Callable[[], None]:
-    """Skip the logger's writes until the function returned is called: what is recorded waits for the next write."""
+def hold_writes(logger: Any, at: int | None = None) -> Callable[[bool], bool]:
+    """Skip the logger's writes until the function returned is called (``release(write)``, True: and write what waits
+    at step ``at``); it answers whether the hold was still on. What is recorded meanwhile waits for the next write.
+
+    :param at: skip only writes at this step: a write at another one ends the hold and is made (a ``learn()`` that
+        raised before the hold's end, and the next one on the same logger)
+    """
     own = logger.__dict__.get("dump")  # an instance's own write (sb3_gpu's, which adds the device's figures) is kept
+    held = True
 
-    def release() -> None:
-        if own is None:
-            logger.__dict__.pop("dump", None)
-        else:
-            logger.dump = own
+    def release(write: bool = False) -> bool:
+        nonlocal held
+        was_held, held = held, False
+        if was_held:
+            if own is None:
+                logger.__dict__.pop("dump", None)
+            else:
+                logger.dump = own
+            if write:
+                logger.dump(at or 0)
+        return was_held
 
-    logger.dump = lambda step=0: None
+    def skipped(step: int = 0) -> None:  # SB3 names it
+        if at is not None and step != at:
+            release()
+            logger.dump(step)
+
+    logger.dump = skipped
     return release
 
 
@@ -143,7 +160,7 @@ def _writes_held(logger: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        release()
+        release(False)
 
 
 class TimedEvalCallback(EvalCallback):

@@ -200,7 +200,7 @@ class ThroughputCallback(BaseCallback):
         if eval_callback is not None:  # its evaluation at the last step is written with this callback's last record
             eval_callback.last_write_elsewhere = True
         self._next_record = 0.0
-        self._release_writes: Callable[[], None] | None = None  # ends the hold on SB3's writes after the last rollout
+        self._release_writes: Callable[[bool], bool] | None = None  # ends the hold on SB3's writes after the last rollout
         self.window = Window(window_s)
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
         self.counters = np.zeros(9)
@@ -233,8 +233,7 @@ class ThroughputCallback(BaseCallback):
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only starts the measurement
         self.counters[:] = 0.0
-        venv = self.model.env
-        self._monitored = any(venv.env_is_wrapped(Monitor)) or is_vecenv_wrapped(venv, VecMonitor)
+        self._monitored = _monitored(self.model.env)
         self.window.points.clear()
         self._steps0 = self.num_timesteps
         self._eval0 = self.eval_callback.seconds if self.eval_callback is not None else 0.0
@@ -306,7 +305,7 @@ class ThroughputCallback(BaseCallback):
         # own write of it (PPO's, after each rollout, before its training) waits for that one.
         if self.num_timesteps >= self.model._total_timesteps:
             if self._release_writes is None:
-                self._release_writes = hold_writes(self.logger)
+                self._release_writes = hold_writes(self.logger, self.num_timesteps)
         elif now >= self._next_record:
             self._next_record = now + self.record_s
             self._record(now)
@@ -320,20 +319,18 @@ class ThroughputCallback(BaseCallback):
         self._record(now, final=True)
         # A row of its own: its step, as SB3's rows carry it (a CSV plotted against it had a blank at each learn's end).
         self.logger.record("time/total_timesteps", self.num_timesteps, exclude="tensorboard")
-        self._writes_released()
+        self._release_writes_held(write=False)
         self.logger.dump(self.num_timesteps)
         self.close()
 
-    def _writes_released(self) -> bool:
+    def _release_writes_held(self, write: bool) -> None:
         release, self._release_writes = self._release_writes, None
         if release is not None:
-            release()
-        return release is not None
+            release(write)
 
     def close(self) -> None:
-        """Stop timing the env (also after an interrupted ``learn``, whose held write is made here)."""
-        if self._writes_released():
-            self.logger.dump(self.num_timesteps)
+        """Stop timing the env (also after an interrupted ``learn``, whose held write is made here, at its step)."""
+        self._release_writes_held(write=True)
         if self._timer is not None:
             self._timer.remove()
             self._timer = None
@@ -424,6 +421,14 @@ class ThroughputCallback(BaseCallback):
         if "cuda_allocated_mib" in f:
             parts.append(f"GPU mem {f['cuda_allocated_mib']:,.0f} MiB")
         return " | ".join(parts)
+
+
+def _monitored(venv: VecEnv) -> bool:
+    """Whether Monitor (or VecMonitor) reports the envs' whole episodes; until one does, every done counts."""
+    try:
+        return any(venv.env_is_wrapped(Monitor)) or is_vecenv_wrapped(venv, VecMonitor)
+    except Exception:  # a VecEnv of the user's that does not implement it: SB3's learn() never asks
+        return False
 
 
 def _clock(seconds: float) -> str:

@@ -599,3 +599,39 @@ def test_an_env_whose_first_reset_fails_in_this_process_too_is_refused_without_a
         with pytest.raises(ConfigError, match=message):
             make_vec_env(reset_fails_everywhere, 2, vec_env=kind)
     assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
+
+
+class _OneAtATime(gym.Env):
+    """Holds something only one instance may (a simulator's port, say) while it is open."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gym.spaces.Discrete(2)
+    open_now = 0
+
+    def __init__(self):
+        if _OneAtATime.open_now:
+            raise OSError(98, "Address already in use")
+        _OneAtATime.open_now += 1
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+    def close(self):
+        _OneAtATime.open_now -= 1
+
+
+def test_the_fallbacks_check_of_one_env_is_closed_before_the_fallbacks_own_envs_are_built():
+    lock = threading.Lock()
+
+    def factory() -> gym.Env:
+        with lock:  # unpicklable: workers cannot start
+            return _OneAtATime()
+
+    with pytest.warns(VecEnvFallbackWarning, match="cannot be pickled"):
+        venv = make_vec_env(factory, 1, vec_env="subproc")
+    assert isinstance(venv, DummyVecEnv) and _OneAtATime.open_now == 1
+    venv.close()

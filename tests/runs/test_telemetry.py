@@ -640,3 +640,45 @@ def test_episodes_per_s_counts_whole_games_where_a_monitor_says_when_one_ended(m
     ended = sum(len(game.get_episode_rewards()) for game in games) if monitor else 2 * 12
     assert callback.latest["episodes_per_s"] * seconds == pytest.approx(ended)
     assert ended == (8 if monitor else 24)
+
+
+def test_a_learn_that_raises_after_its_last_rollout_leaves_the_loggers_writes_as_they_were(tmp_path):
+    # The writes after the last rollout wait for the callback's last one; SB3 skips on_training_end when learn()
+    # raises, and a user's own logger then wrote nothing more, in this learn() or the next.
+    import csv
+
+    from stable_baselines3.common.logger import configure
+
+    model = PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=64, n_epochs=1)
+    model.set_logger(configure(str(tmp_path), ["csv"]))
+    real_train, calls = model.train, []
+
+    def train():
+        calls.append(1)
+        if len(calls) == 2:  # Ctrl-C in the last training
+            raise KeyboardInterrupt
+        real_train()
+
+    model.train = train
+    with pytest.raises(KeyboardInterrupt):
+        model.learn(128, callback=ThroughputCallback(dashboard=False, record_s=0.0))
+    model.learn(320, reset_num_timesteps=False)  # no telemetry: SB3's own writes, one per rollout
+    with open(tmp_path / "progress.csv", newline="") as f:
+        steps = [row["time/total_timesteps"] for row in csv.DictReader(f)]
+    # What waited at 128 goes with the next learn()'s first write (as SB3 writes what a learn() left recorded), then
+    # that learn's own four.
+    assert steps == ["64", "192", "256", "320", "384", "448"]
+
+
+def test_a_vec_env_that_cannot_say_how_its_envs_are_wrapped_is_measured_by_its_dones():
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    class Unsaid(DummyVecEnv):
+        def env_is_wrapped(self, wrapper_class, indices=None):
+            raise NotImplementedError("not supported")
+
+    venv = Unsaid([lambda: _LifeEnds(_Game())] * 2)
+    model = PPO("MlpPolicy", venv, n_steps=64, batch_size=64, n_epochs=1)
+    callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0, dashboard=False)
+    model.learn(256, callback=callback)
+    assert callback.latest["episodes_per_s"] * callback.latest["window_s"] == pytest.approx(24)
