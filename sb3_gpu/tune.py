@@ -157,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt as e:  # outside a trial: failing dead workers' trials, counting, writing the report
             print_error(f"{_stopped(e)}; run the same command to go on")
             return interrupted(_stop_code(e))
+        finally:
+            if "sb3_gpu.tuning.storage" in sys.modules:  # (a --help, or a refusal before it, opened none)
+                sys.modules["sb3_gpu.tuning.storage"].close_storages()
 
 
 def _stopped_in_trials(e: KeyboardInterrupt, url: str, heartbeat_s: int, name: str, started: list[int]) -> int:

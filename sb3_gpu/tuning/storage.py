@@ -118,6 +118,20 @@ def _check_journal(path: Path, url: str) -> None:
         )
 
 
+# The RDB storages made, whose connections close_storages() closes. Held: one dropped unclosed (its study's cycles
+# keep the engine) held its files until the garbage collector came by.
+_OPEN: list[Any] = []
+
+
+def close_storages() -> None:
+    """Close the database connections of the storages made so far (a study run from Python, ``tune.main`` in a
+    notebook, kept two files or server connections open per call)."""
+    while _OPEN:
+        storage = _OPEN.pop()
+        storage.remove_session()  # the connection its session holds
+        storage.engine.dispose()
+
+
 def make_storage(url: str, heartbeat_s: int) -> Any:
     """An optuna storage: ``journal:PATH`` (a journal file), or any SQLAlchemy URL (sqlite, postgresql, mysql)."""
     optuna = import_optuna()
@@ -153,9 +167,11 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats: stable in practice
-                return optuna.storages.RDBStorage(
+                storage = optuna.storages.RDBStorage(
                     url, heartbeat_interval=heartbeat_s, grace_period=2 * heartbeat_s, engine_kwargs={"pool_pre_ping": True}
                 )
+                _OPEN.append(storage)
+                return storage
         except ImportError:
             raise ConfigError(
                 f"storage {mask_url(url)}: its database driver is not installed "

@@ -993,3 +993,17 @@ def test_a_best_trial_with_per_on_exports_the_entrys_own_per_settings_with_the_t
     replayed = make_plan("dqn", "CartPole-v1", "cpu", vec_env="dummy", preset=path, overrides={"probe": False})
     trained, replayed = trained.preset.values()["per"], replayed.preset.values()["per"]
     assert replayed == trained and trained["normalize"] == "buffer" and trained["alpha"] == 0.7
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts the open files in /proc")
+def test_tune_main_closes_its_database_connections_as_it_returns(tmp_path, monkeypatch, call_main):
+    # A notebook or driver calling main() again and again kept two handles on study.db open per call.
+    monkeypatch.setattr("sb3_gpu.planning.plan.compiles_auto", lambda device: False)
+
+    def open_on(db: Path) -> int:
+        return sum(1 for fd in Path("/proc/self/fd").iterdir() if os.path.realpath(fd) == str(db))
+
+    args = ["ppo", "--trials", "1", "--study-dir", str(tmp_path / "study"), *TINY]
+    for _ in range(2):  # a trial, then the report alone
+        assert call_main(tune.main, *args).returncode == 0
+        assert open_on((tmp_path / "study" / "study.db").resolve()) == 0
