@@ -152,14 +152,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM (a preempted node, docker stop) stops the worker as Ctrl-C does, wherever it lands: while a trial plans
     # or builds its envs too, where its default action would end the process past optuna's marking the trial failed.
     with sigterm_as_interrupt():
+        opened: list[Any] = []  # the storages _main makes: their connections are closed as it returns
         try:
-            return _main(args, argv)
+            return _main(args, argv, opened)
         except KeyboardInterrupt as e:  # outside a trial: failing dead workers' trials, counting, writing the report
             print_error(f"{_stopped(e)}; run the same command to go on")
             return interrupted(_stop_code(e))
         finally:
-            if "sb3_gpu.tuning.storage" in sys.modules:  # (a --help, or a refusal before it, opened none)
-                sys.modules["sb3_gpu.tuning.storage"].close_storages()
+            if opened:  # (a notebook calling main() again and again kept two handles on study.db per call)
+                from sb3_gpu.tuning.storage import close_storage
+
+                for storage in opened:
+                    close_storage(storage)
 
 
 def _stopped_in_trials(e: KeyboardInterrupt, url: str, heartbeat_s: int, name: str, started: list[int]) -> int:
@@ -197,7 +201,7 @@ def _stop_code(e: KeyboardInterrupt) -> int:
     return 128 + int(signal.SIGTERM) if isinstance(e, Terminated) else 130
 
 
-def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def _main(args: argparse.Namespace, argv: Sequence[str] | None, opened: list[Any]) -> int:
     new_folder: Path | None = None  # a study dir this call made, removed again if the study cannot open
     try:
         from sb3_gpu.common.io import check_dir_creatable, check_utf8, make_dir, refuse_links
@@ -221,6 +225,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         # (a file storage is opened below, once the study dir it may lie in exists).
         remote = args.storage is not None and not args.storage.startswith(("sqlite:", "journal:"))
         given_storage = make_storage(args.storage, args.heartbeat) if remote else None
+        opened.extend([given_storage] if given_storage is not None else [])
         threads = {} if args.threads is None else {"threads": args.threads}
         plan = make_plan(args.algo, args.env, args.device, n_timesteps=args.timesteps, vec_env=args.vec_env, overrides=threads)
         budget = plan.preset.n_timesteps
@@ -245,9 +250,12 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         folder = check_dir_creatable(make_dir(wanted, "study dir"), "study dir")  # hours of trials, then no results
         url = args.storage or f"sqlite:///{(folder / 'study.db').resolve()}"
         refuse_links(folder, "study dir", allowed=journal_lock(url))  # another worker may hold the journal's lock
+        if (storage := given_storage) is None:
+            storage = make_storage(url, args.heartbeat)
+            opened.append(storage)
         study = open_study(
             name,
-            given_storage if given_storage is not None else make_storage(url, args.heartbeat),
+            storage,
             sampler=args.sampler,
             pruner=args.pruner,
             timesteps=plan.preset.n_timesteps,

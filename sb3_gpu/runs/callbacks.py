@@ -82,8 +82,11 @@ _STATISTICS = "an env returned a NaN or inf observation or reward, and VecNormal
 
 
 def non_finite_input(error: BaseException, timesteps: int) -> TrainingDiverged | None:
-    """The error said as what it is where the policy was given a NaN or inf observation (SB3's distributions refuse
-    their parameters then, in a message about those), found in the traceback's frames; else None."""
+    """The error said as what it is where the policy was given a NaN or inf observation: torch's distributions refuse
+    their parameters then (a ValueError about a constraint), and the observation is found in the traceback's frames.
+    None for any other error (a user's callback's, say, whatever its locals hold)."""
+    if not (isinstance(error, ValueError) and "to satisfy the constraint" in str(error)):
+        return None
     tb, evaluating = error.__traceback__, False
     while tb is not None:
         frame = tb.tb_frame
@@ -103,10 +106,13 @@ def non_finite_input(error: BaseException, timesteps: int) -> TrainingDiverged |
 def _non_finite(value: object) -> bool:
     if isinstance(value, dict):
         return any(_non_finite(item) for item in value.values())
-    if isinstance(value, th.Tensor):
-        return value.is_floating_point() and not bool(th.isfinite(value).all())
-    if isinstance(value, np.ndarray):
-        return value.dtype.kind == "f" and not bool(np.isfinite(value).all())
+    try:
+        if isinstance(value, th.Tensor):
+            return value.is_floating_point() and not bool(th.isfinite(value).all())
+        if isinstance(value, np.ndarray):
+            return value.dtype.kind == "f" and not bool(np.isfinite(value).all())
+    except RuntimeError:  # a device that failed (after a CUDA error): the error stays as it was
+        return False
     return False
 
 

@@ -118,16 +118,10 @@ def _check_journal(path: Path, url: str) -> None:
         )
 
 
-# The RDB storages made, whose connections close_storages() closes. Held: one dropped unclosed (its study's cycles
-# keep the engine) held its files until the garbage collector came by.
-_OPEN: list[Any] = []
-
-
-def close_storages() -> None:
-    """Close the database connections of the storages made so far (a study run from Python, ``tune.main`` in a
-    notebook, kept two files or server connections open per call)."""
-    while _OPEN:
-        storage = _OPEN.pop()
+def close_storage(storage: Any) -> None:
+    """Close an RDB storage's database connections (a journal holds none open): one dropped unclosed held them until
+    the garbage collector came by, as its study's reference cycles keep its engine."""
+    if hasattr(storage, "engine"):
         storage.remove_session()  # the connection its session holds
         storage.engine.dispose()
 
@@ -170,7 +164,6 @@ def make_storage(url: str, heartbeat_s: int) -> Any:
                 storage = optuna.storages.RDBStorage(
                     url, heartbeat_interval=heartbeat_s, grace_period=2 * heartbeat_s, engine_kwargs={"pool_pre_ping": True}
                 )
-                _OPEN.append(storage)
                 return storage
         except ImportError:
             raise ConfigError(
@@ -193,11 +186,15 @@ def fail_left_running(url: str, heartbeat_s: int, name: str, numbers: Sequence[i
     return how many. A signal that stops a worker can land inside one of its storage writes and leave its own
     connection unusable, so that optuna cannot record the trial's end itself."""
     optuna = import_optuna()
-    study = optuna.load_study(study_name=name, storage=make_storage(url, heartbeat_s))
-    running = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
-    left = [n for n in numbers if n in running]
-    for number in left:
-        study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    storage = make_storage(url, heartbeat_s)
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+        running = {t.number for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+        left = [n for n in numbers if n in running]
+        for number in left:
+            study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+    finally:
+        close_storage(storage)
     return len(left)
 
 
@@ -207,8 +204,18 @@ def worker_attrs() -> dict[str, Any]:
     return {
         "worker": f"{socket.gethostname()}:{os.getpid()}",
         "worker_pid_ns": _pid_namespace(),
-        "worker_started": psutil.Process().create_time(),
+        "worker_started": _started(os.getpid()),
     }
+
+
+def _started(pid: int) -> float:
+    """When process ``pid`` started: on Linux in clock ticks since boot (``/proc/PID/stat``), which no correction of
+    the clock moves (psutil's time does, by a second or more); elsewhere psutil's time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return float(f.read().rpartition(b")")[2].split()[19])  # starttime, the 22nd field
+    except (OSError, IndexError, ValueError):
+        return psutil.Process(pid).create_time()
 
 
 def _pid_namespace() -> str | None:
@@ -242,9 +249,9 @@ def _process_gone(pid: int, started: Any) -> bool:
     """Whether process ``pid``, started at ``started`` (None: not recorded), has ended: a process of that pid that
     started at another time took the pid over."""
     try:
-        process = psutil.Process(pid)
-        return isinstance(started, (int, float)) and abs(process.create_time() - started) > 0.5
+        now = _started(pid)
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:  # another user's process, say: it lives
         return False
+    return isinstance(started, (int, float)) and abs(now - started) > 0.5

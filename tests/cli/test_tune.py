@@ -937,6 +937,22 @@ def test_a_worker_is_told_apart_by_its_pid_namespace_and_start_time():
     assert states == {elsewhere.number: running, reused.number: failed, alive.number: running}
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="Linux's start time in clock ticks")
+def test_a_live_worker_is_not_taken_for_dead_when_the_clock_is_corrected(monkeypatch):
+    # psutil's start time is boot time plus ticks, its boot time read from the clock: an NTP correction moved it by a
+    # second or more, and a live worker's running trial was failed.
+    import psutil
+
+    study = optuna.create_study()
+    trial = study.ask()
+    for key, value in tuning_storage.worker_attrs().items():
+        trial.set_user_attr(key, value)
+    real = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 1.0)
+    assert tuning_storage.fail_dead_local_trials(study) == 0
+    assert study.trials[0].state == optuna.trial.TrialState.RUNNING
+
+
 def test_a_storage_secret_is_masked_where_it_stands_never_inside_other_words():
     from sb3_gpu.tuning.storage import mask_url
 
@@ -1000,10 +1016,19 @@ def test_tune_main_closes_its_database_connections_as_it_returns(tmp_path, monke
     # A notebook or driver calling main() again and again kept two handles on study.db open per call.
     monkeypatch.setattr("sb3_gpu.planning.plan.compiles_auto", lambda device: False)
 
-    def open_on(db: Path) -> int:
-        return sum(1 for fd in Path("/proc/self/fd").iterdir() if os.path.realpath(fd) == str(db))
-
     args = ["ppo", "--trials", "1", "--study-dir", str(tmp_path / "study"), *TINY]
     for _ in range(2):  # a trial, then the report alone
         assert call_main(tune.main, *args).returncode == 0
-        assert open_on((tmp_path / "study" / "study.db").resolve()) == 0
+        assert _open_on((tmp_path / "study" / "study.db").resolve()) == 0
+    # Nor does the module hold on to storages made outside main(): one dropped is closed with its study.
+    import gc
+
+    study = optuna.create_study(storage=tuning_storage.make_storage(f"sqlite:///{tmp_path / 's.db'}", 60))
+    study.optimize(lambda trial: trial.suggest_float("x", 0.0, 1.0), n_trials=1)
+    del study
+    gc.collect()
+    assert _open_on((tmp_path / "s.db").resolve()) == 0
+
+
+def _open_on(path: Path) -> int:
+    return sum(1 for fd in Path("/proc/self/fd").iterdir() if os.path.realpath(fd) == str(path))

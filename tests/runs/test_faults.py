@@ -1638,3 +1638,23 @@ def test_a_nan_observation_is_said_as_such_and_the_model_before_it_saved(tmp_pat
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["error"].startswith("TrainingDiverged: the policy was given a NaN") and summary["model"]
     assert first_non_finite(_load(tmp_path, tmp_path / "model.zip").policy) is None
+
+
+def test_only_a_distributions_refusal_is_taken_for_a_nan_observation():
+    # Any error whose traceback had a local `obs` holding NaN (a user's callback masking readings) was said to be one,
+    # its own traceback lost.
+    from sb3_gpu.runs.callbacks import non_finite_input
+
+    def raising(error: Exception) -> Exception:
+        obs = np.array([np.nan, 1.0], np.float32)  # noqa: F841 (a frame's local, as a policy's or a callback's)
+        try:
+            raise error
+        except Exception as e:
+            return e
+
+    refused = raising(
+        ValueError("Expected parameter loc (Tensor of shape (1, 1)) of distribution Normal to satisfy the constraint Real()")
+    )
+    assert "NaN or inf observation in training" in str(non_finite_input(refused, 64))
+    assert non_finite_input(raising(AttributeError("no attribute 'unknown_attr'")), 64) is None
+    assert non_finite_input(raising(ValueError("shapes do not match")), 64) is None
