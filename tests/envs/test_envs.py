@@ -238,16 +238,36 @@ def fails_everywhere() -> gym.Env:
     raise ZeroDivisionError("division by zero")
 
 
+def reset_fails_everywhere() -> gym.Env:
+    return _ResetFails()
+
+
+class _ResetFails(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        raise KeyError("level file")
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["subproc", "batched"])
-def test_an_env_that_fails_in_this_process_too_is_refused_without_a_fallback_warning(kind):
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (fails_everywhere, r"^env 'fails_everywhere' failed to build: ZeroDivisionError: division by"),
+        # It warned that the workers could not start, fell back to DummyVecEnv, and failed again at the first learn().
+        (reset_fails_everywhere, r"^env 'reset_fails_everywhere' failed on its first reset or step: KeyError: 'level"),
+    ],
+)
+def test_an_env_that_fails_in_this_process_too_is_refused_without_a_fallback_warning(kind, factory, message):
     # The workers' failure is then the env's own: a warning that falls back to DummyVecEnv, and the same error
     # raised from it, would point at the wrong cause.
     before = set(mp.active_children())
     with warnings.catch_warnings():
         warnings.simplefilter("error", VecEnvFallbackWarning)
-        with pytest.raises(ConfigError, match=r"^env 'fails_everywhere' failed to build: ZeroDivisionError: division by"):
-            make_vec_env(fails_everywhere, 2, vec_env=kind)
+        with pytest.raises(ConfigError, match=message):
+            make_vec_env(factory, 2, vec_env=kind)
     assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
 
 
@@ -574,31 +594,6 @@ def test_an_atari_id_named_with_its_module_is_still_atari():
     from sb3_gpu.envs.spec import looks_atari
 
     assert looks_atari("ale_py:ALE/Pong-v5") and looks_atari("ALE/Pong-v5") and not looks_atari("my_pkg:CartPole-v1")
-
-
-def reset_fails_everywhere() -> gym.Env:
-    return _ResetFails()
-
-
-class _ResetFails(gym.Env):
-    observation_space = gym.spaces.Box(-1.0, 1.0, (2,))
-    action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed=None, options=None):
-        raise KeyError("level file")
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("kind", ["subproc", "batched"])
-def test_an_env_whose_first_reset_fails_in_this_process_too_is_refused_without_a_fallback(kind):
-    # It warned that the workers could not start, fell back to DummyVecEnv, and failed again at the first learn().
-    before = set(mp.active_children())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", VecEnvFallbackWarning)
-        message = r"^env 'reset_fails_everywhere' failed on its first reset or step: KeyError: 'level file'$"
-        with pytest.raises(ConfigError, match=message):
-            make_vec_env(reset_fails_everywhere, 2, vec_env=kind)
-    assert set(mp.active_children()) <= before, "workers of the failed start must not linger"
 
 
 class _OneAtATime(gym.Env):
