@@ -83,9 +83,13 @@ _STATISTICS = "an env returned a NaN or inf observation or reward, and VecNormal
 
 def non_finite_input(error: BaseException, timesteps: int) -> TrainingDiverged | None:
     """The error said as what it is where the policy was given a NaN or inf observation: torch's distributions refuse
-    their parameters then (a ValueError about a constraint), and the observation is found in the traceback's frames.
-    None for any other error (a user's callback's, say, whatever its locals hold)."""
-    if not (isinstance(error, ValueError) and "to satisfy the constraint" in str(error)):
+    their parameters then (a ValueError about a constraint; with argument checks off, as sb3_gpu's collection runs,
+    a categorical's draw refuses its probabilities), and the observation is found in the traceback's frames. None for
+    any other error (a user's callback's, say, whatever its locals hold)."""
+    refused = (isinstance(error, ValueError) and "to satisfy the constraint" in str(error)) or (
+        isinstance(error, RuntimeError) and "probability tensor contains either" in str(error)
+    )
+    if not refused:
         return None
     tb, evaluating = error.__traceback__, False
     while tb is not None:

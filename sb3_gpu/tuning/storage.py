@@ -200,22 +200,21 @@ def fail_left_running(url: str, heartbeat_s: int, name: str, numbers: Sequence[i
 
 def worker_attrs() -> dict[str, Any]:
     """What a trial records of the worker running it: ``host:pid``, and what tells its process apart on that host,
-    its pid namespace (containers on one host name have their own) and its start time (a pid is reused)."""
-    return {
-        "worker": f"{socket.gethostname()}:{os.getpid()}",
-        "worker_pid_ns": _pid_namespace(),
-        "worker_started": _started(os.getpid()),
-    }
+    its pid namespace (containers on one host name have their own) and its start (a pid is reused): on Linux in clock
+    ticks since boot, which no correction of the clock moves (psutil's time moves by a second or more), elsewhere
+    psutil's time, each under a name of its own."""
+    pid, ticks = os.getpid(), _start_ticks(os.getpid())
+    start = {"worker_start_ticks": ticks} if ticks is not None else {"worker_started": psutil.Process(pid).create_time()}
+    return {"worker": f"{socket.gethostname()}:{pid}", "worker_pid_ns": _pid_namespace(), **start}
 
 
-def _started(pid: int) -> float:
-    """When process ``pid`` started: on Linux in clock ticks since boot (``/proc/PID/stat``), which no correction of
-    the clock moves (psutil's time does, by a second or more); elsewhere psutil's time."""
+def _start_ticks(pid: int) -> float | None:
+    """Process ``pid``'s start in clock ticks since boot (``/proc/PID/stat``); None where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return float(f.read().rpartition(b")")[2].split()[19])  # starttime, the 22nd field
     except (OSError, IndexError, ValueError):
-        return psutil.Process(pid).create_time()
+        return None
 
 
 def _pid_namespace() -> str | None:
@@ -238,20 +237,24 @@ def fail_dead_local_trials(study: Any) -> int:
         worker_host, _, pid = str(attrs.get("worker", "")).rpartition(":")
         if worker_host != host or not pid.isdigit() or attrs.get("worker_pid_ns", namespace) != namespace:
             continue
-        if _process_gone(int(pid), attrs.get("worker_started")):
+        if _process_gone(int(pid), attrs):
             # skip_if_finished: another worker may have failed it first.
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
             failed += 1
     return failed
 
 
-def _process_gone(pid: int, started: Any) -> bool:
-    """Whether process ``pid``, started at ``started`` (None: not recorded), has ended: a process of that pid that
-    started at another time took the pid over."""
+def _process_gone(pid: int, attrs: dict[str, Any]) -> bool:
+    """Whether the worker process ``pid`` of a trial's ``attrs`` has ended: a process of that pid that started at
+    another time took the pid over."""
     try:
-        now = _started(pid)
+        process = psutil.Process(pid)
+        ticks, started = attrs.get("worker_start_ticks"), attrs.get("worker_started")
+        if isinstance(ticks, (int, float)):
+            now = _start_ticks(pid)
+            return now is not None and now != ticks
+        return isinstance(started, (int, float)) and abs(process.create_time() - started) > 2.0
     except psutil.NoSuchProcess:
         return True
     except psutil.Error:  # another user's process, say: it lives
         return False
-    return isinstance(started, (int, float)) and abs(now - started) > 0.5
