@@ -57,7 +57,8 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
         seg = re.search(r"\.seg(\d+)\.monitor\.csv$", path.name)  # none: the current files, after every seg
         starts, rows = segments.setdefault(int(seg[1]) if seg else math.inf, ([], []))
         try:
-            starts.append(_read_monitor(path, rows))
+            start = _read_monitor(path, rows)
+            starts.extend([start] if start is not None else [])  # an empty file (its header never written) has none
         except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
             raise ConfigError(f"cannot read {path}: not a Monitor file ({type(e).__name__}: {e})") from None
     episodes = _training_time(segments)
@@ -76,7 +77,9 @@ def load_curves(run_dir: str | Path | RunDir) -> dict[str, np.ndarray]:
                 curves["eval_steps"], curves["eval_returns"] = ev["timesteps"], ev["results"].mean(axis=1)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
             # Runs write it whole (renamed into place), so a file that cannot be read is damaged: the curves go on.
-            warn(f"cannot read {evaluations} ({named(e)}); the evaluations are left out")
+            # (numpy reads a damaged file as pickled data, and says how to load it unsafely: not advice to pass on.)
+            why = "damaged" if "allow_pickle" in str(e) else named(e)
+            warn(f"cannot read {evaluations} ({why}); the evaluations are left out")
     return curves
 
 
@@ -102,23 +105,27 @@ def _training_time(segments: dict[float, tuple[list[float], list[tuple[float, fl
     for key in sorted(segments):
         starts, rows = segments[key]
         times = np.array(rows, dtype=np.float64).reshape(-1, 3)
-        times[:, 2] += offset - min(starts)
+        times[:, 2] += offset - (min(starts) if starts else 0.0)  # no start: no episode either
         out.append(times)
         offset = max(offset, float(times[:, 2].max())) if len(times) else offset
     return np.concatenate(out)
 
 
-def _read_monitor(path: Path, rows: list[tuple[float, float, float]]) -> float:
-    """Append a Monitor file's episodes (return, length, end time) to ``rows``; its start time.
+def _read_monitor(path: Path, rows: list[tuple[float, float, float]]) -> float | None:
+    """Append a Monitor file's episodes (return, length, end time) to ``rows``; its start time (None: none written, as
+    in the empty file a run stopped between opening it and writing its header leaves).
 
     Only the last line may be unreadable (a run still writing may end in half a line); any other is damage, said
     as such rather than read as "no episode yet".
     """
     with path.open(encoding="utf-8") as f:
         header = f.readline()  # #{"t_start": ..., "env_id": ...}: episode times count from t_start
-        if header and not header.startswith("#"):
+        if not header:
+            return None
+        if not header.startswith("#"):
             raise ValueError(f"line 1 is {header.strip()[:40]!r}, not a Monitor header")
-        start = float(json.loads(header[1:]).get("t_start", 0.0)) if header.startswith("#{") else 0.0
+        meta = json.loads(header[1:]) if header.startswith("#{") else {}
+        start = float(meta["t_start"]) if "t_start" in meta else None  # (SB3's Monitor writes it)
         columns = f.readline()
         if columns and not columns.startswith("r,l,t"):
             raise ValueError(f"line 2 is {columns.strip()[:40]!r}, not the r,l,t header")
@@ -131,7 +138,7 @@ def _read_monitor(path: Path, rows: list[tuple[float, float, float]]) -> float:
             except ValueError:
                 bad = (number, line.strip())
                 continue
-            rows.append((r, length, t + start))
+            rows.append((r, length, t + (start or 0.0)))
     return start
 
 
@@ -152,17 +159,28 @@ def _rate(steps: np.ndarray, seconds: np.ndarray, points: int = 40) -> tuple[np.
     return (grid[1:] + grid[:-1]) / 2, np.diff(done) / np.diff(grid)
 
 
+def run_labels(paths: Sequence[Path]) -> list[str]:
+    """Each run's name in the legend: its folder's name, with as many parent folders as tell two runs apart
+    (``exp1/ppo``, ``exp2/ppo``); never one matplotlib hides (a name starting with ``_``) or an empty one (``.``)."""
+    full = [path.resolve().parts for path in paths]
+    depth = 1
+    while depth < max(map(len, full)) and len({parts[-depth:] for parts in full}) < len(full):
+        depth += 1
+    return [" " + name if (name := "/".join(parts[-depth:])).startswith("_") else name for parts in full]
+
+
 def plot_runs(run_dirs: Sequence[str | Path | RunDir], out: str | Path, labels: Sequence[str] | None = None) -> Path:
     """Draw the runs on one figure and write it (atomically) to ``out``, a ``.png`` file."""
     out = Path(out)
-    if out.suffix.lower() != ".png":
-        raise ConfigError(f"the plot is written as a PNG file: give a path ending in .png, got {str(out)!r}")
+    if out.suffix.lower() != ".png":  # (".png" alone is a hidden file's name, with no suffix)
+        what = "a name before .png" if out.name.lower() == ".png" else "a path ending in .png"
+        raise ConfigError(f"the plot is written as a PNG file: give {what}, got {str(out)!r}")
     curves = [load_curves(run_dir) for run_dir in run_dirs]  # first: a path that is no run dir is named as such
     if out.is_dir():
         raise ConfigError(f"cannot write the plot to {out}: it is a folder")
     check_dir_creatable(out.parent, "the plot's folder")
     plt = _pyplot()
-    labels = list(labels) if labels else [Path(str(r)).name for r in run_dirs]
+    labels = list(labels) if labels else run_labels([Path(str(r)) for r in run_dirs])
     fig, (by_steps, by_time, speed) = plt.subplots(1, 3, figsize=(16, 4.5))
     for c, label in zip(curves, labels, strict=True):
         smooth = _rolling(c["returns"], 20)

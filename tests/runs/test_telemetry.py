@@ -302,6 +302,8 @@ def test_plot_cli_draws_several_runs_and_refuses_non_runs(tmp_path):
             "cannot read {run}/monitor/0.monitor.csv: not a Monitor file (ValueError: line 1 is 'garbage', not a",
         ),
         (b"#{}\nr,l,t\n1,2,3\n", "a.png", "cannot write the plot to a.png: it is a folder"),
+        # ".png" alone is a hidden file's name, with no suffix: it was told to end in .png.
+        (b"#{}\nr,l,t\n1,2,3\n", ".png", "the plot is written as a PNG file: give a name before .png, got '.png'"),
         (b"#{}\nr,l,t\n1,2,3\n", "file/x.png", "cannot create the plot's folder file: file is in the way (not a folder)"),
     ],
 )
@@ -682,3 +684,36 @@ def test_a_vec_env_that_cannot_say_how_its_envs_are_wrapped_is_measured_by_its_d
     callback = ThroughputCallback(window_s=1e9, warmup_s=0.0, record_s=0.0, dashboard=False)
     model.learn(256, callback=callback)
     assert callback.latest["episodes_per_s"] * callback.latest["window_s"] == pytest.approx(24)
+
+
+def test_an_empty_monitor_file_leaves_the_time_axis_as_it_was(tmp_path):
+    # A run stopped between opening a Monitor file and writing its header leaves it empty: its start read as 0, and
+    # the other files' episodes were drawn 1.8e9 s (their epoch times) along the axis.
+    from sb3_gpu.runs.curves import load_curves
+
+    (tmp_path / "monitor").mkdir()
+    (tmp_path / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1796000000.0}\nr,l,t\n1,2,3.5\n4,5,7.0\n')
+    (tmp_path / "monitor" / "1.monitor.csv").write_text("")
+    assert list(load_curves(tmp_path)["seconds"]) == [3.5, 7.0]
+
+
+def test_each_run_has_a_name_of_its_own_in_the_legend(tmp_path, monkeypatch):
+    # Only the folder's name: two exp*/ppo runs read "ppo" twice, "." an empty name, "_baseline" one matplotlib hides.
+    from pathlib import Path
+
+    from sb3_gpu.runs.curves import run_labels
+
+    monkeypatch.chdir(tmp_path)
+    assert run_labels([Path("exp1/ppo"), Path("exp2/ppo")]) == ["exp1/ppo", "exp2/ppo"]
+    assert run_labels([Path("_baseline"), Path("dqn")]) == [" _baseline", "dqn"]
+    assert run_labels([Path(".")]) == [tmp_path.name]
+
+
+def test_a_damaged_evaluations_file_is_not_said_to_hold_pickled_data(tmp_path):
+    (tmp_path / "run" / "monitor").mkdir(parents=True)
+    (tmp_path / "run" / "monitor" / "0.monitor.csv").write_text('#{"t_start": 1.0}\nr,l,t\n1,2,3\n4,5,6\n')
+    (tmp_path / "run" / "eval").mkdir()
+    (tmp_path / "run" / "eval" / "evaluations.npz").write_bytes(b"garbage\n")  # numpy: "contains pickled (object) data"
+    result = run_cli("sb3_gpu.plot", "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "warning: cannot read run/eval/evaluations.npz (damaged); the evaluations are left out\n"
