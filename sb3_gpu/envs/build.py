@@ -281,12 +281,8 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             _seed(venv, seed)
             venv.reset()  # a worker that dies on its first reset should fall back here, not crash training later
         except (EOFError, OSError, RuntimeError, pickle.PicklingError, TypeError, AttributeError) as e:
-            # (EnvWorkerError is a RuntimeError: an env that fails to build or reset in a batched worker.)
-            if getattr(mp.current_process(), "_inheriting", False):
-                # We are a worker re-running a script that lacks the __main__ guard: die, as multiprocessing
-                # intends, rather than fall back and run the user's whole script inside the worker. Quietly: the
-                # parent's fallback warning names the cause, once, where each worker printed a page of traceback.
-                raise SystemExit(1) from None
+            # (EnvWorkerError is a RuntimeError: an env that fails to build or reset in a batched worker. A worker
+            # re-running a script that lacks the __main__ guard never gets here: worker_start_method ends it.)
             _kill_workers(before)
             raise _WorkersFailed(_failure_cause(e, sorted(Path(tmp).glob("*.err")))) from None
         except BaseException:

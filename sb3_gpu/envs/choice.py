@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import multiprocessing as mp
 from dataclasses import dataclass
 
 from sb3_gpu.common.checks import VEC_ENV_KINDS
@@ -58,10 +57,6 @@ def batched_costs(workers: int) -> BatchedCosts | None:
     try:
         step_s, per_env_s = measure_overhead(workers)
     except Exception:  # no subprocesses here (a sandbox, a frozen app): the build itself will say why, if it is tried
-        if getattr(mp.current_process(), "_inheriting", False):
-            # A worker re-running a script that lacks the __main__ guard: it dies, as multiprocessing intends, quietly
-            # (the parent's fallback warning says why).
-            raise SystemExit(1) from None
         return None
     return BatchedCosts(step_s, per_env_s, measured=True)
 

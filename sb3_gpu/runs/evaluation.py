@@ -122,9 +122,9 @@ def confirm_count(eval_episodes: int) -> int:
     return 3 * eval_episodes
 
 
-def hold_writes(logger: Any, at: int | None = None) -> Callable[[bool], bool]:
+def hold_writes(logger: Any, at: int | None = None) -> Callable[[bool], None]:
     """Skip the logger's writes until the function returned is called (``release(write)``, True: and write what waits
-    at step ``at``); it answers whether the hold was still on. What is recorded meanwhile waits for the next write.
+    at step ``at``, unless a write ended the hold first). What is recorded meanwhile waits for the next write.
 
     :param at: skip only writes at this step: a write at another one ends the hold and is made (a ``learn()`` that
         raised before the hold's end, and the next one on the same logger)
@@ -132,17 +132,16 @@ def hold_writes(logger: Any, at: int | None = None) -> Callable[[bool], bool]:
     own = logger.__dict__.get("dump")  # an instance's own write (sb3_gpu's, which adds the device's figures) is kept
     held = True
 
-    def release(write: bool = False) -> bool:
+    def release(write: bool = False) -> None:
         nonlocal held
-        was_held, held = held, False
-        if was_held:
+        if held:
+            held = False
             if own is None:
                 logger.__dict__.pop("dump", None)
             else:
                 logger.dump = own
             if write:
                 logger.dump(at or 0)
-        return was_held
 
     def skipped(step: int = 0) -> None:  # SB3 names it
         if at is not None and step != at:

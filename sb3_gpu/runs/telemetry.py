@@ -200,7 +200,7 @@ class ThroughputCallback(BaseCallback):
         if eval_callback is not None:  # its evaluation at the last step is written with this callback's last record
             eval_callback.last_write_elsewhere = True
         self._next_record = 0.0
-        self._release_writes: Callable[[bool], bool] | None = None  # ends the hold on SB3's writes after the last rollout
+        self._release_writes: Callable[[bool], None] | None = None  # ends the hold on SB3's writes after the last rollout
         self.window = Window(window_s)
         self.warmup_s, self.report_s, self.print_fn = warmup_s, report_s, print_fn
         self.counters = np.zeros(9)
