@@ -7,6 +7,7 @@ import glob
 import importlib
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -173,14 +174,35 @@ def _headless() -> Iterator[None]:
 
 def recordable(env: str | Callable[[], gym.Env] | EnvSpec) -> EnvSpec:
     """``env`` made to render ``rgb_array`` frames; the one-line ConfigError a recording would meet, before anything
-    else runs: moviepy missing, or an env that cannot render."""
-    for package in ("moviepy", "imageio_ffmpeg"):  # RecordVideo needs the first; the mp4 is written with the second
+    else runs: moviepy or ffmpeg missing, or an env that cannot render."""
+    # The mp4 is written with the second (moviepy imports it too, so it is looked for first); RecordVideo needs moviepy.
+    for package in ("imageio_ffmpeg", "moviepy"):
         try:
             importlib.import_module(package)
         except ImportError:
             raise ConfigError(f"recording a video needs {package}: {install_hint('video')}") from None
+    _check_ffmpeg()
     with _headless():
         return rendering(resolve_env(env))
+
+
+def _check_ffmpeg() -> None:
+    """Refuse an ffmpeg that cannot run (none found, IMAGEIO_FFMPEG_EXE naming no program, a binary for another
+    platform) now: found when the mp4 is written, it would end the evaluation whose episodes had all run."""
+    import imageio_ffmpeg
+
+    try:
+        exe = imageio_ffmpeg.get_ffmpeg_exe()
+    except RuntimeError:
+        raise ConfigError(
+            "recording a video needs ffmpeg, and imageio-ffmpeg found none: install ffmpeg, or set IMAGEIO_FFMPEG_EXE to one"
+        ) from None
+    named = " (IMAGEIO_FFMPEG_EXE)" if os.environ.get("IMAGEIO_FFMPEG_EXE") else ""
+    try:
+        subprocess.run([exe, "-version"], capture_output=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        reason = f"exit status {e.returncode}" if isinstance(e, subprocess.CalledProcessError) else str(e)
+        raise ConfigError(f"recording a video needs ffmpeg, and {exe}{named} does not run: {reason}") from None
 
 
 def _normalized(venv: VecEnv, normalization: VecNormalize | None) -> VecEnv:

@@ -35,7 +35,7 @@ def read_back(path) -> tuple[int, int, int]:
 
 
 @pytest.mark.heavy
-def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main):
+def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main, monkeypatch):
     run_dir = tmp_path / "quickstart"
     # The quick start's command (make quickstart), on a short budget.
     args = ("ppo", "--env", "CartPole-v1", "--device", "auto", "--timesteps", "2048", "--no-progress")
@@ -67,6 +67,15 @@ def test_the_quick_start_run_is_recorded_into_its_run_dir(tmp_path, call_main):
     assert result.returncode == 2 and result.stdout == "", result.stdout
     refused = f"error: cannot create video folder {path.parent}: {path.parent} is in the way (not a folder)"
     assert result.stderr.strip() == refused
+    path.parent.unlink()
+
+    # So is an ffmpeg that does not run: found when the mp4 was written, it ended the evaluation in a traceback.
+    missing = tmp_path / "no-ffmpeg"
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(missing))
+    result = call_main(evaluate_main, str(run_dir), "--episodes", "2", "--video")
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.startswith(f"error: recording a video needs ffmpeg, and {missing} (IMAGEIO_FFMPEG_EXE) does not run")
+    assert result.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("length", [6, 11, 12, 31])  # clip lengths whose last frame moviepy's writer drops
@@ -120,6 +129,32 @@ def test_a_missing_moviepy_names_the_extra_to_install(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"needs moviepy: pip install .*'moviepy>=[\d.]+'.*\[video\] extra"):
         record_video(model, "CartPole-v1", tmp_path / "x.mp4")
     assert list(tmp_path.iterdir()) == []  # neither a video nor a scratch folder
+    # moviepy imports imageio-ffmpeg: where that one is missing, it is the one named.
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
+    with pytest.raises(ConfigError, match=r"needs imageio_ffmpeg: pip install"):
+        record_video(model, "CartPole-v1", tmp_path / "x.mp4")
+
+
+@pytest.mark.parametrize("ffmpeg", ["missing", "fails", "none found"])
+def test_an_ffmpeg_that_does_not_run_is_refused_before_recording(tmp_path, monkeypatch, ffmpeg):
+    import imageio_ffmpeg
+
+    exe = tmp_path / "ffmpeg"
+    if ffmpeg == "fails":
+        exe.write_text("#!/bin/sh\nexit 3\n")
+        exe.chmod(0o755)
+    if ffmpeg == "none found":
+        monkeypatch.delenv("IMAGEIO_FFMPEG_EXE", raising=False)
+        monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: (_ for _ in ()).throw(RuntimeError("No ffmpeg exe")))
+        expected = "recording a video needs ffmpeg, and imageio-ffmpeg found none: install ffmpeg, or set IMAGEIO_FFMPEG_EXE"
+    else:
+        monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(exe))
+        reason = "exit status 3" if ffmpeg == "fails" else "No such file or directory"
+        expected = re.escape(f"recording a video needs ffmpeg, and {exe} (IMAGEIO_FFMPEG_EXE) does not run: ") + f".*{reason}"
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu")
+    with pytest.raises(ConfigError, match=expected):
+        record_video(model, "CartPole-v1", tmp_path / "videos" / "x.mp4")
+    assert not (tmp_path / "videos").exists()
 
 
 class BlankRender(NoRender):
