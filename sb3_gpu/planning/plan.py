@@ -535,7 +535,7 @@ def _check_observation_space(env: str, space: spaces.Space, frame_stack: int | N
         accepted = ", ".join(s.__name__ for s in _POLICY_SPACES)
         raise ConfigError(
             f"SB3's policies cannot take {env}'s observation space {space}; accepted: {accepted} "
-            "(a Tuple of Discrete spaces can be flattened with gymnasium.wrappers.FlattenObservation)"
+            "(gymnasium.wrappers.FlattenObservation makes a Tuple of Box, Discrete and the like one Box)"
         )
     if frame_stack and not isinstance(space, (spaces.Box, spaces.Dict)):
         raise ConfigError(f"frame_stack stacks Box or Dict observations; {env} has {space}: leave frame_stack unset")
