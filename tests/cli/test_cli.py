@@ -493,6 +493,20 @@ def test_evaluate_model_best_asked_for_by_name_is_not_stood_in_for_by_the_final_
     assert default.returncode == 0 and f"{run / 'model.zip'}: return" in default.stdout
 
 
+def test_evaluates_flags_each_reach_the_evaluation(finished_run, tmp_path, call_main):
+    run = _variant(finished_run, tmp_path / "run")
+    args = (str(run), "--episodes", "3", "--stochastic", "--seed", "3", "--video-length", "5")
+    result = call_main(evaluate_main, *args, "--json")
+    assert result.returncode == 0, result.stderr
+    seeded = json.loads(result.stdout)
+    assert seeded["episodes"] == 3 and seeded["deterministic"] is False
+    assert seeded["video"]["frames"] == 5 and Path(seeded["video"]["path"]).is_file()
+    # The seed makes the stochastic evaluation repeat; the text says what it was.
+    again = call_main(evaluate_main, *args)
+    shown = f"return {seeded['mean']:.2f} +/- {seeded['std']:.2f} over 3 episodes (stochastic)"
+    assert again.returncode == 0 and shown in again.stdout, again.stdout
+
+
 # The table above runs in this process; these run the real commands, as a user would.
 @pytest.mark.heavy
 @pytest.mark.parametrize(

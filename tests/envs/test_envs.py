@@ -4,6 +4,7 @@ import dataclasses
 import math
 import multiprocessing as mp
 import os
+import re
 import threading
 import warnings
 
@@ -543,6 +544,40 @@ def test_more_envs_than_the_open_file_limit_allows_are_refused_before_any_is_bui
     with pytest.raises(ConfigError, match=r"n_envs=2,000 needs about 2,064 open files .* may open 1,024 \(ulimit -n\)"):
         make_vec_env("CartPole-v1", 2000, vec_env="dummy", monitor_dir=str(tmp_path / "monitor"))
     assert not (tmp_path / "monitor").exists(), "refused before a single Monitor file was opened"
+
+
+@pytest.mark.parametrize(
+    ("kind", "n_envs", "monitor", "limits", "refused"),
+    [
+        # Two pipe ends per worker, one Monitor CSV per env, a margin for the rest of the process.
+        ("subproc", 100, False, {"NOFILE": 263}, "n_envs=100 needs about 264 open files"),
+        ("subproc", 100, True, {"NOFILE": 363}, "n_envs=100 needs about 364 open files"),
+        ("subproc", 100, False, {"NOFILE": 264}, None),
+        ("dummy", 300, False, {"NOFILE": 64}, None),  # no workers, no files of its own
+        ("batched", 100, False, {"NOFILE": "unlimited", "NPROC": 16}, None),  # one worker per core: 16
+        ("batched", 100, False, {"NPROC": 15}, "vec_env 'batched' would start 16 processes; this user may run 15"),
+        ("subproc", 40, False, {"NPROC": 39}, "vec_env 'subproc' would start 40 processes; this user may run 39"),
+        ("subproc", 40, False, {"NPROC": "unlimited"}, None),
+    ],
+)
+def test_the_process_limits_refuse_only_a_vec_env_they_cannot_hold(monkeypatch, kind, n_envs, monitor, limits, refused):
+    import resource
+
+    from sb3_gpu.envs.choice import check_env_resources
+
+    def limited(which):
+        for name, limit in limits.items():
+            if which == getattr(resource, f"RLIMIT_{name}"):
+                limit = resource.RLIM_INFINITY if limit == "unlimited" else limit
+                return limit, limit
+        return resource.RLIM_INFINITY, resource.RLIM_INFINITY  # the rest unlimited: only what the case sets can refuse
+
+    monkeypatch.setattr(resource, "getrlimit", limited)
+    if refused is None:
+        check_env_resources(kind, n_envs, monitor=monitor, cores=16)
+    else:
+        with pytest.raises(ConfigError, match=re.escape(refused)):
+            check_env_resources(kind, n_envs, monitor=monitor, cores=16)
 
 
 def test_auto_takes_envpool_only_once_it_has_made_the_env(monkeypatch):

@@ -22,6 +22,7 @@ from sb3_gpu import make_model, make_plan
 from sb3_gpu.common.checks import per_config
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.extensions.per import PrioritizedDQN, PrioritizedQRDQN, PrioritizedReplayBuffer, SumMinTree
+from sb3_gpu.planning.build import build_env, build_model
 
 OBS = gym.spaces.Box(-1, 1, (3,), np.float32)
 ACT = gym.spaces.Discrete(2)
@@ -526,6 +527,16 @@ def test_large_profile_carries_the_seed_000_settings(cpu_machine):
 def test_profile_missing_from_the_entry_is_an_error(cpu_machine):
     with pytest.raises(ConfigError, match=r"dqn.yaml:CartPole-v1 has no 'large' profile"):
         make_plan("dqn", "CartPole-v1", profile="large", hardware=cpu_machine)
+
+
+def test_each_per_setting_of_a_plan_reaches_the_buffer_and_the_model():
+    overrides = {"per": True, "per.alpha": 0.7, "per.beta0": 0.3, "per.eps": 1e-5, "per.normalize": "batch"}
+    overrides.update({"per.beta_fraction": 0.25, "compile": "false", "amp": "off", "learning_starts": 10})
+    plan = make_plan("dqn", "CartPole-v1", "cpu", vec_env="dummy", overrides=overrides)
+    model = build_model(plan, build_env(plan))
+    buffer = model.replay_buffer
+    assert (buffer.alpha, buffer.beta, buffer.eps, buffer.normalize) == (0.7, 0.3, 1e-5, "batch")
+    assert model.per_beta_fraction == 0.25
 
 
 @pytest.mark.heavy
