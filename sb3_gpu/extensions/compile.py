@@ -113,7 +113,10 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
             # of one class (tune's trials) would run the later ones uncompiled without a word.
             module.forward = own_code(module.forward)
             module.compile(mode=None if mode == "default" else mode)
-        _trial_step(model, batch_size)
+        # On draws of its own: a seeded run takes the same random actions and minibatches, compiled or not.
+        device = model.device
+        with th.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            _trial_step(model, batch_size)
     except Exception as e:  # compilers fail in many ways (no C++ compiler, unsupported op, ...): all mean "fall back"
         for module in modules:
             module._compiled_call_impl = None  # what Module.compile set; torch has no public way to undo it
@@ -149,10 +152,12 @@ def _trial_step(model: BaseAlgorithm, batch_size: int) -> None:
     (a no-grad forward on up to ``n_envs`` observations; the whole batch for dict observations), so that both compile
     now."""
     policy: Any = model.policy
-    obs_tensor, _ = policy.obs_to_tensor(_stack([model.observation_space.sample() for _ in range(batch_size)]))
+    # Copies, sampled: the spaces' own generators draw SB3's random actions (learning_starts, exploration).
+    observation_space, action_space = copy.deepcopy(model.observation_space), copy.deepcopy(model.action_space)
+    obs_tensor, _ = policy.obs_to_tensor(_stack([observation_space.sample() for _ in range(batch_size)]))
     rollout = obs_tensor[: model.n_envs] if isinstance(obs_tensor, th.Tensor) else obs_tensor
     if hasattr(policy, "evaluate_actions"):
-        actions = th.as_tensor(_stack([model.action_space.sample() for _ in range(batch_size)]), device=model.device)
+        actions = th.as_tensor(_stack([action_space.sample() for _ in range(batch_size)]), device=model.device)
         values, log_prob, _ = policy.evaluate_actions(obs_tensor, actions)
         loss, act = values.sum() + log_prob.sum(), policy
     else:

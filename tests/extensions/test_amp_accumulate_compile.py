@@ -655,9 +655,12 @@ def _forgiven(model, forgiving_recompiles) -> bool:
 
 @pytest.mark.heavy
 def test_compile_for_real_keeps_state_dict_keys_and_trains():
-    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=3, **SMALL_PPO)
     keys = set(model.policy.state_dict())
+    drawn = (th.get_rng_state(), model.action_space.np_random.bit_generator.state)
     assert compile_policy(model, "default", 32) is None
+    # A seeded run draws the same actions and minibatches compiled or not: the trial's draws were its own.
+    assert th.equal(drawn[0], th.get_rng_state()) and drawn[1] == model.action_space.np_random.bit_generator.state
     assert model.policy.mlp_extractor._compiled_call_impl is not None
     assert set(model.policy.state_dict()) == keys, "saved models load in plain SB3"
     model.learn(128)
