@@ -25,7 +25,7 @@ from sb3_gpu.extensions.replay import DeviceReplayBuffer
 from sb3_gpu.extensions.rollout import DeviceRolloutBuffer
 from sb3_gpu.planning.optimizers import planned_policy_kwargs
 from sb3_gpu.planning.plan import Plan, make_plan
-from sb3_gpu.planning.speed import apply_speed
+from sb3_gpu.planning.speed import apply_speed, apply_torch_settings
 
 # Evaluation envs are seeded apart from the training envs, so that they never replay the same episodes.
 EVAL_SEED_OFFSET = 10_000
@@ -164,6 +164,8 @@ def build_model(
             f"(n_steps * n_envs = {rollout}): each epoch ends on a minibatch of {rollout % params.batch_size}",
             UserWarning,
         )
+    if plan.speed is not None:
+        apply_torch_settings(plan.speed)  # first: the initial weights depend on the thread count
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "You have specified a mini-batch size")  # SB3's word for the same

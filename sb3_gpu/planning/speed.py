@@ -204,12 +204,19 @@ def choose_speed(
     )
 
 
-def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str | None:
-    """Put ``speed`` into effect on ``model``; returns why compilation fell back, if it did."""
+def apply_torch_settings(speed: SpeedPlan) -> None:
+    """``speed``'s torch threads and, on CUDA, math switches, for the whole process. Set before a model is built as
+    well as after: the initial weights depend on the thread count (PPO's orthogonal init, a QR decomposition), and a
+    seeded build must not depend on what the process ran before it (a notebook's earlier cell)."""
     settings = dataclasses.replace(TorchSettings.current(), threads=speed.threads)
     if speed.cuda_reason:  # a CUDA plan; a CPU one leaves the CUDA math switches as they are
         settings = settings.with_cuda_math(speed.tf32, speed.cudnn_benchmark)
     settings.apply()
+
+
+def apply_speed(model: BaseAlgorithm, speed: SpeedPlan, batch_size: int) -> str | None:
+    """Put ``speed`` into effect on ``model``; returns why compilation fell back, if it did."""
+    apply_torch_settings(speed)
     if speed.amp != "off":
         enable_amp(model, speed.amp)
     if speed.compile == "false":

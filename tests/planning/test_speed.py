@@ -94,6 +94,21 @@ def test_cuda_math_flags_follow_the_gpu():
     assert _speed(machine()).cuda_reason == "" and len(_speed(machine()).rows()) == 3
 
 
+@pytest.mark.parametrize(("algo", "env"), [("ppo", "CartPole-v1"), ("ppo", "Pendulum-v1")])
+def test_a_seeded_build_has_the_same_weights_whatever_threads_the_process_had_before(algo, env):
+    # PPO's orthogonal init (a QR decomposition) depends on the thread count: a notebook's first make_model cell built
+    # with the kernel's threads, every rerun with the ones the previous plan left, and the first run never repeated.
+    from sb3_gpu.planning.build import make_model
+
+    weights = []
+    for before in (1, 2):
+        th.set_num_threads(before)
+        model = make_model(algo, env, "cpu", vec_env="dummy", seed=0, threads=1, compile="false", amp="off").model
+        weights.append(th.nn.utils.parameters_to_vector(model.policy.parameters()).detach())
+        model.get_env().close()
+    assert th.equal(*weights)
+
+
 def test_apply_speed_sets_threads_flags_and_amp():
     model = PPO("MlpPolicy", "CartPole-v1", device="cpu", **SMALL_PPO)
     plan = SpeedPlan("bf16", "test", "false", "test", 1, "test", cudnn_benchmark=True, tf32=True, cuda_reason="test")
