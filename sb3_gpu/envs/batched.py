@@ -395,14 +395,18 @@ class BatchedSubprocVecEnv(VecEnv):
         try:
             for w, ((lo, _), payload) in enumerate(zip(self.slices, payloads, strict=True)):
                 parent_end, child_end = ctx.Pipe()
+                # Closed by _abort whatever happens next: a worker whose start was interrupted (Ctrl-C while the
+                # forkserver replies) runs without its pid known here, and ends when its pipe does.
+                self.conns.append(parent_end)
                 process = ctx.Process(  # type: ignore[attr-defined]
                     target=_worker, args=(child_end, payload, lo), daemon=True, name=f"sb3_gpu-env-worker-{w}"
                 )
-                with main_kept_from_workers():
-                    process.start()
-                child_end.close()
+                try:
+                    with main_kept_from_workers():
+                        process.start()
+                finally:
+                    child_end.close()
                 self.processes.append(process)
-                self.conns.append(parent_end)
             spaces = [self._recv(w) for w in range(workers)]
             observation_space, action_space = spaces[0]
             self._layout = _Layout(observation_space, n_envs)

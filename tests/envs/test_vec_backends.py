@@ -249,6 +249,28 @@ def test_an_env_that_raises_is_named_and_no_worker_is_left():
 
 
 @pytest.mark.heavy
+def test_ctrl_c_while_a_worker_starts_leaves_no_worker_behind(monkeypatch):
+    # Ctrl-C in a notebook cell lands, in a fresh kernel, while the forkserver forks a worker: the worker runs, but its
+    # start never returned its pid. It waited on its pipe for good, the pipe's parent end held by the traceback.
+    import multiprocessing as mp
+
+    real_start, started = mp.context.ForkServerProcess.start, []
+
+    def interrupted(self):
+        real_start(self)
+        started.append(self.pid)
+        mp.process._children.discard(self)  # as where start() is interrupted: neither recorded nor known here
+        self._popen = None
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mp.context.ForkServerProcess, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt) as kept:  # kept: the traceback holds the constructor's frame, as a kernel does
+        BatchedSubprocVecEnv([short_cartpole] * 2, n_workers=2, start_method="forkserver")
+    assert len(started) == 1 and _gone(started, timeout=30), f"worker {started} still running"
+    assert kept.traceback
+
+
+@pytest.mark.heavy
 def test_a_killed_worker_is_named_and_the_rest_are_stopped():
     venv = BatchedSubprocVecEnv([short_cartpole] * 4, n_workers=2)
     pids = venv.pids
