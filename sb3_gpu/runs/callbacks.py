@@ -96,15 +96,18 @@ def non_finite_input(error: BaseException, timesteps: int) -> TrainingDiverged |
         frame = tb.tb_frame
         evaluating = evaluating or frame.f_code.co_name == "evaluate_policy"
         if any(_non_finite(frame.f_locals.get(name)) for name in ("observation", "obs")):
-            where = "in an evaluation" if evaluating else "in training"
-            diverged = TrainingDiverged(
-                f"the policy was given a NaN or inf observation {where} at {timesteps:,} timesteps: an env returned it, "
-                "or VecNormalize's statistics hold it (SB3's VecCheckNan finds the step that made it)"
-            )
+            diverged = _nan_observation("in an evaluation" if evaluating else "in training", timesteps)
             diverged.__cause__ = error
             return diverged
         tb = tb.tb_next
     return None
+
+
+def _nan_observation(where: str, timesteps: int) -> TrainingDiverged:
+    return TrainingDiverged(
+        f"the policy was given a NaN or inf observation {where} at {timesteps:,} timesteps: an env returned it, "
+        "or VecNormalize's statistics hold it (SB3's VecCheckNan finds the step that made it)"
+    )
 
 
 def _non_finite(value: object) -> bool:
@@ -158,6 +161,13 @@ class NanGuard(BaseCallback):
             raise TrainingDiverged(f"parameter {bad} is NaN or inf at {self.num_timesteps:,} timesteps ({_CAUSES})")
 
     def _on_step(self) -> bool:
+        # The observations the env just returned, on the host: where the policy takes them without torch's argument
+        # checks (sb3_gpu's collection), or ignores them (random actions before learning_starts), a NaN would reach
+        # the env as an action and the buffer as a transition, and be found only later, as a NaN gradient.
+        infos, dones = self.locals.get("infos") or (), self.locals.get("dones")
+        ended = (info.get("terminal_observation") for i, info in enumerate(infos) if dones is not None and dones[i])
+        if _non_finite(self.locals.get("new_obs")) or any(_non_finite(obs) for obs in ended):
+            raise _nan_observation("in training", self.num_timesteps)
         return True
 
     def _on_training_end(self) -> None:
