@@ -22,7 +22,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
-from sb3_gpu.common.errors import ConfigError, install_hint
+from sb3_gpu.common.errors import ConfigError, install_hint, named
 from sb3_gpu.common.io import make_dir, replace, temporary_environ
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
@@ -175,13 +175,17 @@ def _headless() -> Iterator[None]:
 def recordable(env: str | Callable[[], gym.Env] | EnvSpec) -> EnvSpec:
     """``env`` made to render ``rgb_array`` frames; the one-line ConfigError a recording would meet, before anything
     else runs: moviepy or ffmpeg missing, or an env that cannot render."""
-    # The mp4 is written with the second (moviepy imports it too, so it is looked for first); RecordVideo needs moviepy.
+    # The mp4 is written with imageio-ffmpeg, and RecordVideo needs moviepy, whose import looks for ffmpeg itself (and
+    # raises where there is none): imageio-ffmpeg and its ffmpeg are checked first.
     for package in ("imageio_ffmpeg", "moviepy"):
         try:
             importlib.import_module(package)
         except ImportError:
             raise ConfigError(f"recording a video needs {package}: {install_hint('video')}") from None
-    _check_ffmpeg()
+        except Exception as e:  # moviepy's FFMPEG_BINARY naming no program, say
+            raise ConfigError(f"recording a video needs {package}, whose import failed: {named(e)}") from None
+        if package == "imageio_ffmpeg":
+            _check_ffmpeg()
     with _headless():
         return rendering(resolve_env(env))
 
@@ -197,12 +201,18 @@ def _check_ffmpeg() -> None:
         raise ConfigError(
             "recording a video needs ffmpeg, and imageio-ffmpeg found none: install ffmpeg, or set IMAGEIO_FFMPEG_EXE to one"
         ) from None
-    named = " (IMAGEIO_FFMPEG_EXE)" if os.environ.get("IMAGEIO_FFMPEG_EXE") else ""
+    if exe in _FFMPEG_RAN:  # evaluate --video checks before the evaluation, then records
+        return
+    given = " (IMAGEIO_FFMPEG_EXE)" if os.environ.get("IMAGEIO_FFMPEG_EXE") else ""
     try:
         subprocess.run([exe, "-version"], capture_output=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError) as e:
         reason = f"exit status {e.returncode}" if isinstance(e, subprocess.CalledProcessError) else str(e)
-        raise ConfigError(f"recording a video needs ffmpeg, and {exe}{named} does not run: {reason}") from None
+        raise ConfigError(f"recording a video needs ffmpeg, and {exe}{given} does not run: {reason}") from None
+    _FFMPEG_RAN.add(exe)
+
+
+_FFMPEG_RAN: set[str] = set()  # ffmpeg programs seen to run in this process (one that failed is tried again)
 
 
 def _normalized(venv: VecEnv, normalization: VecNormalize | None) -> VecEnv:

@@ -139,6 +139,9 @@ def test_a_missing_moviepy_names_the_extra_to_install(tmp_path, monkeypatch):
 def test_an_ffmpeg_that_does_not_run_is_refused_before_recording(tmp_path, monkeypatch, ffmpeg):
     import imageio_ffmpeg
 
+    # As in a new process: moviepy's import looks for ffmpeg itself, and raised before the check where it found none.
+    for name in [name for name in sys.modules if name == "moviepy" or name.startswith("moviepy.")]:
+        monkeypatch.delitem(sys.modules, name)
     exe = tmp_path / "ffmpeg"
     if ffmpeg == "fails":
         exe.write_text("#!/bin/sh\nexit 3\n")
@@ -281,3 +284,26 @@ def test_a_recording_writes_in_a_folder_of_its_own_and_removes_no_other(tmp_path
         os.utime(folder, (day_old, day_old))
     record_video(model, "CartPole-v1", tmp_path / "v.mp4", video_length=5, seed=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".v.mp4.recording", "v.mp4"]
+
+
+def test_a_working_ffmpeg_is_run_once_per_process_a_failing_one_each_time(tmp_path, monkeypatch):
+    # evaluate --video checks before the evaluation, then the recording checks again: a slow ffmpeg cost twice.
+    import subprocess
+
+    from sb3_gpu.runs import video
+
+    runs = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda args, **kw: runs.append(args) or real(args, **kw))
+    monkeypatch.setattr(video, "_FFMPEG_RAN", set())
+    video.recordable("CartPole-v1")
+    video.recordable("CartPole-v1")
+    assert len(runs) == 1
+    exe = tmp_path / "ffmpeg"
+    exe.write_text("#!/bin/sh\nexit 3\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(exe))
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="does not run: exit status 3"):
+            video.recordable("CartPole-v1")
+    assert len(runs) == 3
