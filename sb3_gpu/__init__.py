@@ -38,6 +38,7 @@ _EXPORTS = {
     "build_env": "sb3_gpu.planning.build",
     "build_model": "sb3_gpu.planning.build",
     "make_model": "sb3_gpu.planning.build",
+    "EvaluationStopped": "sb3_gpu.runs.evaluation",
     "evaluate_run": "sb3_gpu.runs.evaluation",
     "ReturnFreeMemory": "sb3_gpu.runs.callbacks",
     "record_video": "sb3_gpu.runs.video",
@@ -49,6 +50,7 @@ _EXPORTS = {
 __all__ = [
     "ConfigError",
     "EnvWorkerError",
+    "EvaluationStopped",
     "GradAccumPPO",
     "HardwareProfile",
     "Plan",
@@ -97,7 +99,7 @@ if TYPE_CHECKING:
     from sb3_gpu.planning.device import choose_device
     from sb3_gpu.planning.plan import Plan, make_plan
     from sb3_gpu.runs.callbacks import ReturnFreeMemory
-    from sb3_gpu.runs.evaluation import evaluate_run
+    from sb3_gpu.runs.evaluation import EvaluationStopped, evaluate_run
     from sb3_gpu.runs.telemetry import ThroughputCallback
     from sb3_gpu.runs.training import resume_run, train_run
     from sb3_gpu.runs.video import record_video

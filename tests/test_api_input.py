@@ -353,6 +353,10 @@ def test_a_torch_device_is_taken_as_sb3_takes_it():
     assert plan.device.device == "cpu" and plan.to_config()["device"] == "cpu"  # its text: config.yaml holds no object
     with pytest.raises(ConfigError, match="device 'cuda' asked for a CUDA GPU") if not th.cuda.is_available() else _no_error():
         make_plan("ppo", "CartPole-v1", th.device("cuda"), vec_env="dummy", overrides=NO_PROBE)
+    assert choose_device(th.device("cpu", 0), "mlp", True, detect_hardware()).device == "cpu"  # the same in each
+    with pytest.raises(ConfigError, match="no such run dir") as refused:
+        evaluate_run("nowhere", device=th.device("cpu"))  # the run is what it refuses, not the device
+    assert "device" not in str(refused.value)
 
 
 def _no_error() -> Any:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch as th
@@ -26,6 +26,10 @@ from sb3_gpu.extensions.stepping import (
     optimizer_step,
     optimizer_steps,
 )
+
+if TYPE_CHECKING:
+    from stable_baselines3.common.type_aliases import MaybeCallback
+    from typing_extensions import Self
 
 
 def check_accumulation(grad_accum_steps: Any, n_steps: int, n_envs: int, batch_size: int) -> int:
@@ -110,10 +114,18 @@ class GradAccumPPO(DeviceFigures, PPO):
         need not, so it is checked where it trains."""
         check_accumulation(self.grad_accum_steps, self.n_steps, self.n_envs, self.batch_size)
 
-    def learn(self, *args: Any, **kwargs: Any) -> Any:
+    def learn(
+        self,
+        total_timesteps: int,
+        callback: MaybeCallback = None,
+        log_interval: int = 1,
+        tb_log_name: str = "PPO",
+        reset_num_timesteps: bool = True,
+        progress_bar: bool = False,
+    ) -> Self:
         self._check_accumulation()
         with forgiving_recompiles(self):
-            return super().learn(*args, **kwargs)
+            return super().learn(total_timesteps, callback, log_interval, tb_log_name, reset_num_timesteps, progress_bar)
 
     def _excluded_save_params(self) -> list[str]:
         excluded = ["_accumulator", "_device_log", "_compiled_step", "_compiled_act", "_descent", "_step_state"]

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch as th
@@ -41,6 +41,10 @@ from stable_baselines3.common.vec_env import VecNormalize
 from sb3_gpu.extensions.compile import forgiving_recompiles
 from sb3_gpu.extensions.replay import gate_samples
 from sb3_gpu.extensions.stepping import policy_optimizers
+
+if TYPE_CHECKING:
+    from stable_baselines3.common.type_aliases import MaybeCallback
+    from typing_extensions import Self
 
 
 class _DeferredLogger:
@@ -213,12 +217,12 @@ class OverlappedTraining:
     def learn(
         self,
         total_timesteps: int,
-        callback: Any = None,
+        callback: MaybeCallback = None,
         log_interval: int = 4,
         tb_log_name: str | None = None,
         reset_num_timesteps: bool = True,
         progress_bar: bool = False,
-    ) -> Any:
+    ) -> Self:
         with forgiving_recompiles(self):  # type: ignore[arg-type]
             return self._learn(total_timesteps, callback, log_interval, tb_log_name, reset_num_timesteps, progress_bar)
 

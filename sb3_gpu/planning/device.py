@@ -64,7 +64,7 @@ def requested_device(requested: str, hardware: HardwareProfile) -> DeviceChoice 
     return None
 
 
-def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware: HardwareProfile) -> DeviceChoice:
+def choose_device(requested: str | th.device, policy: PolicyKind, on_policy: bool, hardware: HardwareProfile) -> DeviceChoice:
     """Resolve ``auto | cpu | cuda | cuda:N | mps`` for a policy kind and algorithm family.
 
     ``auto`` follows what is known about SB3: CNN policies train much faster on a GPU; MLP and dict-observation
@@ -77,7 +77,7 @@ def choose_device(requested: str, policy: PolicyKind, on_policy: bool, hardware:
     bool_arg(on_policy, "on_policy")
     if not isinstance(hardware, HardwareProfile):
         raise ConfigError(f"hardware must be a HardwareProfile (from detect_hardware()), got {hardware!r}")
-    asked = requested_device(requested, hardware)
+    asked = requested_device(device_text(requested), hardware)
     if asked is not None:
         return asked
 

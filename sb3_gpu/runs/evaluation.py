@@ -18,6 +18,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch as th
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, EvalCallback
 from stable_baselines3.common.evaluation import evaluate_policy
@@ -425,7 +426,7 @@ def evaluate_run(
     *,
     deterministic: bool = True,
     which: str = "auto",
-    device: str = "cpu",
+    device: str | th.device = "cpu",
     seed: int | None = None,
     video: bool = False,
     video_length: int = 0,
