@@ -60,13 +60,19 @@ class SlowCartPoleV1(FaultyCartPoleV1):
 
 class NanPendulum(TimeLimit):
     """Pendulum-v1 (continuous actions, 200-step episodes) whose rewards (``what="observation"``: observations) turn
-    NaN from its own step ``nan_at`` on."""
+    NaN from its own step ``nan_at`` on; ``what="reset"``: whose first reset returns a NaN observation."""
 
     def __init__(self, nan_at: int = 0, what: str = "reward", **kwargs: Any):
         from gymnasium.envs.classic_control import PendulumEnv
 
         super().__init__(PendulumEnv(**kwargs), max_episode_steps=200)
         self.nan_at, self.steps, self.what = nan_at, 0, what
+
+    def reset(self, **kwargs: Any) -> Any:
+        obs, info = super().reset(**kwargs)
+        if self.what == "reset" and self.steps == 0:
+            obs = np.full_like(obs, np.nan)
+        return obs, info
 
     def step(self, action: Any) -> Any:
         self.steps += 1

@@ -140,6 +140,9 @@ class NanGuard(BaseCallback):
 
     def _on_training_start(self) -> None:
         self.close()
+        # The observations of the reset that learn() began with (then each step's, in _on_step).
+        if _non_finite(getattr(self.model, "_last_obs", None)):
+            raise _nan_observation("in training", self.num_timesteps)
         self._guarded = optimizer_steps(self.model)
         for step in self._guarded:
             step.on_non_finite = self._diverged

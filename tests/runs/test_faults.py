@@ -1633,13 +1633,15 @@ def test_a_replay_buffer_saved_on_another_device_samples_onto_the_resuming_model
         # later on a NaN gradient. The step's own observations are checked now, the terminal one (step 200) too.
         ("tqc", 100_000, 300, "in training at 300 timesteps"),
         ("tqc", 100_000, 200, "in training at 200 timesteps"),
+        ("tqc", 100_000, "reset", "in training at 0 timesteps"),  # the first reset's: stored, then sampled
         ("ppo", 100, 300, r"in an evaluation at \d+ timesteps"),
     ],
 )
 def test_a_nan_observation_is_said_as_such_and_the_model_before_it_saved(tmp_path, algo, eval_freq, nan_at, where):
     # SB3's distributions refuse NaN parameters, in a message about a tensor's constraint (Normal's loc, Categorical's
     # logits) that named no observation. The eval env's steps run ahead of training's: 200 per evaluation.
-    overrides = {"net_arch": [16], "env_kwargs": {"nan_at": nan_at, "what": "observation"}, "compile": "false", "amp": "off"}
+    env_kwargs = {"what": "reset"} if nan_at == "reset" else {"nan_at": nan_at, "what": "observation"}
+    overrides = {"net_arch": [16], "env_kwargs": env_kwargs, "compile": "false", "amp": "off"}
     overrides.update({"n_envs": 1, "n_steps": 64} if algo == "ppo" else {"learning_starts": 100, "batch_size": 32})
     plan = make_plan(algo, "tests.fault_envs:NanPendulum", "cpu", n_timesteps=2_000, vec_env="dummy", overrides=overrides)
     message = rf"^the policy was given a NaN or inf observation {where}: an env returned it"
