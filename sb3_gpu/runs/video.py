@@ -201,7 +201,10 @@ def _check_ffmpeg() -> None:
         raise ConfigError(
             "recording a video needs ffmpeg, and imageio-ffmpeg found none: install ffmpeg, or set IMAGEIO_FFMPEG_EXE to one"
         ) from None
-    if exe in _FFMPEG_RAN:  # evaluate --video checks before the evaluation, then records
+    # evaluate --video checks before the evaluation, then records. By the program's own path: a relative or bare
+    # IMAGEIO_FFMPEG_EXE names another (or none) after a chdir or a PATH change.
+    program = os.path.realpath(shutil.which(exe) or exe)
+    if program in _FFMPEG_RAN:
         return
     given = " (IMAGEIO_FFMPEG_EXE)" if os.environ.get("IMAGEIO_FFMPEG_EXE") else ""
     try:
@@ -209,7 +212,7 @@ def _check_ffmpeg() -> None:
     except (OSError, subprocess.SubprocessError) as e:
         reason = f"exit status {e.returncode}" if isinstance(e, subprocess.CalledProcessError) else str(e)
         raise ConfigError(f"recording a video needs ffmpeg, and {exe}{given} does not run: {reason}") from None
-    _FFMPEG_RAN.add(exe)
+    _FFMPEG_RAN.add(program)
 
 
 _FFMPEG_RAN: set[str] = set()  # ffmpeg programs seen to run in this process (one that failed is tried again)

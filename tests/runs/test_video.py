@@ -307,3 +307,21 @@ def test_a_working_ffmpeg_is_run_once_per_process_a_failing_one_each_time(tmp_pa
         with pytest.raises(ConfigError, match="does not run: exit status 3"):
             video.recordable("CartPole-v1")
     assert len(runs) == 3
+
+
+def test_a_relative_ffmpeg_that_ran_is_checked_again_from_another_folder(tmp_path, monkeypatch):
+    import imageio_ffmpeg
+
+    from sb3_gpu.runs import video
+
+    monkeypatch.delenv("IMAGEIO_FFMPEG_EXE", raising=False)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "ffmpeg").symlink_to(imageio_ffmpeg.get_ffmpeg_exe())
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.setattr(video, "_FFMPEG_RAN", set())
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", "a/ffmpeg")
+    monkeypatch.chdir(tmp_path)
+    video.recordable("CartPole-v1")
+    monkeypatch.chdir(tmp_path / "elsewhere")  # a notebook's chdir: a/ffmpeg is no program from here
+    with pytest.raises(ConfigError, match=r"a/ffmpeg \(IMAGEIO_FFMPEG_EXE\) does not run"):
+        video.recordable("CartPole-v1")
