@@ -51,17 +51,22 @@ _PRELOAD = ["sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
 def main_kept_from_workers() -> Iterator[None]:
     """Workers started inside the block do not try to run a ``__main__`` that is no file on disk (a script piped to
     ``python -``: "<stdin>"), as spawn and forkserver have them run the script again, so no worker started at all.
-    A real script is run again in them as before: its imports and top level register the envs they make."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or not isinstance(path, str) or os.path.isfile(path):
-        yield
-        return
-    del main.__file__
-    try:
-        yield
-    finally:
-        main.__file__ = path
+    A real script is run again in them as before: its imports and top level register the envs they make. Threads take
+    turns: one that looked while another had hidden the name would start its workers after it came back."""
+    with _MAIN_HIDDEN:
+        main = sys.modules.get("__main__")
+        path = getattr(main, "__file__", None)
+        if main is None or not isinstance(path, str) or os.path.isfile(path):
+            yield
+            return
+        del main.__file__
+        try:
+            yield
+        finally:
+            main.__file__ = path
+
+
+_MAIN_HIDDEN = threading.RLock()
 
 
 def worker_start_method(start_method: str | None) -> str:

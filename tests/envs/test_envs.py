@@ -5,7 +5,9 @@ import math
 import multiprocessing as mp
 import os
 import re
+import sys
 import threading
+import time
 import warnings
 
 import gymnasium as gym
@@ -665,3 +667,33 @@ def test_the_fallbacks_check_of_one_env_is_closed_before_the_fallbacks_own_envs_
         venv = make_vec_env(factory, 1, vec_env="subproc")
     assert isinstance(venv, DummyVecEnv) and _OneAtATime.open_now == 1
     venv.close()
+
+
+def test_threads_starting_workers_at_once_each_keep_a_script_that_is_no_file_from_them(monkeypatch):
+    # A thread that looked while another had hidden "<stdin>" from its workers found nothing to hide, and started its
+    # own after the other had put the name back: they tried to run "<stdin>" again.
+    from sb3_gpu.envs.batched import main_kept_from_workers
+
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__file__", "<stdin>", raising=False)
+    first_inside, first_done, seen = threading.Event(), threading.Event(), {}
+
+    def first():
+        with main_kept_from_workers():
+            first_inside.set()
+            time.sleep(0.3)  # the second thread arrives meanwhile
+            seen["first"] = hasattr(main, "__file__")
+        first_done.set()
+
+    def second():
+        first_inside.wait(10)
+        with main_kept_from_workers():
+            first_done.wait(10)  # where its workers start: after the first thread's block, or inside its own turn
+            seen["second"] = hasattr(main, "__file__")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"first": False, "second": False} and main.__file__ == "<stdin>"
