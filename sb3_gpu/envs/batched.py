@@ -51,22 +51,48 @@ _PRELOAD = ["sb3_gpu.envs.spec", "sb3_gpu.envs.batched"]
 def main_kept_from_workers() -> Iterator[None]:
     """Workers started inside the block do not try to run a ``__main__`` that is no file on disk (a script piped to
     ``python -``: "<stdin>"), as spawn and forkserver have them run the script again, so no worker started at all.
-    A real script is run again in them as before: its imports and top level register the envs they make. Threads take
-    turns: one that looked while another had hidden the name would start its workers after it came back."""
-    with _MAIN_HIDDEN:
-        main = sys.modules.get("__main__")
-        path = getattr(main, "__file__", None)
-        if main is None or not isinstance(path, str) or os.path.isfile(path):
-            yield
-            return
-        del main.__file__
-        try:
-            yield
-        finally:
-            main.__file__ = path
+    A real script is run again in them as before: its imports and top level register the envs they make. Threads
+    hide it together: the name comes back when the last one is done (one that looked while another had hidden it
+    found nothing to hide, and started its workers after the name came back)."""
+    main = sys.modules.get("__main__")
+    with _HIDDEN_LOCK:  # held for the bookkeeping only: threads start their workers side by side
+        if _hidden["users"]:
+            if _hidden["main"] is main:
+                _hidden["users"] += 1
+            else:  # another __main__ is hidden (runpy swapped it meanwhile): this one is left as it is
+                main = None
+        else:
+            path = getattr(main, "__file__", None)
+            if main is None or not isinstance(path, str) or os.path.isfile(path):
+                main = None
+            else:
+                del main.__file__
+                _hidden.update(users=1, main=main, path=path)
+    if main is None:
+        yield
+        return
+    try:
+        yield
+    finally:
+        with _HIDDEN_LOCK:
+            _hidden["users"] -= 1
+            if not _hidden["users"]:
+                main.__file__ = _hidden.pop("path")
+                _hidden["main"] = None
 
 
-_MAIN_HIDDEN = threading.RLock()
+_HIDDEN_LOCK = threading.Lock()
+_hidden: dict[str, Any] = {"users": 0, "main": None}  # the __main__ whose file name is hidden, and by how many
+
+
+def _unlocked_in_child() -> None:
+    """A child forked while another thread held the lock would wait for it for good: that thread is not in it."""
+    global _HIDDEN_LOCK
+    _HIDDEN_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_unlocked_in_child)
 
 
 def worker_start_method(start_method: str | None) -> str:

@@ -7,7 +7,6 @@ import os
 import re
 import sys
 import threading
-import time
 import warnings
 
 import gymnasium as gym
@@ -669,31 +668,53 @@ def test_the_fallbacks_check_of_one_env_is_closed_before_the_fallbacks_own_envs_
     venv.close()
 
 
-def test_threads_starting_workers_at_once_each_keep_a_script_that_is_no_file_from_them(monkeypatch):
+@pytest.mark.parametrize("leaves_first", ["first", "second"])
+def test_threads_starting_workers_at_once_each_keep_a_script_that_is_no_file_from_them(monkeypatch, leaves_first):
     # A thread that looked while another had hidden "<stdin>" from its workers found nothing to hide, and started its
-    # own after the other had put the name back: they tried to run "<stdin>" again.
+    # own after the other had put the name back: they tried to run "<stdin>" again. Nor may one wait for another.
     from sb3_gpu.envs.batched import main_kept_from_workers
 
     main = sys.modules["__main__"]
     monkeypatch.setattr(main, "__file__", "<stdin>", raising=False)
-    first_inside, first_done, seen = threading.Event(), threading.Event(), {}
+    inside = {name: threading.Event() for name in ("first", "second")}
+    left = {name: threading.Event() for name in ("first", "second")}
+    together, hidden = {}, {}
 
-    def first():
+    def run(name, other):
+        if name == "second":
+            inside["first"].wait(10)
         with main_kept_from_workers():
-            first_inside.set()
-            time.sleep(0.3)  # the second thread arrives meanwhile
-            seen["first"] = hasattr(main, "__file__")
-        first_done.set()
+            inside[name].set()
+            together[name] = inside[other].wait(10)  # both inside at once: neither waits for the other to leave
+            if name != leaves_first:
+                left[other].wait(10)  # its workers start after the other thread has left
+            hidden[name] = not hasattr(main, "__file__")
+        left[name].set()
 
-    def second():
-        first_inside.wait(10)
-        with main_kept_from_workers():
-            first_done.wait(10)  # where its workers start: after the first thread's block, or inside its own turn
-            seen["second"] = hasattr(main, "__file__")
-
-    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads = [threading.Thread(target=run, args=names) for names in (("first", "second"), ("second", "first"))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(20)
-    assert seen == {"first": False, "second": False} and main.__file__ == "<stdin>"
+        thread.join(30)
+    assert together == {"first": True, "second": True} and hidden == {"first": True, "second": True}
+    assert main.__file__ == "<stdin>"
+
+
+def _hide_main_and_leave() -> None:
+    from sb3_gpu.envs.batched import main_kept_from_workers
+
+    with main_kept_from_workers():
+        pass
+
+
+def test_a_child_forked_while_the_main_hiding_lock_was_held_does_not_wait_for_it():
+    # The thread that held it is not in the child: the lock would stay held there for good.
+    from sb3_gpu.envs import batched
+
+    with batched._HIDDEN_LOCK:
+        child = mp.get_context("fork").Process(target=_hide_main_and_leave)
+        child.start()
+    child.join(30)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
