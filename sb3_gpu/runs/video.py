@@ -202,8 +202,9 @@ def _check_ffmpeg() -> None:
             "recording a video needs ffmpeg, and imageio-ffmpeg found none: install ffmpeg, or set IMAGEIO_FFMPEG_EXE to one"
         ) from None
     # evaluate --video checks before the evaluation, then records. By the program's own path: a relative or bare
-    # IMAGEIO_FFMPEG_EXE names another (or none) after a chdir or a PATH change.
-    program = os.path.realpath(shutil.which(exe) or exe)
+    # IMAGEIO_FFMPEG_EXE names another (or none) after a chdir or a PATH change; one that is found nowhere is run.
+    found = shutil.which(exe)
+    program = os.path.realpath(found) if found is not None else None
     if program in _FFMPEG_RAN:
         return
     given = " (IMAGEIO_FFMPEG_EXE)" if os.environ.get("IMAGEIO_FFMPEG_EXE") else ""
@@ -212,7 +213,8 @@ def _check_ffmpeg() -> None:
     except (OSError, subprocess.SubprocessError) as e:
         reason = f"exit status {e.returncode}" if isinstance(e, subprocess.CalledProcessError) else str(e)
         raise ConfigError(f"recording a video needs ffmpeg, and {exe}{given} does not run: {reason}") from None
-    _FFMPEG_RAN.add(program)
+    if program is not None:
+        _FFMPEG_RAN.add(program)
 
 
 _FFMPEG_RAN: set[str] = set()  # ffmpeg programs seen to run in this process (one that failed is tried again)

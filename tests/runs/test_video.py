@@ -325,3 +325,11 @@ def test_a_relative_ffmpeg_that_ran_is_checked_again_from_another_folder(tmp_pat
     monkeypatch.chdir(tmp_path / "elsewhere")  # a notebook's chdir: a/ffmpeg is no program from here
     with pytest.raises(ConfigError, match=r"a/ffmpeg \(IMAGEIO_FFMPEG_EXE\) does not run"):
         video.recordable("CartPole-v1")
+    # A bare name is looked for on PATH, never in the current folder, however the folder's file of that name ran.
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", "ffmpeg")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'a'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path / "a")
+    video.recordable("CartPole-v1")
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match=r"ffmpeg \(IMAGEIO_FFMPEG_EXE\) does not run"):
+        video.recordable("CartPole-v1")
