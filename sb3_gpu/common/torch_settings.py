@@ -1,10 +1,12 @@
-"""torch's process-wide settings that a plan sets (threads, TF32, cuDNN autotuning): taken and put back as one; and
-waiting for a device, for timings."""
+"""torch's process-wide settings that a plan sets (threads, TF32, cuDNN autotuning): taken and put back as one;
+waiting for a device, for timings; and torch's generators kept from work that is not the run's own."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch as th
 
@@ -44,3 +46,9 @@ def synchronize(device: th.device | str) -> None:
         th.cuda.synchronize(device)
     elif device.type == "mps":
         th.mps.synchronize()
+
+
+def own_rng(device: th.device) -> contextlib.AbstractContextManager[Any]:
+    """torch's generators (the CPU's and ``device``'s) put back after the block: a timing or a compile's trial step
+    must leave a seeded run's draws as they would be without it."""
+    return th.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])

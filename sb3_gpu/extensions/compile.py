@@ -16,6 +16,7 @@ from stable_baselines3.common import preprocessing
 from stable_baselines3.common.base_class import BaseAlgorithm
 
 from sb3_gpu.common.errors import ConfigError, named, warn
+from sb3_gpu.common.torch_settings import own_rng
 from sb3_gpu.extensions.networks import narrow_linears, policy_networks, steps_one_optimizer
 
 
@@ -114,8 +115,7 @@ def compile_policy(model: BaseAlgorithm, mode: str, batch_size: int) -> str | No
             module.forward = own_code(module.forward)
             module.compile(mode=None if mode == "default" else mode)
         # On draws of its own: a seeded run takes the same random actions and minibatches, compiled or not.
-        device = model.device
-        with th.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        with own_rng(model.device):
             _trial_step(model, batch_size)
     except Exception as e:  # compilers fail in many ways (no C++ compiler, unsupported op, ...): all mean "fall back"
         for module in modules:

@@ -44,7 +44,7 @@ from stable_baselines3.common.preprocessing import get_action_dim
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.errors import cause_of, named, warn
 from sb3_gpu.common.io import atomic_write_text
-from sb3_gpu.common.torch_settings import TorchSettings, synchronize
+from sb3_gpu.common.torch_settings import TorchSettings, own_rng, synchronize
 from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code, python_int_spaces
 from sb3_gpu.extensions.continuous import normed_critics_policy, polyak, sde_sample, squashed_sample
@@ -282,17 +282,11 @@ def _batch(space: spaces.Space, n: int) -> Any:
     return np.stack([space.sample() for _ in range(n)])
 
 
-def _own_rng(device: th.device) -> contextlib.AbstractContextManager[Any]:
-    """torch's generators put back after a timing: the draws of a seeded user after a plan must not depend on whether
-    its probe timed anything or found the figures in its cache."""
-    return th.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
-
-
 def measure_option(option: Option, seconds: float) -> Timing:
     """Time ``option`` for about ``seconds``: the policy built at the preset's sizes on the candidate's device."""
     w, c = option.workload, option.candidate
     device = th.device(c.device)
-    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32), _own_rng(device):
+    with _threads(c.threads), _cuda_flags(device, option.cudnn_benchmark, option.tf32), own_rng(device):
         policy = w.policy(device)
         obs, _ = policy.obs_to_tensor(_batch(w.observation_space, w.batch_size))
         rollout_obs = _batch(w.observation_space, w.n_envs)
@@ -459,7 +453,7 @@ def measure_compile(option: Option, mode: str, seconds: float = 1.0) -> CompileT
         _threads(c.threads),
         _cuda_flags(device, option.cudnn_benchmark, option.tf32),
         no_argument_checks(),
-        _own_rng(device),
+        own_rng(device),
     ):
         policy = w.policy(device)
         python_int_spaces(policy)  # as the run's networks have them: QR-DQN's reshape by a NumPy int broke the graph
