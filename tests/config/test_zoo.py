@@ -15,6 +15,7 @@ from sb3_gpu.config.zoo import ZOO_ALGOS, convert_entry
 from sb3_gpu.envs.spec import register_ale
 from sb3_gpu.planning.plan import make_plan
 from sb3_gpu.train import main as train_main
+from tests.conftest import machine
 
 # The entries of rl_zoo3's files that are refused, and why: env wrappers that sb3_gpu does not apply (it applies only
 # AtariWrapper, to Atari games), HER's buffer, Ornstein-Uhlenbeck noise. Every other entry must load.
@@ -213,3 +214,60 @@ def test_train_plans_from_an_installed_zoo_file_and_refuses_a_hostile_one_with_e
     result = call_main(train_main, "ppo", "--env", "CartPole-v1", "--preset", f"zoo:{hostile}", "--plan")
     assert result.returncode == 2 and not (tmp_path / "ran").exists()
     assert result.stderr.count("\n") == 1 and f"{hostile}, entry CartPole-v1, key policy_kwargs: cannot read" in result.stderr
+
+
+# Where sb3_gpu's bundled entries part from rl-zoo3's own (the keys; each preset's comment says why): everything else
+# in them is rl-zoo3's value, and a change to one of those fails here. GPU profiles keep rl-zoo3's networks and batches
+# where the CPU's are smaller.
+LUNAR_CONTINUOUS = {"learning_rate", "n_timesteps", "eval_freq", "buffer_size"}  # a constant rate, 300k steps
+DEPARTURES = {
+    ("ppo", "CartPole-v1"): set(),
+    ("ppo", "Acrobot-v1"): set(),
+    ("ppo", "MountainCar-v0"): set(),
+    ("ppo", "LunarLander-v3"): set(),
+    ("dqn", "CartPole-v1"): {
+        *("gradient_steps", "exploration_fraction", "learning_rate", "n_timesteps", "net_arch", "n_envs", "buffer_size"),
+        *("target_update_interval", "exploration_final_eps", "n_steps", "gamma", "train_freq", "per"),
+    },
+    ("dqn", "Acrobot-v1"): set(),
+    ("dqn", "MountainCar-v0"): set(),
+    ("dqn", "LunarLander-v3"): {"eval_freq", "n_timesteps", "n_steps", "per"},
+    ("qrdqn", "CartPole-v1"): set(),
+    ("qrdqn", "Acrobot-v1"): set(),
+    ("qrdqn", "MountainCar-v0"): set(),
+    ("qrdqn", "LunarLander-v3"): {
+        *("exploration_fraction", "learning_rate", "learning_starts", "n_timesteps", "buffer_size", "gamma", "n_steps"),
+        *("target_update_interval", "exploration_final_eps", "train_freq", "policy_kwargs"),
+    },
+    **{(algo, "Pendulum-v1"): set() for algo in CONTINUOUS},
+    ("sac", "LunarLanderContinuous-v3"): LUNAR_CONTINUOUS,
+    ("tqc", "LunarLanderContinuous-v3"): LUNAR_CONTINUOUS,
+    ("td3", "LunarLanderContinuous-v3"): {"eval_freq", "buffer_size", "learning_rate", "action_noise_std", "tau", "gamma"},
+    **{(algo, env): set() for algo in CONTINUOUS for env in ("BipedalWalker-v3", "HalfCheetah-v5", "Hopper-v5")},
+}
+CPU_DEPARTURES = {  # the CPU profile's smaller networks and batches
+    ("sac", "Pendulum-v1"): {"net_arch", "batch_size"},
+    ("tqc", "Pendulum-v1"): {"net_arch", "batch_size"},
+    ("td3", "Pendulum-v1"): {"net_arch", "batch_size", "learning_starts"},
+    ("sac", "LunarLanderContinuous-v3"): {"net_arch"},
+    ("tqc", "LunarLanderContinuous-v3"): {"net_arch"},
+    ("td3", "LunarLanderContinuous-v3"): {"net_arch"},
+}
+
+
+def test_every_bundled_entry_has_the_env_list_of_this_table():
+    entries = {algo: load_preset_file(get_algo(algo))[0] for algo in ZOO_ALGOS}
+    bundled = {(algo, env) for algo, file in entries.items() for env in file if env not in ("default", "atari")}
+    assert bundled == set(DEPARTURES)
+
+
+@pytest.mark.parametrize("gpus", [0, 1], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("algo, env", sorted(DEPARTURES))
+def test_bundled_entries_are_rl_zoo3s_values_but_where_they_say(algo, env, gpus):
+    hardware = machine(gpus=gpus)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rl-zoo3's MuJoCo entries are for -v4
+        ours = make_plan(algo, env, hardware=hardware).preset.values()
+        zoo = make_plan(algo, env, hardware=hardware, preset=f"zoo:{algo}").preset.values()
+    departed = {key for key in ours.keys() | zoo.keys() if ours.get(key) != zoo.get(key)}
+    assert departed == DEPARTURES[algo, env] | (CPU_DEPARTURES.get((algo, env), set()) if not gpus else set())
