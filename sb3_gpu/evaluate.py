@@ -84,6 +84,9 @@ def _evaluate(args: argparse.Namespace) -> int:
         message = re.sub(r"which='(\w+)'", r"--model \1", str(e)).replace("with deterministic=True", "without --stochastic")
         print_error(message)
         return 2
+    except OSError as e:  # the video, on a full disk, say: any earlier one is kept
+        print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
+        return 1
     if args.json:
         print(json.dumps(result))
     else:

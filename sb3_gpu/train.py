@@ -521,10 +521,15 @@ def _remove_if_empty(run: RunDir | None, *, new: bool) -> None:
 
 
 def _remove_if_never_trained(run: RunDir | None, *, new: bool, started: float) -> None:
-    """After an error: a new run dir whose training never began (it wrote no summary) is removed as an empty one is;
-    one that trained keeps its logs for a look at what went wrong (a run that diverged before its first save)."""
-    if run is not None and not _written_since(run.summary, started):
-        _remove_if_empty(run, new=new)
+    """After an error: a new run dir whose training never began is removed as an empty one is; one that trained keeps
+    its logs for a look at what went wrong (a run that diverged before its first save). Training began where it wrote
+    a summary or TensorBoard logs: on a full disk the summary may be what failed."""
+    if run is None or _written_since(run.summary, started):
+        return
+    with contextlib.suppress(OSError):
+        if any(_written_since(path, started) for path in run.tensorboard.rglob("events.out.tfevents.*")):
+            return
+    _remove_if_empty(run, new=new)
 
 
 def _saved_note(run: RunDir | None, started: float) -> str:

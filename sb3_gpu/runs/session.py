@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import signal
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,6 +217,10 @@ class Session:
                 outcome.saved = f"model saved to {run.final.model} at {model.num_timesteps:,} timesteps"
                 if lost is not None:
                     outcome.saved += f" ({lost}; --resume would start with an empty one)"
+                    # Said now, not only in summary.json: a run that finished exits 0 and prints no `saved` line.
+                    warnings.warn(
+                        f"{run.final.model}: {lost}; --resume would start with an empty one", RuntimeWarning, stacklevel=2
+                    )
                 elif run.final.replay_buffer.is_file() and self.save_replay_buffer:
                     outcome.saved += f", its replay buffer beside it ({run.final.replay_buffer.name})"
                     # The final copy supersedes theirs, a checkpoint's of this very step too (the last one often is).
@@ -223,7 +228,9 @@ class Session:
             except OSError as e:  # a full disk, say: the atomic writes kept every earlier file whole
                 outcome.saved = f"could not write {e.filename} ({e.strerror}); {run.last_good()}"
                 outcome.error = outcome.error or e
-        if outcome.interrupted and complete:  # a stop during the last update: nothing is left to resume
+        if outcome.interrupted and complete and not (run.saved_states() or run.best_model.is_file()):
+            outcome.saved += "; training was complete, but none of its models was kept"  # nothing to evaluate
+        elif outcome.interrupted and complete:  # a stop during the last update: nothing is left to resume
             outcome.saved += f"; training was complete (to evaluate: {shell_line('-m', 'sb3_gpu.evaluate', run)})"
         elif outcome.interrupted and run.saved_states():
             outcome.saved += f"; continue with: {shell_line('-m', 'sb3_gpu.train', '--resume', run)}"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import importlib
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -123,10 +125,36 @@ def record_video(
             written = list((scratch / "video").glob("*.mp4"))
             if len(written) != 1:
                 raise ConfigError(f"env {spec.name} rendered no frames to record (render() returned no image)")
+            if not complete_mp4(written[0]):  # ffmpeg's failure to finish it does not reach us otherwise
+                raise OSError(
+                    errno.EIO, "ffmpeg left the video incomplete (is the disk full?); any earlier one is kept", str(path)
+                )
             replace(written[0], path)  # the complete file, renamed over any earlier one
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return Video(path, recorders[0].captured, recorders[0].frames_per_sec)
+
+
+def complete_mp4(path: Path) -> bool:
+    """Whether ``path``'s top-level mp4 boxes fill it exactly and include the media and its index (``mdat``, ``moov``):
+    an encoder that ran out of disk leaves a file cut short, or without its index, that players refuse."""
+    size, at, kinds = path.stat().st_size, 0, set()
+    with path.open("rb") as f:
+        while at < size:
+            f.seek(at)
+            head = f.read(16)
+            if len(head) < 8:
+                return False
+            length, kind = struct.unpack(">I4s", head[:8])
+            if length == 1:  # a 64-bit size follows
+                length = struct.unpack(">Q", head[8:16])[0] if len(head) == 16 else 0
+            elif length == 0:  # the box runs to the end of the file
+                length = size - at
+            if length < 8:
+                return False
+            kinds.add(kind)
+            at += length
+    return at == size and {b"mdat", b"moov"} <= kinds
 
 
 ABANDONED_S = 86_400.0  # a recording's scratch folder this old was left by a killed process: none takes a day

@@ -507,6 +507,23 @@ def test_evaluates_flags_each_reach_the_evaluation(finished_run, tmp_path, call_
     assert again.returncode == 0 and shown in again.stdout, again.stdout
 
 
+def test_evaluate_says_in_one_line_that_a_video_could_not_be_written_and_exits_1(
+    finished_run, tmp_path, monkeypatch, call_main
+):
+    from sb3_gpu.runs import video
+
+    run = _variant(finished_run, tmp_path / "run")
+    monkeypatch.setattr(video, "complete_mp4", lambda path: False)  # what ffmpeg leaves on a full disk
+    result = call_main(evaluate_main, str(run), "--episodes", "1", "--video-length", "5")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    path = run / "videos" / "best_model.mp4"
+    assert (
+        result.stderr
+        == f"error: could not write {path}: ffmpeg left the video incomplete (is the disk full?); any earlier one is kept\n"
+    )
+    assert not path.exists()
+
+
 # The table above runs in this process; these run the real commands, as a user would.
 @pytest.mark.heavy
 @pytest.mark.parametrize(

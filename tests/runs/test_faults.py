@@ -1488,6 +1488,30 @@ def test_a_disk_too_full_for_the_summary_too_still_says_what_failed_and_where_th
     assert f"model is {checkpoint} (128 timesteps)" in err[1] and f"-m sb3_gpu.evaluate {run})" in err[1]  # all trained
 
 
+def test_a_run_that_trained_keeps_its_logs_where_the_disk_filled_before_any_save_and_the_summary(
+    tmp_path, monkeypatch, capsys
+):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "model.zip")
+
+    def summary_full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr("sb3_gpu.runs.evaluation.save_model", full)
+    monkeypatch.setattr("sb3_gpu.runs.session.save_state", full)
+    monkeypatch.setattr("sb3_gpu.runs.training.write_json", summary_full)
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "64", "--n-envs", "1", "--set", "n_steps=32"]
+    args += ["--set", "batch_size=32", "--eval-freq", "1000", "--checkpoint-freq", "1000", "--no-probe"]
+    run = tmp_path / "run"
+    assert train_main([*args, "--run-dir", str(run), "--no-progress"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "no complete model was saved; training was complete, but none of its models was kept\n"
+    )
+    assert list((run / "tb").rglob("events.out.tfevents.*")) and (run / "config.yaml").is_file()  # a look at what ran
+
+
 def test_resume_passes_over_a_damaged_checkpoint_with_a_warning(tmp_path, capsys):
     plan = make_plan(
         "ppo", "CartPole-v1", "cpu", n_envs=1, n_timesteps=64, vec_env="dummy", overrides={"n_steps": 32, "batch_size": 32}
@@ -1585,6 +1609,21 @@ def test_a_checkpoint_whose_replay_buffer_was_not_saved_says_so_as_it_is_written
         train_run(
             plan, tmp_path, checkpoint_freq=128, save_replay_buffer=True, eval_episodes=1, confirm_episodes=0, progress=False
         )
+
+
+def test_a_final_replay_buffer_that_was_not_saved_is_warned_of_by_a_run_that_exits_0(tmp_path, monkeypatch):
+    from sb3_gpu.runs import session
+
+    def model_only(model, files, *, replay_buffer):
+        save_state(model, files, replay_buffer=False)
+        return "the replay buffer was not saved (OSError: [Errno 27] File too large)"
+
+    monkeypatch.setattr(session, "save_state", model_only)
+    args = ["dqn", "--env", "CartPole-v1", "--timesteps", "128", "--n-envs", "1", "--set", "learning_starts=32"]
+    args += ["--checkpoint-freq", "1000", "--eval-freq", "1000", "--eval-episodes", "1", "--no-probe", "--vec-env", "dummy"]
+    said = re.escape(f"{tmp_path / 'run' / 'model.zip'}: the replay buffer was not saved (OSError: [Errno 27]")
+    with pytest.warns(RuntimeWarning, match=said + r".*; --resume would start with an empty one"):
+        assert train_main([*args, "--save-replay-buffer", "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 0
 
 
 def test_a_run_dir_moved_and_resumed_reseeds_its_model_and_logs_where_it_now_is(tmp_path, monkeypatch):

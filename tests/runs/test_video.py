@@ -17,7 +17,7 @@ from stable_baselines3 import PPO
 
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.evaluate import main as evaluate_main
-from sb3_gpu.runs.video import record_video
+from sb3_gpu.runs.video import complete_mp4, record_video
 from tests.conftest import run_cli
 
 
@@ -333,3 +333,37 @@ def test_a_relative_ffmpeg_that_ran_is_checked_again_from_another_folder(tmp_pat
     monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
     with pytest.raises(ConfigError, match=r"ffmpeg \(IMAGEIO_FFMPEG_EXE\) does not run"):
         video.recordable("CartPole-v1")
+
+
+def test_an_mp4_cut_short_anywhere_is_not_complete(tmp_path):
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0)
+    video = record_video(model, "CartPole-v1", tmp_path / "v.mp4", video_length=5, seed=0)
+    data = video.path.read_bytes()
+    assert complete_mp4(video.path)
+    cut = tmp_path / "cut.mp4"
+    for size in range(len(data)):
+        cut.write_bytes(data[:size])
+        assert not complete_mp4(cut), size
+    cut.write_bytes(data + b"\0" * 4)  # trailing bytes that are no box
+    assert not complete_mp4(cut)
+
+
+def test_a_video_the_encoder_left_incomplete_keeps_the_earlier_one_and_says_so(tmp_path, monkeypatch):
+    # On a full disk ffmpeg leaves the mp4 cut short and exits with an error that does not reach sb3_gpu: the cut file
+    # was renamed over the good one and reported as written.
+    from sb3_gpu.runs import video
+
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0)
+    path = tmp_path / "v.mp4"
+    good = record_video(model, "CartPole-v1", path, video_length=5, seed=0).path.read_bytes()
+    real = video._write_mp4
+
+    def disk_full(path, frames, fps):
+        real(path, frames, fps)
+        path.write_bytes(path.read_bytes()[:-100])
+
+    monkeypatch.setattr(video, "_write_mp4", disk_full)
+    with pytest.raises(OSError, match="ffmpeg left the video incomplete") as raised:
+        record_video(model, "CartPole-v1", path, video_length=5, seed=0)
+    assert raised.value.filename == str(path) and path.read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir()] == ["v.mp4"]  # no scratch folder left
