@@ -35,6 +35,7 @@ from sb3_gpu.common.cli import (
 )
 from sb3_gpu.common.cli import console as cli_console
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, StopNow, TrainingDiverged, named
+from sb3_gpu.common.io import out_of_space
 
 # Torch, SB3 and rich are imported inside main (below), so that --help is quick and a Ctrl-C while they load is
 # answered in one line, not a traceback.
@@ -412,8 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print_error(f"interrupted{what}")
         return interrupted()
     except (EnvWorkerError, TrainingDiverged) as e:
-        if isinstance(e, EnvWorkerError) and e.__cause__ is not None:  # an env in this process: the trace of its code
-            traceback.print_exception(e.__cause__)
+        cause = e.__cause__
+        if isinstance(e, EnvWorkerError) and cause is not None and not out_of_space(cause):  # an env in this process:
+            traceback.print_exception(cause)  # the trace of its code (none for its Monitor's write on a full disk)
         _remove_if_never_trained(run, new=args.resume is None, started=started)
         print_error(str(e).splitlines()[0])
         print_error(_saved_note(run, started))

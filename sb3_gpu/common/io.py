@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from stable_baselines3.common.base_class import BaseAlgorithm
 
 
+def out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` is a write that found no room: a full disk, a quota, a file-size limit."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to a new temp file beside ``path``, fsync it, then rename it over ``path``.
 

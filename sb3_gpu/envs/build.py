@@ -25,7 +25,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecEnv,
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, EnvWorkerError, named, warn
-from sb3_gpu.common.io import make_dir, temporary_environ
+from sb3_gpu.common.io import make_dir, out_of_space, temporary_environ
 from sb3_gpu.envs.batched import BatchedSubprocVecEnv, main_kept_from_workers, worker_start_method
 from sb3_gpu.envs.choice import VecEnvFallbackWarning, check_env_resources, check_vec_env_kind, vec_env_choice
 from sb3_gpu.envs.envpool_vec import EnvPoolVecEnv
@@ -238,6 +238,10 @@ def _dummy(fns: list[Callable[[], gym.Env]], name: str) -> DummyVecEnv:
         return DummyVecEnv(fns)
     except ConfigError:
         raise
+    except OSError as e:
+        if out_of_space(e):  # the disk, not the env: said as the run's other failed writes are
+            raise
+        raise ConfigError(f"env {name!r} failed to build: {named(e)}") from e
     except Exception as e:
         raise ConfigError(f"env {name!r} failed to build: {named(e)}") from e
 

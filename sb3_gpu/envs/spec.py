@@ -310,7 +310,12 @@ class EnvFactory:
             env: gym.Env = self.make()
             if self.max_episode_steps is not None:
                 env = EpisodeStepCap(env, self.max_episode_steps, "emulator frames" if self.atari else "steps")
-            env = Monitor(env, filename=self.monitor_path, **self.monitor_kwargs)
+            try:
+                env = Monitor(env, filename=self.monitor_path, **self.monitor_kwargs)
+            except OSError as e:  # its CSV's header on a full disk, say: a write error names no file
+                if e.filename is not None or self.monitor_path is None:
+                    raise
+                raise OSError(e.errno, e.strerror, str(Path(self.monitor_path).parent)) from None
             env = AtariWrapper(env, frame_skip=ATARI_FRAME_SKIP) if self.atari else env
             env = self.wrapper_class(env, **self.wrapper_kwargs) if self.wrapper_class is not None else env
         except BaseException as e:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -43,7 +42,7 @@ from stable_baselines3.common.preprocessing import get_action_dim
 
 from sb3_gpu.common.checks import CONTINUOUS_ALGOS
 from sb3_gpu.common.errors import cause_of, named, warn
-from sb3_gpu.common.io import atomic_write_text
+from sb3_gpu.common.io import atomic_write_text, out_of_space
 from sb3_gpu.common.torch_settings import TorchSettings, own_rng, synchronize
 from sb3_gpu.common.version import __version__
 from sb3_gpu.extensions.compile import CompileFallbackWarning, own_code, python_int_spaces
@@ -686,7 +685,7 @@ def _passing(e: Exception) -> bool:
     if cause_of(e, th.cuda.OutOfMemoryError) is not None or cause_of(e, BrokenProcessPool) is not None:
         return True  # another process held the GPU's memory; inductor's compile workers died (killed, say)
     written = cause_of(e, OSError)
-    return written is not None and written.errno in (errno.ENOSPC, errno.EDQUOT)
+    return written is not None and out_of_space(written)
 
 
 def _inductor_cache() -> str:

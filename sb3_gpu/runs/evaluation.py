@@ -420,6 +420,21 @@ def evaluate(
     return float(mean), float(std)  # type: ignore[arg-type]
 
 
+_PAIR_READS = 3
+
+
+def _identities(paths: list[Path]) -> list[tuple[int, int, int] | None]:
+    """Each file's identity (inode, mtime, size): an atomic write that replaced one changes it."""
+    found: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = path.stat()
+            found.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except FileNotFoundError:
+            found.append(None)
+    return found
+
+
 def evaluate_run(
     target: str | Path,
     episodes: int = 10,
@@ -489,17 +504,28 @@ def evaluate_run(
         if run.videos.is_dir():
             refuse_links(run.videos, "run dir's video folder")
         check_dir_creatable(run.videos, "video folder")
-    venv = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
-    if isinstance(venv, VecNormalize):
-        stats = run.vecnormalize_for(model_path)
-        if stats is None:
-            hint = "; which='final' evaluates model.zip with its own" if model_path.name == run.BEST_MODEL else ""
-            raise ConfigError(f"{run} trained under VecNormalize, but {run.missing_vecnormalize(model_path)}{hint}")
-        venv = load_vecnormalize(stats, venv.venv)
-        venv.training, venv.norm_reward = False, False
+    built = venv = build_env(plan, evaluation=True, n_envs=eval_envs(episodes))
     result: dict[str, Any] = {"episodes": episodes, "deterministic": deterministic, "model": str(model_path)}
     try:
-        model = load_plan_model(plan, model_path, venv)
+        # A run at work in the run dir may save a new best between the statistics read and the model's: the pair
+        # is read again then, so that no model is evaluated with another's statistics.
+        for _ in range(_PAIR_READS):
+            read = [model_path]
+            if isinstance(built, VecNormalize):
+                stats = run.vecnormalize_for(model_path)
+                if stats is None:
+                    hint = "; which='final' evaluates model.zip with its own" if model_path.name == run.BEST_MODEL else ""
+                    raise ConfigError(f"{run} trained under VecNormalize, but {run.missing_vecnormalize(model_path)}{hint}")
+                read.append(stats)
+            before = _identities(read)
+            if isinstance(built, VecNormalize):
+                venv = load_vecnormalize(read[1], built.venv)
+                venv.training, venv.norm_reward = False, False
+            model = load_plan_model(plan, model_path, venv)
+            if _identities(read) == before:
+                break
+        else:
+            raise ConfigError(f"{model_path} was replaced as it was read, {_PAIR_READS} times in a row; run again")
         # SB3's load seeds the model's generators and its env with the seed the run trained with, so the episodes
         # would be the training env's first ones, whatever seed was asked for: seed them again, as the evaluation asks
         # (the process's generators too, as SB3's load did); asked for none, the env alone, from the OS.

@@ -32,6 +32,10 @@ except ImportError:  # Windows: msvcrt's byte-range lock instead
     fcntl = None  # type: ignore[assignment]
 
 
+def _taken(path: Path) -> str:
+    return f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)"
+
+
 def _lock_or_raise(f: Any) -> None:
     """Take ``f``'s exclusive lock without waiting, or raise BlockingIOError where another process holds it."""
     if fcntl is not None:
@@ -285,7 +289,11 @@ class RunDir:
     def create(cls, requested: str | Path | None, algo: str, env_name: str) -> RunDir:
         """A new run dir: ``requested``, which must not exist, or ``runs/ALGO-ENV-TIMESTAMP``. Never one in use."""
         if requested is not None:
-            return cls(make_dir(cls.check_new(requested), "run dir", exist_ok=False))
+            path = cls.check_new(requested)
+            try:
+                return cls(make_dir(path, "run dir", exist_ok=False))
+            except FileExistsError:  # made since the check: another run started with the same --run-dir
+                raise ConfigError(_taken(path)) from None
         env = re.sub(r"[^A-Za-z0-9_.-]+", "_", env_name)
         base = cls.DEFAULT_PARENT / f"{algo}-{env}-{datetime.now():%Y%m%d-%H%M%S}"
         for i in range(1, 1000):
@@ -313,7 +321,7 @@ class RunDir:
         except OSError:  # a name too long, say: check_dir_creatable says so in its words
             taken = False
         if taken:
-            raise ConfigError(f"run dir {path} already exists; choose a new --run-dir (runs are never overwritten)")
+            raise ConfigError(_taken(path))
         return check_dir_creatable(path, "run dir", utf8=True)
 
     def check_resumable(self) -> None:
@@ -322,6 +330,8 @@ class RunDir:
             raise ConfigError(f"cannot resume {self}: it is a file; give the run dir that holds config.yaml")
         if not self.path.is_dir():
             raise ConfigError(f"cannot resume {self}: no such run dir")
+        if not self.config.is_file() and (pid := self.holder()) is not None:
+            raise ConfigError(f"cannot resume {self}: a run is starting there (pid {pid}) and has not written its config.yaml")
         if not self.config.is_file():
             raise ConfigError(f"cannot resume {self}: it holds no config.yaml; is it a run dir written by sb3_gpu.train?")
         check_utf8(self.path, "run dir")  # before its model is built: TensorBoard would fail on it once training began
@@ -345,9 +355,12 @@ class RunDir:
                 if current is None or not os.path.samestat(os.fstat(f.fileno()), current):
                     # The process that held it removed it as it finished: the lock it released belongs to no one now.
                     raise ConfigError(f"{self.path} was in use by another sb3_gpu process that just finished; try again")
-                f.truncate()
-                f.write(str(os.getpid()))
-                f.flush()
+                try:
+                    f.truncate()
+                    f.write(str(os.getpid()))
+                    f.flush()
+                except OSError as e:  # a full disk: the error names no file of its own
+                    raise OSError(e.errno, e.strerror, str(self.lock_file)) from None
                 self.remove_stale_temporaries()
                 try:
                     yield
@@ -359,6 +372,17 @@ class RunDir:
             if fcntl is None:  # Windows removes no open file: once closed (one another process opened stays, as it must)
                 with contextlib.suppress(OSError):
                     self.lock_file.unlink()
+
+    def holder(self) -> int | None:
+        """The process at work in this run dir (the pid its lock file names, where that process is alive), for the
+        messages that refuse what it has not written yet; None where there is none."""
+        import psutil
+
+        try:
+            pid = int(self.lock_file.read_text(encoding="ascii").strip())
+        except (OSError, ValueError):
+            return None
+        return pid if pid != os.getpid() and psutil.pid_exists(pid) else None
 
     def refuse_links(self) -> None:
         """Refuse a run dir that holds a symbolic link: sb3_gpu and SB3 write inside it and would write through it."""
@@ -456,7 +480,8 @@ class RunDir:
             if which == "best" and run.final.model.is_file():  # asked for by name, the final model does not stand in
                 raise ConfigError(f"{target} has no {cls.BEST_MODEL} (no evaluation saved one); which='final': model.zip")
             if which == "final" and run.best_model.is_file():
-                raise ConfigError(f"{target} has no model.zip (its final save did not happen); which='best': {cls.BEST_MODEL}")
+                why = "its final save did not happen" if (pid := run.holder()) is None else f"it is still training (pid {pid})"
+                raise ConfigError(f"{target} has no model.zip ({why}); which='best': {cls.BEST_MODEL}")
             raise ConfigError(
                 f"{target} holds no {' or '.join(p.name for p in names)}; is it a run dir written by sb3_gpu.train?"
             )

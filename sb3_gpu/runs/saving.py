@@ -106,7 +106,10 @@ def load_replay_buffer(model: BaseAlgorithm, path: Path) -> None:
     model.replay_buffer = None  # type: ignore[attr-defined]
     if getattr(model, "_fixed_buffer", None) is not None:  # a compiled step's hold on it: it fixes the new one
         model._fixed_buffer = None  # type: ignore[attr-defined]
-    buffer = load_pickle(path, REPLAY_BUFFER_PICKLE, "replay buffer", moved=_MOVED)
+    try:
+        buffer = load_pickle(path, REPLAY_BUFFER_PICKLE, "replay buffer", moved=_MOVED)
+    except ConfigError as e:  # cut short by a kill or a full disk, say: the run itself can go on without it
+        raise ConfigError(f"{e} (move it away to resume with an empty one)") from None
     if not isinstance(buffer, ReplayBuffer):
         raise ConfigError(f"{path} holds a {type(buffer).__name__}, not a replay buffer")
     held = buffer.n_envs, space_text(buffer.observation_space), space_text(buffer.action_space)

@@ -5,17 +5,22 @@ weights are finite)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import signal
+import threading
 import time
+import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.logger import TensorBoardOutputFormat
 from stable_baselines3.common.vec_env import unwrap_vec_normalize
 
 from sb3_gpu.common.cli import shell_line
@@ -136,7 +141,8 @@ class Session:
         error: BaseException | None = None
         start = time.perf_counter()
         try:
-            with forgiving_recompiles(model):  # sb3_gpu's classes set it themselves; a plain SB3 model compiled too
+            # forgiving_recompiles: sb3_gpu's classes set it themselves; a plain SB3 model compiled too
+            with forgiving_recompiles(model), _tensorboard_errors_raised_once():
                 model.learn(timesteps, callback=callbacks, tb_log_name=tb_log_name, reset_num_timesteps=reset_num_timesteps)
         except StopNow:  # the second signal: quit at once, writing nothing more
             raise
@@ -150,6 +156,8 @@ class Session:
                 error = explain_env_error(e, self.evaluator.eval_env, what="evaluation env")
             if error is e:  # not an env's own: maybe the policy's, on an observation an env made NaN
                 error = non_finite_input(e, model.num_timesteps) or e
+            if isinstance(error, OSError) and error.filename is None and _from_tensorboard(error):
+                error.filename = _tensorboard_dir(model)  # a full disk, say: the write names no file
         finally:
             self._release()
         outcome = Outcome(
@@ -236,3 +244,33 @@ class Session:
             outcome.saved += f"; continue with: {shell_line('-m', 'sb3_gpu.train', '--resume', run)}"
         elif outcome.interrupted:  # --resume would refuse it: no model.zip, no checkpoint
             outcome.saved += "; nothing to resume from (--resume needs model.zip or a checkpoint)"
+
+
+@contextlib.contextmanager
+def _tensorboard_errors_raised_once() -> Iterator[None]:
+    """TensorBoard writes on a thread of its own: a failed write there (a full disk) is raised again in the training
+    thread at its next log write, where the run says it in one line; Python's thread hook printed it as a traceback
+    before that. Not here."""
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not type(args.thread).__module__.startswith("tensorboard."):
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        if threading.excepthook is hook:  # not if something else set its own meanwhile
+            threading.excepthook = previous
+
+
+def _from_tensorboard(e: BaseException) -> bool:
+    return any(f"{os.sep}tensorboard{os.sep}" in frame.filename for frame in traceback.extract_tb(e.__traceback__))
+
+
+def _tensorboard_dir(model: BaseAlgorithm) -> str | None:
+    for output in model.logger.output_formats:
+        if isinstance(output, TensorBoardOutputFormat):
+            return str(output.writer.log_dir)
+    return None

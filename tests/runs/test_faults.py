@@ -1180,6 +1180,11 @@ def test_another_runs_replay_buffer_or_statistics_are_refused_in_one_line(tmp_pa
         with pytest.raises(ConfigError, match=r"buffer.pkl holds transitions of \d env\(s\) with observations Box\(") as e:
             load_replay_buffer(model, tmp_path / "buffer.pkl")
         assert "it is another run's buffer (move it away to resume with an empty one)" in str(e.value), what
+    # One cut short (a kill or a full disk as it was written) says the same way out.
+    whole = pickle.dumps(ReplayBuffer(100, model.observation_space, model.action_space, n_envs=model.n_envs))
+    (tmp_path / "buffer.pkl").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"buffer.pkl is not a readable replay buffer \(.*\) \(move it away to resume wi"):
+        load_replay_buffer(model, tmp_path / "buffer.pkl")
     normalized = VecNormalize(other_env)
     (tmp_path / "vecnormalize.pkl").write_bytes(pickle.dumps(normalized))
     with pytest.raises(ConfigError, match=r"holds statistics of observations Box\(6,\), and the env's are Box\(4,\): they"):
@@ -1218,6 +1223,100 @@ def test_a_lock_removed_by_the_process_that_held_it_is_not_taken_over(tmp_path, 
     with pytest.raises(ConfigError, match="was in use by another sb3_gpu process that just finished; try again"), run.locked():
         pass
     assert run.lock_file.exists()  # the later process's lock is left alone
+
+
+@pytest.fixture
+def other_process():
+    """A live process other than this one: the holder a lock file names."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_what_a_run_at_work_has_not_written_yet_is_refused_saying_so(tmp_path, other_process, capsys):
+    run = RunDir(tmp_path)
+    run.lock_file.write_text(str(other_process))  # a run starting there: planned, its config not written yet
+    assert train_main(["--resume", str(tmp_path)]) == 2
+    said = f"cannot resume {tmp_path}: a run is starting there (pid {other_process}) and has not written its config.yaml"
+    assert capsys.readouterr().err == f"error: {said}\n"
+    (tmp_path / "best_model.zip").write_bytes(b"")  # its first evaluation's best, the final model still to come
+    with pytest.raises(
+        ConfigError, match=rf"has no model\.zip \(it is still training \(pid {other_process}\)\); which='best'"
+    ):
+        RunDir.find_model(tmp_path, "final")
+    run.lock_file.write_text("999999999")  # a holder long gone: the old words
+    with pytest.raises(ConfigError, match=r"has no model\.zip \(its final save did not happen\)"):
+        RunDir.find_model(tmp_path, "final")
+
+
+def test_a_pair_replaced_while_evaluate_read_it_is_read_again_and_never_mixed(tmp_path, monkeypatch):
+    # A run at work saves a new best (statistics, then model): read between the two, the evaluation would take one
+    # model with another's statistics.
+    from sb3_gpu.runs import evaluation
+
+    tiny = {"n_envs": 1, "n_steps": 32, "batch_size": 32, "n_timesteps": 64, "normalize": True, "probe": False}
+    plan = make_plan("ppo", "CartPole-v1", "cpu", seed=0, vec_env="dummy", overrides=tiny)
+    train_run(plan, tmp_path, eval_episodes=1, confirm_episodes=0, progress=False, report_s=None)
+    run = RunDir(tmp_path)
+    real, reads = evaluation.load_plan_model, []
+
+    def saved_meanwhile(plan, path, venv):
+        reads.append(venv.obs_rms.count)
+        if len(reads) < times:  # the writer's new statistics, then its model, as the model is read
+            keep = run.final.vecnormalize.read_bytes()
+            atomic_write_bytes(run.final.vecnormalize, keep)
+            atomic_write_bytes(run.final.model, run.final.model.read_bytes())
+        return real(plan, path, venv)
+
+    monkeypatch.setattr(evaluation, "load_plan_model", saved_meanwhile)
+    times = 2
+    result = evaluation.evaluate_run(tmp_path, 1, which="final", seed=0)
+    assert len(reads) == 2 and result["episodes"] == 1  # read again once, then evaluated
+    times, reads = 10, []
+    with pytest.raises(ConfigError, match=r"model\.zip was replaced as it was read, 3 times in a row; run again"):
+        evaluation.evaluate_run(tmp_path, 1, which="final", seed=0)
+    assert len(reads) == 3
+
+
+def test_a_run_dir_made_by_another_run_between_the_check_and_the_mkdir_is_refused_in_one_line(tmp_path, monkeypatch):
+    real = RunDir.check_new
+
+    def raced(requested):
+        path = real(requested)
+        path.mkdir()  # the other `train --run-dir` of the same name, started at the same moment
+        return path
+
+    monkeypatch.setattr(RunDir, "check_new", staticmethod(raced))
+    with pytest.raises(ConfigError, match=r"run dir .*/run already exists; choose a new --run-dir"):
+        RunDir.create(tmp_path / "run", "ppo", "CartPole-v1")
+
+
+def test_a_lock_file_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    import errno
+
+    class Full:  # the lock file on a full disk: opened and locked, its pid not written
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode: Full(real(fd, mode)))
+    run = RunDir(tmp_path)
+    with pytest.raises(OSError, match="No space left on device") as raised, run.locked():
+        pass
+    assert raised.value.filename == str(run.lock_file)
 
 
 def test_stop_on_signal_stops_at_the_next_step_then_quits_at_once_and_restores_the_handlers():
@@ -1510,6 +1609,64 @@ def test_a_run_that_trained_keeps_its_logs_where_the_disk_filled_before_any_save
         "no complete model was saved; training was complete, but none of its models was kept\n"
     )
     assert list((run / "tb").rglob("events.out.tfevents.*")) and (run / "config.yaml").is_file()  # a look at what ran
+
+
+def test_a_full_disk_for_the_monitor_files_is_said_as_a_write_not_as_a_broken_env(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from stable_baselines3.common.monitor import ResultsWriter
+
+    real = ResultsWriter.__init__
+
+    def header_full(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write names no file
+
+    monkeypatch.setattr(ResultsWriter, "__init__", header_full)
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "64", "--n-envs", "1", "--vec-env", "dummy", "--no-probe"]
+    assert train_main([*args, "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 1  # not 2: no bad input
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"error: could not write {tmp_path / 'run' / 'monitor'}: No space left on device",
+        "error: no model was saved",
+    ]
+    monkeypatch.undo()
+
+    def row_full(self, info):  # the disk fills while training: an episode's row
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ResultsWriter, "write_row", row_full)
+    assert train_main([*args, "--run-dir", str(tmp_path / "later"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "raised OSError: [Errno 28] No space left on device" in err
+
+
+def test_a_tensorboard_write_on_a_full_disk_is_one_line_naming_its_folder(tmp_path, monkeypatch, capsys):
+    # TensorBoard writes on a thread of its own: Python printed the failure there as a traceback, then the run said
+    # "could not write a file".
+    import errno
+
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    real, writes = gfile.LocalFileSystem.append, []
+
+    def full_after_three(self, *args, **kwargs):
+        writes.append(1)
+        if len(writes) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "append", full_after_three)
+    thread_errors = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    hook = threading.excepthook
+    args = ["ppo", "--env", "CartPole-v1", "--timesteps", "2048", "--n-envs", "1", "--set", "n_steps=32"]
+    args += ["--set", "batch_size=32", "--vec-env", "dummy", "--no-probe", "--run-dir", str(tmp_path / "run")]
+    assert train_main([*args, "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"error: could not write {tmp_path / 'run' / 'tb' / 'run_1'}: No space left on device", err
+    assert err[1].startswith(f"error: model saved to {tmp_path / 'run' / 'model.zip'} at ")
+    assert thread_errors == [] and threading.excepthook is hook  # said once, and the hook put back
 
 
 def test_resume_passes_over_a_damaged_checkpoint_with_a_warning(tmp_path, capsys):
