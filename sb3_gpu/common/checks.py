@@ -221,7 +221,15 @@ def number(low: float, high: float, what: str, low_open: bool = False) -> Check:
 
 def optional(inner: Check) -> Check:
     def check(value: Any, where: str) -> Any:
-        return None if value is None else inner(value, where)
+        if value is None:
+            return None
+        try:
+            return inner(value, where)
+        except ConfigError as e:
+            if isinstance(value, (list, tuple, Mapping)):  # the message is about an item inside it
+                raise
+            # "expected X, got V" about the value itself: null is accepted too, and the message says so
+            raise ConfigError(str(e).replace(", got ", " or null, got ", 1)) from None
 
     return check
 

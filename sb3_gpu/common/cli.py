@@ -207,23 +207,27 @@ def sigterm_as_interrupt() -> Iterator[None]:
 _STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
+def _let_pass(signum: int, frame: object) -> None:
+    pass
+
+
 @contextlib.contextmanager
-def stops_held() -> Iterator[None]:
-    """SIGINT and SIGTERM that come inside the block are dropped (the main thread only): a second Ctrl-C cannot cut
-    short the write of the results the first one stopped for."""
+def stops_held(handler: Callable[[int, Any], None] | int = _let_pass) -> Iterator[None]:
+    """SIGINT and SIGTERM that come inside the block are dropped (the main thread only, which alone sets handlers): a
+    second Ctrl-C cannot cut short the write of the results the first one stopped for.
+
+    :param handler: what takes them meanwhile: a handler that does nothing, or ``signal.SIG_IGN``, which a program
+        started inside the block inherits through its exec
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, _let_pass) for signum in _STOPS}
+    previous = {signum: signal.signal(signum, handler) for signum in _STOPS}
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _let_pass(signum: int, frame: object) -> None:
-    pass
+        for signum, before in previous.items():
+            signal.signal(signum, before)
 
 
 def ignore_stop_signals() -> None:

@@ -37,7 +37,7 @@ from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices,
 from stable_baselines3.common.vec_env.patch_gym import _patch_env
 from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 
-from sb3_gpu.common.cli import ignore_stop_signals
+from sb3_gpu.common.cli import ignore_stop_signals, stops_held
 from sb3_gpu.common.errors import EnvWorkerError, warn
 from sb3_gpu.common.hardware import logical_cores
 from sb3_gpu.common.io import temporary_environ
@@ -126,24 +126,10 @@ def _start_forkserver(forkserver: Any) -> None:
     # it (a build, a plan timing the workers' overhead).
     # The server's children get Ctrl-C as this process has it: ignored where it ignores it (a job started with &).
     mark = _IGNORES_INT if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else "1"
-    with temporary_environ(**{_SHIELD: mark, "OMP_NUM_THREADS": "1"}), _stop_signals_ignored():
+    # SIGINT and SIGTERM ignored while it starts: the server inherits that through its exec, so a Ctrl-C during its
+    # imports (seconds: torch) cannot end it with a traceback; it takes its own handlers once it shields itself.
+    with temporary_environ(**{_SHIELD: mark, "OMP_NUM_THREADS": "1"}), stops_held(signal.SIG_IGN):
         forkserver.ensure_running()
-
-
-@contextlib.contextmanager
-def _stop_signals_ignored() -> Any:
-    """SIGINT and SIGTERM ignored while this process starts the forkserver: the server inherits that through its exec,
-    so a Ctrl-C during its imports (seconds: torch) cannot end it with a traceback; it takes its own handlers once it
-    shields itself. Only the main thread can set handlers; the start takes milliseconds here."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _shield_server(mark: str) -> None:
@@ -154,7 +140,7 @@ def _shield_server(mark: str) -> None:
     exits with the training process still (its pipe closes)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-    # Started with SIGINT ignored (_stop_signals_ignored), as its imports ran: the processes it forks get what a
+    # Started with SIGINT ignored (stops_held(signal.SIG_IGN)), as its imports ran: the processes it forks get what a
     # server started without would give them (it ignores SIGINT itself, and gives them what it had).
     signal.signal(signal.SIGINT, signal.SIG_IGN if mark == _IGNORES_INT else signal.default_int_handler)
 

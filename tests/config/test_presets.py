@@ -91,6 +91,32 @@ def test_a_profile_may_not_set_the_policy_and_its_key_list_does_not_offer_it():
     assert "batch_size" in valid.split(", ") and "policy" not in valid.rstrip(")").split(", ")
 
 
+def test_a_profile_left_blank_is_an_empty_one():
+    # Every line under `gpu:` commented out: YAML reads null, which is a profile that changes nothing.
+    entry = validate_entry(PPO_, yaml.safe_load("n_envs: 2\ngpu:\n  # batch_size: 512\n"), "t")
+    assert entry["gpu"] == {} and resolve_preset(PPO_, entry, "f:e", "gpu").n_envs == 2
+
+
+@pytest.mark.parametrize(
+    ("algo", "values", "refused"),
+    [
+        # SB3's DQN clips every gradient: None reaches clip_grad_norm_ and fails at the first gradient step.
+        ("dqn", {"max_grad_norm": None}, "max_grad_norm: expected a positive number, got None"),
+        ("qrdqn", {"max_grad_norm": 0}, "max_grad_norm: expected a positive number or null, got 0"),
+        ("tqc", {"top_quantiles_to_drop_per_net": -1}, "top_quantiles_to_drop_per_net: expected an int >= 0, got -1"),
+    ],
+)
+def test_bounds_that_sb3_sets_are_the_presets(algo, values, refused):
+    with pytest.raises(ConfigError, match=f"^t: {re.escape(refused)}$"):
+        validate_flat(get_algo(algo), values, "t")
+
+
+def test_values_at_the_bounds_are_taken():
+    assert validate_flat(get_algo("qrdqn"), {"max_grad_norm": None}, "t") == {"max_grad_norm": None}  # QR-DQN: no clip
+    tqc = validate_flat(get_algo("tqc"), {"top_quantiles_to_drop_per_net": 0}, "t")  # no truncation: SAC's target
+    assert tqc == {"top_quantiles_to_drop_per_net": 0}
+
+
 def test_overrides_win_and_are_validated():
     entry = validate_entry(PPO_, {"batch_size": 32}, "t")
     preset = resolve_preset(
