@@ -18,7 +18,7 @@ from sb3_gpu.common.cli import (
     seed_int,
     sigterm_as_interrupt,
 )
-from sb3_gpu.common.errors import ConfigError
+from sb3_gpu.common.errors import ConfigError, ResultsNotWritten
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +84,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         message = re.sub(r"which='(\w+)'", r"--model \1", str(e)).replace("with deterministic=True", "without --stochastic")
         print_error(message)
         return 2
-    except OSError as e:  # the video, on a full disk, say: any earlier one is kept
-        print_error(f"could not write {e.filename or 'a file'}: {e.strerror or e}")
+    except ResultsNotWritten as e:  # the video, on a full disk, say: any earlier one is kept
+        print_error(str(e))
         return 1
     if args.json:
         print(json.dumps(result))

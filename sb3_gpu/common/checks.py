@@ -228,8 +228,14 @@ def optional(inner: Check) -> Check:
         except ConfigError as e:
             if isinstance(value, (list, tuple, Mapping)):  # the message is about an item inside it
                 raise
-            # "expected X, got V" about the value itself: null is accepted too, and the message says so
-            raise ConfigError(str(e).replace(", got ", " or null, got ", 1)) from None
+            # About the value itself ("expected X, got V", or a choice's "(valid: ...)"): null is accepted too
+            said = str(e)
+            said = (
+                said.replace(", got ", " or null, got ", 1)
+                if ", got " in said
+                else said.replace("(valid: ", "(valid: null, ", 1)
+            )
+            raise ConfigError(said) from None
 
     return check
 

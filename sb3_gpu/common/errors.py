@@ -122,8 +122,8 @@ class StopNow(KeyboardInterrupt):
 
 
 class ResultsNotWritten(OSError):
-    """A bench ran, but its results could not be written (a full disk, say); the message is one line naming the folder
-    and the cause, which the CLI prints, exiting with code 1."""
+    """A bench or an evaluation ran, but its results (files, a video) could not be written (a full disk, say); the
+    message is one line naming the file or folder and the cause, which the CLI prints, exiting with code 1."""
 
 
 class BenchCannotRun(OSError):

@@ -518,10 +518,15 @@ def evaluate_run(
                     raise ConfigError(f"{run} trained under VecNormalize, but {run.missing_vecnormalize(model_path)}{hint}")
                 read.append(stats)
             before = _identities(read)
-            if isinstance(built, VecNormalize):
-                venv = load_vecnormalize(read[1], built.venv)
-                venv.training, venv.norm_reward = False, False
-            model = load_plan_model(plan, model_path, venv)
+            try:
+                if isinstance(built, VecNormalize):
+                    venv = load_vecnormalize(read[1], built.venv)
+                    venv.training, venv.norm_reward = False, False
+                model = load_plan_model(plan, model_path, venv)
+            except ConfigError:
+                if _identities(read) == before:
+                    raise
+                continue  # a file it read was replaced or removed (a kept pair's old statistics, say) as it read it
             if _identities(read) == before:
                 break
         else:

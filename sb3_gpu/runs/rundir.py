@@ -374,15 +374,30 @@ class RunDir:
                     self.lock_file.unlink()
 
     def holder(self) -> int | None:
-        """The process at work in this run dir (the pid its lock file names, where that process is alive), for the
-        messages that refuse what it has not written yet; None where there is none."""
-        import psutil
-
+        """The process at work in this run dir (the pid its lock file names, where the lock is held), for the messages
+        that refuse what it has not written yet; None where there is none. A killed run leaves its lock file, whose
+        pid another process may have by now: the lock itself says whether anyone holds it."""
         try:
-            pid = int(self.lock_file.read_text(encoding="ascii").strip())
-        except (OSError, ValueError):
+            fd = os.open(self.lock_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
             return None
-        return pid if pid != os.getpid() and psutil.pid_exists(pid) else None
+        with os.fdopen(fd, "rb") as f:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: no one holds it
+                    fcntl.flock(f, fcntl.LOCK_UN)
+                    return None
+                except BlockingIOError:
+                    pass
+            try:
+                pid = int(f.read(64).strip())
+            except ValueError:
+                return None
+        if fcntl is None:  # Windows: its lock is on a byte past the pid; the pid's process alive must do
+            import psutil
+
+            return pid if pid != os.getpid() and psutil.pid_exists(pid) else None
+        return pid
 
     def refuse_links(self) -> None:
         """Refuse a run dir that holds a symbolic link: sb3_gpu and SB3 write inside it and would write through it."""

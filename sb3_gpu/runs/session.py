@@ -25,6 +25,7 @@ from stable_baselines3.common.vec_env import unwrap_vec_normalize
 
 from sb3_gpu.common.cli import shell_line
 from sb3_gpu.common.errors import StopNow
+from sb3_gpu.common.io import out_of_space
 from sb3_gpu.envs.build import explain_env_error
 from sb3_gpu.extensions.compile import forgiving_recompiles
 from sb3_gpu.extensions.stepping import first_non_finite
@@ -151,7 +152,11 @@ class Session:
         except EvaluationStopped:  # the evaluation a resume owed, run before the first step: stopped_by names the signal
             pass
         except Exception as e:
-            error = explain_env_error(e, model.get_env())  # type: ignore[arg-type]
+            if self.run_dir is not None and _monitor_out_of_space(e):  # an env's Monitor row on a full disk: the disk's
+                e.filename = str(self.run_dir.monitor)  # type: ignore[attr-defined]
+                error = e
+            else:
+                error = explain_env_error(e, model.get_env())  # type: ignore[arg-type]
             if error is e and self.evaluator is not None:  # not a training env's: maybe one of a periodic evaluation
                 error = explain_env_error(e, self.evaluator.eval_env, what="evaluation env")
             if error is e:  # not an env's own: maybe the policy's, on an observation an env made NaN
@@ -237,7 +242,7 @@ class Session:
                 outcome.saved = f"could not write {e.filename} ({e.strerror}); {run.last_good()}"
                 outcome.error = outcome.error or e
         if outcome.interrupted and complete and not (run.saved_states() or run.best_model.is_file()):
-            outcome.saved += "; training was complete, but none of its models was kept"  # nothing to evaluate
+            outcome.saved += "; training was complete"  # nothing to evaluate
         elif outcome.interrupted and complete:  # a stop during the last update: nothing is left to resume
             outcome.saved += f"; training was complete (to evaluate: {shell_line('-m', 'sb3_gpu.evaluate', run)})"
         elif outcome.interrupted and run.saved_states():
@@ -246,27 +251,57 @@ class Session:
             outcome.saved += "; nothing to resume from (--resume needs model.zip or a checkpoint)"
 
 
+class _TensorBoardThreadErrors:
+    """Sessions training at once (threads) share one hook: set by the first, put back by the last."""
+
+    lock = threading.Lock()
+    users = 0
+    previous: Callable[[threading.ExceptHookArgs], object] = threading.excepthook
+
+    @classmethod
+    def hook(cls, args: threading.ExceptHookArgs) -> None:
+        if not type(args.thread).__module__.startswith("tensorboard."):
+            cls.previous(args)
+
+    @classmethod
+    def unlocked_in_child(cls) -> None:  # a child forked while a thread held the lock would wait for it for ever
+        cls.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_TensorBoardThreadErrors.unlocked_in_child)
+
+
 @contextlib.contextmanager
 def _tensorboard_errors_raised_once() -> Iterator[None]:
     """TensorBoard writes on a thread of its own: a failed write there (a full disk) is raised again in the training
     thread at its next log write, where the run says it in one line; Python's thread hook printed it as a traceback
     before that. Not here."""
-    previous = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if not type(args.thread).__module__.startswith("tensorboard."):
-            previous(args)
-
-    threading.excepthook = hook
+    state = _TensorBoardThreadErrors
+    with state.lock:
+        if state.users == 0 and threading.excepthook != state.hook:
+            state.previous, threading.excepthook = threading.excepthook, state.hook
+        state.users += 1
     try:
         yield
     finally:
-        if threading.excepthook is hook:  # not if something else set its own meanwhile
-            threading.excepthook = previous
+        with state.lock:
+            state.users -= 1
+            if state.users == 0 and threading.excepthook == state.hook:  # not if something else set its own meanwhile
+                threading.excepthook = state.previous
 
 
 def _from_tensorboard(e: BaseException) -> bool:
-    return any(f"{os.sep}tensorboard{os.sep}" in frame.filename for frame in traceback.extract_tb(e.__traceback__))
+    return _raised_in(e, f"{os.sep}tensorboard{os.sep}")
+
+
+def _monitor_out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` is SB3's Monitor (in this process) failing to write an episode's row for want of space."""
+    return out_of_space(e) and getattr(e, "filename", None) is None and _raised_in(e, f"common{os.sep}monitor.py")
+
+
+def _raised_in(e: BaseException, path_part: str) -> bool:
+    return any(path_part in frame.filename for frame in traceback.extract_tb(e.__traceback__))
 
 
 def _tensorboard_dir(model: BaseAlgorithm) -> str | None:

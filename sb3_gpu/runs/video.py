@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import importlib
 import os
@@ -24,7 +23,7 @@ from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
-from sb3_gpu.common.errors import ConfigError, install_hint, named
+from sb3_gpu.common.errors import ConfigError, ResultsNotWritten, install_hint, named
 from sb3_gpu.common.io import make_dir, replace, temporary_environ
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
@@ -126,8 +125,8 @@ def record_video(
             if len(written) != 1:
                 raise ConfigError(f"env {spec.name} rendered no frames to record (render() returned no image)")
             if not complete_mp4(written[0]):  # ffmpeg's failure to finish it does not reach us otherwise
-                raise OSError(
-                    errno.EIO, "ffmpeg left the video incomplete (is the disk full?); any earlier one is kept", str(path)
+                raise ResultsNotWritten(
+                    f"could not write {path}: ffmpeg left the video incomplete (is the disk full?); any earlier one is kept"
                 )
             replace(written[0], path)  # the complete file, renamed over any earlier one
         finally:

@@ -523,6 +523,14 @@ def test_evaluate_says_in_one_line_that_a_video_could_not_be_written_and_exits_1
     )
     assert not path.exists()
 
+    # Any other OSError (an env's lost connection, say) is not a write that failed: it keeps its traceback.
+    def connection_lost(*args):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr("sb3_gpu.runs.evaluation.evaluate", connection_lost)
+    with pytest.raises(ConnectionResetError):
+        evaluate_main([str(run), "--episodes", "1"])
+
 
 # The table above runs in this process; these run the real commands, as a user would.
 @pytest.mark.heavy

@@ -111,6 +111,21 @@ def test_bounds_that_sb3_sets_are_the_presets(algo, values, refused):
         validate_flat(get_algo(algo), values, "t")
 
 
+@pytest.mark.parametrize(
+    ("values", "refused"),
+    [
+        ({"activation_fn": "relux"}, "(valid: null, tanh, relu, elu, leaky_relu, gelu, silu)"),
+        ({"frame_stack": 0}, "frame_stack: expected a positive int or null, got 0"),
+        ({"net_arch": "x"}, "(SAC, TD3, TQC) or null, got 'x'"),
+        ({"net_arch": [0]}, "net_arch: expected a positive layer width, got 0"),  # a layer: null is no width
+    ],
+)
+def test_a_refused_value_that_may_be_null_says_so(values, refused):
+    with pytest.raises(ConfigError) as raised:
+        validate_flat(PPO_, values, "t")
+    assert str(raised.value).endswith(refused)
+
+
 def test_values_at_the_bounds_are_taken():
     assert validate_flat(get_algo("qrdqn"), {"max_grad_norm": None}, "t") == {"max_grad_norm": None}  # QR-DQN: no clip
     tqc = validate_flat(get_algo("tqc"), {"top_quantiles_to_drop_per_net": 0}, "t")  # no truncation: SAC's target

@@ -1236,18 +1236,19 @@ def other_process():
 
 def test_what_a_run_at_work_has_not_written_yet_is_refused_saying_so(tmp_path, other_process, capsys):
     run = RunDir(tmp_path)
-    run.lock_file.write_text(str(other_process))  # a run starting there: planned, its config not written yet
-    assert train_main(["--resume", str(tmp_path)]) == 2
-    said = f"cannot resume {tmp_path}: a run is starting there (pid {other_process}) and has not written its config.yaml"
-    assert capsys.readouterr().err == f"error: {said}\n"
     (tmp_path / "best_model.zip").write_bytes(b"")  # its first evaluation's best, the final model still to come
-    with pytest.raises(
-        ConfigError, match=rf"has no model\.zip \(it is still training \(pid {other_process}\)\); which='best'"
-    ):
-        RunDir.find_model(tmp_path, "final")
-    run.lock_file.write_text("999999999")  # a holder long gone: the old words
+    with run.locked():  # a run at work there (this process, as far as the lock can tell): its config not written yet
+        assert train_main(["--resume", str(tmp_path)]) == 2
+        said = f"cannot resume {tmp_path}: a run is starting there (pid {os.getpid()}) and has not written its config.yaml"
+        assert capsys.readouterr().err == f"error: {said}\n"
+        with pytest.raises(ConfigError, match=rf"has no model\.zip \(it is still training \(pid {os.getpid()}\)\); which="):
+            RunDir.find_model(tmp_path, "final")
+    # A killed run's lock file, held by no one, whose pid a live process has by now: the old words.
+    run.lock_file.write_text(str(other_process))
     with pytest.raises(ConfigError, match=r"has no model\.zip \(its final save did not happen\)"):
         RunDir.find_model(tmp_path, "final")
+    assert train_main(["--resume", str(tmp_path)]) == 2
+    assert "it holds no config.yaml; is it a run dir written by sb3_gpu.train?" in capsys.readouterr().err
 
 
 def test_a_pair_replaced_while_evaluate_read_it_is_read_again_and_never_mixed(tmp_path, monkeypatch):
@@ -1277,6 +1278,19 @@ def test_a_pair_replaced_while_evaluate_read_it_is_read_again_and_never_mixed(tm
     with pytest.raises(ConfigError, match=r"model\.zip was replaced as it was read, 3 times in a row; run again"):
         evaluation.evaluate_run(tmp_path, 1, which="final", seed=0)
     assert len(reads) == 3
+    # The statistics file it chose removed as it read it (a kept pair's old ones, once the writer's model is saved).
+    real_statistics, tries = evaluation.load_vecnormalize, []
+
+    def removed_meanwhile(path, venv):
+        tries.append(path)
+        if len(tries) == 1:
+            atomic_write_bytes(path, path.read_bytes())
+            raise ConfigError(f"{path} is not a readable VecNormalize statistics file (FileNotFoundError)")
+        return real_statistics(path, venv)
+
+    monkeypatch.setattr(evaluation, "load_plan_model", real)
+    monkeypatch.setattr(evaluation, "load_vecnormalize", removed_meanwhile)
+    assert evaluation.evaluate_run(tmp_path, 1, which="final", seed=0)["episodes"] == 1 and len(tries) == 2
 
 
 def test_a_run_dir_made_by_another_run_between_the_check_and_the_mkdir_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -1605,9 +1619,7 @@ def test_a_run_that_trained_keeps_its_logs_where_the_disk_filled_before_any_save
     args += ["--set", "batch_size=32", "--eval-freq", "1000", "--checkpoint-freq", "1000", "--no-probe"]
     run = tmp_path / "run"
     assert train_main([*args, "--run-dir", str(run), "--no-progress"]) == 1
-    assert capsys.readouterr().err.endswith(
-        "no complete model was saved; training was complete, but none of its models was kept\n"
-    )
+    assert capsys.readouterr().err.endswith("no complete model was saved; training was complete\n")
     assert list((run / "tb").rglob("events.out.tfevents.*")) and (run / "config.yaml").is_file()  # a look at what ran
 
 
@@ -1638,7 +1650,8 @@ def test_a_full_disk_for_the_monitor_files_is_said_as_a_write_not_as_a_broken_en
     monkeypatch.setattr(ResultsWriter, "write_row", row_full)
     assert train_main([*args, "--run-dir", str(tmp_path / "later"), "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "raised OSError: [Errno 28] No space left on device" in err
+    assert err.startswith(f"error: could not write {tmp_path / 'later' / 'monitor'}: No space left on device\n"), err
+    assert err.count("\n") == 2 and "model saved to" in err  # and where the model went
 
 
 def test_a_tensorboard_write_on_a_full_disk_is_one_line_naming_its_folder(tmp_path, monkeypatch, capsys):
@@ -1667,6 +1680,20 @@ def test_a_tensorboard_write_on_a_full_disk_is_one_line_naming_its_folder(tmp_pa
     assert err[0] == f"error: could not write {tmp_path / 'run' / 'tb' / 'run_1'}: No space left on device", err
     assert err[1].startswith(f"error: model saved to {tmp_path / 'run' / 'model.zip'} at ")
     assert thread_errors == [] and threading.excepthook is hook  # said once, and the hook put back
+
+
+def test_sessions_training_at_once_put_the_thread_hook_back_when_the_last_ends(monkeypatch):
+    from sb3_gpu.runs.session import _tensorboard_errors_raised_once
+
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    original = threading.excepthook
+    first, second = _tensorboard_errors_raised_once(), _tensorboard_errors_raised_once()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first to start ends first
+    assert threading.excepthook is not original
+    second.__exit__(None, None, None)
+    assert threading.excepthook is original
 
 
 def test_resume_passes_over_a_damaged_checkpoint_with_a_warning(tmp_path, capsys):
