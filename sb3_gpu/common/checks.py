@@ -228,13 +228,14 @@ def optional(inner: Check) -> Check:
         except ConfigError as e:
             if isinstance(value, (list, tuple, Mapping)):  # the message is about an item inside it
                 raise
-            # About the value itself ("expected X, got V", or a choice's "(valid: ...)"): null is accepted too
+            # About the value itself: null is accepted too. A choice's message ends in its "(valid: ...)", a check's
+            # reads "expected X, got V"; the value, which may hold either text, comes after X and before the list.
             said = str(e)
-            said = (
-                said.replace(", got ", " or null, got ", 1)
-                if ", got " in said
-                else said.replace("(valid: ", "(valid: null, ", 1)
-            )
+            head, valid, tail = said.rpartition("(valid: ")
+            if valid and tail.endswith(")"):
+                said = f"{head}(valid: null, {tail}"
+            else:
+                said = said.replace(", got ", " or null, got ", 1)
             raise ConfigError(said) from None
 
     return check

@@ -265,6 +265,27 @@ def factory_name(factory: Callable[..., Any]) -> str:
     return getattr(factory, "__name__", None) or type(factory).__name__
 
 
+class _RowsNamed:
+    """SB3's Monitor ResultsWriter whose failed write of an episode's row names its file (an error of a write on a
+    full disk names none), so that the run can tell it from an env's own."""
+
+    def __init__(self, writer: Any):
+        self._writer = writer
+
+    def write_row(self, epinfo: dict[str, float]) -> None:
+        try:
+            self._writer.write_row(epinfo)
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, e.strerror, self._writer.file_handler.name) from None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_writer":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self._writer, name)
+
+
 class EnvFactory:
     """One env of a vec env: the user's env, Monitor, SB3's Atari wrapper, then ``wrapper_class``.
 
@@ -316,6 +337,8 @@ class EnvFactory:
                 if e.filename is not None or self.monitor_path is None:
                     raise
                 raise OSError(e.errno, e.strerror, str(Path(self.monitor_path).parent)) from None
+            if env.results_writer is not None:
+                env.results_writer = _RowsNamed(env.results_writer)  # type: ignore[assignment]
             env = AtariWrapper(env, frame_skip=ATARI_FRAME_SKIP) if self.atari else env
             env = self.wrapper_class(env, **self.wrapper_kwargs) if self.wrapper_class is not None else env
         except BaseException as e:

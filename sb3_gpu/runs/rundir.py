@@ -377,27 +377,27 @@ class RunDir:
         """The process at work in this run dir (the pid its lock file names, where the lock is held), for the messages
         that refuse what it has not written yet; None where there is none. A killed run leaves its lock file, whose
         pid another process may have by now: the lock itself says whether anyone holds it."""
+        import psutil
+
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # a FIFO must not block
         try:
-            fd = os.open(self.lock_file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(self.lock_file, flags)
         except OSError:
             return None
         with os.fdopen(fd, "rb") as f:
-            if fcntl is not None:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken: no one holds it
-                    fcntl.flock(f, fcntl.LOCK_UN)
-                    return None
-                except BlockingIOError:
-                    pass
             try:
                 pid = int(f.read(64).strip())
-            except ValueError:
+            except (OSError, ValueError):
                 return None
-        if fcntl is None:  # Windows: its lock is on a byte past the pid; the pid's process alive must do
-            import psutil
-
-            return pid if pid != os.getpid() and psutil.pid_exists(pid) else None
-        return pid
+            if fcntl is not None:  # the lock says (a run on another machine of a shared disk too); held an instant
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return pid
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return None
+        # Windows: its lock is on a byte past the pid; the pid's process alive must do
+        return pid if pid != os.getpid() and psutil.pid_exists(pid) else None
 
     def refuse_links(self) -> None:
         """Refuse a run dir that holds a symbolic link: sb3_gpu and SB3 write inside it and would write through it."""

@@ -152,8 +152,7 @@ class Session:
         except EvaluationStopped:  # the evaluation a resume owed, run before the first step: stopped_by names the signal
             pass
         except Exception as e:
-            if self.run_dir is not None and _monitor_out_of_space(e):  # an env's Monitor row on a full disk: the disk's
-                e.filename = str(self.run_dir.monitor)  # type: ignore[attr-defined]
+            if self.run_dir is not None and _monitor_out_of_space(e, self.run_dir):  # the disk's, not the env's
                 error = e
             else:
                 error = explain_env_error(e, model.get_env())  # type: ignore[arg-type]
@@ -258,10 +257,20 @@ class _TensorBoardThreadErrors:
     users = 0
     previous: Callable[[threading.ExceptHookArgs], object] = threading.excepthook
 
+    inside = threading.local()
+
     @classmethod
     def hook(cls, args: threading.ExceptHookArgs) -> None:
-        if not type(args.thread).__module__.startswith("tensorboard."):
+        if type(args.thread).__module__.startswith("tensorboard."):
+            return
+        if getattr(cls.inside, "active", False):  # a hook set meanwhile that chains back here: Python's own ends it
+            threading.__excepthook__(args)
+            return
+        cls.inside.active = True
+        try:
             cls.previous(args)
+        finally:
+            cls.inside.active = False
 
     @classmethod
     def unlocked_in_child(cls) -> None:  # a child forked while a thread held the lock would wait for it for ever
@@ -292,16 +301,15 @@ def _tensorboard_errors_raised_once() -> Iterator[None]:
 
 
 def _from_tensorboard(e: BaseException) -> bool:
-    return _raised_in(e, f"{os.sep}tensorboard{os.sep}")
+    return any(f"{os.sep}tensorboard{os.sep}" in frame.filename for frame in traceback.extract_tb(e.__traceback__))
 
 
-def _monitor_out_of_space(e: BaseException) -> bool:
-    """Whether ``e`` is SB3's Monitor (in this process) failing to write an episode's row for want of space."""
-    return out_of_space(e) and getattr(e, "filename", None) is None and _raised_in(e, f"common{os.sep}monitor.py")
-
-
-def _raised_in(e: BaseException, path_part: str) -> bool:
-    return any(path_part in frame.filename for frame in traceback.extract_tb(e.__traceback__))
+def _monitor_out_of_space(e: BaseException, run: RunDir) -> bool:
+    """Whether ``e`` is a Monitor (of an env in this process) failing to write the run's episode rows for want of
+    space: the env factory's Monitor names its file in the error (``envs.spec``)."""
+    filename = getattr(e, "filename", None)
+    # SB3 opens the CSV by its real path; the run dir may be relative (runs/...) or under a link.
+    return out_of_space(e) and isinstance(filename, str) and Path(filename).parent == Path(os.path.realpath(run.monitor))
 
 
 def _tensorboard_dir(model: BaseAlgorithm) -> str | None:

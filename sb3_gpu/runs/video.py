@@ -24,7 +24,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from sb3_gpu.common.checks import bool_arg, count_arg, seed_arg
 from sb3_gpu.common.errors import ConfigError, ResultsNotWritten, install_hint, named
-from sb3_gpu.common.io import make_dir, replace, temporary_environ
+from sb3_gpu.common.io import make_dir, out_of_space, replace, temporary_environ
 from sb3_gpu.envs.build import make_vec_env
 from sb3_gpu.envs.spec import EnvSpec, rendering, resolve_env
 
@@ -85,7 +85,12 @@ def record_video(
     _remove_abandoned(path)
     # A folder of this recording's own: two recordings of one model at once (evaluations of several seeds) each
     # write their own, and the last rename wins.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.recording-", dir=path.parent))
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.recording-", dir=path.parent))
+    except OSError as e:
+        if out_of_space(e):  # no room for even a folder: said as the incomplete video is
+            raise ResultsNotWritten(f"could not write {e.filename or path.parent}: {e.strerror}") from None
+        raise
     # From the first reset on: the first episode, or (a length given) that many frames across episodes.
     recorder_kwargs: dict[str, Any] = {
         "video_folder": str(scratch / "video"),  # a folder RecordVideo makes: one already there, it warns of

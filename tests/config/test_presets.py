@@ -115,6 +115,10 @@ def test_bounds_that_sb3_sets_are_the_presets(algo, values, refused):
     ("values", "refused"),
     [
         ({"activation_fn": "relux"}, "(valid: null, tanh, relu, elu, leaky_relu, gelu, silu)"),
+        (
+            {"activation_fn": "relu, got it"},
+            "unknown value 'relu, got it' (valid: null, tanh, relu, elu, leaky_relu, gelu, silu)",
+        ),
         ({"frame_stack": 0}, "frame_stack: expected a positive int or null, got 0"),
         ({"net_arch": "x"}, "(SAC, TD3, TQC) or null, got 'x'"),
         ({"net_arch": [0]}, "net_arch: expected a positive layer width, got 0"),  # a layer: null is no width

@@ -1249,6 +1249,14 @@ def test_what_a_run_at_work_has_not_written_yet_is_refused_saying_so(tmp_path, o
         RunDir.find_model(tmp_path, "final")
     assert train_main(["--resume", str(tmp_path)]) == 2
     assert "it holds no config.yaml; is it a run dir written by sb3_gpu.train?" in capsys.readouterr().err
+    # A lock "file" that is a FIFO: asked who holds it, the answer must not wait for a writer.
+    run.lock_file.unlink()
+    os.mkfifo(run.lock_file)
+    answers = []
+    asking = threading.Thread(target=lambda: answers.append(run.holder()), daemon=True)
+    asking.start()
+    asking.join(timeout=30)
+    assert answers == [None]
 
 
 def test_a_pair_replaced_while_evaluate_read_it_is_read_again_and_never_mixed(tmp_path, monkeypatch):
@@ -1648,10 +1656,29 @@ def test_a_full_disk_for_the_monitor_files_is_said_as_a_write_not_as_a_broken_en
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ResultsWriter, "write_row", row_full)
-    assert train_main([*args, "--run-dir", str(tmp_path / "later"), "--no-progress"]) == 1
+    monkeypatch.chdir(tmp_path)  # a relative run dir, as the default runs/...: SB3 names the file by its real path
+    assert train_main([*args, "--run-dir", "later", "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: could not write {tmp_path / 'later' / 'monitor'}: No space left on device\n"), err
+    row_file = os.path.realpath(tmp_path / "later" / "monitor" / "0.monitor.csv")
+    assert err.startswith(f"error: could not write {row_file}: No space left on device\n"), err
     assert err.count("\n") == 2 and "model saved to" in err  # and where the model went
+    monkeypatch.undo()
+    # An env's own write on a full disk (its log on another disk, say) is the env's error, Monitor's frames above it.
+    from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+    real_step, steps = CartPoleEnv.step, []
+
+    def own_write_full(self, action):
+        steps.append(1)
+        if len(steps) > 40:  # after the plan's check of the env
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_step(self, action)
+
+    monkeypatch.setattr(CartPoleEnv, "step", own_write_full)
+    assert train_main([*args, "--run-dir", str(tmp_path / "own"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"error: (evaluation )?env \d raised OSError: \[Errno 28\] No space left on device\n", err), err
+    assert "monitor" not in err
 
 
 def test_a_tensorboard_write_on_a_full_disk_is_one_line_naming_its_folder(tmp_path, monkeypatch, capsys):
@@ -1694,6 +1721,17 @@ def test_sessions_training_at_once_put_the_thread_hook_back_when_the_last_ends(m
     assert threading.excepthook is not original
     second.__exit__(None, None, None)
     assert threading.excepthook is original
+    # A hook set during one session that chains to the hook it found: the next session must not loop through it.
+    seen = []
+    with _tensorboard_errors_raised_once():
+        found = threading.excepthook
+        monkeypatch.setattr(threading, "excepthook", lambda args: seen.append("theirs") or found(args))
+    with _tensorboard_errors_raised_once():
+        monkeypatch.setattr(threading, "__excepthook__", lambda args: seen.append("python's"))
+        failing = threading.Thread(target=lambda: 1 / 0)
+        failing.start()
+        failing.join()
+    assert seen == ["theirs", "python's"]
 
 
 def test_resume_passes_over_a_damaged_checkpoint_with_a_warning(tmp_path, capsys):

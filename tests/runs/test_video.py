@@ -367,3 +367,17 @@ def test_a_video_the_encoder_left_incomplete_keeps_the_earlier_one_and_says_so(t
         record_video(model, "CartPole-v1", path, video_length=5, seed=0)
     assert path.read_bytes() == good
     assert [p.name for p in tmp_path.iterdir()] == ["v.mp4"]  # no scratch folder left
+
+
+def test_no_room_for_the_recordings_folder_is_one_line_too(tmp_path, monkeypatch):
+    import errno
+
+    from sb3_gpu.runs import video
+
+    def full(prefix, dir):
+        raise OSError(errno.ENOSPC, "No space left on device", f"{dir}/{prefix}x")
+
+    monkeypatch.setattr(video.tempfile, "mkdtemp", full)
+    model = PPO("MlpPolicy", "CartPole-v1", device="cpu", seed=0)
+    with pytest.raises(ResultsNotWritten, match=r"^could not write .*/\.v\.mp4\.recording-x: No space left on device$"):
+        record_video(model, "CartPole-v1", tmp_path / "v.mp4", video_length=5, seed=0)
