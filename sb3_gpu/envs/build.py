@@ -238,11 +238,9 @@ def _dummy(fns: list[Callable[[], gym.Env]], name: str) -> DummyVecEnv:
         return DummyVecEnv(fns)
     except ConfigError:
         raise
-    except OSError as e:
+    except Exception as e:
         if out_of_space(e):  # the disk, not the env: said as the run's other failed writes are
             raise
-        raise ConfigError(f"env {name!r} failed to build: {named(e)}") from e
-    except Exception as e:
         raise ConfigError(f"env {name!r} failed to build: {named(e)}") from e
 
 
