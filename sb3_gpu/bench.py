@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     _per_parser(sub.add_parser("per", help="prioritized vs uniform replay: sampling, updates, DQN gradient steps"))
     speed = sub.add_parser("speed", help="speed switches off and on: bf16, torch.compile, threads (PPO and DQN presets)")
     speed.add_argument("--repeats", type=positive_int, default=9, help="repeats; medians are printed (default 9)")
-    speed.add_argument("--threads", type=positive_int, default=logical_cores(), help="the N of '1 vs N threads'")
+    speed.add_argument(
+        "--threads", type=positive_int, default=logical_cores(), help="the N of '1 vs N threads' (default: the logical cores)"
+    )
     telemetry = sub.add_parser("telemetry", help="callbacks' cost: env steps/s of learn with and without them")
     telemetry.add_argument(
         "--callback",
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also the compiled step with every linear layer a matrix product (variant compiled-mm), as it was before "
         "layers of at most 8 outputs became fused sums of products",
     )
-    step.add_argument("--out", default="bench-results", help="folder for step.json and step.md")
+    step.add_argument("--out", default="bench-results", help="folder for step.json and step.md (default bench-results)")
     auto = sub.add_parser("auto", help="auto's device, amp and threads against every alternative, idle and beside busy work")
     auto.add_argument("--cases", nargs="+", metavar="ALGO:ENV", help="default: PPO and DQN CartPole, PPO LunarLander, Pong")
     auto.add_argument("--steps", type=positive_int, default=5_000, help="env steps per run (default 5,000)")
@@ -104,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=min(logical_cores(), MAX_BENCH_PROCESSES),
         help="busy processes beside the second phase (default: one per core; 0 skips that phase)",
     )
-    auto.add_argument("--out", default="bench-results", help="folder for auto.json and auto.md")
+    auto.add_argument("--out", default="bench-results", help="folder for auto.json and auto.md (default bench-results)")
     return parser
 
 
@@ -113,29 +115,42 @@ def _gpu_parser(gpu: argparse.ArgumentParser) -> None:
     gpu.add_argument("--capacity", type=positive_int, help="frames in the sampled buffer (default 100,000 on CUDA, 10,000)")
     gpu.add_argument("--batch", type=positive_int, default=1024, help="sample() batch size (default 1024)")
     gpu.add_argument("--envs", nargs="+", help="envs to train on (default ALE/Pong-v5 on CUDA, CartPole-v1 on the CPU)")
-    gpu.add_argument("--algos", nargs="+", type=name_arg, choices=("ppo", "dqn"), default=["ppo", "dqn"])
+    gpu.add_argument(
+        "--algos", nargs="+", type=name_arg, choices=("ppo", "dqn"), default=["ppo", "dqn"], help="default: ppo dqn"
+    )
     gpu.add_argument(
         "--dqn-profiles", nargs="+", type=name_arg, help="dqn preset profiles (default auto and large on CUDA, auto)"
     )
     gpu.add_argument("--no-zoo", action="store_true", help="skip the plain SB3 + rl-zoo3 baseline (SubprocVecEnv)")
     gpu.add_argument("--steps", type=positive_int, help="env steps per training (default 50,000 on CUDA, 10,000)")
     gpu.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are printed (default 3)")
-    gpu.add_argument("--out", default="bench-results", help="folder for gpu.json and gpu.md")
+    gpu.add_argument("--out", default="bench-results", help="folder for gpu.json and gpu.md (default bench-results)")
 
 
 def _per_parser(per: argparse.ArgumentParser) -> None:
     per.add_argument("--repeats", type=positive_int, default=7, help="repeats; medians are printed (default 7)")
-    per.add_argument("--batch-size", type=positive_int, default=256)
-    per.add_argument("--capacities", type=positive_int, nargs="+", default=[100_000, 1_000_000], help="buffer sizes")
+    per.add_argument("--batch-size", type=positive_int, default=256, help="transitions per sample (default 256)")
+    per.add_argument(
+        "--capacities",
+        type=positive_int,
+        nargs="+",
+        default=[100_000, 1_000_000],
+        help="buffer sizes (default: 100000 1000000)",
+    )
 
 
 def _envs_parser(envs: argparse.ArgumentParser) -> None:
-    envs.add_argument("--envs", nargs="+", default=["CartPole-v1", "LunarLander-v3", "ALE/Pong-v5"], help="env ids")
-    envs.add_argument("--n-envs", type=positive_int, nargs="+", default=[8, 32, 64], help="vec env sizes")
+    envs.add_argument(
+        "--envs",
+        nargs="+",
+        default=["CartPole-v1", "LunarLander-v3", "ALE/Pong-v5"],
+        help="env ids (default: CartPole-v1 LunarLander-v3 ALE/Pong-v5)",
+    )
+    envs.add_argument("--n-envs", type=positive_int, nargs="+", default=[8, 32, 64], help="vec env sizes (default: 8 32 64)")
     envs.add_argument("--seconds", type=float, default=0.25, help="seconds per measurement (default 0.25)")
     envs.add_argument("--repeats", type=positive_int, default=15, help="rounds in shuffled order; medians (default 15)")
     envs.add_argument("--startup-workers", type=count_int, default=8, help="start-up bench size; 0 skips it (default 8)")
-    envs.add_argument("--out", default="bench-results", help="folder for envs.json and envs.md")
+    envs.add_argument("--out", default="bench-results", help="folder for envs.json and envs.md (default bench-results)")
 
 
 def _train_parser(train: argparse.ArgumentParser) -> None:
@@ -149,8 +164,8 @@ def _train_parser(train: argparse.ArgumentParser) -> None:
         "--max-timesteps", type=positive_int, help="budget per run, planned for (default: the preset's n_timesteps)"
     )
     train.add_argument("--eval-freq", type=positive_int, help="evaluate every N env steps (default: a fiftieth of the budget)")
-    train.add_argument("--eval-episodes", type=positive_int, default=10)
-    train.add_argument("--out", default="bench-results", help="folder for train.json and train.md")
+    train.add_argument("--eval-episodes", type=positive_int, default=10, help="episodes per evaluation (default 10)")
+    train.add_argument("--out", default="bench-results", help="folder for train.json and train.md (default bench-results)")
 
 
 def _solve_parser(solve: argparse.ArgumentParser) -> None:
@@ -158,7 +173,12 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
     solve.add_argument("--envs", nargs="+", default=["CartPole-v1"], help="env ids (default CartPole-v1)")
     solve.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2], help="default: 0 1 2")
     solve.add_argument(
-        "--per", nargs="+", type=name_arg, choices=("preset", "on", "off"), default=["preset"], help="dqn, qrdqn"
+        "--per",
+        nargs="+",
+        type=name_arg,
+        choices=("preset", "on", "off"),
+        default=["preset"],
+        help="dqn, qrdqn (default preset)",
     )
     solve.add_argument(
         "--amp", nargs="+", type=name_arg, choices=AMP_MODES, default=["auto"], help="precisions (default auto)"
@@ -178,7 +198,7 @@ def _solve_parser(solve: argparse.ArgumentParser) -> None:
         default=1,
         help="trainings at once, each in a process on its share of the cores (default 1)",
     )
-    solve.add_argument("--out", default="bench-results", help="folder for solve.json and solve.md")
+    solve.add_argument("--out", default="bench-results", help="folder for solve.json and solve.md (default bench-results)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         "rl_zoo3's tuned values, zoo:PATH.yml for an rl-zoo3 file",
     )
     p.add_argument(
-        "--profile", type=name_arg, default="auto", help="preset profile: auto (cpu or gpu by device), cpu, gpu or large"
+        "--profile",
+        type=name_arg,
+        default="auto",
+        help="preset profile: auto (default; cpu or gpu by device), cpu, gpu or large",
     )
     p.add_argument(
         "--per",

@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", help="optuna storage URL shared by all workers (default: sqlite in the study dir)")
     p.add_argument("--study-name", help="default: ALGO-ENV")
     p.add_argument("--study-dir", help="results: preset, plots, default storage (default: tune/STUDY_NAME)")
-    p.add_argument("--sampler", type=name_arg, choices=SAMPLERS, default="tpe")
+    p.add_argument("--sampler", type=name_arg, choices=SAMPLERS, default="tpe", help="default tpe")
     p.add_argument("--sampler-seed", type=seed_int, help="seed of the sampler, for a study that draws the same trials")
-    p.add_argument("--pruner", type=name_arg, choices=PRUNERS, default="median")
+    p.add_argument("--pruner", type=name_arg, choices=PRUNERS, default="median", help="default median")
     p.add_argument(
         "--seeds",
         type=_seed_count,
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="evaluate (and maybe prune) every N timesteps (default: a fifth; a fiftieth with --threshold)",
     )
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N or mps")
-    p.add_argument("--vec-env", type=name_arg, choices=VEC_ENV_KINDS, default="auto")
+    p.add_argument("--vec-env", type=name_arg, choices=VEC_ENV_KINDS, default="auto", help="default auto")
     p.add_argument(
         "--threads",
         type=threads_arg,
@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--space", metavar="FILE", help="a search-space YAML (default: the bundled one for ALGO)")
     p.add_argument(
-        "--heartbeat", type=positive_int, default=60, help="seconds; a silent worker's trial fails after 2x (RDB storages)"
+        "--heartbeat",
+        type=positive_int,
+        default=60,
+        help="seconds; a silent worker's trial fails after 2x (RDB storages; default 60)",
     )
     return p
 

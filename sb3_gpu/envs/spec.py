@@ -265,6 +265,13 @@ def factory_name(factory: Callable[..., Any]) -> str:
     return getattr(factory, "__name__", None) or type(factory).__name__
 
 
+def _monitor_csv(path: str) -> str:
+    """The file SB3's Monitor writes for ``path``, named as its ResultsWriter opens it (by its real path)."""
+    if not path.endswith(Monitor.EXT):
+        path = os.path.join(path, Monitor.EXT) if os.path.isdir(path) else f"{path}.{Monitor.EXT}"
+    return os.path.realpath(path)
+
+
 class _RowsNamed:
     """SB3's Monitor ResultsWriter whose failed write of an episode's row names its file (an error of a write on a
     full disk names none), so that the run can tell it from an env's own."""
@@ -336,7 +343,7 @@ class EnvFactory:
             except OSError as e:  # its CSV's header on a full disk, say: a write error names no file
                 if e.filename is not None or self.monitor_path is None:
                     raise
-                raise OSError(e.errno, e.strerror, str(Path(self.monitor_path).parent)) from None
+                raise OSError(e.errno, e.strerror, _monitor_csv(self.monitor_path)) from None
             if env.results_writer is not None:
                 env.results_writer = _RowsNamed(env.results_writer)  # type: ignore[assignment]
             env = AtariWrapper(env, frame_skip=ATARI_FRAME_SKIP) if self.atari else env

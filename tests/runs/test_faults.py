@@ -1647,7 +1647,7 @@ def test_a_full_disk_for_the_monitor_files_is_said_as_a_write_not_as_a_broken_en
     assert train_main([*args, "--run-dir", str(tmp_path / "run"), "--no-progress"]) == 1  # not 2: no bad input
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        f"error: could not write {tmp_path / 'run' / 'monitor'}: No space left on device",
+        f"error: could not write {os.path.realpath(tmp_path / 'run' / 'monitor' / '0.monitor.csv')}: No space left on device",
         "error: no model was saved",
     ]
     monkeypatch.undo()
