@@ -122,6 +122,15 @@ def test_bounds_that_sb3_sets_are_the_presets(algo, values, refused):
         ({"frame_stack": 0}, "frame_stack: expected a positive int or null, got 0"),
         ({"net_arch": "x"}, "(SAC, TD3, TQC) or null, got 'x'"),
         ({"net_arch": [0]}, "net_arch: expected a positive layer width, got 0"),  # a layer: null is no width
+        ({"net_arch": {"pi": [0]}}, "net_arch.pi: expected a positive layer width, got 0"),
+        ({"net_arch": {"foo": [64]}}, "(valid: pi, qf, vf)"),  # a key of the mapping: null is no key
+        # The value echoed as given, however it reads.
+        (
+            {"activation_fn": "x (valid: y)"},
+            "unknown value 'x (valid: y)' (valid: null, tanh, relu, elu, leaky_relu, gelu, silu)",
+        ),
+        ({"frame_stack": "(valid: 1"}, "frame_stack: expected a positive int or null, got '(valid: 1'"),
+        ({"frame_stack": "2, got 3"}, "frame_stack: expected a positive int or null, got '2, got 3'"),
     ],
 )
 def test_a_refused_value_that_may_be_null_says_so(values, refused):

@@ -1314,6 +1314,23 @@ def test_a_run_dir_made_by_another_run_between_the_check_and_the_mkdir_is_refuse
         RunDir.create(tmp_path / "run", "ppo", "CartPole-v1")
 
 
+def test_runs_started_in_the_same_second_get_their_own_default_run_dirs(tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from sb3_gpu.runs import rundir
+
+    class Frozen(datetime):  # a script starting several seeds at once: the timestamps are equal
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 12, 8, 3, 0, 0)
+
+    monkeypatch.setattr(rundir, "datetime", Frozen)
+    monkeypatch.setattr(RunDir, "DEFAULT_PARENT", tmp_path / "runs")
+    made = [RunDir.create(None, "ppo", "ALE/Pong-v5").path for _ in range(3)]
+    first = tmp_path / "runs" / "ppo-ALE_Pong-v5-20261208-030000"
+    assert made == [first, first.with_name(f"{first.name}-2"), first.with_name(f"{first.name}-3")]
+
+
 def test_a_lock_file_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     import errno
 

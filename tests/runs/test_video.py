@@ -212,9 +212,13 @@ def test_ctrl_c_while_recording_writes_nothing_and_leaves_the_process_as_it_was(
         return PPO.predict(model, *args, **kwargs)
 
     monkeypatch.setattr(model, "predict", interrupted)
+    from sb3_gpu.runs import video
+
+    encoded = []
+    monkeypatch.setattr(video, "_write_mp4", lambda *args: encoded.append(args))
     with pytest.raises(KeyboardInterrupt):
         record_video(model, "CartPole-v1", tmp_path / "x.mp4", video_length=100)
-    assert list(tmp_path.iterdir()) == []  # no video, no scratch folder
+    assert list(tmp_path.iterdir()) == [] and encoded == []  # no video, no scratch folder, no time spent encoding
     # Drawing off screen lasted only while frames were drawn: a later window in this process still opens.
     assert "SDL_VIDEODRIVER" not in os.environ and "SDL_AUDIODRIVER" not in os.environ
 
@@ -346,6 +350,21 @@ def test_an_mp4_cut_short_anywhere_is_not_complete(tmp_path):
         assert not complete_mp4(cut), size
     cut.write_bytes(data + b"\0" * 4)  # trailing bytes that are no box
     assert not complete_mp4(cut)
+
+
+def test_an_mp4_box_with_a_64_bit_size_is_read(tmp_path):
+    import struct
+
+    payload = b"\xab" * 40
+    data = struct.pack(">I4s", 16, b"ftyp") + b"isom" * 2
+    data += struct.pack(">I4sQ", 1, b"mdat", 16 + len(payload)) + payload  # a long video's media: over 4 GiB
+    data += struct.pack(">I4s", 8, b"moov")
+    path = tmp_path / "long.mp4"
+    path.write_bytes(data)
+    assert complete_mp4(path)
+    for size in range(16, 33):  # cut inside the big box's 16-byte header
+        path.write_bytes(data[:size])
+        assert not complete_mp4(path), size
 
 
 def test_a_video_the_encoder_left_incomplete_keeps_the_earlier_one_and_says_so(tmp_path, monkeypatch):
