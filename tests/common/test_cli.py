@@ -219,3 +219,20 @@ def test_force_color_in_a_log_file_is_no_person_watching(monkeypatch, tmp_path):
         forced = Console(file=log)
         assert forced.is_terminal and not watched(forced)  # no live bar's redraws in the log
     assert not watched(Console(file=io.StringIO()))
+
+
+@pytest.mark.parametrize(
+    ("argv0", "given", "prog"),
+    [
+        ("/venv/bin/sb3-gpu-train", "python -m sb3_gpu.train", "sb3-gpu-train"),
+        ("C:/venv/Scripts/sb3-gpu-evaluate.exe", "python -m sb3_gpu.evaluate", "sb3-gpu-evaluate"),
+        ("/repo/sb3_gpu/train.py", "python -m sb3_gpu.train", "python -m sb3_gpu.train"),  # python -m
+        ("/venv/bin/sb3-gpu-evaluate", "python -m sb3_gpu.train", "python -m sb3_gpu.train"),  # another's parser
+        ("", "python -m sb3_gpu.train", "python -m sb3_gpu.train"),  # an embedded interpreter
+    ],
+)
+def test_a_console_script_names_itself_in_its_usage(monkeypatch, argv0, given, prog):
+    from sb3_gpu.common.cli import Parser
+
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert Parser(prog=given).prog == prog
