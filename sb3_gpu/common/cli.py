@@ -28,12 +28,12 @@ if TYPE_CHECKING:
 class Parser(argparse.ArgumentParser):
     """argparse that reports bad input in one line and exits 2 (not a usage dump)."""
 
-    def __init__(self, prog: str | None = None, **kwargs: Any):
+    def __init__(self, prog: str | None = None, *args: Any, **kwargs: Any):
         # Run as its console script (sb3-gpu-train for `python -m sb3_gpu.train`): its usage names that command.
         script = Path(sys.argv[0]).name.removesuffix(".exe") if sys.argv and sys.argv[0] else ""
         if script.startswith("sb3-gpu-") and prog == f"python -m sb3_gpu.{script.removeprefix('sb3-gpu-')}":
             prog = script
-        super().__init__(prog=prog, **kwargs)
+        super().__init__(prog, *args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")

@@ -338,12 +338,14 @@ class EnvFactory:
             env: gym.Env = self.make()
             if self.max_episode_steps is not None:
                 env = EpisodeStepCap(env, self.max_episode_steps, "emulator frames" if self.atari else "steps")
+            # Named before Monitor makes its folder, as its ResultsWriter names it (a path ending in a separator).
+            csv = _monitor_csv(self.monitor_path) if self.monitor_path is not None else None
             try:
                 env = Monitor(env, filename=self.monitor_path, **self.monitor_kwargs)
             except OSError as e:  # its CSV's header on a full disk, say: a write error names no file
-                if e.filename is not None or self.monitor_path is None:
+                if e.filename is not None or csv is None:
                     raise
-                raise OSError(e.errno, e.strerror, _monitor_csv(self.monitor_path)) from None
+                raise OSError(e.errno, e.strerror, csv) from None
             if env.results_writer is not None:
                 env.results_writer = _RowsNamed(env.results_writer)  # type: ignore[assignment]
             env = AtariWrapper(env, frame_skip=ATARI_FRAME_SKIP) if self.atari else env

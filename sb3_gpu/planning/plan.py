@@ -4,6 +4,7 @@ reason. It is decided before anything trains, printed as one table, and saved as
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from sb3_gpu.common.errors import ConfigError, closest, named
 from sb3_gpu.common.hardware import GPUInfo, HardwareProfile, detect_hardware, gpu_free_bytes, host_available_bytes
 from sb3_gpu.config.presets import Preset, check_policy_kwargs, load_preset_file, resolve_preset, select_entry
 from sb3_gpu.config.runconfig import CONFIG_VERSION, RunConfig
-from sb3_gpu.config.schema import ALGOS, PROFILES, get_algo
+from sb3_gpu.config.schema import ACTIVATIONS, ALGOS, PROFILES, get_algo
 from sb3_gpu.envs.choice import VecEnvChoice, check_env_resources, vec_env_choice
 from sb3_gpu.envs.spec import (
     EnvSpec,
@@ -71,6 +72,8 @@ class Plan:
     probe: ProbeResult | None = None
     # The env's action space as training sees it (None: not recorded).
     action_space: spaces.Space | None = None
+    # The hidden layers and activation SB3's policy builds where the preset sets none (None: not known).
+    sb3_network: tuple[Any, str] | None = None
 
     @property
     def action_shape(self) -> tuple[int, ...] | None:
@@ -280,6 +283,7 @@ def make_plan(
         speed=chosen.speed,
         probe=probed,
         action_space=facts.action_space,
+        sb3_network=_sb3_network(resolved, facts),
         **_eval_step_cap(resolved, facts),
         **buffers,
     )
@@ -488,6 +492,31 @@ def _thread_candidates(v: _Variant, hardware: HardwareProfile) -> list[int]:
         return [v.speed.threads]
     most = min(free_cores(hardware, v.vec.workers), thread_cap() or hardware.physical_cores)
     return sorted({v.speed.threads, 1, most}, key=lambda n: (n != v.speed.threads, n))
+
+
+def _sb3_network(preset: Preset, facts: _EnvFacts) -> tuple[Any, str] | None:
+    """The ``net_arch`` and activation SB3's policy builds for this run where the preset sets neither, read off the
+    policy built on the CPU: its default depends on the algorithm, the policy and its features extractor (PPO's
+    MlpPolicy has two tanh heads of [64, 64]; a NatureCNN's features feed the heads direct)."""
+    if preset.net_arch is not None and preset.activation_fn is not None:
+        return None
+    policy_class = get_algo(preset.algo).model_class.policy_aliases[preset.policy]
+    obs_space = _policy_space(_stored_space(preset, facts.observation_space), preset.frame_stack or 1)
+    # No optimizer (the first one made imports torch's compiler, seconds) and no orthogonal init: milliseconds.
+    kwargs: dict[str, Any] = {**preset.policy_kwargs_for_sb3(), "optimizer_class": _no_optimizer}
+    if "ortho_init" in inspect.signature(policy_class.__init__).parameters:
+        kwargs["ortho_init"] = False
+    try:
+        policy = policy_class(obs_space, facts.action_space, lambda _: 1e-4, **kwargs)
+        activation = policy.activation_fn
+    except Exception:  # a policy that cannot be built so (the run says why when it builds it): the table says less
+        return None
+    name = next((key for key, cls in ACTIVATIONS.items() if cls is activation), getattr(activation, "__name__", "?"))
+    return policy.net_arch, name
+
+
+def _no_optimizer(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _workload(v: _Variant, facts: _EnvFacts) -> Workload | None:

@@ -52,7 +52,10 @@ def plan_table(plan: Plan, width: int | None = None) -> Table:
     for key, value in values.items():
         if (key == "policy_kwargs" and not value) or (key == "env_kwargs" and not value) or key in decided:
             continue
-        shown = "SB3 default" if value is None and key in ("net_arch", "activation_fn") else _show(value)
+        shown = _show(value)
+        if value is None and key in ("net_arch", "activation_fn"):
+            default = plan.sb3_network[key == "activation_fn"] if plan.sb3_network is not None else None
+            shown = "SB3 default" if default is None else f"SB3 default: {default}"
         why, style = plan.preset.sources.get(key, ""), None
         if key == "learning_starts" and value >= plan.preset.n_timesteps:
             why, style = f"{why}; warning: not below n_timesteps ({plan.preset.n_timesteps:,}): no gradient step", "yellow"

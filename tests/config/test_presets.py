@@ -620,3 +620,27 @@ def test_extension_values_out_of_their_range_are_refused(key, value, message):
     entry = validate_entry(DQN_, {}, "t")
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_preset(DQN_, entry, "f:e", "cpu", {key: (value, "--set")})
+
+
+def test_a_games_own_entry_wins_over_atari_and_a_zoo_task_takes_its_newest_version():
+    entries = {"default": {}, "atari": {}, "PongNoFrameskip-v4": {}}
+    assert select_entry(entries, "PongNoFrameskip-v4", True, "t") == "PongNoFrameskip-v4"
+    assert select_entry(entries, "BreakoutNoFrameskip-v4", True, "t") == "atari"
+    assert select_entry(entries, "CartPole-v1", False, "t") == "default"
+    from sb3_gpu.config.zoo import ZooEntries
+
+    zoo = ZooEntries(get_algo("sac"), {"Hopper-v3": {}, "Hopper-v4": {}, "HopperBulletEnv-v0": {}}, "sac.yml")
+    assert select_entry(zoo, "Hopper-v5", False, "t") == "Hopper-v4"  # rl-zoo3's files lag behind gymnasium's versions
+
+
+def test_an_empty_preset_file_and_a_config_without_hyperparameters_are_refused(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml: a preset file must be a mapping of entries"):
+        load_preset_file(PPO_, empty)
+    from sb3_gpu.config.runconfig import load_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text("version: 1\nalgo: ppo\nenv: CartPole-v1\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml: missing hyperparameters$"):
+        load_config(config)

@@ -360,6 +360,30 @@ def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
     assert {"hardware", "device", "vec_env", "batch_size", "target_update_interval", "n_timesteps"} <= set(settings)
 
 
+@pytest.mark.parametrize(
+    ("algo", "env", "overrides"),
+    [
+        ("ppo", "CartPole-v1", {}),  # two tanh heads
+        ("dqn", "CartPole-v1", {"net_arch": None}),
+        ("td3", "Pendulum-v1", {"net_arch": None}),  # [400, 300], unlike SAC's and TQC's [256, 256]
+        ("sac", "Pendulum-v1", {"net_arch": None}),
+        ("ppo", "ALE/Pong-v5", {"activation_fn": "relu"}),  # NatureCNN's features feed the heads
+    ],
+)
+def test_the_table_shows_the_network_sb3_builds_where_the_preset_sets_none(cpu_machine, algo, env, overrides):
+    fit = {"n_envs": 1, "n_timesteps": 4096, "probe": False}
+    plan = make_plan(algo, env, hardware=cpu_machine, vec_env="dummy", overrides={**fit, **overrides})
+    model = build_model(plan, build_env(plan))
+    table = plan_table(plan)
+    rows = dict(zip(map(str, table.columns[0].cells), map(str, table.columns[1].cells), strict=True))
+    if plan.preset.net_arch is None:
+        assert rows["net_arch"] == f"SB3 default: {model.policy.net_arch}"
+    activation = "relu" if model.policy.activation_fn is th.nn.ReLU else "tanh"
+    assert model.policy.activation_fn in (th.nn.ReLU, th.nn.Tanh)
+    assert rows["activation_fn"] == (activation if plan.preset.activation_fn else f"SB3 default: {activation}")
+    model.env.close()
+
+
 def test_the_table_shows_the_evaluation_interval_a_run_takes_not_none(cpu_machine):
     def eval_freq_row(overrides: dict) -> tuple[str, str]:
         table = plan_table(make_plan("ppo", "CartPole-v1", hardware=cpu_machine, overrides=overrides))

@@ -1648,6 +1648,29 @@ def test_a_run_that_trained_keeps_its_logs_where_the_disk_filled_before_any_save
     assert list((run / "tb").rglob("events.out.tfevents.*")) and (run / "config.yaml").is_file()  # a look at what ran
 
 
+@pytest.mark.parametrize("name", ["0", "new/", "run.monitor.csv"])
+def test_a_full_disk_on_the_monitor_header_names_the_file_monitor_opened(tmp_path, monkeypatch, name):
+    import errno
+
+    import gymnasium as gym
+    from stable_baselines3.common.monitor import ResultsWriter
+
+    from sb3_gpu.envs.spec import EnvFactory
+
+    opened, real = [], ResultsWriter.__init__
+
+    def header_full(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        opened.append(self.file_handler.name)
+        raise OSError(errno.ENOSPC, "No space left on device")  # a write names no file
+
+    monkeypatch.setattr(ResultsWriter, "__init__", header_full)
+    monkeypatch.chdir(tmp_path)  # a relative path, as a run dir's
+    with pytest.raises(OSError) as raised:
+        EnvFactory(lambda: gym.make("CartPole-v1"), os.path.join("monitor", name))()
+    assert raised.value.filename == opened[0] and raised.value.errno == errno.ENOSPC
+
+
 def test_a_full_disk_for_the_monitor_files_is_said_as_a_write_not_as_a_broken_env(tmp_path, monkeypatch, capsys):
     import errno
 
