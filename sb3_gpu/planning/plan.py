@@ -507,7 +507,8 @@ def _sb3_network(preset: Preset, facts: _EnvFacts) -> tuple[Any, str] | None:
     if "ortho_init" in inspect.signature(policy_class.__init__).parameters:
         kwargs["ortho_init"] = False
     try:
-        policy = policy_class(obs_space, facts.action_space, lambda _: 1e-4, **kwargs)
+        with th.random.fork_rng(devices=[]):  # its weights' draws leave the caller's torch seed where it was
+            policy = policy_class(obs_space, facts.action_space, lambda _: 1e-4, **kwargs)
         activation = policy.activation_fn
     except Exception:  # a policy that cannot be built so (the run says why when it builds it): the table says less
         return None

@@ -372,7 +372,11 @@ def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
 )
 def test_the_table_shows_the_network_sb3_builds_where_the_preset_sets_none(cpu_machine, algo, env, overrides):
     fit = {"n_envs": 1, "n_timesteps": 4096, "probe": False}
+    th.manual_seed(0)
+    expected = th.rand(1)
+    th.manual_seed(0)
     plan = make_plan(algo, env, hardware=cpu_machine, vec_env="dummy", overrides={**fit, **overrides})
+    assert th.equal(th.rand(1), expected)  # the plan's look at the policy drew none of the caller's random numbers
     model = build_model(plan, build_env(plan))
     table = plan_table(plan)
     rows = dict(zip(map(str, table.columns[0].cells), map(str, table.columns[1].cells), strict=True))

@@ -1974,3 +1974,28 @@ def test_only_a_distributions_refusal_is_taken_for_a_nan_observation():
     assert "NaN or inf observation in training" in str(non_finite_input(drawn, 64))
     assert non_finite_input(raising(AttributeError("no attribute 'unknown_attr'")), 64) is None
     assert non_finite_input(raising(ValueError("shapes do not match")), 64) is None
+
+
+def test_a_model_zip_beside_its_config_is_found_and_a_pick_by_name_is_refused_for_it(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    for path in (run / "model.zip", run / "best_model.zip"):
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("data", "{}")
+        found, run_dir = RunDir.find_model(path)
+        assert found == path and run_dir.path == run  # evaluate runs/x/model.zip: the folder it is in
+    for which in ("best", "final"):
+        with pytest.raises(ConfigError, match=rf"which='{which}' picks a model in a run dir; .*model\.zip names one already"):
+            RunDir.find_model(run / "model.zip", which)
+    # A zip with no step count is passed over, and said to be.
+    shutil.copy(run / "model.zip", run / "checkpoints" / "model_64_steps.zip")
+    skipped: list[str] = []
+    assert RunDir(run).saved_states(on_skip=skipped.append) == []
+    assert [line.endswith("it records no num_timesteps") for line in skipped] == [True, True]
+
+
+def test_an_empty_monitor_file_of_an_earlier_segment_is_left_alone_on_a_resume_from_a_checkpoint(tmp_path):
+    (tmp_path / "monitor").mkdir()
+    (tmp_path / "monitor" / "0.seg1.monitor.csv").write_text("")  # a run killed before Monitor wrote its header
+    assert RunDir(tmp_path).set_episodes_aside_after(1e9) == 0
