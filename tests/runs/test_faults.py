@@ -1999,3 +1999,14 @@ def test_an_empty_monitor_file_of_an_earlier_segment_is_left_alone_on_a_resume_f
     (tmp_path / "monitor").mkdir()
     (tmp_path / "monitor" / "0.seg1.monitor.csv").write_text("")  # a run killed before Monitor wrote its header
     assert RunDir(tmp_path).set_episodes_aside_after(1e9) == 0
+
+
+def test_a_run_dir_tensorboard_cannot_name_is_refused_before_a_resume(tmp_path):
+    run = tmp_path / b"run\xff".decode("utf-8", "surrogateescape")  # bytes that are no UTF-8, as Linux's argv gives them
+    try:
+        run.mkdir()
+    except (OSError, UnicodeEncodeError):  # a file system that takes UTF-8 names only (macOS)
+        pytest.skip("this file system refuses names that are no UTF-8")
+    (run / "config.yaml").write_text("algo: ppo\n")
+    with pytest.raises(ConfigError, match=r"^cannot use run dir '.*run\\udcff': its name is not valid UTF-8"):
+        RunDir(run).check_resumable()
