@@ -495,7 +495,7 @@ def _thread_candidates(v: _Variant, hardware: HardwareProfile) -> list[int]:
 
 
 def _sb3_network(preset: Preset, facts: _EnvFacts) -> tuple[Any, str] | None:
-    """The ``net_arch`` and activation SB3's policy builds for this run where the preset sets neither, read off the
+    """The ``net_arch`` and activation SB3's policy builds for this run where the preset sets none, read off the
     policy built on the CPU: its default depends on the algorithm, the policy and its features extractor (PPO's
     MlpPolicy has two tanh heads of [64, 64]; a NatureCNN's features feed the heads direct)."""
     if preset.net_arch is not None and preset.activation_fn is not None:
@@ -504,6 +504,8 @@ def _sb3_network(preset: Preset, facts: _EnvFacts) -> tuple[Any, str] | None:
     obs_space = _policy_space(_stored_space(preset, facts.observation_space), preset.frame_stack or 1)
     # No optimizer (the first one made imports torch's compiler, seconds) and no orthogonal init: milliseconds.
     kwargs: dict[str, Any] = {**preset.policy_kwargs_for_sb3(), "optimizer_class": _no_optimizer}
+    if preset.net_arch is not None:  # only the activation is read: no hidden layers to build (a preset's may be wide)
+        kwargs["net_arch"] = []
     if "ortho_init" in inspect.signature(policy_class.__init__).parameters:
         kwargs["ortho_init"] = False
     try:

@@ -366,6 +366,8 @@ def test_plan_table_lists_decisions_and_every_hyperparameter(cpu_machine):
         ("ppo", "CartPole-v1", {}),  # two tanh heads
         ("dqn", "CartPole-v1", {"net_arch": None}),
         ("td3", "Pendulum-v1", {"net_arch": None}),  # [400, 300], unlike SAC's and TQC's [256, 256]
+        ("tqc", "Pendulum-v1", {"net_arch": None, "critic_layer_norm": True}),
+        ("qrdqn", "CartPole-v1", {"net_arch": None}),
         ("sac", "Pendulum-v1", {"net_arch": None}),
         ("ppo", "ALE/Pong-v5", {"activation_fn": "relu"}),  # NatureCNN's features feed the heads
     ],
@@ -386,6 +388,24 @@ def test_the_table_shows_the_network_sb3_builds_where_the_preset_sets_none(cpu_m
     assert model.policy.activation_fn in (th.nn.ReLU, th.nn.Tanh)
     assert rows["activation_fn"] == (activation if plan.preset.activation_fn else f"SB3 default: {activation}")
     model.env.close()
+
+
+def test_the_plans_look_at_the_policy_builds_no_set_layers_and_a_policy_it_cannot_build_shows_less(cpu_machine, monkeypatch):
+    from sb3_gpu.planning import plan as planning
+
+    built = []
+    monkeypatch.setattr(planning, "_no_optimizer", lambda params, **kwargs: built.append(sum(p.numel() for p in params)))
+    wide = {"net_arch": [4096, 4096, 4096], "probe": False}  # only the activation is read: SB3's default relu
+    plan = make_plan("td3", "Pendulum-v1", hardware=cpu_machine, vec_env="dummy", overrides=wide)
+    assert plan.sb3_network == ([], "relu") and built and max(built) < 1_000
+
+    def cannot(*args, **kwargs):
+        raise RuntimeError("a features extractor that fails here")
+
+    monkeypatch.setattr(planning, "_no_optimizer", cannot)
+    plan = make_plan("ppo", "CartPole-v1", hardware=cpu_machine, vec_env="dummy", overrides={"probe": False})
+    rows = dict(zip(map(str, plan_table(plan).columns[0].cells), map(str, plan_table(plan).columns[1].cells), strict=True))
+    assert plan.sb3_network is None and rows["net_arch"] == rows["activation_fn"] == "SB3 default"
 
 
 def test_the_table_shows_the_evaluation_interval_a_run_takes_not_none(cpu_machine):
