@@ -270,6 +270,7 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
     with tempfile.TemporaryDirectory(prefix="sb3_gpu_") as tmp:
         for i, factory in enumerate(factories):
             factory.report, factory.worker = os.path.join(tmp, f"env{i}.err"), True
+            factory.quiet_exit = kind == "subproc"  # the batched workers send their errors to the parent themselves
         try:
             # Libraries that size their thread pools at import (OpenBLAS, MKL) read this in a fresh worker.
             # (SB3's SubprocVecEnv is kept from a __main__ that is no file here; BatchedSubprocVecEnv keeps itself.)
@@ -294,7 +295,7 @@ def _start_workers(kind: str, factories: list[EnvFactory], kwargs: dict[str, Any
             raise
         finally:
             for factory in factories:  # the fallback DummyVecEnv calls these in this process: no worker settings
-                factory.report, factory.worker = None, False
+                factory.report, factory.worker, factory.quiet_exit = None, False, False
     return venv
 
 

@@ -3,7 +3,6 @@ factory that builds one env of a vec env (Monitor, then SB3's Atari preprocessin
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -323,6 +322,8 @@ class EnvFactory:
         # Set by the subprocess builder for the time its workers start (see envs.build).
         self.report: str | None = None
         self.worker = False
+        # A worker of SB3's SubprocVecEnv, whose process would print a page of traceback for an error it reported.
+        self.quiet_exit = False
 
     def __call__(self) -> gym.Env:
         if self.worker:
@@ -351,9 +352,10 @@ class EnvFactory:
             env = AtariWrapper(env, frame_skip=ATARI_FRAME_SKIP) if self.atari else env
             env = self.wrapper_class(env, **self.wrapper_kwargs) if self.wrapper_class is not None else env
         except BaseException as e:
-            write_report(self.report, e)
+            if write_report(self.report, e) and self.quiet_exit and isinstance(e, Exception):
+                raise _QuietExit from None
             raise
-        return _ReportResetErrors(env, self.report) if self.report else env
+        return _ReportResetErrors(env, self.report, self.quiet_exit) if self.report else env
 
 
 class EpisodeStepCap(gym.Wrapper):
@@ -391,26 +393,39 @@ def episode_limit(env: gym.Env) -> str | None:
     return f"{frames:,} frames" if isinstance(frames, int) and frames > 0 else None
 
 
-def write_report(path: str | None, error: BaseException) -> None:
-    """Leave the cause of a worker's failure in a file: its parent only sees a closed pipe."""
+def write_report(path: str | None, error: BaseException) -> bool:
+    """Leave the cause of a worker's failure in a file: its parent only sees a closed pipe. Whether it was left."""
     # After start-up the folder is gone, and the worker's own traceback is the report.
-    if path is not None:
-        with contextlib.suppress(OSError):
-            Path(path).write_text(f"{type(error).__name__}: {error}", encoding="utf-8")
+    if path is None:
+        return False
+    try:
+        Path(path).write_text(f"{type(error).__name__}: {error}", encoding="utf-8")
+    except OSError:
+        return False
+    return True
+
+
+class _QuietExit(SystemExit):
+    """Ends a worker whose error its parent reads from the report (with exit code 1, as for an error): the process
+    prints no traceback for it, and its parent says it once, as the fallback's cause."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
 
 
 class _ReportResetErrors(gym.Wrapper):
     """In subprocess workers only: record why a reset failed (a failed first reset triggers the fallback)."""
 
-    def __init__(self, env: gym.Env, report: str):
+    def __init__(self, env: gym.Env, report: str, quiet_exit: bool = False):
         super().__init__(env)
-        self._report = report
+        self._report, self._quiet_exit = report, quiet_exit
 
     def reset(self, **kwargs: Any) -> Any:
         try:
             return self.env.reset(**kwargs)
         except BaseException as e:
-            write_report(self._report, e)
+            if write_report(self._report, e) and self._quiet_exit and isinstance(e, Exception):
+                raise _QuietExit from None
             raise
 
 

@@ -411,6 +411,29 @@ def test_script_without_main_guard_falls_back_and_runs_only_once(tmp_path, kind)
     assert "Traceback" not in out.stderr, "each worker printed a page of traceback before the warning said why"
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("fails_in", ["__init__", "reset"])
+def test_an_env_that_fails_only_in_workers_falls_back_without_a_traceback_from_each(tmp_path, fails_in):
+    # SB3's workers print a page of traceback each (their process's own), before the warning that says why once.
+    script = (
+        "import multiprocessing as mp\n"
+        "import gymnasium as gym\n"
+        "class WorkerOnlyFails(gym.Wrapper):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(gym.make('CartPole-v1'))\n"
+        f"        self.{'init' if fails_in == '__init__' else 'reset'}_fails = mp.parent_process() is not None\n"
+        "        if getattr(self, 'init_fails', False):\n"
+        "            raise RuntimeError('no licence server in a worker')\n"
+        "    def reset(self, **kwargs):\n"
+        "        if getattr(self, 'reset_fails', False):\n"
+        "            raise RuntimeError('no licence server in a worker')\n"
+        "        return self.env.reset(**kwargs)\n"
+    )
+    out = _run_script(script, "subproc", "forkserver", "WorkerOnlyFails", tmp_path / "worker_only.py")
+    assert "KIND DummyVecEnv" in out
+    assert "SubprocVecEnv could not start (env0: RuntimeError: no licence server in a worker)" in out, out
+
+
 def _run_script(script: str, kind: str, start_method: str, env: str, path) -> str:
     """Run ``script``'s lines, which make a vec env of ``env`` in a __main__ guard: from the file ``path``, or piped to
     ``python -`` where ``path`` is None; the lines it printed (KIND and WARN)."""
