@@ -314,9 +314,10 @@ def resolve_preset(
             if key in PROFILES:
                 continue
             shared = values.get(key) if sources.get(key) == entry_label else None
+            source = label
             if key in _OPTION_MAPPINGS and isinstance(shared, Mapping) and isinstance(value, Mapping):
-                value, label = {**shared, **value}, f"{entry_label} and {label}"  # as --set adds to them
-            values[key], sources[key] = value, label
+                value, source = {**shared, **value}, f"{entry_label} and {label}"  # as --set adds to them
+            values[key], sources[key] = value, source
     raw: dict[str, Any] = {}
     given: dict[str, list[str]] = {}  # each key's override sources, in order
     # Named as the user gave them: the CLI's --set, or make_plan's overrides.

@@ -15,7 +15,7 @@ from torch import nn
 from sb3_gpu.common.checks import Schedule
 from sb3_gpu.common.errors import ConfigError
 from sb3_gpu.config.files import presets_dir
-from sb3_gpu.config.presets import load_preset_file, parse_override, resolve_preset, select_entry
+from sb3_gpu.config.presets import check_policy_kwargs, load_preset_file, parse_override, resolve_preset, select_entry
 from sb3_gpu.config.schema import ALGOS, CONVERTED_KEYS, EXTENSION_KEYS, get_algo, validate_entry, validate_flat
 
 PPO_ = get_algo("ppo")
@@ -644,3 +644,33 @@ def test_an_empty_preset_file_and_a_config_without_hyperparameters_are_refused(t
     config.write_text("version: 1\nalgo: ppo\nenv: CartPole-v1\n")
     with pytest.raises(ConfigError, match=r"config\.yaml: missing hyperparameters$"):
         load_config(config)
+
+
+def test_a_profiles_own_keys_are_credited_to_the_profile_beside_a_merged_option_mapping():
+    entry = validate_entry(
+        PPO_,
+        {"policy_kwargs": {"ortho_init": False}, "cpu": {"policy_kwargs": {"log_std_init": -1.0}, "n_steps": 128}},
+        "t",
+    )
+    preset = resolve_preset(PPO_, entry, "f:x", "cpu")
+    assert preset.policy_kwargs == {"ortho_init": False, "log_std_init": -1.0}
+    assert preset.sources["policy_kwargs"] == "f:x and f:x/cpu" and preset.sources["n_steps"] == "f:x/cpu"
+
+
+@pytest.mark.parametrize("run", ["[1, 2]", "ab", "5"])
+def test_a_config_whose_run_is_no_mapping_is_refused_and_one_without_a_device_plans_auto(tmp_path, run):
+    from sb3_gpu.config.runconfig import load_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text("version: 1\nalgo: ppo\nenv: CartPole-v1\nhyperparameters: {}\n")
+    assert load_config(config).device == "auto" and load_config(config).vec_env == "auto"  # a config written by hand
+    config.write_text(f"version: 1\nalgo: ppo\nenv: CartPole-v1\nhyperparameters: {{}}\nrun: {run}\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml: run must be a mapping, got "):
+        load_config(config)
+
+
+def test_a_preset_key_given_inside_policy_kwargs_is_pointed_to_its_own_key():
+    with pytest.raises(
+        ConfigError, match=r"did you mean 'net_arch'\? It is a preset key of its own: set it without policy_kwargs"
+    ):
+        check_policy_kwargs(PPO_, "MlpPolicy", {"net_arc": [64]}, "t")
